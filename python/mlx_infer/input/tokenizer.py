@@ -1,0 +1,142 @@
+"""The tokenizer of a model directory: ``tokenizers`` JSON + tokenizer_config.json.
+
+Loading uses the ``tokenizers`` library only (no transformers on this path).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterable
+
+from ..errors import ModelLoadError
+from .chat_template import ChatTemplateError, render_chat
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict):  # {"content": "<eos>", ...} as older configs write it
+        content = value.get("content")
+        return content if isinstance(content, str) else None
+    return None
+
+
+class Tokenizer:
+    """Encode, decode, stream-decode and apply the chat template.
+
+    Args:
+        tokenizer: a ``tokenizers.Tokenizer``.
+        config: the tokenizer_config.json dict (``chat_template``, ``bos_token``,
+            ``eos_token``, ``add_bos_token``).
+    """
+
+    def __init__(self, tokenizer: Any, config: dict[str, Any]):
+        self._tok = tokenizer
+        self.config = config
+        self.chat_template: str | None = config.get("chat_template") if isinstance(config.get("chat_template"), str) else None
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
+        eos_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
+        self.eos_token_ids: tuple[int, ...] = () if eos_id is None else (eos_id,)
+        self.add_bos_token = bool(config.get("add_bos_token", False))
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of tokens, added tokens included."""
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; with ``add_special_tokens``, BOS is ensured when the model wants it."""
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
+            if not ids or ids[0] != self.bos_token_id:
+                ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = False) -> str:
+        """Text of ``ids``."""
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of ``messages`` rendered by the model's chat template."""
+        if not self.chat_template:
+            raise ChatTemplateError(
+                "This model has no chat template (tokenizer_config.json has no chat_template); "
+                "drop --chat and pass the raw prompt."
+            )
+        text = render_chat(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
+                           bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        # The template writes BOS itself when the model wants one.
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def detokenizer(self) -> "StreamingDetokenizer":
+        """A fresh incremental decoder for one generation."""
+        return StreamingDetokenizer(self)
+
+
+class StreamingDetokenizer:
+    """Turn a token stream into text pieces, never splitting a UTF-8 character.
+
+    Text is decoded from the start of the current segment, and only what was
+    not emitted yet is returned; the segment restarts after each newline so the
+    cost stays linear in practice.
+    """
+
+    def __init__(self, tokenizer: Tokenizer):
+        self._tokenizer = tokenizer
+        self._segment: list[int] = []
+        self._emitted = 0  # characters of the segment's text already returned
+
+    def add(self, token: int) -> str:
+        """Feed one token; return the newly complete text (maybe empty)."""
+        self._segment.append(token)
+        text = self._tokenizer.decode(self._segment)
+        if text.endswith("\ufffd"):
+            return ""  # an incomplete UTF-8 sequence: wait for the next token
+        piece = text[self._emitted:]
+        if text.endswith("\n"):
+            self._segment, self._emitted = [], 0
+        else:
+            self._emitted = len(text)
+        return piece
+
+    def flush(self) -> str:
+        """Whatever is still held back (e.g. a dangling partial character)."""
+        text = self._tokenizer.decode(self._segment)
+        piece = text[self._emitted:]
+        self._segment, self._emitted = [], 0
+        return piece
+
+
+def load_tokenizer(model_dir: Path) -> Tokenizer:
+    """Load ``tokenizer.json`` and ``tokenizer_config.json`` (and ``chat_template.jinja``/``.json``)."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        raise ModelLoadError(
+            f"{model_dir} has no tokenizer.json. Copy it from the original checkpoint "
+            "(sentencepiece-only tokenizer.model files are not read)."
+        )
+    try:
+        tok = HFTokenizer.from_file(str(path))
+    except Exception as e:  # the tokenizers library raises its own Exception type
+        raise ModelLoadError(f"{path} could not be parsed as a tokenizer: {e}") from None
+    config: dict[str, Any] = {}
+    cfg_path = model_dir / "tokenizer_config.json"
+    if cfg_path.is_file():
+        try:
+            config = json.loads(cfg_path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise ModelLoadError(f"{cfg_path} is not valid JSON ({e}).") from None
+    for name in ("chat_template.jinja",):
+        if (model_dir / name).is_file() and not config.get("chat_template"):
+            config["chat_template"] = (model_dir / name).read_text(encoding="utf-8")
+    if (model_dir / "chat_template.json").is_file() and not config.get("chat_template"):
+        config["chat_template"] = json.loads((model_dir / "chat_template.json").read_text()).get("chat_template")
+    if isinstance(config.get("chat_template"), list):  # named templates: take "default"
+        named = {t.get("name"): t.get("template") for t in config["chat_template"] if isinstance(t, dict)}
+        config["chat_template"] = named.get("default") or next(iter(named.values()), None)
+    return Tokenizer(tok, config)

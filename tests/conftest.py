@@ -1,0 +1,46 @@
+"""Shared fixtures. The real-model ones are session-scoped: loading the GGUF into
+transformers takes ~45 s here, so each oracle is built once per test run."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def mlx_infer_cache(tmp_path_factory) -> Path:
+    """A private mlx-infer cache for this test run (converted models land here)."""
+    path = tmp_path_factory.mktemp("mlx-infer-cache")
+    os.environ["MLX_INFER_CACHE"] = str(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def real_gguf() -> Path:
+    """The real Gemma 3 270M GGUF (Q4_K_M) from the default-model package."""
+    from mlx_infer.artifacts.default_model import default_model_gguf
+
+    return default_model_gguf()
+
+
+@pytest.fixture(scope="session")
+def real_model(real_gguf, mlx_infer_cache):
+    """Our load of the real model: the GGUF dequantized to float32, converted once."""
+    from mlx_infer.artifacts.loader import load_model
+
+    return load_model(real_gguf)
+
+
+@pytest.fixture(scope="session")
+def hf_gguf_model(real_gguf):
+    """transformers' Gemma3ForCausalLM from the same GGUF, float32 (the reference implementation)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = {"gguf_file": real_gguf.name}
+    model = AutoModelForCausalLM.from_pretrained(str(real_gguf.parent), torch_dtype=torch.float32, **kwargs)
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(real_gguf.parent), **kwargs)
+    return model, tokenizer
