@@ -1,4 +1,4 @@
-"""``mlx-infer generate | convert`` — thin over the library.
+"""``mlx-infer generate | convert | bench`` — thin over the library.
 
 Flags follow ``mlx_lm.generate`` / ``mlx_lm.convert`` where the verbs overlap.
 Generated text goes to stdout; stats, progress and errors go to stderr.
@@ -48,6 +48,48 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .artifacts.default_model import default_model_gguf
+    from .artifacts.loader import converted_gguf_dir, is_gguf
+    from .bench import BenchConfig, make_engine, results_document, run_bench, write_markdown, write_plot
+    from .bench.report import write_json
+    from .bench.runner import model_facts
+
+    config = BenchConfig(prompt_tokens=args.prompt_tokens, generation_tokens=args.generation_tokens,
+                         batch_size=args.batch_size, num_trials=args.num_trials,
+                         prefill_step_size=args.prefill_step_size)
+    names = ["mlx-infer", *[c.strip() for c in (args.compare or "").split(",") if c.strip()]]
+    if len(set(names)) != len(names):
+        raise MlxInferError(f"--compare names an engine twice: {args.compare}")
+    source = Path(args.model).expanduser() if args.model else default_model_gguf()
+    if not source.exists():
+        raise MlxInferError(f"Model path {str(source)!r} does not exist.")
+    gguf = source if is_gguf(source) else None
+    model_dir = converted_gguf_dir(gguf) if gguf else source
+    model_name, vocab = model_facts(model_dir)
+    if gguf is not None:
+        model_name = gguf.stem
+    n_ctx = config.prompt_tokens + config.generation_tokens + 16
+    engines = [make_engine(n, model=str(model_dir), model_dir=model_dir, gguf_path=gguf, n_ctx=n_ctx) for n in names]
+    try:
+        rows = run_bench(engines, config, model_name=model_name, vocab_size=vocab,
+                         on_trial=lambda e, i, r: print(
+                             f"trial {i + 1} {e}: prompt {r.prompt_tps:.1f} tok/s, ttft {r.ttft_ms:.0f} ms, "
+                             f"decode {r.decode_tps:.2f} tok/s, peak {r.peak_gb:.2f} GB", file=sys.stderr))
+    finally:
+        for e in engines:
+            e.close()
+    doc = results_document(rows)
+    print(write_markdown(doc, Path(args.markdown) if args.markdown else None))
+    if args.json:
+        write_json(doc, Path(args.json))
+    if args.plot:
+        write_plot(doc, Path(args.plot))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The CLI's argument parser."""
     p = argparse.ArgumentParser(prog="mlx-infer", description="Run language models on MLX.")
@@ -76,6 +118,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dtype of unquantized weights")
     c.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     c.set_defaults(func=_convert)
+
+    b = sub.add_parser("bench", help="benchmark against mlx-lm (and llama.cpp) in one run")
+    b.add_argument("--model", default=None, help="model directory or .gguf (default: the embedded model)")
+    b.add_argument("--prompt-tokens", "-p", type=int, default=512, help="prompt length")
+    b.add_argument("--generation-tokens", "-g", type=int, default=1024, help="tokens to generate")
+    b.add_argument("--batch-size", "-b", type=int, default=1, help="batch size")
+    b.add_argument("--num-trials", "-n", type=int, default=5, help="timed trials per engine")
+    b.add_argument("--prefill-step-size", type=int, default=2048, help="prompt tokens per prefill chunk")
+    b.add_argument("--compare", default=None, help="engines to compare with: mlx-lm[,llama.cpp]")
+    b.add_argument("--json", default=None, help="write results JSON here")
+    b.add_argument("--markdown", default=None, help="write a markdown table here")
+    b.add_argument("--plot", default=None, help="write a PNG plot here")
+    b.set_defaults(func=_bench)
     return p
 
 

@@ -1,0 +1,66 @@
+"""The bench machinery on a tiny random model: fields, alternation, files (not speed)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from tiny import make_tiny_model_dir
+
+from mlx_infer.bench import BenchConfig, make_engine, results_document, run_bench
+from mlx_infer.bench.report import RESULTS_SCHEMA_KEYS, ROW_KEYS
+from mlx_infer.errors import MlxInferError
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return make_tiny_model_dir(tmp_path_factory.mktemp("bench") / "gemma3", "gemma3")
+
+
+def test_engines_alternate_and_rows_follow_the_schema(tiny_dir):
+    engines = [make_engine(n, model=str(tiny_dir), model_dir=tiny_dir, gguf_path=None, n_ctx=64)
+               for n in ("mlx-infer", "mlx-lm")]
+    order = []
+    config = BenchConfig(prompt_tokens=16, generation_tokens=8, num_trials=3)
+    rows = run_bench(engines, config, model_name="tiny", vocab_size=320, progress=False,
+                     on_trial=lambda e, i, r: order.append((i, e)))
+    assert order == [(0, "mlx-infer"), (0, "mlx-lm"), (1, "mlx-lm"), (1, "mlx-infer"),
+                     (2, "mlx-infer"), (2, "mlx-lm")]
+    assert [r["engine"] for r in rows] == ["mlx-infer", "mlx-lm"]
+    for r in rows:
+        assert set(ROW_KEYS) <= set(r)
+        assert len(r["trials"]) == 3
+        assert r["decode_tps_min"] <= r["decode_tps"] <= r["decode_tps_max"]
+        assert r["decode_tps"] > 0 and r["prompt_tps"] > 0 and r["ttft_ms"] > 0
+    ratio = rows[1]["ratio_vs_mlx-infer"]
+    assert len(ratio["decode_tps"]) == 3 and ratio["decode_tps_median"] > 0
+    doc = results_document(rows, command="test")
+    assert tuple(doc) == RESULTS_SCHEMA_KEYS
+    assert doc["versions"]["mlx"] and doc["versions"]["mlx-lm"]
+
+
+def test_batched_bench_reports_aggregate_throughput(tiny_dir):
+    engines = [make_engine("mlx-infer", model=str(tiny_dir), model_dir=tiny_dir, gguf_path=None, n_ctx=64)]
+    rows = run_bench(engines, BenchConfig(prompt_tokens=8, generation_tokens=6, batch_size=4, num_trials=1),
+                     model_name="tiny", vocab_size=320, progress=False)
+    assert rows[0]["batch"] == 4 and rows[0]["decode_tps"] > 0
+
+
+def test_bad_bench_settings():
+    with pytest.raises(MlxInferError, match="--num-trials must be >= 1"):
+        BenchConfig(num_trials=0)
+    with pytest.raises(MlxInferError, match="Unknown engine"):
+        make_engine("vllm", model=None, model_dir=None, gguf_path=None, n_ctx=8)
+
+
+def test_cli_writes_json_markdown_and_png(tiny_dir, tmp_path):
+    out = tmp_path / "r"
+    r = subprocess.run([sys.executable, "-m", "mlx_infer", "bench", "--model", str(tiny_dir), "--compare", "mlx-lm",
+                        "-p", "16", "-g", "8", "-n", "2", "--json", str(out / "r.json"),
+                        "--markdown", str(out / "r.md"), "--plot", str(out / "r.png")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads((out / "r.json").read_text())
+    assert [row["engine"] for row in doc["rows"]] == ["mlx-infer", "mlx-lm"]
+    assert "| mlx-lm |" in (out / "r.md").read_text()
+    assert (out / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
