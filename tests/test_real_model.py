@@ -54,16 +54,31 @@ def test_greedy_tokens_equal_transformers(real_model, hf_gguf_model, prompt):
 
 
 def test_logits_close_to_transformers(real_model, hf_gguf_model):
-    """Different backends: logits agree within 2e-3 absolute (float32; measured max ~1e-4 scale)."""
+    """Different backends, float32 logits.
+
+    Our Gemma scales embeddings by sqrt(640) rounded to bfloat16 (25.25), as the
+    checkpoints were trained and as mlx-lm does; transformers in float32 uses the exact
+    root (25.298). With that one constant the logits differ by up to ~0.05 (tolerance
+    0.1); with transformers' constant swapped in, every other op agrees within 1e-3
+    (measured ~7e-5).
+    """
     import numpy as np
     import torch
 
     hf_model, _ = hf_gguf_model
     ids = real_model.tokenizer.encode(PROMPTS[2])
-    ours = np.array(real_model.model(mx.array([ids])).astype(mx.float32))
     with torch.no_grad():
         ref = hf_model(torch.tensor([ids])).logits.float().numpy()
-    np.testing.assert_allclose(ours, ref, atol=2e-3, rtol=0)
+    ours = np.array(real_model.model(mx.array([ids])).astype(mx.float32))
+    np.testing.assert_allclose(ours, ref, atol=0.1, rtol=0)
+    inner = real_model.model.model
+    saved = inner.embed_scale
+    try:
+        inner.embed_scale = 640**0.5
+        exact = np.array(real_model.model(mx.array([ids])).astype(mx.float32))
+    finally:
+        inner.embed_scale = saved
+    np.testing.assert_allclose(exact, ref, atol=1e-3, rtol=0)
 
 
 @pytest.fixture(scope="module")

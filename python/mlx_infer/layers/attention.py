@@ -1,0 +1,82 @@
+"""Attention dispatch and causal masks.
+
+Mask values follow mlx-lm's conventions (``mlx_lm.models.base``): ``None`` when
+every key is visible (one query), the string ``"causal"`` when the fast kernel
+can build the lower-triangular mask itself, else a boolean array where ``True``
+means "attend".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+Mask = None | str | mx.array
+
+
+def create_causal_mask(N: int, offset: int = 0, window_size: int | None = None) -> mx.array:
+    """Boolean mask for ``N`` queries at positions ``offset .. offset+N-1``.
+
+    Args:
+        N: number of queries.
+        offset: number of keys before the first query.
+        window_size: if set, a query at position ``q`` sees keys ``k`` with
+            ``q - window_size < k <= q`` (the window counts the query itself).
+
+    Returns:
+        ``(N, offset + N)`` bool array, ``True`` where attention is allowed.
+    """
+    rinds = mx.arange(offset + N)
+    linds = mx.arange(offset, offset + N) if offset else rinds
+    linds = linds[:, None]  # (N, 1)
+    rinds = rinds[None]  # (1, offset + N)
+    mask = linds >= rinds
+    if window_size is not None:
+        mask = mask & (linds < rinds + window_size)
+    return mask
+
+
+def create_attention_mask(h: mx.array, cache: Any = None, window_size: int | None = None,
+                          return_array: bool = False) -> Mask:
+    """The mask for the queries in ``h`` given the layer's cache.
+
+    Args:
+        h: hidden states ``(B, L, D)``; only ``L`` is read.
+        cache: the layer's cache (its ``make_mask`` decides), or ``None`` for a
+            cache-free full-sequence forward.
+        window_size: sliding-window size of the layer, ``None`` for global.
+        return_array: always return an array instead of ``"causal"``.
+
+    Returns:
+        ``None``, ``"causal"`` or a boolean array broadcastable to
+        ``(B, heads, L, keys)``.
+    """
+    N = h.shape[1]
+    if cache is not None and hasattr(cache, "make_mask"):
+        return cache.make_mask(N, window_size=window_size, return_array=return_array)
+    if N == 1:
+        return None
+    if return_array or (window_size and N > window_size):
+        return create_causal_mask(N, window_size=window_size)
+    return "causal"
+
+
+def scaled_dot_product_attention(queries: mx.array, keys: mx.array, values: mx.array, *,
+                                 scale: float, mask: Mask) -> mx.array:
+    """Softmax attention over ``(B, H, L, D)`` queries and ``(B, KVH, S, D)`` keys/values.
+
+    Grouped-query attention (``H`` a multiple of ``KVH``) is handled by the kernel.
+
+    Args:
+        queries: ``(B, H, L, D)``.
+        keys: ``(B, KVH, S, D)``.
+        values: ``(B, KVH, S, Dv)``.
+        scale: multiplier on ``q . k`` (usually ``D ** -0.5``).
+        mask: ``None``, ``"causal"`` or a boolean/additive array
+            broadcastable to ``(B, H, L, S)``.
+
+    Returns:
+        ``(B, H, L, Dv)``.
+    """
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
