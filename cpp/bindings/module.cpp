@@ -9,6 +9,10 @@ namespace nb = nanobind;
 using namespace nb::literals;
 namespace mx = mlx::core;
 
+// Defined in cpp/bindings/<area>.cpp, one per area.
+void bind_kv(nb::module_& m);
+void bind_attention(nb::module_& m);
+
 NB_MODULE(_fast, m) {
   m.doc() = "mlx-infer's C++ core over the MLX C++ API.";
 
@@ -30,4 +34,7 @@ Args:
 
 Returns:
     ``(B, L)`` int32 array: ``page_id * page_size + position % page_size``.)");
+
+  bind_kv(m);
+  bind_attention(m);
 }

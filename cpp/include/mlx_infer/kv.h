@@ -1,5 +1,31 @@
-// Paged KV cache: free functions over mx::array (see DESIGN.md, convention 5).
+// Paged KV cache: the page pool, per-sequence block tables, the prefix index
+// and the index math over paged K/V storage (see DESIGN.md, conventions 3-5).
+//
+//   sequence 7: tokens 0..37, page_size 16
+//
+//     block table   [ 4 ][ 9 ][ 2 ]          logical page i -> physical page
+//                     |    |    |
+//     storage       [pages, kv_heads, page_size, head_dim]   (one per layer)
+//                     page 0: the null page, never handed out
+//                     page 4: tokens  0..15 of seq 7
+//                     page 9: tokens 16..31 of seq 7
+//                     page 2: tokens 32..37 of seq 7 (6 of 16 slots used)
+//
+//   flat slot of token t = block_table[t / page_size] * page_size + t % page_size
+//
+// The pool only does bookkeeping; K/V values live in MLX arrays the Python
+// adapter owns. Every mutation the caller must mirror on that storage (slot
+// writes, page copies) is returned explicitly.
 #pragma once
+
+#include <cstdint>
+#include <deque>
+#include <list>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
 
 #include <mlx/mlx.h>
 
@@ -20,5 +46,189 @@ mx::array slot_mapping(
     const mx::array& positions,
     int page_size,
     mx::StreamOrDevice s = {});
+
+/// The K/V of one sequence, contiguous, from paged storage.
+///
+///   storage     (pages, kv_heads, page_size, head_dim)
+///   block_table (max_pages,) integer page ids; the first
+///               ceil(length / page_size) are read
+///   returns     (kv_heads, length, head_dim)
+///
+/// Only the sequence's pages are gathered (never a transpose of the whole
+/// pool). Null-page entries (released by a sliding window) read page 0.
+mx::array gather_pages(
+    const mx::array& storage,
+    const mx::array& block_table,
+    int length,
+    mx::StreamOrDevice s = {});
+
+/// `storage` with `values` written at flat `slots`; MLX arrays are values, so
+/// the updated storage is returned and the input is untouched.
+///
+///   storage (pages, kv_heads, page_size, head_dim)
+///   slots   (T,) integer flat slots (page * page_size + offset)
+///   values  (kv_heads, T, head_dim), cast to storage's dtype
+///
+/// Slots must be distinct and < pages * page_size: which of two writes to one
+/// slot wins is unspecified, and out-of-range slots are not checked (that
+/// would force an evaluation).
+mx::array scatter_slots(
+    const mx::array& storage,
+    const mx::array& slots,
+    const mx::array& values,
+    mx::StreamOrDevice s = {});
+
+/// What `PagePool::append` asks of the caller, in order: first copy every
+/// `(src, dst)` page of `copies` on each layer's K/V storage, then write the
+/// new tokens' K/V at `slots` (flat, `page * page_size + offset`).
+struct AppendResult {
+  std::vector<int64_t> slots;
+  std::vector<std::pair<int32_t, int32_t>> copies;
+  int page_size = 0;
+
+  /// The slots as (page, offset within the page).
+  std::vector<std::pair<int32_t, int32_t>> writes() const {
+    std::vector<std::pair<int32_t, int32_t>> out;
+    out.reserve(slots.size());
+    for (int64_t slot : slots) {
+      out.emplace_back(static_cast<int32_t>(slot / page_size),
+                       static_cast<int32_t>(slot % page_size));
+    }
+    return out;
+  }
+};
+
+/// A fixed pool of KV pages with per-sequence block tables, refcounts,
+/// copy-on-write forks, sliding-window release and a content-addressed
+/// prefix index.
+///
+/// Page states (page 0, the null page, is in none of them):
+///
+///   free      refcount 0, no hash   -> free queue (FIFO)
+///   cached    refcount 0, hashed    -> evictable LRU (front evicted first)
+///   used      refcount > 0          -> in >= 1 block table (hashed or not)
+///
+///   allocate: free queue front, else evict the cached LRU front
+///   release:  refcount hits 0 -> cached LRU back if hashed, else free queue back
+///   reuse:    a prefix match pulls a cached page out of the LRU (refcount 1)
+///
+/// A page is written in place only by its sole owner; a shared partially
+/// filled last page is copied first (copy-on-write). A hashed page is
+/// immutable while shared; its sole owner writing into it drops the hash.
+///
+/// Running out of pages is a return value (`append` -> nullopt, nothing
+/// changed); bad input throws std::invalid_argument. Not thread-safe.
+class PagePool {
+ public:
+  PagePool(int num_pages, int page_size);
+
+  int num_pages() const { return static_cast<int>(refcount_.size()); }
+  int page_size() const { return page_size_; }
+
+  // -- sequences -----------------------------------------------------------
+  void add_sequence(int64_t seq_id, const std::string& ns = "");
+  /// Adds a sequence that starts with the longest cached prefix of
+  /// `token_ids` (whole pages only, leaving at least one token to compute so
+  /// the caller gets logits); returns the number of cached tokens.
+  int64_t add_sequence_with_prefix(
+      int64_t seq_id,
+      const std::vector<int32_t>& token_ids,
+      const std::string& ns = "");
+  /// Reserves slots for `n_tokens` more tokens; nullopt (and no change) when
+  /// the pool has too few pages.
+  std::optional<AppendResult> append(int64_t seq_id, int64_t n_tokens);
+  void fork(int64_t src, int64_t dst);
+  void free(int64_t seq_id);
+  /// Drops the last `n_tokens` tokens, releasing pages left empty.
+  void truncate(int64_t seq_id, int64_t n_tokens);
+  /// Releases pages wholly before the last `window` tokens; their block-table
+  /// entries become the null page. Returns how many pages were released.
+  int release_outside_window(int64_t seq_id, int64_t window);
+
+  bool has_sequence(int64_t seq_id) const;
+  std::vector<int64_t> sequences() const;
+  std::vector<int32_t> block_table(int64_t seq_id) const;
+  int64_t length(int64_t seq_id) const;
+
+  // -- pages ---------------------------------------------------------------
+  /// Pages `append` can still hand out: free plus evictable cached.
+  int num_free_pages() const;
+  int num_cached_pages() const { return static_cast<int>(lru_.size()); }
+  int num_used_pages() const;
+  int refcount(int page) const;
+  std::optional<uint64_t> page_hash(int page) const;
+  /// Cached pages in eviction order (first evicted first).
+  std::vector<int32_t> cached_pages() const;
+
+  // -- prefix index --------------------------------------------------------
+  /// Hashes the sequence's full pages covered by `token_ids` (its first
+  /// tokens; only min(len, length) count) and indexes those not yet indexed.
+  /// Returns how many pages were newly indexed.
+  int register_full_pages(int64_t seq_id, const std::vector<int32_t>& token_ids);
+  /// Pages of the longest indexed chain that prefixes `token_ids`. Pure: no
+  /// counters, no refcounts, no LRU change.
+  std::vector<int32_t> match_prefix(
+      const std::vector<int32_t>& token_ids, const std::string& ns = "") const;
+  /// Caps cached (refcount 0, hashed) pages; evicts LRU pages over the cap now.
+  void set_cache_cap(int pages);
+  int cache_cap() const { return cache_cap_; }
+
+  int64_t hits() const { return hits_; }
+  int64_t misses() const { return misses_; }
+  int64_t evictions() const { return evictions_; }
+
+  /// Debug check of every internal invariant; throws std::logic_error.
+  void check() const;
+
+ private:
+  struct Sequence {
+    std::vector<int32_t> pages;   // block table; 0 = released by a window
+    int64_t length = 0;
+    std::vector<uint64_t> hashes; // chain hash of each full page hashed so far
+    int ns = 0;                   // interned namespace
+    int64_t released_upto = 0;    // pages [0, released_upto) are null
+  };
+  struct PageKey {
+    uint64_t hash = 0;
+    uint64_t parent = 0;
+    int ns = 0;
+    std::vector<int32_t> tokens;  // kept to turn a hash collision into a miss
+  };
+
+  Sequence& seq(int64_t seq_id, const char* fn);
+  const Sequence& seq(int64_t seq_id, const char* fn) const;
+  void check_page(int page, const char* fn) const;
+  int intern(const std::string& ns);
+  std::optional<int> find_ns(const std::string& ns) const;
+
+  int allocate();           // caller has checked capacity; refcount 1
+  void release(int page);   // refcount--, moves to free queue or LRU at 0
+  void evict_front();       // LRU front -> free queue
+  void unhash(int page);
+  void take_ref(int page);  // refcount++, pulling a cached page out of the LRU
+  void enforce_cap();
+
+  uint64_t root_hash(int ns) const;
+  uint64_t chain_hash(uint64_t parent, const int32_t* tokens, int ns) const;
+  // Pages matched by chain; stops at the first miss or after max_pages.
+  std::vector<int32_t> match(
+      const std::vector<int32_t>& token_ids, int ns, size_t max_pages,
+      std::vector<uint64_t>* hashes) const;
+
+  int page_size_;
+  std::vector<int32_t> refcount_;
+  std::deque<int32_t> free_;                  // refcount 0, unhashed
+  std::list<int32_t> lru_;                    // refcount 0, hashed
+  std::vector<std::list<int32_t>::iterator> where_;  // position in lru_
+  std::vector<uint8_t> in_lru_;
+  int used_ = 0;                              // pages with refcount > 0
+  std::vector<std::optional<PageKey>> keys_;  // per page
+  std::unordered_map<uint64_t, int32_t> index_;  // chain hash -> page
+  std::unordered_map<int64_t, Sequence> seqs_;
+  std::vector<std::string> namespaces_;
+  std::vector<uint64_t> ns_hash_;
+  int cache_cap_;
+  int64_t hits_ = 0, misses_ = 0, evictions_ = 0;
+};
 
 }  // namespace mlx_infer
