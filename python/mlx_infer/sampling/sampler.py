@@ -1,17 +1,33 @@
-"""The sampler: temperature 0 is argmax, otherwise a categorical draw.
+"""The sampler: processors, log-softmax, filters, then argmax or a categorical draw.
 
 Each request owns a :class:`RequestRNG` whose key sequence depends only on its
 seed and its own step count, so a request's tokens do not depend on what else
-runs beside it.
+runs beside it. :func:`make_sampler` composes the active pure functions of
+:mod:`.processors` and :mod:`.filters` once; a step runs only those.
 """
 
 from __future__ import annotations
 
 import secrets
+from dataclasses import dataclass
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import mlx.core as mx
 
 from ..errors import MlxInferError
+from .filters import LogitsFilter, log_softmax, make_filters
+from .params import SamplingParams
+from .processors import History, LogitsProcessor, make_logits_processors
+
+_EVAL_EVERY = 512  # bounds the lazy graph while fast-forwarding a key sequence
+
+
+class RNGState(NamedTuple):
+    """Where a :class:`RequestRNG` stands: its seed and how many keys it has handed out."""
+
+    seed: int
+    steps: int
+    explicit: bool = True
 
 
 class RequestRNG:
@@ -35,6 +51,32 @@ class RequestRNG:
         self.steps += 1
         return sub
 
+    def state(self) -> RNGState:
+        """``(seed, steps, explicit)``: enough for :meth:`from_state` to resume exactly here."""
+        return RNGState(self.seed, self.steps, self.explicit)
+
+    @classmethod
+    def from_state(cls, state: RNGState | Sequence[Any] | Mapping[str, Any]) -> "RequestRNG":
+        """A sequence positioned after ``state.steps`` keys: its next key is the one an
+        uninterrupted run would draw next. Accepts an :class:`RNGState`, a
+        ``(seed, steps[, explicit])`` tuple/list (as JSON returns it) or a mapping."""
+        if isinstance(state, Mapping):
+            seed, steps, explicit = state["seed"], state["steps"], state.get("explicit", True)
+        else:
+            seed, steps, *rest = state
+            explicit = rest[0] if rest else True
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise MlxInferError(f"RNG state steps must be a non-negative integer, got {steps!r}.")
+        rng = cls(seed)
+        rng.explicit = bool(explicit)
+        key = rng._key
+        for i in range(steps):
+            key = mx.random.split(key)[0]
+            if (i + 1) % _EVAL_EVERY == 0:
+                mx.eval(key)
+        rng._key, rng.steps = key, steps
+        return rng
+
 
 def sample(logits: mx.array, *, temperature: float, rng: RequestRNG | None = None) -> mx.array:
     """Pick next tokens from ``logits`` ``(B, vocab)``; returns ``(B,)`` uint32.
@@ -51,3 +93,142 @@ def sample(logits: mx.array, *, temperature: float, rng: RequestRNG | None = Non
     if rng is None:
         raise MlxInferError("sampling with temperature > 0 needs a RequestRNG.")
     return mx.random.categorical(logits * (1.0 / temperature), key=rng.next_key())
+
+
+@dataclass(frozen=True, slots=True)
+class SampleOutput:
+    """One step's result. Shapes are ``(B, ...)``, or without ``B`` for ``(V,)`` logits.
+
+    Attributes:
+        token: the chosen ids (B,), uint32.
+        logprobs: log-softmax of the processed logits (B, V): after processors,
+            before filters and temperature; ``None`` unless ``params.logprobs``.
+        token_logprob: ``logprobs`` at ``token`` (B,).
+        top_ids: the ``top_logprobs`` most likely ids (B, n), most likely first.
+        top_logprobs: their log-probabilities (B, n).
+    """
+
+    token: mx.array
+    logprobs: mx.array | None = None
+    token_logprob: mx.array | None = None
+    top_ids: mx.array | None = None
+    top_logprobs: mx.array | None = None
+
+
+class Sampler:
+    """Turns a step's logits into tokens for one request. Build with :func:`make_sampler`.
+
+    Calling it returns the tokens; when ``params.logprobs`` it also records the
+    step's :class:`SampleOutput` in ``last``. :meth:`step` returns that output.
+    """
+
+    __slots__ = ("params", "processors", "filters", "last", "_greedy", "_inv_temp",
+                 "_logprobs", "_top_n", "_filter_key", "_vocab")
+
+    def __init__(self, params: SamplingParams, processors: Sequence[LogitsProcessor],
+                 filters: Sequence[LogitsFilter], *, filter_needs_key: bool):
+        self.params = params
+        self.processors = tuple(processors)
+        # Greedy picks the argmax, which top_p/min_p/top_k always keep; XTC is skipped.
+        self.filters = () if params.greedy else tuple(filters)
+        self.last: SampleOutput | None = None
+        self._greedy = params.greedy
+        self._inv_temp = 0.0 if params.greedy else 1.0 / params.temperature
+        self._logprobs = params.logprobs
+        self._top_n = params.top_logprobs if params.logprobs else 0
+        self._filter_key = filter_needs_key and not params.greedy
+        self._vocab: int | None = None
+
+    def __call__(self, logits: mx.array, history: History = (), rng: RequestRNG | None = None) -> mx.array:
+        """Next tokens: ``(B,)`` for ``(B, V)`` logits, a scalar for ``(V,)``.
+
+        Args:
+            logits: the step's raw logits.
+            history: the request's tokens so far (prompt + generated); the
+                penalties look at their windows of it.
+            rng: the request's key sequence (not used, and may be ``None``, when greedy).
+        """
+        out = self.step(logits, history, rng)
+        if self._logprobs:
+            self.last = out
+        return out.token
+
+    def step(self, logits: mx.array, history: History = (), rng: RequestRNG | None = None) -> SampleOutput:
+        """Like calling the sampler, but returns the whole :class:`SampleOutput`."""
+        squeeze = logits.ndim == 1
+        x = self._process(logits[None] if squeeze else logits, history)  # (B, V)
+        if self._greedy:
+            token = mx.argmax(x, axis=-1)  # (B,)
+            lp = log_softmax(x) if self._logprobs else None
+        else:
+            lp = log_softmax(x)
+            filtered, key = self._filter(lp, rng)
+            token = mx.random.categorical(filtered * self._inv_temp, key=key)  # (B,)
+        if not self._logprobs:
+            return SampleOutput(token[0] if squeeze else token)
+        return self._with_logprobs(token, lp, squeeze)
+
+    def filtered_logprobs(self, logits: mx.array, history: History = (),
+                          rng: RequestRNG | None = None) -> mx.array:
+        """The distribution a draw samples from, before temperature: processed,
+        log-softmaxed and filtered (greedy: not filtered). Consumes one key of
+        ``rng`` exactly as a call does, so a copy of the RNG reproduces a call's view."""
+        squeeze = logits.ndim == 1
+        lp = log_softmax(self._process(logits[None] if squeeze else logits, history))
+        if not self._greedy:
+            lp, _ = self._filter(lp, rng)
+        return lp[0] if squeeze else lp
+
+    def _process(self, x: mx.array, history: History) -> mx.array:
+        if self._vocab != x.shape[-1]:
+            self.params.validate(x.shape[-1])
+            self._vocab = x.shape[-1]
+        for proc in self.processors:
+            x = proc(x, history)
+        return x
+
+    def _filter(self, lp: mx.array, rng: RequestRNG | None) -> tuple[mx.array, mx.array]:
+        if rng is None:
+            raise MlxInferError("sampling with temperature > 0 needs a RequestRNG.")
+        key = rng.next_key()
+        filter_key = None
+        if self._filter_key:
+            filter_key, key = mx.random.split(key)
+        for f in self.filters:
+            lp = f(lp, filter_key)
+        return lp, key
+
+    def _with_logprobs(self, token: mx.array, lp: mx.array, squeeze: bool) -> SampleOutput:
+        token_lp = mx.take_along_axis(lp, token[:, None].astype(mx.int32), axis=-1)[:, 0]  # (B,)
+        top_ids = top_lp = None
+        n = min(self._top_n, lp.shape[-1])
+        if n > 0:
+            ids = mx.argpartition(-lp, kth=n - 1, axis=-1)[..., :n]  # (B, n) unordered
+            vals = mx.take_along_axis(lp, ids, axis=-1)
+            order = mx.argsort(-vals, axis=-1)
+            top_ids = mx.take_along_axis(ids, order, axis=-1)
+            top_lp = mx.take_along_axis(vals, order, axis=-1)
+        if squeeze:
+            token, lp, token_lp = token[0], lp[0], token_lp[0]
+            if n > 0:
+                top_ids, top_lp = top_ids[0], top_lp[0]
+        return SampleOutput(token, lp, token_lp, top_ids, top_lp)
+
+
+def make_sampler(params: SamplingParams, *, eos_token_ids: Sequence[int] = (),
+                 newline_token_ids: Sequence[int] = (), vocab_size: int | None = None) -> Sampler:
+    """Compose the active processors and filters of ``params`` into a :class:`Sampler`.
+
+    Args:
+        params: the request's sampling parameters.
+        eos_token_ids: end tokens; XTC never removes them.
+        newline_token_ids: newline tokens; XTC never removes them.
+        vocab_size: when known, logit-bias ids are checked now (else on the first call).
+    """
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"make_sampler needs SamplingParams, got {type(params).__name__}.")
+    params.validate(vocab_size)
+    protected = tuple(eos_token_ids) + tuple(newline_token_ids)
+    filters = make_filters(params, protected_token_ids=protected)
+    needs_key = 0.0 < params.xtc_probability < 1.0
+    return Sampler(params, make_logits_processors(params), filters, filter_needs_key=needs_key)
