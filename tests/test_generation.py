@@ -7,6 +7,7 @@ from tiny import make_tiny_model_dir
 from mlx_infer.artifacts.loader import load_model
 from mlx_infer.errors import MlxInferError
 from mlx_infer.generation.autoregressive import generate, generate_tokens
+from mlx_infer.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module", params=["llama", "gemma3"])
@@ -36,7 +37,8 @@ def test_greedy_equals_uncached_reference(loaded, prefill_step_size):
 
 def test_seeded_sampling_reproduces_and_seeds_differ(loaded):
     prompt = loaded.tokenizer.encode("Hello")
-    run = lambda seed: [t.token for t in generate_tokens(loaded.model, prompt, max_tokens=16, temperature=1.5, seed=seed)]
+    run = lambda seed: [t.token for t in generate_tokens(loaded.model, prompt, max_tokens=16,
+                                                         sampling=SamplingParams(temperature=1.5, seed=seed))]
     assert run(7) == run(7)
     assert run(7) != run(8)
 
@@ -72,7 +74,7 @@ def test_breaking_out_settles_stats(loaded):
 
 
 def test_text_stream_matches_decode(loaded):
-    gen = generate(loaded, "Hello", max_tokens=12, temperature=1.0, seed=3)
+    gen = generate(loaded, "Hello", max_tokens=12, sampling=SamplingParams(temperature=1.0, seed=3))
     items = list(gen)
     ids = [t.token for t in items if t.token not in loaded.eos_token_ids]
     assert "".join(t.text for t in items) == loaded.tokenizer.decode(ids)
@@ -86,9 +88,8 @@ def test_chat_template_applied(loaded):
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"max_tokens": -1}, "max_tokens"),
-    ({"temperature": -0.5}, "temperature"),
     ({"prefill_step_size": 0}, "prefill_step_size"),
-    ({"seed": -3}, "seed"),
+    ({"sampling": {"temperature": 0.5}}, "SamplingParams"),
 ])
 def test_bad_arguments(loaded, kwargs, match):
     with pytest.raises(MlxInferError, match=match):

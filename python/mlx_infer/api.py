@@ -31,7 +31,8 @@ def generate_text(model: "LoadedModel", prompt: str, *, max_tokens: int = 256,
                   temperature: float = 0.0, seed: int | None = None, chat: bool = False) -> str:
     """Generate a continuation of ``prompt`` and return it as text."""
     from .generation.autoregressive import generate
+    from .sampling import SamplingParams
 
-    pieces = [t.text for t in generate(model, prompt, max_tokens=max_tokens,
-                                       temperature=temperature, seed=seed, chat=chat)]
-    return "".join(pieces)
+    sampling = SamplingParams(temperature=temperature, seed=seed)
+    with generate(model, prompt, sampling=sampling, max_tokens=max_tokens, chat=chat) as gen:
+        return "".join(t.text for t in gen)

@@ -17,10 +17,16 @@ from .errors import MlxInferError
 def _generate(args: argparse.Namespace) -> int:
     from .artifacts.loader import load_model
     from .generation.autoregressive import generate
+    from .sampling import SamplingParams
 
+    sampling = SamplingParams(temperature=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                              repetition_penalty=args.repetition_penalty or 1.0, seed=args.seed)
     loaded = load_model(args.model, dtype=args.dtype)
-    gen = generate(loaded, args.prompt, max_tokens=args.max_tokens, temperature=args.temp,
-                   seed=args.seed, chat=args.chat)
+    prompt = args.prompt
+    if args.chat and args.system_prompt:
+        prompt = [{"role": "system", "content": args.system_prompt}, {"role": "user", "content": args.prompt}]
+    gen = generate(loaded, prompt, sampling=sampling, max_tokens=args.max_tokens, chat=args.chat,
+                   stop=args.stop or ())
     with gen:
         for item in gen:
             if item.text:
@@ -101,6 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", "-p", required=True, help="the prompt text ('-' reads stdin)")
     g.add_argument("--max-tokens", "-m", type=int, default=256, help="most tokens to generate")
     g.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0 = greedy)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability")
+    g.add_argument("--repetition-penalty", type=float, default=None, help="penalty for repeated tokens (>1)")
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--system-prompt", default=None, help="system message (with --chat)")
     g.add_argument("--seed", type=int, default=None, help="seed for sampling (default: fresh)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,

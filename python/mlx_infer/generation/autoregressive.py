@@ -1,13 +1,20 @@
 """The autoregressive generation loop.
 
 ``generate_tokens`` works on token ids; ``generate`` adds the tokenizer: it
-encodes the prompt (optionally through the chat template) and streams text.
+encodes the prompt (optionally through the chat template), streams text, and
+applies stop strings.
 
 The loop pipelines: step n+1 is queued (``mx.async_eval``) before token n is
 handed to the caller, so the device works while Python runs the caller's code.
+Two things turn pipelining off, because step n+1 then needs token n on the
+host first: penalties (they read the token history) and ``pipeline=False``
+(checkpointing: the state must be exactly "prompt + tokens so far" at each yield).
+
 Prefill runs the prompt, except its last token, through the graph's hidden
-phase in chunks (no LM head: the vocabulary projection is only needed for
-the last position); the last prompt token is the first decode step.
+phase in chunks (no LM head: the vocabulary projection is only needed for the
+last position); the last prompt token is the first decode step. A cache that
+already holds a prefix of the prompt (prompt cache, resumed checkpoint) skips
+that prefix.
 """
 
 from __future__ import annotations
@@ -19,13 +26,15 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator
 import mlx.core as mx
 
 from ..errors import MlxInferError, PromptTooLongError
-from ..sampling import RequestRNG, sample
+from ..sampling import RequestRNG, SamplingParams, make_sampler
+from .stopping import CancelToken, StopMatcher
 
 if TYPE_CHECKING:
     from ..artifacts.loader import LoadedModel
 
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_PREFILL_STEP_SIZE = 2048
+GREEDY = SamplingParams()
 
 
 @dataclass(frozen=True)
@@ -35,15 +44,21 @@ class GeneratedToken:
     Attributes:
         token: the token id.
         index: 0 for the first generated token.
-        text: the text this token completes (may be empty while a UTF-8
-            character is still incomplete; EOS tokens carry no text).
-        finish_reason: ``"stop"`` (EOS) or ``"length"`` on the last token, else None.
+        text: the text this token completes (empty while a UTF-8 character or a
+            possible stop string is still held back; EOS carries no text).
+        finish_reason: ``"stop"`` (EOS or stop string), ``"length"`` or
+            ``"cancelled"`` on the last item, else None.
+        logprob: log-probability of ``token`` under the processed distribution
+            (only with ``SamplingParams(logprobs=True)``).
+        top_logprobs: ``[(id, logprob), ...]`` most likely first (with ``top_logprobs=n``).
     """
 
     token: int
     index: int
     text: str = ""
     finish_reason: str | None = None
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
 
 
 @dataclass
@@ -61,14 +76,30 @@ class GenerateStats:
 
     @property
     def prefill_tps(self) -> float:
-        """Prompt tokens per second (prefill includes the first decode step)."""
-        return self.prompt_tokens / (self.prefill_ms / 1e3) if self.prefill_ms > 0 else 0.0
+        """Prompt tokens computed per second (cached ones excluded)."""
+        n = self.prompt_tokens - self.cached_tokens
+        return n / (self.prefill_ms / 1e3) if self.prefill_ms > 0 else 0.0
 
     @property
     def decode_tps(self) -> float:
         """Generated tokens per second after the first one."""
         n = self.generated_tokens - 1
         return n / (self.decode_ms / 1e3) if n > 0 and self.decode_ms > 0 else 0.0
+
+
+@dataclass
+class RunState:
+    """The live state of one generation, readable between yields.
+
+    With ``pipeline=False``, at each yield of token n the cache holds exactly
+    ``prompt + tokens[:n]`` (token n is not fed yet) and ``rng`` has made the
+    draws of tokens 0..n: what a checkpoint saves.
+    """
+
+    prompt_ids: list[int]
+    cache: list[Any]
+    rng: RequestRNG
+    tokens: list[int] = field(default_factory=list)
 
 
 class Generation(Iterator[GeneratedToken]):
@@ -79,9 +110,10 @@ class Generation(Iterator[GeneratedToken]):
     released when the object is garbage-collected.
     """
 
-    def __init__(self, tokens: Iterator[GeneratedToken], stats: GenerateStats):
+    def __init__(self, tokens: Iterator[GeneratedToken], stats: GenerateStats, state: RunState | None = None):
         self._tokens = tokens
         self.stats = stats
+        self.state = state
 
     def __next__(self) -> GeneratedToken:
         return next(self._tokens)
@@ -98,7 +130,7 @@ class Generation(Iterator[GeneratedToken]):
 
 
 def _validate(max_tokens: int, prefill_step_size: int, prompt_len: int, context: int | None) -> None:
-    if not isinstance(max_tokens, int) or max_tokens < 0:
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
         raise MlxInferError(f"max_tokens must be a non-negative integer, got {max_tokens!r}.")
     if prefill_step_size < 1:
         raise MlxInferError(f"prefill_step_size must be >= 1, got {prefill_step_size}.")
@@ -115,137 +147,207 @@ def generate_tokens(
     model: Any,
     prompt_ids: list[int],
     *,
+    sampling: SamplingParams = GREEDY,
     max_tokens: int = DEFAULT_MAX_TOKENS,
-    temperature: float = 0.0,
-    seed: int | None = None,
     eos_token_ids: Iterable[int] = (),
+    newline_token_ids: Iterable[int] = (),
     context_length: int | None = None,
     prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
+    cancel: CancelToken | None = None,
+    cache: list[Any] | None = None,
+    rng: RequestRNG | None = None,
+    start_index: int = 0,
+    pipeline: bool = True,
 ) -> Generation:
     """Generate token ids after ``prompt_ids``.
 
     Args:
         model: a graph (see :class:`mlx_infer.contracts.Graph`).
         prompt_ids: the prompt's token ids (non-empty).
+        sampling: the request's :class:`SamplingParams` (default: greedy).
         max_tokens: the most tokens to generate.
-        temperature: 0 is greedy.
-        seed: seeds the request's own key sequence (``None``: a fresh seed).
         eos_token_ids: tokens that end the generation (they are yielded, with
             ``finish_reason="stop"``).
+        newline_token_ids: tokens XTC must never remove.
         context_length: the model's window; the prompt must fit, and
             generation stops with ``"length"`` when the window is full.
         prefill_step_size: prompt tokens per prefill chunk.
+        cancel: a :class:`CancelToken` another thread may trigger.
+        cache: a cache already holding a prefix of ``prompt_ids`` (its
+            ``offset`` tokens, at most ``len(prompt_ids) - 1``); default: a new one.
+        rng: the request's key sequence (default: from ``sampling.seed``).
+        start_index: index of the first generated token (a resumed run continues its count).
+        pipeline: queue step n+1 before yielding token n (see the module docstring).
 
     Returns:
-        A :class:`Generation` (iterator of :class:`GeneratedToken` with ``stats``).
+        A :class:`Generation` (iterator of :class:`GeneratedToken` with ``stats`` and ``state``).
     """
     prompt_ids = list(prompt_ids)
     _validate(max_tokens, prefill_step_size, len(prompt_ids), context_length)
-    if temperature < 0:
-        raise MlxInferError(f"temperature must be >= 0 (0 = greedy), got {temperature}.")
-    rng = RequestRNG(seed)
-    stats = GenerateStats(prompt_tokens=len(prompt_ids))
-    limit = max_tokens if context_length is None else min(max_tokens, context_length - len(prompt_ids))
+    if not isinstance(sampling, SamplingParams):
+        raise MlxInferError(f"sampling must be a SamplingParams, got {type(sampling).__name__}.")
     eos = frozenset(eos_token_ids)
-    return Generation(_run(model, prompt_ids, limit, max_tokens, temperature, rng, eos, prefill_step_size, stats), stats)
+    sampler = make_sampler(sampling, eos_token_ids=tuple(eos), newline_token_ids=tuple(newline_token_ids))
+    cache = model.make_cache() if cache is None else cache
+    cached = max((c.offset for c in cache), default=0)
+    if cached >= len(prompt_ids):
+        raise MlxInferError(f"the given cache holds {cached} tokens; it must hold fewer than the "
+                            f"prompt's {len(prompt_ids)} so the last prompt token yields logits.")
+    state = RunState(prompt_ids=prompt_ids, cache=cache, rng=rng or RequestRNG(sampling.seed))
+    stats = GenerateStats(prompt_tokens=len(prompt_ids), cached_tokens=cached)
+    limit = max_tokens if context_length is None else min(max_tokens, context_length - len(prompt_ids) + 1)
+    pipeline = pipeline and not sampler.processors
+    run = _run(model, state, sampler, limit, eos, prefill_step_size, cancel, start_index, pipeline, stats)
+    return Generation(run, stats, state)
 
 
-def _run(model: Any, prompt_ids: list[int], limit: int, max_tokens: int, temperature: float,
-         rng: RequestRNG, eos: frozenset[int], prefill_step_size: int,
-         stats: GenerateStats) -> Iterator[GeneratedToken]:
+def _run(model: Any, state: RunState, sampler: Any, limit: int, eos: frozenset[int], prefill_step_size: int,
+         cancel: CancelToken | None, start_index: int, pipeline: bool, stats: GenerateStats) -> Iterator[GeneratedToken]:
     mx.reset_peak_memory()
-    cache = model.make_cache()
-    prompt = mx.array(prompt_ids, dtype=mx.uint32)
+    cache, prompt_ids = state.cache, state.prompt_ids
+    history = list(prompt_ids) if sampler.processors else None
+    want_logprobs = sampler.params.logprobs
 
-    def step(y: mx.array) -> mx.array:
+    def step(y: mx.array) -> Any:
         logits = model(y[None], cache=cache)[:, -1, :]  # (1, vocab)
-        return sample(logits, temperature=temperature, rng=rng)
+        out = sampler.step(logits, history or (), state.rng)
+        return out
 
     tic = time.perf_counter()
     try:
         if limit <= 0:
             stats.finish_reason = "length"
             return
-        done = 0
+        done = stats.cached_tokens
+        prompt = mx.array(prompt_ids, dtype=mx.uint32)
         while len(prompt_ids) - 1 - done > 0:
             n = min(prefill_step_size, len(prompt_ids) - 1 - done)
             model.model(prompt[done:done + n][None], cache=cache)
             mx.eval([c.state for c in cache])
             done += n
-        y = step(prompt[-1:])
-        mx.async_eval(y)
+            if cancel is not None and cancel.cancelled:
+                stats.finish_reason = "cancelled"
+                return
+        out = step(prompt[-1:])
+        mx.async_eval(out.token)
         n = 0
         decode_tic = tic
         while True:
-            next_y = step(y) if n + 1 < limit else None
-            if next_y is not None:
-                mx.async_eval(next_y)
-            token = int(y.item())
+            next_out = None
+            if pipeline and n + 1 < limit:
+                next_out = step(out.token)
+                mx.async_eval(next_out.token)
+            token = int(out.token.item())
             if n == 0:
                 decode_tic = time.perf_counter()
                 stats.prefill_ms = (decode_tic - tic) * 1e3
             else:
                 stats.decode_ms = (time.perf_counter() - decode_tic) * 1e3
+            state.tokens.append(token)
+            if history is not None:
+                history.append(token)
             stats.generated_tokens = n + 1
             finish = "stop" if token in eos else ("length" if n + 1 >= limit else None)
+            if finish is None and cancel is not None and cancel.cancelled:
+                finish = "cancelled"
             if finish is not None:
                 stats.finish_reason = finish
-            yield GeneratedToken(token=token, index=n, finish_reason=finish)
+            logprob = top = None
+            if want_logprobs:
+                logprob = out.token_logprob.item()
+                if out.top_ids is not None:
+                    top = list(zip(out.top_ids[0].tolist(), out.top_logprobs[0].tolist()))  # row 0 of (1, n)
+            yield GeneratedToken(token=token, index=start_index + n, finish_reason=finish,
+                                 logprob=logprob, top_logprobs=top)
             if finish is not None:
                 return
             n += 1
-            y = next_y
+            out = next_out if next_out is not None else step(out.token)
     except GeneratorExit:
         stats.finish_reason = stats.finish_reason or "cancelled"
         raise
     finally:
         stats.cache_tokens = max((c.offset for c in cache), default=0)
         stats.peak_memory_gb = mx.get_peak_memory() / 1e9
-        del cache
 
 
-def prompt_ids_for(loaded: "LoadedModel", prompt: str, *, chat: bool = False,
+def prompt_ids_for(loaded: "LoadedModel", prompt: str | list[dict[str, Any]], *, chat: bool = False,
                    system: str | None = None) -> list[int]:
-    """Token ids for a text prompt, through the chat template when ``chat``."""
+    """Token ids for a text prompt (through the chat template when ``chat``) or a message list."""
+    if isinstance(prompt, list):
+        return loaded.tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
     if chat:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
         return loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     return loaded.tokenizer.encode(prompt)
 
 
-def generate(
-    loaded: "LoadedModel",
-    prompt: str,
-    *,
-    max_tokens: int = DEFAULT_MAX_TOKENS,
-    temperature: float = 0.0,
-    seed: int | None = None,
-    chat: bool = False,
-    prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
-) -> Generation:
-    """Generate text after ``prompt``; each item carries the text it completes.
+def stream_text(loaded: "LoadedModel", tokens: Generation, *, stop: Iterable[str] = (),
+                emitted_prefix: str = "") -> Generation:
+    """Turn a token :class:`Generation` into one whose items carry text, applying stop strings.
 
-    EOS ends the generation and contributes no text.
+    ``emitted_prefix`` is text already shown for earlier tokens of the same
+    generation (a resumed run): it is matched against stop strings but not emitted again.
     """
-    ids = prompt_ids_for(loaded, prompt, chat=chat)
-    inner = generate_tokens(
-        loaded.model, ids, max_tokens=max_tokens, temperature=temperature, seed=seed,
-        eos_token_ids=loaded.eos_token_ids, context_length=loaded.context_length,
-        prefill_step_size=prefill_step_size,
-    )
+    matcher = StopMatcher(tuple(stop))
+    eos = loaded.eos_token_ids
 
     def texts() -> Iterator[GeneratedToken]:
         detok = loaded.tokenizer.detokenizer()
+        if emitted_prefix:
+            matcher.feed(emitted_prefix)
         try:
-            for t in inner:
-                if t.token in loaded.eos_token_ids:
-                    text = detok.flush()
-                else:
-                    text = detok.add(t.token)
-                    if t.finish_reason is not None:
-                        text += detok.flush()
-                yield GeneratedToken(token=t.token, index=t.index, text=text, finish_reason=t.finish_reason)
+            for t in tokens:
+                piece = detok.flush() if t.token in eos else detok.add(t.token)
+                if t.finish_reason is not None and t.token not in eos:
+                    piece += detok.flush()
+                text, stopped = matcher.feed(piece)
+                finish = t.finish_reason
+                if stopped:
+                    finish = "stop"
+                    tokens.stats.finish_reason = "stop"
+                elif finish is not None:
+                    text += matcher.flush()
+                yield GeneratedToken(token=t.token, index=t.index, text=text, finish_reason=finish,
+                                     logprob=t.logprob, top_logprobs=t.top_logprobs)
+                if stopped:
+                    return
         finally:
-            inner.close()
+            tokens.close()
 
-    return Generation(texts(), inner.stats)
+    return Generation(texts(), tokens.stats, tokens.state)
+
+
+def newline_ids(loaded: "LoadedModel") -> tuple[int, ...]:
+    """Token ids that decode to a bare newline (XTC must not remove them)."""
+    found = []
+    for text in ("\n", "\n\n"):
+        ids = loaded.tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) == 1:
+            found.append(ids[0])
+    return tuple(found)
+
+
+def generate(
+    loaded: "LoadedModel",
+    prompt: str | list[dict[str, Any]],
+    *,
+    sampling: SamplingParams = GREEDY,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+    stop: Iterable[str] = (),
+    chat: bool = False,
+    prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
+    cancel: CancelToken | None = None,
+) -> Generation:
+    """Generate text after ``prompt`` (a string, or chat messages); items carry their text.
+
+    EOS ends the generation and contributes no text; so does a stop string,
+    which is excluded from the text.
+    """
+    ids = prompt_ids_for(loaded, prompt, chat=chat)
+    inner = generate_tokens(
+        loaded.model, ids, sampling=sampling, max_tokens=max_tokens,
+        eos_token_ids=loaded.eos_token_ids, newline_token_ids=newline_ids(loaded),
+        context_length=loaded.context_length, prefill_step_size=prefill_step_size, cancel=cancel,
+    )
+    return stream_text(loaded, inner, stop=stop)
