@@ -27,6 +27,7 @@ import mlx.core as mx
 
 from ..errors import MlxInferError, PromptTooLongError
 from ..sampling import RequestRNG, SamplingParams, make_sampler
+from .prompt_cache import PromptCache
 from .stopping import CancelToken, StopMatcher
 
 if TYPE_CHECKING:
@@ -158,6 +159,8 @@ def generate_tokens(
     rng: RequestRNG | None = None,
     start_index: int = 0,
     pipeline: bool = True,
+    prompt_cache: PromptCache | None = None,
+    namespace: str = "",
 ) -> Generation:
     """Generate token ids after ``prompt_ids``.
 
@@ -178,6 +181,9 @@ def generate_tokens(
         rng: the request's key sequence (default: from ``sampling.seed``).
         start_index: index of the first generated token (a resumed run continues its count).
         pipeline: queue step n+1 before yielding token n (see the module docstring).
+        prompt_cache: reuse the longest cached prefix of ``prompt_ids`` from it
+            (when no ``cache`` is given), and store this run's cache there at the end.
+        namespace: the prompt-cache namespace (e.g. the active adapter set).
 
     Returns:
         A :class:`Generation` (iterator of :class:`GeneratedToken` with ``stats`` and ``state``).
@@ -188,6 +194,8 @@ def generate_tokens(
         raise MlxInferError(f"sampling must be a SamplingParams, got {type(sampling).__name__}.")
     eos = frozenset(eos_token_ids)
     sampler = make_sampler(sampling, eos_token_ids=tuple(eos), newline_token_ids=tuple(newline_token_ids))
+    if cache is None and prompt_cache is not None:
+        cache, _ = prompt_cache.fetch(prompt_ids, namespace)
     cache = model.make_cache() if cache is None else cache
     cached = max((c.offset for c in cache), default=0)
     if cached >= len(prompt_ids):
@@ -198,7 +206,20 @@ def generate_tokens(
     limit = max_tokens if context_length is None else min(max_tokens, context_length - len(prompt_ids) + 1)
     pipeline = pipeline and not sampler.processors
     run = _run(model, state, sampler, limit, eos, prefill_step_size, cancel, start_index, pipeline, stats)
+    if prompt_cache is not None:
+        run = _storing(run, state, prompt_cache, namespace)
     return Generation(run, stats, state)
+
+
+def _storing(run: Iterator[GeneratedToken], state: RunState, prompt_cache: PromptCache,
+             namespace: str) -> Iterator[GeneratedToken]:
+    try:
+        yield from run
+    finally:
+        run.close()  # type: ignore[attr-defined]
+        offset = max((c.offset for c in state.cache), default=0)
+        fed = (state.prompt_ids + state.tokens)[:offset]
+        prompt_cache.store(fed, state.cache, namespace)
 
 
 def _run(model: Any, state: RunState, sampler: Any, limit: int, eos: frozenset[int], prefill_step_size: int,
@@ -338,6 +359,7 @@ def generate(
     chat: bool = False,
     prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
     cancel: CancelToken | None = None,
+    prompt_cache: PromptCache | None = None,
 ) -> Generation:
     """Generate text after ``prompt`` (a string, or chat messages); items carry their text.
 
@@ -349,5 +371,6 @@ def generate(
         loaded.model, ids, sampling=sampling, max_tokens=max_tokens,
         eos_token_ids=loaded.eos_token_ids, newline_token_ids=newline_ids(loaded),
         context_length=loaded.context_length, prefill_step_size=prefill_step_size, cancel=cancel,
+        prompt_cache=prompt_cache,
     )
     return stream_text(loaded, inner, stop=stop)
