@@ -114,3 +114,29 @@ def test_mlx_lm_quantized_dir_gives_mlx_lm_tokens(real_model, tmp_path):
     ids = ours.tokenizer.encode(PROMPTS[0])
     expected = [int(t) for t, _ in generate_step(mx.array(ids), ref_model, max_tokens=STEPS)]
     assert _ours_greedy(ours, ids) == expected
+
+
+def test_resume_in_a_new_process_continues_exactly(real_model, real_gguf, mlx_infer_cache, tmp_path):
+    """Temperature 0.8, fixed seed: stop after 9 tokens, resume in a new process: the same tokens."""
+    from mlx_infer.generation.autoregressive import prompt_ids_for
+    from mlx_infer.generation.checkpoint import generate_checkpointed
+    from mlx_infer.sampling import SamplingParams
+
+    prompt, n = "Once upon a time", 24
+    args = ["--model", str(real_gguf), "--prompt", prompt, "--temp", "0.8", "--seed", "11", "--max-tokens", str(n)]
+    env = dict(os.environ, MLX_INFER_CACHE=str(mlx_infer_cache))
+    cli = [sys.executable, "-m", "mlx_infer", "generate", *args]
+    full = subprocess.run(cli, capture_output=True, text=True, env=env, timeout=900)
+    assert full.returncode == 0, full.stderr
+    sampling = SamplingParams(temperature=0.8, seed=11)
+    gen = generate_checkpointed(real_model, prompt_ids_for(real_model, prompt), tmp_path / "ck", sampling=sampling,
+                                max_tokens=n, execution={"chat": False})
+    first = ""
+    with gen:
+        for t in gen:
+            first += t.text
+            if t.index == 8:
+                break
+    rest = subprocess.run([*cli, "--resume", str(tmp_path / "ck")], capture_output=True, text=True, env=env, timeout=900)
+    assert rest.returncode == 0, rest.stderr
+    assert first + rest.stdout == full.stdout

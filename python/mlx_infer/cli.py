@@ -16,29 +16,54 @@ from .errors import MlxInferError
 
 def _generate(args: argparse.Namespace) -> int:
     from .artifacts.loader import load_model
-    from .generation.autoregressive import generate
+    from .generation.autoregressive import generate, prompt_ids_for
     from .sampling import SamplingParams
 
     sampling = SamplingParams(temperature=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                               repetition_penalty=args.repetition_penalty or 1.0, seed=args.seed)
+    if args.checkpoint and args.resume:
+        raise MlxInferError("give either --checkpoint DIR (a new run) or --resume DIR (continue one), not both.")
     loaded = load_model(args.model, dtype=args.dtype)
     prompt = args.prompt
     if args.chat and args.system_prompt:
         prompt = [{"role": "system", "content": args.system_prompt}, {"role": "user", "content": args.prompt}]
-    gen = generate(loaded, prompt, sampling=sampling, max_tokens=args.max_tokens, chat=args.chat,
-                   stop=args.stop or ())
+    if args.checkpoint or args.resume:
+        gen = _checkpointed(args, loaded, prompt_ids_for(loaded, prompt, chat=args.chat), sampling)
+    else:
+        gen = generate(loaded, prompt, sampling=sampling, max_tokens=args.max_tokens, chat=args.chat,
+                       stop=args.stop or ())
     with gen:
         for item in gen:
             if item.text:
                 sys.stdout.write(item.text)
                 sys.stdout.flush()
-    sys.stdout.write("\n")
     s = gen.stats
+    if s.finish_reason != "cancelled":
+        sys.stdout.write("\n")
     if args.verbose:
         print(f"prompt: {s.prompt_tokens} tokens, {s.prefill_tps:.2f} tokens/s\n"
               f"generation: {s.generated_tokens} tokens, {s.decode_tps:.2f} tokens/s\n"
               f"peak memory: {s.peak_memory_gb:.3f} GB\nfinish: {s.finish_reason}", file=sys.stderr)
+    if s.finish_reason == "cancelled":
+        print(f"mlx-infer: interrupted; resume with --resume {args.checkpoint or args.resume}", file=sys.stderr)
+        return 130
     return 0
+
+
+def _checkpointed(args: argparse.Namespace, loaded: object, prompt_ids: list[int], sampling: object) -> object:
+    """A checkpointed run; Ctrl-C (SIGINT) stops it at the next token and saves."""
+    import signal
+
+    from .generation.checkpoint import generate_checkpointed
+    from .generation.stopping import CancelToken
+
+    cancel = CancelToken()
+    signal.signal(signal.SIGINT, lambda *_: cancel.cancel())
+    return generate_checkpointed(
+        loaded, prompt_ids, args.checkpoint or args.resume, sampling=sampling, max_tokens=args.max_tokens,
+        stop=args.stop or [], resume=bool(args.resume), every=args.checkpoint_every, dtype=args.dtype,
+        cancel=cancel, execution={"chat": args.chat},
+    )
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -117,6 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="cast weights to this dtype")
+    g.add_argument("--checkpoint", default=None, metavar="DIR",
+                   help="save a resumable checkpoint to DIR as it goes and on Ctrl-C")
+    g.add_argument("--resume", default=None, metavar="DIR",
+                   help="continue the run checkpointed in DIR (same prompt and settings); prints only what follows")
+    g.add_argument("--checkpoint-every", type=int, default=16, help="tokens between checkpoint saves")
     g.add_argument("--verbose", type=lambda s: s.lower() in ("1", "true", "yes"), default=True,
                    help="print stats on stderr (default true)")
     g.set_defaults(func=_generate)

@@ -121,7 +121,9 @@ class Generation(Iterator[GeneratedToken]):
 
     def close(self) -> None:
         """Stop generating and release all state."""
-        self._tokens.close()  # type: ignore[attr-defined]
+        close = getattr(self._tokens, "close", None)
+        if close is not None:
+            close()
 
     def __enter__(self) -> "Generation":
         return self
@@ -304,19 +306,20 @@ def prompt_ids_for(loaded: "LoadedModel", prompt: str | list[dict[str, Any]], *,
 
 
 def stream_text(loaded: "LoadedModel", tokens: Generation, *, stop: Iterable[str] = (),
-                emitted_prefix: str = "") -> Generation:
+                prime_ids: Iterable[int] = ()) -> Generation:
     """Turn a token :class:`Generation` into one whose items carry text, applying stop strings.
 
-    ``emitted_prefix`` is text already shown for earlier tokens of the same
-    generation (a resumed run): it is matched against stop strings but not emitted again.
+    ``prime_ids`` are tokens generated earlier in the same generation (a
+    resumed run): they bring the detokenizer and the stop matcher to the state
+    they had, so text is neither repeated nor lost, but are not emitted again.
     """
     matcher = StopMatcher(tuple(stop))
     eos = loaded.eos_token_ids
 
     def texts() -> Iterator[GeneratedToken]:
         detok = loaded.tokenizer.detokenizer()
-        if emitted_prefix:
-            matcher.feed(emitted_prefix)
+        for t in prime_ids:
+            matcher.feed(detok.add(t))
         try:
             for t in tokens:
                 piece = detok.flush() if t.token in eos else detok.add(t.token)

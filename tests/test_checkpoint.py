@@ -1,0 +1,158 @@
+"""Exactly resumable generation: identity, atomic saves, refusals, resume == uninterrupted."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from tiny import make_tiny_model_dir
+
+from mlx_infer.artifacts.loader import load_model
+from mlx_infer.generation.autoregressive import prompt_ids_for
+from mlx_infer.generation.checkpoint import (
+    CheckpointError,
+    canonical_json,
+    generate_checkpointed,
+    identity,
+    identity_fields,
+    load_checkpoint,
+)
+from mlx_infer.sampling import SamplingParams
+
+SAMPLING = SamplingParams(temperature=0.8, seed=3)
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def model_dir(request, tmp_path_factory):
+    return make_tiny_model_dir(tmp_path_factory.mktemp("ck") / request.param, request.param,
+                               max_position_embeddings=100_000)
+
+
+@pytest.fixture(scope="module")
+def loaded(model_dir):
+    return load_model(model_dir)
+
+
+def _run(loaded, directory, *, stop_at=None, resume=False, sampling=SAMPLING, max_tokens=40, prompt="Hello"):
+    gen = generate_checkpointed(loaded, prompt_ids_for(loaded, prompt), directory, sampling=sampling,
+                                max_tokens=max_tokens, resume=resume, every=5)
+    items = []
+    with gen:
+        for t in gen:
+            items.append(t)
+            if stop_at is not None and t.index == stop_at:
+                break
+    return items
+
+
+@pytest.mark.parametrize("stop_at", [0, 4, 13])
+def test_resume_continues_exactly(loaded, tmp_path, stop_at):
+    full = _run(loaded, tmp_path / "full")
+    first = _run(loaded, tmp_path / "ck", stop_at=stop_at)
+    rest = _run(loaded, tmp_path / "ck", resume=True)
+    assert [t.token for t in first + rest] == [t.token for t in full]
+    assert [t.index for t in rest] == list(range(stop_at + 1, 40))
+    assert "".join(t.text for t in first + rest) == "".join(t.text for t in full)
+    assert _run(loaded, tmp_path / "ck", resume=True) == []  # a finished run resumes to nothing
+
+
+def test_identity_is_canonical_and_seed_mode_explicit():
+    a = identity_fields(prompt_ids=[1, 2], sampling=SamplingParams(temperature=0.5, seed=7), binding={"m": 1})
+    b = identity_fields(prompt_ids=[1, 2], sampling=SamplingParams(seed=7, temperature=0.5), binding={"m": 1})
+    assert identity(a) == identity(b) and len(identity(a)) == 64
+    assert canonical_json({"b": 1, "a": [2, 1]}) == '{"a":[2,1],"b":1}'
+    default = identity_fields(prompt_ids=[1, 2], sampling=SamplingParams(temperature=0.5), binding={"m": 1})
+    assert default["seed_mode"] == "default" and "seed" not in default["sampling"]
+    assert a["seed_mode"] == "explicit" and identity(a) != identity(default)
+    assert identity(a) != identity(dict(a, prompt_ids=[1, 3]))
+
+
+def _checkpoint_once(loaded, directory):
+    _run(loaded, directory, stop_at=6)
+    return {p.name: p.read_bytes() for p in directory.iterdir()}
+
+
+@pytest.mark.parametrize("change", ["prompt", "sampling", "max_tokens"])
+def test_refuses_a_different_run_and_overwrites_nothing(loaded, tmp_path, change):
+    d = tmp_path / "ck"
+    before = _checkpoint_once(loaded, d)
+    kwargs = {"prompt": "Goodbye"} if change == "prompt" else (
+        {"sampling": SamplingParams(temperature=0.9, seed=3)} if change == "sampling" else {"max_tokens": 41})
+    with pytest.raises(CheckpointError, match="different run"):
+        _run(loaded, d, resume=True, **kwargs)
+    with pytest.raises(CheckpointError, match="different run"):
+        _run(loaded, d, **kwargs)  # a new run into that directory must not clobber it
+    assert {p.name: p.read_bytes() for p in d.iterdir()} == before
+
+
+def test_refuses_another_model(loaded, tmp_path, model_dir):
+    d = tmp_path / "ck"
+    _checkpoint_once(loaded, d)
+    other = load_model(make_tiny_model_dir(tmp_path / "other", "llama", seed=5))
+    with pytest.raises(CheckpointError, match="binding"):
+        _run(other, d, resume=True)
+
+
+def test_refuses_truncated_and_wrong_version(loaded, tmp_path):
+    d = tmp_path / "ck"
+    _checkpoint_once(loaded, d)
+    kv = d / "kv.safetensors"
+    data = kv.read_bytes()
+    kv.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="truncated or damaged"):
+        load_checkpoint(d)
+    kv.write_bytes(data)
+    meta = json.loads((d / "checkpoint.json").read_text())
+    meta["format_version"] = 99
+    (d / "checkpoint.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="format version 99"):
+        load_checkpoint(d)
+    with pytest.raises(CheckpointError, match="not a checkpoint"):
+        load_checkpoint(tmp_path / "nothing-here")
+
+
+def test_refuses_to_overwrite_a_foreign_directory(loaded, tmp_path):
+    d = tmp_path / "mine"
+    d.mkdir()
+    (d / "thesis.txt").write_text("precious")
+    with pytest.raises(CheckpointError, match="refusing to overwrite"):
+        _run(loaded, d)
+    assert (d / "thesis.txt").read_text() == "precious"
+
+
+def _cli(model_dir, *extra, env=None):
+    return [sys.executable, "-m", "mlx_infer", "generate", "--model", str(model_dir), "--prompt", "Hello",
+            "--temp", "0.8", "--seed", "3", "--max-tokens", "20000", "--checkpoint-every", "64", *extra]
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    return make_tiny_model_dir(tmp_path_factory.mktemp("cli") / "llama", "llama", max_position_embeddings=100_000)
+
+
+def test_cli_ctrl_c_then_resume_equals_uninterrupted(llama_dir, tmp_path):
+    model_dir = llama_dir
+    d = tmp_path / "ck"
+    full = subprocess.run(_cli(model_dir), capture_output=True, timeout=600)
+    assert full.returncode == 0, full.stderr
+    p = subprocess.Popen(_cli(model_dir, "--checkpoint", str(d)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         bufsize=0)  # unbuffered: communicate() must see every byte after `first`
+    first = p.stdout.read(40)  # generation is under way
+    time.sleep(0.2)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 130, err
+    assert b"--resume" in err
+    rest = subprocess.run(_cli(model_dir, "--resume", str(d)), capture_output=True, timeout=600)
+    assert rest.returncode == 0, rest.stderr
+    assert first + out + rest.stdout == full.stdout
+    assert len(first + out) < len(full.stdout)  # it really was interrupted
+
+
+def test_cli_refuses_checkpoint_and_resume_together(llama_dir, tmp_path):
+    r = subprocess.run(_cli(llama_dir, "--checkpoint", str(tmp_path / "a"), "--resume", str(tmp_path / "a")),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "not both" in r.stderr and "Traceback" not in r.stderr
