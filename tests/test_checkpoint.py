@@ -1,7 +1,6 @@
 """Exactly resumable generation: identity, atomic saves, refusals, resume == uninterrupted."""
 
 import json
-import os
 import signal
 import subprocess
 import sys

@@ -322,15 +322,18 @@ def stream_text(loaded: "LoadedModel", tokens: Generation, *, stop: Iterable[str
             matcher.feed(detok.add(t))
         try:
             for t in tokens:
+                # At the end, release held-back text; but not on cancellation: a resumed
+                # run re-creates that held state and emits it once it is complete.
+                ending = t.finish_reason in ("stop", "length")
                 piece = detok.flush() if t.token in eos else detok.add(t.token)
-                if t.finish_reason is not None and t.token not in eos:
+                if ending and t.token not in eos:
                     piece += detok.flush()
                 text, stopped = matcher.feed(piece)
                 finish = t.finish_reason
                 if stopped:
                     finish = "stop"
                     tokens.stats.finish_reason = "stop"
-                elif finish is not None:
+                elif ending:
                     text += matcher.flush()
                 yield GeneratedToken(token=t.token, index=t.index, text=text, finish_reason=finish,
                                      logprob=t.logprob, top_logprobs=t.top_logprobs)
