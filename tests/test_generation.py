@@ -99,3 +99,17 @@ def test_bad_arguments(loaded, kwargs, match):
 def test_empty_prompt(loaded):
     with pytest.raises(MlxInferError, match="empty"):
         generate_tokens(loaded.model, [])
+
+
+def test_seeded_request_draws_the_same_alone_and_in_a_batch(loaded):
+    """Batch independence: each row has its own key sequence and sampler."""
+    from mlx_infer.generation.batch import generate_batch
+
+    prompts = [list(range(10, 22)), list(range(40, 52)), list(range(70, 82))]
+    params = [SamplingParams(temperature=1.2, seed=5), SamplingParams(temperature=0.9, seed=6, top_k=20),
+              SamplingParams()]
+    rows, stats = generate_batch(loaded.model, prompts, max_tokens=10, sampling=params)
+    for prompt, p, row in zip(prompts, params, rows):
+        alone = [t.token for t in generate_tokens(loaded.model, prompt, max_tokens=10, sampling=p)]
+        assert row == alone
+    assert stats.generated_tokens == 30

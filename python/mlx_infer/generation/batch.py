@@ -12,8 +12,8 @@ from typing import Any
 import mlx.core as mx
 
 from ..errors import MlxInferError
-from ..sampling import RequestRNG, sample
-from .autoregressive import DEFAULT_PREFILL_STEP_SIZE, GenerateStats
+from ..sampling import RequestRNG, SamplingParams, make_sampler
+from .autoregressive import DEFAULT_PREFILL_STEP_SIZE, GREEDY, GenerateStats
 
 
 def generate_batch(
@@ -21,11 +21,14 @@ def generate_batch(
     prompts: list[list[int]],
     *,
     max_tokens: int,
-    temperature: float = 0.0,
-    seeds: list[int | None] | None = None,
+    sampling: SamplingParams | list[SamplingParams] = GREEDY,
     prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
 ) -> tuple[list[list[int]], GenerateStats]:
     """Generate ``max_tokens`` tokens for each of B equal-length prompts (no EOS stop).
+
+    Each row samples with its own :class:`SamplingParams` (one for all, or one
+    per row) and its own key sequence, so a seeded row draws the same tokens
+    as it would alone.
 
     Returns:
         The generated ids per prompt and the batch's stats (token counts are
@@ -37,17 +40,25 @@ def generate_batch(
     if max_tokens < 1:
         raise MlxInferError(f"max_tokens must be >= 1, got {max_tokens}.")
     B, L = len(prompts), len(prompts[0])
-    rngs = [RequestRNG(s) for s in (seeds or [None] * B)]
+    params = sampling if isinstance(sampling, list) else [sampling] * B
+    if len(params) != B:
+        raise MlxInferError(f"got {len(params)} SamplingParams for {B} prompts.")
+    samplers = [make_sampler(p) for p in params]
+    rngs = [RequestRNG(p.seed) for p in params]
+    all_greedy = all(p.greedy and not smp.processors for p, smp in zip(params, samplers))
+    history = [list(p) for p in prompts]
     mx.reset_peak_memory()
     cache = model.make_cache()
     tokens = mx.array(prompts, dtype=mx.uint32)  # (B, L)
 
     def step(y: mx.array) -> mx.array:
         logits = model(y, cache=cache)[:, -1, :]  # (B, vocab)
-        if temperature == 0:
-            return sample(logits, temperature=0)[:, None]
-        rows = [sample(logits[i:i + 1], temperature=temperature, rng=r) for i, r in enumerate(rngs)]
-        return mx.concatenate(rows)[:, None]
+        if all_greedy:
+            return mx.argmax(logits, axis=-1)[:, None]  # (B, 1)
+        rows = [smp(logits[i:i + 1], history[i], r) for i, (smp, r) in enumerate(zip(samplers, rngs))]
+        return mx.concatenate(rows)[:, None]  # (B, 1)
+
+    needs_history = any(smp.processors for smp in samplers)
 
     tic = time.perf_counter()
     for start in range(0, L - 1, prefill_step_size):
@@ -58,6 +69,9 @@ def generate_batch(
     first = time.perf_counter()
     out = [y]
     for _ in range(max_tokens - 1):
+        if needs_history:  # penalties read the tokens so far: sync first
+            for h, t in zip(history, y[:, 0].tolist()):
+                h.append(t)
         y = step(y)
         mx.async_eval(y)
         out.append(y)
