@@ -18,6 +18,8 @@ MODEL_TYPE_ALIASES: dict[str, str] = {
     "qwen3": "llama",
     "gemma3": "gemma3",
     "gemma3_text": "gemma3",
+    "gemma4": "gemma4",
+    "gemma4_text": "gemma4",
 }
 
 #: Every ``model_type`` that has a graph here, sorted.
