@@ -171,6 +171,26 @@ def test_release_outside_window_nulls_whole_pages_before_the_window():
     pool.check()
 
 
+def test_windowed_sequence_longer_than_the_pool_still_grows():
+    # Regression (hypothesis): the "more than the whole pool" guard compared
+    # against length + n, but a windowed sequence's length counts tokens on
+    # released (null) pages, so it refused appends that fit in free pages.
+    pool = PagePool(num_pages=6, page_size=2)  # 10 token slots in all
+    pool.add_sequence(1)
+    pool.append(1, 8)
+    assert pool.release_outside_window(1, 1) == 3  # pages of tokens 0..5
+    for _ in range(4):
+        assert pool.append(1, 2) is not None
+        pool.release_outside_window(1, 1)
+    assert pool.length(1) == 16 > 10  # longer than the pool
+    assert pool.num_free_pages() == 4
+    r = pool.append(1, 7)  # needs 4 pages, 4 free
+    assert r is not None and len(r.slots) == 7 and pool.length(1) == 23
+    assert pool.append(1, 2) is None  # genuinely out of pages now
+    assert pool.append(1, 11) is None  # more than the pool: refused outright
+    pool.check()
+
+
 def test_bad_input_is_a_value_error_with_a_reason():
     with pytest.raises(ValueError, match=r"\[PagePool\] page_size must be a positive power of two"):
         PagePool(num_pages=4, page_size=3)

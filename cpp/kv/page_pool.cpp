@@ -153,8 +153,12 @@ std::optional<AppendResult> PagePool::append(int64_t seq_id, int64_t n_tokens) {
     return out;
   }
   const int64_t len = q.length;
-  if (n_tokens > static_cast<int64_t>(num_pages()) * page_size_ - len) {
-    return std::nullopt;  // more than the whole pool: plainly out of pages
+  // More tokens than the whole pool holds can never fit (and would overflow
+  // the page math below). Compare against n_tokens alone, not len + n_tokens:
+  // a windowed sequence's length counts tokens whose pages were released to
+  // the null page, so it may exceed the pool's capacity and still grow.
+  if (n_tokens > static_cast<int64_t>(num_pages()) * page_size_) {
+    return std::nullopt;
   }
   const int64_t new_pages = pages_for(len + n_tokens, page_size_) -
       static_cast<int64_t>(q.pages.size());

@@ -62,16 +62,18 @@ def create_attention_mask(h: mx.array, cache: Any = None, window_size: int | Non
     return "causal"
 
 
-def scaled_dot_product_attention(queries: mx.array, keys: mx.array, values: mx.array, *,
+def scaled_dot_product_attention(queries: mx.array, keys: Any, values: Any, *,
                                  scale: float, mask: Mask) -> mx.array:
     """Softmax attention over ``(B, H, L, D)`` queries and ``(B, KVH, S, D)`` keys/values.
 
     Grouped-query attention (``H`` a multiple of ``KVH``) is handled by the kernel.
+    Keys and values given as ``(packed, scales, biases)`` tuples (a quantized
+    KV cache) go through :func:`quantized_scaled_dot_product_attention`.
 
     Args:
         queries: ``(B, H, L, D)``.
-        keys: ``(B, KVH, S, D)``.
-        values: ``(B, KVH, S, Dv)``.
+        keys: ``(B, KVH, S, D)``, or a quantized tuple.
+        values: ``(B, KVH, S, Dv)``, or a quantized tuple.
         scale: multiplier on ``q . k`` (usually ``D ** -0.5``).
         mask: ``None``, ``"causal"`` or a boolean/additive array
             broadcastable to ``(B, H, L, S)``.
@@ -79,4 +81,53 @@ def scaled_dot_product_attention(queries: mx.array, keys: mx.array, values: mx.a
     Returns:
         ``(B, H, L, Dv)``.
     """
+    if isinstance(keys, tuple):
+        return quantized_scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+
+def quantized_scaled_dot_product_attention(queries: mx.array, q_keys: tuple[mx.array, ...],
+                                           q_values: tuple[mx.array, ...], *, scale: float,
+                                           mask: Mask) -> mx.array:
+    """Attention over affine-quantized K/V (the same ops, in the same order, as mlx-lm's).
+
+    Bits and group size are read off the shapes: ``packed`` is
+    ``(B, KVH, S, D * bits / 32)`` uint32 and ``scales``/``biases`` are
+    ``(B, KVH, S, D / group_size)``.
+
+    Args:
+        queries: ``(B, H, L, D)``.
+        q_keys: ``(packed, scales, biases)`` of the keys.
+        q_values: ``(packed, scales, biases)`` of the values (value dim ``D``).
+        scale: multiplier on ``q . k``.
+        mask: as for :func:`scaled_dot_product_attention`.
+
+    Returns:
+        ``(B, H, L, D)``.
+    """
+    B, n_q_heads, L, D = queries.shape
+    n_kv_heads = q_keys[0].shape[-3]
+    n_repeats = n_q_heads // n_kv_heads
+    bits = q_keys[0].shape[-1] * 32 // D
+    group_size = D // q_keys[1].shape[-1]
+    queries = queries * scale
+    if n_repeats > 1:
+        queries = mx.reshape(queries, (B, n_kv_heads, n_repeats, L, D))  # (B, KVH, rep, L, D)
+        q_keys = tuple(mx.expand_dims(x, axis=-3) for x in q_keys)  # (B, KVH, 1, S, w)
+        q_values = tuple(mx.expand_dims(x, axis=-3) for x in q_values)
+    scores = mx.quantized_matmul(queries, *q_keys, transpose=True, group_size=group_size, bits=bits)
+    if mask is not None:
+        if isinstance(mask, str):
+            qL, kL = scores.shape[-2:]
+            mask = mx.arange(kL - qL, kL)[:, None] >= mx.arange(kL)[None]  # (L, S) bottom-right causal
+        if n_repeats > 1 and mask.ndim > 3:
+            mask = mx.expand_dims(mask, -3)
+        if mask.dtype == mx.bool_:
+            scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
+        else:
+            scores += mask
+    scores = mx.softmax(scores, axis=-1, precise=True)
+    out = mx.quantized_matmul(scores, *q_values, transpose=False, group_size=group_size, bits=bits)
+    if n_repeats > 1:
+        out = mx.reshape(out, (B, n_q_heads, L, D))
+    return out
