@@ -131,7 +131,9 @@ def write_plot(doc: dict[str, Any], path: Path, *, x: str = "engine") -> None:
             lo = [v - next(r[f"{metric}_min"] for r in rows if r["engine"] == e) for v, e in zip(values, engines)]
             hi = [next(r[f"{metric}_max"] for r in rows if r["engine"] == e) - v for v, e in zip(values, engines)]
             bars = ax.bar(engines, values, yerr=[lo, hi], capsize=6, color=["#1f77b4", "#ff7f0e", "#2ca02c"][: len(engines)])
-            ax.bar_label(bars, fmt="%.1f", padding=3)
+            ax.bar_label(bars, labels=[f"{v:.1f}" for v in values], label_type="center", color="white",
+                         fontweight="bold")
+            ax.set_ylim(0, max(v + h for v, h in zip(values, hi)) * 1.1)
             ax.set_xlabel("engine")
         else:
             for e in engines:
