@@ -27,7 +27,14 @@ def _generate(args: argparse.Namespace) -> int:
     prompt = args.prompt
     if args.chat and args.system_prompt:
         prompt = [{"role": "system", "content": args.system_prompt}, {"role": "user", "content": args.prompt}]
-    if args.checkpoint or args.resume:
+    if loaded.model.declaration.method == "denoising":
+        from .generation import denoising
+
+        if args.checkpoint or args.resume:
+            raise MlxInferError("--checkpoint/--resume work with autoregressive models only; this one denoises.")
+        gen = denoising.generate(loaded, prompt, sampling=sampling, max_tokens=args.max_tokens, chat=args.chat,
+                                 stop=args.stop or ())
+    elif args.checkpoint or args.resume:
         gen = _checkpointed(args, loaded, prompt_ids_for(loaded, prompt, chat=args.chat), sampling)
     else:
         gen = generate(loaded, prompt, sampling=sampling, max_tokens=args.max_tokens, chat=args.chat,

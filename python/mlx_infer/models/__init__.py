@@ -20,6 +20,8 @@ MODEL_TYPE_ALIASES: dict[str, str] = {
     "gemma3_text": "gemma3",
     "gemma4": "gemma4",
     "gemma4_text": "gemma4",
+    "diffusion_gemma": "diffusion_gemma",
+    "diffusion_gemma_text": "diffusion_gemma",
 }
 
 #: Every ``model_type`` that has a graph here, sorted.
