@@ -9,13 +9,11 @@ Quick start::
 
 from __future__ import annotations
 
-import mlx.core as _mx  # libmlx must be loaded before our extension links against it
+# Imports mlx.core first (loading libmlx), refuses an mlx other than the one the C++ core
+# was built against (ImportError naming both versions), and only then loads _fast.
+from ._version_check import import_fast as _import_fast
 
-from ._version_check import check_mlx_version as _check_mlx_version
-
-_check_mlx_version(_mx.__version__)
-
-from . import _fast  # noqa: E402
+_fast = _import_fast()
 
 __version__ = "0.1.0"
 
