@@ -1,4 +1,4 @@
-"""``mlx-infer generate | convert | bench`` — thin over the library.
+"""``mlx-infer generate | serve | convert | bench`` — thin over the library.
 
 Flags follow ``mlx_lm.generate`` / ``mlx_lm.convert`` where the verbs overlap.
 Generated text goes to stdout; stats, progress and errors go to stderr.
@@ -128,6 +128,18 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        from .server import ServeOptions, serve
+    except ImportError:
+        raise MlxInferError("serve needs the server extra: pip install 'mlx-infer[server]'.") from None
+
+    serve(ServeOptions(model=args.model, host=args.host, port=args.port, max_batch=args.max_batch,
+                       memory_budget_gb=args.memory_budget, api_key=args.api_key, max_tokens=args.max_tokens,
+                       prefill_step_size=args.prefill_step_size, log_level=args.log_level))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The CLI's argument parser."""
     p = argparse.ArgumentParser(prog="mlx-infer", description="Run language models on MLX.")
@@ -157,6 +169,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--verbose", type=lambda s: s.lower() in ("1", "true", "yes"), default=True,
                    help="print stats on stderr (default true)")
     g.set_defaults(func=_generate)
+
+    s = sub.add_parser("serve", help="serve an OpenAI-compatible API (continuous batching)")
+    s.add_argument("--model", default=None, help="model directory or .gguf file (default: the embedded Gemma 3 270M)")
+    s.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+    s.add_argument("--port", type=int, default=8080, help="TCP port")
+    s.add_argument("--max-batch", type=int, default=32, help="most requests running at once")
+    s.add_argument("--memory-budget", type=float, default=1.0, metavar="GB",
+                   help="memory for KV pages and activations, weights excluded")
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    s.add_argument("--max-tokens", type=int, default=512, help="default max tokens of a chat completion")
+    s.add_argument("--prefill-step-size", type=int, default=512, help="prompt tokens per engine iteration")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.set_defaults(func=_serve)
 
     c = sub.add_parser("convert", help="write a GGUF or HF model as an MLX directory")
     c.add_argument("--model", "--hf-path", dest="model", required=True, help="source .gguf file or HF directory")

@@ -1,0 +1,113 @@
+"""Engine settings and how the KV page pool is sized from a memory budget."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from ..errors import MlxInferError
+from ..state.paged import model_geometry
+
+DEFAULT_MAX_BATCH = 32
+DEFAULT_PAGE_SIZE = 16
+DEFAULT_PREFILL_STEP_SIZE = 512
+DEFAULT_MEMORY_BUDGET_GB = 1.0
+DEFAULT_MAX_QUEUE = 4096
+#: Fraction of the memory budget given to KV pages; the rest is headroom for
+#: activations (prefill chunks, the batched decode step's gathers and logits).
+KV_FRACTION = 0.8
+_FALLBACK_CONTEXT = 8192
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """How the engine schedules and how much memory it may use.
+
+    Args:
+        max_batch: most requests running at once (prefilling or decoding).
+        memory_budget_gb: memory for KV pages plus activations, weights
+            excluded; :data:`KV_FRACTION` of it sizes the page pool (admission
+            is by free pages, so the KV never outgrows it; the rest is headroom
+            for activations, which ``prefill_step_size`` and ``max_batch`` bound).
+        memory_limit_gb: optionally also hold admissions while MLX's active
+            memory (the whole process: other models too) exceeds this.
+        num_pages: explicit pool size (null page included); overrides the budget's.
+        page_size: tokens per KV page (a power of two).
+        prefill_step_size: prompt tokens computed per engine iteration (the
+            chunk that sits between two decode steps).
+        max_queue: waiting requests beyond which ``submit`` refuses new ones.
+        prefix_cache: index finished prompts' full pages for reuse.
+        pipeline: queue decode step n+1 before reading step n's tokens.
+        kv_scheme: per-layer KV storage (see :class:`~mlx_infer.state.paged.PagedKVStore`).
+        kv_dtype: element type of plain KV storage (default: the model's).
+    """
+
+    max_batch: int = DEFAULT_MAX_BATCH
+    memory_budget_gb: float = DEFAULT_MEMORY_BUDGET_GB
+    memory_limit_gb: float | None = None
+    num_pages: int | None = None
+    page_size: int = DEFAULT_PAGE_SIZE
+    prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE
+    max_queue: int = DEFAULT_MAX_QUEUE
+    prefix_cache: bool = True
+    pipeline: bool = True
+    kv_scheme: Any = None
+    kv_dtype: mx.Dtype | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch", "page_size", "prefill_step_size", "max_queue"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise MlxInferError(f"EngineConfig.{name} must be a positive integer, got {v!r}.")
+        if self.page_size & (self.page_size - 1):
+            raise MlxInferError(f"EngineConfig.page_size must be a power of two, got {self.page_size}.")
+        if not isinstance(self.memory_budget_gb, (int, float)) or not self.memory_budget_gb > 0:
+            raise MlxInferError(f"EngineConfig.memory_budget_gb must be > 0, got {self.memory_budget_gb!r}.")
+        if self.memory_limit_gb is not None and not (isinstance(self.memory_limit_gb, (int, float))
+                                                     and self.memory_limit_gb > 0):
+            raise MlxInferError(f"EngineConfig.memory_limit_gb must be > 0, got {self.memory_limit_gb!r}.")
+        if self.num_pages is not None and (not isinstance(self.num_pages, int) or self.num_pages < 2):
+            raise MlxInferError(f"EngineConfig.num_pages must be an integer >= 2, got {self.num_pages!r}.")
+
+    @property
+    def memory_budget_bytes(self) -> int:
+        return int(self.memory_budget_gb * 2**30)
+
+
+def model_dtype(model: Any) -> mx.Dtype:
+    """The dtype activations (and so plain KV) take: the first floating parameter's."""
+    for _, v in tree_flatten(model.parameters()):
+        if mx.issubdtype(v.dtype, mx.floating):
+            return v.dtype
+    return mx.float32
+
+
+def kv_page_bytes(model: Any, page_size: int, dtype: mx.Dtype | None = None) -> int:
+    """Bytes one page takes over every layer (K and V, plain storage)."""
+    windows, kv_heads, head_dim = model_geometry(model)
+    itemsize = (dtype or model_dtype(model)).size
+    return len(windows) * 2 * kv_heads * page_size * head_dim * itemsize
+
+
+def pool_pages(model: Any, config: EngineConfig, context_length: int | None) -> int:
+    """Pages for the pool: the explicit count, else the KV share of the budget.
+
+    Never more than ``max_batch`` full contexts twice over (the second half
+    keeps finished prefixes cached) plus the null page.
+    """
+    if config.num_pages is not None:
+        return config.num_pages
+    per_page = kv_page_bytes(model, config.page_size, config.kv_dtype)
+    pages = int(config.memory_budget_bytes * KV_FRACTION) // per_page
+    context = context_length or _FALLBACK_CONTEXT
+    cap = 2 * config.max_batch * math.ceil(context / config.page_size) + 1
+    pages = min(pages, cap)
+    if pages < 2:
+        raise MlxInferError(
+            f"A memory budget of {config.memory_budget_gb} GB holds no KV page of "
+            f"{per_page} bytes for this model; raise --memory-budget.")
+    return pages

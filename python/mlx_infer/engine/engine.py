@@ -1,0 +1,581 @@
+"""The continuous-batching engine: one thread runs every model step.
+
+An iteration of the engine thread::
+
+    1. intake     new requests join the queue; cancelled ones finish now
+                  (their pages go back to the pool before anything else runs)
+    2. admit      scheduler: pages, batch room, memory (see scheduler.py)
+    3. prefill    up to ``prefill_step_size`` prompt tokens, in chunks of
+                  the admitted requests, through the graph's hidden phase
+                  only (no LM head); the last prompt token is left out
+    4. decode     one forward of every decoding request, B rows of one token:
+                  a request whose prefill just ended joins here with its
+                  last prompt token, so joining costs no extra forward
+    5. read       step n-1's tokens are read while step n runs (pipelined);
+                  text, stop strings, logprobs, finish; finished requests
+                  free their pages at once
+
+Why prefill chunks and decode steps alternate rather than share a forward:
+the graphs take ``(B, L)`` tokens with one position offset per row and a
+``(B, 1, L, S)`` mask, so a chunk of L prompt tokens and B single-token rows
+could only share a forward by padding every decode row to L (L - 1 wasted
+positions each, and pad K/V written into pages) or through a packed
+variable-length attention the model files do not have. Feeding the last
+prompt token through the decode step is the part of mixing the graph allows.
+
+Preemption recomputes (see :mod:`.scheduler`): on unified memory a swap to
+"host" memory frees nothing, and registering the victim's pages in the
+prefix index lets re-admission reuse whatever was not evicted meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import mlx.core as mx
+
+from ..errors import MlxInferError, PromptTooLongError
+from ..generation.autoregressive import newline_ids
+from ..generation.stopping import StopMatcher
+from ..sampling import RequestRNG, SampleOutput, make_sampler
+from ..state.paged import PagedKVStore
+from .batch import DecodeBatch
+from .config import EngineConfig, pool_pages
+from .metrics import EngineMetrics, prometheus_text
+from .request import EngineRequest, RequestHandle, RequestResult, TokenEvent, wake
+from .scheduler import DECODE, DONE, PREFILL, LiveRequest, Scheduler
+
+log = logging.getLogger("mlx_infer.engine")
+
+
+class RequestTooLargeError(MlxInferError):
+    """The prompt cannot fit the KV page pool even with nothing else running."""
+
+
+class QueueFullError(MlxInferError):
+    """The engine's queue is at ``max_queue``; retry later."""
+
+
+class EngineClosedError(MlxInferError):
+    """The engine was stopped."""
+
+
+@dataclass
+class _Step:
+    rows: list[LiveRequest]
+    tokens: mx.array  # (B,) uint32
+    outs: list[SampleOutput | None] | None
+
+
+class Engine:
+    """Continuous batching over a paged KV store for one loaded model.
+
+    Use it as a context manager (or call :meth:`start` / :meth:`stop`); the
+    engine thread then runs iterations while there is work. Without the thread,
+    :meth:`step` runs one iteration on the caller's thread.
+
+    Args:
+        loaded: the model, tokenizer and facts from :func:`mlx_infer.artifacts.loader.load_model`.
+        config: scheduling and memory settings.
+
+    Attributes:
+        store: the :class:`PagedKVStore` every request's pages live in.
+        scheduler: queue and running set.
+        metrics: counters (see :meth:`stats`).
+    """
+
+    def __init__(self, loaded: Any, config: EngineConfig | None = None):
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.config = config = config or EngineConfig()
+        self.context_length: int | None = loaded.context_length
+        self.eos = frozenset(loaded.eos_token_ids)
+        self.newlines = newline_ids(loaded)
+        self.vocab_size = int(getattr(self.model.args, "vocab_size", 0)) or None
+        self.store = PagedKVStore.for_model(
+            self.model, num_pages=pool_pages(self.model, config, self.context_length),
+            page_size=config.page_size, dtype=config.kv_dtype, kv_scheme=config.kv_scheme)
+        self.metrics = EngineMetrics()
+        self.scheduler = Scheduler(
+            self.store, max_batch=config.max_batch,
+            # Released window pages cannot be shared: prefix reuse needs every page kept.
+            prefix_cache=config.prefix_cache and self.store.release_window is None,
+            memory_limit=None if config.memory_limit_gb is None else int(config.memory_limit_gb * 2**30),
+            on_admit=lambda r: self.metrics.admitted(r.prompt_len, r.cached_tokens or 0))
+        self._lock = threading.Lock()
+        self._inbox: deque[LiveRequest] = deque()
+        self._cancels: set[str] = set()
+        self._live: dict[str, LiveRequest] = {}
+        self._order = 0
+        self._inflight: _Step | None = None
+        self._wakeups: dict | None = None  # set while a step's tokens are handed out
+        self._batch: DecodeBatch | None = None
+        self._batch_key: tuple[int, ...] = ()
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._gauges: dict[str, Any] = {}
+        self._update_gauges()
+
+    # -- lifecycle ----------------------------------------------------------
+
+    def start(self) -> "Engine":
+        """Start the engine thread (idempotent)."""
+        if self._closed:
+            raise EngineClosedError("This engine was stopped; create a new one.")
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="mlx-infer-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop the thread; unfinished requests end with ``"cancelled"`` and free their pages."""
+        self._closed = True
+        self._stopping.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._drain()
+
+    def __enter__(self) -> "Engine":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    # -- caller API ---------------------------------------------------------
+
+    def submit(self, request: EngineRequest, *, on_token: Callable[[TokenEvent], None] | None = None) -> RequestHandle:
+        """Queue ``request``; returns its :class:`RequestHandle` at once.
+
+        Raises:
+            PromptTooLongError: the prompt does not fit the model's context window.
+            RequestTooLargeError: the prompt needs more KV pages than the pool has.
+            QueueFullError: ``max_queue`` requests are already waiting.
+            MlxInferError: other bad input (token ids or logit-bias ids outside the vocabulary).
+        """
+        if self._closed:
+            raise EngineClosedError("This engine was stopped; create a new one.")
+        n = len(request.prompt_ids)
+        if self.context_length is not None and n >= self.context_length:
+            raise PromptTooLongError(
+                f"The prompt has {n} tokens but the model's context window is {self.context_length} "
+                f"tokens, which must also hold at least one generated token; shorten the prompt by "
+                f"at least {n - self.context_length + 1} tokens.")
+        need = self.scheduler.pages_for(n + 1)
+        if need > self.scheduler.capacity_pages:
+            raise RequestTooLargeError(
+                f"The prompt has {n} tokens and needs {need} KV pages of {self.store.page_size} tokens; "
+                f"the server's pool holds {self.scheduler.capacity_pages}. Shorten the prompt or start "
+                "the server with a larger --memory-budget.")
+        if self.vocab_size is not None:
+            if max(request.prompt_ids) >= self.vocab_size:
+                raise MlxInferError(f"prompt token ids must be < the vocabulary size {self.vocab_size}.")
+            request.sampling.validate(self.vocab_size)
+        if request.sampling.seed is not None and request.sampling.seed >= 2**64:
+            raise MlxInferError(f"seed must be < 2**64, got {request.sampling.seed}.")
+        limit = request.max_tokens
+        if self.context_length is not None:
+            limit = min(limit, self.context_length - n + 1)
+        handle = RequestHandle(request, self.cancel, on_token)
+        with self._lock:
+            if request.request_id in self._live:
+                raise MlxInferError(f"request id {request.request_id!r} is already running.")
+            if len(self._inbox) + len(self.scheduler.waiting) >= self.config.max_queue:
+                self.metrics.rejected_total += 1
+                raise QueueFullError(f"The queue holds {self.config.max_queue} waiting requests; retry later.")
+            self._order += 1
+            live = LiveRequest(request, handle, self._order, limit)
+            live.t_submit = time.perf_counter()
+            self._live[request.request_id] = live
+            self._inbox.append(live)
+        self._wake.set()
+        return handle
+
+    def cancel(self, request_id: str) -> None:
+        """Cancel a request (a no-op once it finished); pages are freed at the next iteration."""
+        with self._lock:
+            if request_id in self._live:
+                self._cancels.add(request_id)
+        self._wake.set()
+
+    def generate(self, requests: Iterable[EngineRequest], timeout: float | None = None) -> list[RequestResult]:
+        """Submit ``requests`` together and wait for all; results in order (starts the thread)."""
+        self.start()
+        handles = [self.submit(r) for r in requests]
+        return [h.result(timeout) for h in handles]
+
+    # -- introspection -------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """Metrics and gauges (queue depth, running, pages, memory) as a dict."""
+        with self._lock:
+            out = dict(self._gauges)
+            out["queue_depth"] += len(self._inbox)
+        out.update(self.metrics.snapshot())
+        out["memory_active_bytes"] = mx.get_active_memory()
+        out["memory_peak_bytes"] = mx.get_peak_memory()
+        return out
+
+    def prometheus(self) -> str:
+        """:meth:`stats` in the Prometheus text format."""
+        s = self.stats()
+        order = ["queue_depth", "running", "requests_total", "prompt_tokens_total", "cached_tokens_total",
+                 "prefill_tokens_total", "generation_tokens_total", "decode_steps_total", "preemptions_total",
+                 "rejected_total", "generation_tokens_per_second", "prompt_tokens_per_second",
+                 "prefix_hit_rate", "kv_pages_total", "kv_pages_used", "kv_pages_free", "kv_pages_cached",
+                 "kv_page_usage", "memory_active_bytes", "memory_peak_bytes"]
+        return prometheus_text({k: s[k] for k in order})
+
+    def _update_gauges(self) -> None:
+        pool = self.store.pool
+        total = pool.num_pages - 1
+        used = pool.num_used_pages()
+        g = {"queue_depth": len(self.scheduler.waiting), "running": len(self.scheduler.running),
+             "kv_pages_total": total, "kv_pages_used": used, "kv_pages_free": pool.num_free_pages(),
+             "kv_pages_cached": pool.num_cached_pages(), "kv_page_usage": used / total if total else 0.0}
+        with self._lock:
+            self._gauges = g
+
+    # -- the engine thread -----------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                try:
+                    busy = self.step()
+                except Exception as e:  # a bug or an MLX failure: fail the requests, keep serving
+                    log.exception("engine iteration failed")
+                    self._fail_all(f"{type(e).__name__}: {e}")
+                    busy = False
+                if not busy:
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+        finally:
+            self._inflight = None
+            mx.synchronize()
+            # MLX keeps per-thread stream state; a thread that used MLX must clear it
+            # before it ends, or interpreter exit may abort (ml-explore/mlx#3126).
+            mx.clear_streams()
+
+    def has_work(self) -> bool:
+        """Whether anything is queued, running or in flight."""
+        return bool(self._inbox or self._cancels or self.scheduler.waiting or self.scheduler.running
+                    or self._inflight)
+
+    def step(self) -> bool:
+        """One iteration (see the module docstring); returns whether it did any work."""
+        self._intake()
+        admitted, unfit = self.scheduler.admit()
+        for r in unfit:
+            self._finish(r, "length")
+        busy = self._prefill()
+        launched = self._decode()
+        if self._inflight is not None:
+            self._consume(self._inflight)
+            self._inflight = None
+            busy = True
+        if launched is not None:
+            busy = True
+            if self.config.pipeline and not any(r.needs_history for r in launched.rows):
+                self._inflight = launched
+            else:
+                self._consume(launched)
+        self._update_gauges()
+        return busy or bool(admitted or unfit)
+
+    def run_until_idle(self, max_iterations: int = 1_000_000) -> None:
+        """Run iterations on this thread until nothing is left (no engine thread needed)."""
+        for _ in range(max_iterations):
+            if not self.has_work():
+                return
+            self.step()
+
+    def _intake(self) -> None:
+        with self._lock:
+            new, self._inbox = list(self._inbox), deque()
+            cancels, self._cancels = self._cancels, set()
+        for live in new:
+            p = live.request.sampling
+            try:
+                live.sampler = make_sampler(p, eos_token_ids=tuple(self.eos), newline_token_ids=self.newlines)
+                live.rng = RequestRNG(p.seed)
+            except Exception as e:  # this request's parameters, not the engine: fail it alone
+                self._finish(live, "error", error=f"{type(e).__name__}: {e}")
+                continue
+            live.detok = self.tokenizer.detokenizer()
+            live.matcher = StopMatcher(live.request.stop)
+            live.needs_history = bool(live.sampler.processors)
+            live.simple = p.greedy and not live.needs_history and not p.logprobs
+            self.scheduler.enqueue(live)
+        for rid in cancels:
+            live = self._live.get(rid)
+            if live is not None and live.state != DONE:
+                self._finish(live, "cancelled")
+
+    # -- prefill ----------------------------------------------------------------
+
+    def _prefill(self) -> bool:
+        """Up to ``prefill_step_size`` prompt tokens: rows with prompts left advance together by
+        the same chunk (one ``(B, n)`` forward), so equal-length prompts prefill as one batch."""
+        budget = self.config.prefill_step_size
+        did = False
+        while budget > 0:
+            rows = [r for r in self.scheduler.running if r.state == PREFILL][:budget]
+            if not rows:
+                break
+            n = min(min(len(r.all_ids) - 1 - r.prefilled for r in rows), max(1, budget // len(rows)))
+            if len(rows) > 1:
+                batch = self.store.batch([r.seq for r in rows])
+                if not batch.reserve(n):
+                    rows = rows[:1]  # short of pages: the oldest alone (it may preempt younger ones)
+            if len(rows) == 1:
+                r = rows[0]
+                n = min(budget, len(r.all_ids) - 1 - r.prefilled)
+                if not self._reserve_prefill(r, n):
+                    break
+                caches = r.caches
+            else:
+                caches = batch.caches
+            tokens = mx.array([r.all_ids[r.prefilled:r.prefilled + n] for r in rows], mx.uint32)  # (B, n)
+            h = self.model.model(tokens, cache=caches)  # (B, n, hidden): K/V written to pages
+            mx.async_eval(h)
+            budget -= n * len(rows)
+            did = True
+            self.metrics.prefilled(n * len(rows))
+            for r in rows:
+                r.prefilled += n
+                target = len(r.all_ids) - 1
+                if r.prefilled == target:
+                    self.scheduler.register_prompt(r, target)
+                    r.state = DECODE
+                    r.next_input = r.all_ids[-1]
+        return did
+
+    def _reserve_prefill(self, r: LiveRequest, n: int) -> bool:
+        """Reserve ``n`` tokens for ``r``, preempting younger requests if pages are short."""
+        while not r.seq.reserve(n):
+            victim = self.scheduler.youngest()
+            if victim is r and len(self.scheduler.running) == 1:
+                self._finish(r, "error", error="the KV page pool is too small for this prompt")
+                return False
+            if victim is r:
+                return False  # wait: decoding requests free pages as they finish
+            self._sync()
+            self._preempt(victim)
+        return True
+
+    # -- decode -----------------------------------------------------------------
+
+    def _decode(self) -> _Step | None:
+        rows = [r for r in self.scheduler.running if r.state == DECODE]
+        if not rows:
+            return None
+        if self._inflight is not None and (not self.config.pipeline or any(r.needs_history for r in rows)):
+            self._sync()  # penalties read the history, in-flight token included
+            rows = [r for r in self.scheduler.running if r.state == DECODE]
+        batch = None
+        while rows:
+            batch = self._batch_for(rows)
+            if batch.reserve():
+                break
+            if self._inflight is not None:  # settle pending tokens first: finishes free pages
+                self._sync()
+            else:
+                victim = self.scheduler.youngest()
+                if victim is rows[0] and len(self.scheduler.running) == 1:
+                    self._finish(victim, "length")  # alone and the pool is full: out of KV capacity
+                else:
+                    self._preempt(victim)
+            rows = [r for r in self.scheduler.running if r.state == DECODE]
+        if not rows:
+            return None
+        inputs = self._inputs(rows)  # (B,)
+        logits = self.model(inputs[:, None], cache=batch.caches)[:, -1, :]  # (B, vocab)
+        batch.commit()
+        tokens, outs = self._sample(rows, logits)
+        pending = [tokens]
+        for o in outs or ():
+            if o is not None and o.token_logprob is not None:
+                pending += [o.token_logprob] + ([o.top_ids, o.top_logprobs] if o.top_ids is not None else [])
+        mx.async_eval(pending)
+        for i, r in enumerate(rows):
+            r.next_input = (tokens, i)
+        return _Step(rows, tokens, outs)
+
+    def _batch_for(self, rows: list[LiveRequest]) -> DecodeBatch:
+        key = tuple(r.seq.seq_id for r in rows)
+        if key != self._batch_key or self._batch is None:
+            self._batch = DecodeBatch(self.store, [r.seq for r in rows])
+            self._batch_key = key
+        return self._batch
+
+    @staticmethod
+    def _inputs(rows: list[LiveRequest]) -> mx.array:
+        """The rows' next tokens: slices of earlier steps' lazy outputs, or host ints."""
+        first = rows[0].next_input
+        if isinstance(first, tuple) and first[0].shape[0] == len(rows) and all(
+                isinstance(r.next_input, tuple) and r.next_input[0] is first[0] and r.next_input[1] == i
+                for i, r in enumerate(rows)):
+            return first[0]  # the same rows as last step: feed its output as is
+        pieces: list[mx.array] = []
+        host: list[int] = []
+        run: list[Any] = []  # [array, start, stop] of consecutive rows of one array
+        for r in rows:
+            ni = r.next_input
+            if isinstance(ni, tuple) and run and run[0] is ni[0] and run[2] == ni[1]:
+                run[2] += 1
+                continue
+            if run:
+                pieces.append(run[0][run[1]:run[2]])
+                run = []
+            if isinstance(ni, tuple):
+                if host:
+                    pieces.append(mx.array(host, mx.uint32))
+                    host = []
+                run = [ni[0], ni[1], ni[1] + 1]
+            else:
+                host.append(int(ni))
+        if run:
+            pieces.append(run[0][run[1]:run[2]])
+        if host:
+            pieces.append(mx.array(host, mx.uint32))
+        return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces)
+
+    def _sample(self, rows: list[LiveRequest], logits: mx.array) -> tuple[mx.array, list | None]:
+        """Each row with its own sampler and key sequence; greedy rows share one argmax."""
+        if all(r.simple for r in rows):
+            return mx.argmax(logits, axis=-1), None  # (B,) uint32
+        greedy = mx.argmax(logits, axis=-1) if any(r.simple for r in rows) else None
+        pieces, outs = [], []
+        for i, r in enumerate(rows):
+            if r.simple:
+                pieces.append(greedy[i:i + 1])
+                outs.append(None)
+                continue
+            out = r.sampler.step(logits[i:i + 1], r.all_ids if r.needs_history else (), r.rng)
+            pieces.append(out.token if out.token.dtype == mx.uint32 else out.token.astype(mx.uint32))
+            outs.append(out)
+        return mx.concatenate(pieces), outs
+
+    # -- reading tokens ----------------------------------------------------------
+
+    def _sync(self) -> None:
+        if self._inflight is not None:
+            step, self._inflight = self._inflight, None
+            self._consume(step)
+
+    def _consume(self, step: _Step) -> None:
+        tokens = step.tokens.tolist()
+        now = time.perf_counter()
+        n = 0
+        self._wakeups = {}  # one wake-up per event loop for the whole step
+        try:
+            for i, r in enumerate(step.rows):
+                if r.state != DECODE:
+                    continue  # cancelled (or finished) while the step ran
+                if r.t_first is None:
+                    r.t_first = now
+                n += 1
+                try:
+                    lp = top = None
+                    out = step.outs[i] if step.outs is not None else None
+                    if out is not None and out.token_logprob is not None:
+                        lp = out.token_logprob[0].item()
+                        if out.top_ids is not None:
+                            top = list(zip(out.top_ids[0].tolist(), out.top_logprobs[0].tolist()))
+                    if self.vocab_size is not None and not 0 <= tokens[i] < self.vocab_size:
+                        raise MlxInferError(f"sampled token id {tokens[i]} is outside the vocabulary")
+                    self._emit(r, tokens[i], lp, top)
+                except Exception as e:  # one row's values or text, not the batch: fail that request alone
+                    self._finish(r, "error", error=f"{type(e).__name__}: {e}")
+        finally:
+            wakeups, self._wakeups = self._wakeups, None
+            if wakeups:
+                wake(wakeups)
+            if n:
+                self.metrics.generated(n)
+
+    def _emit(self, r: LiveRequest, token: int, logprob: float | None,
+              top: list[tuple[int, float]] | None) -> None:
+        r.all_ids.append(token)
+        index = r.generated - 1
+        eos = token in self.eos and not r.request.ignore_eos
+        finish = "stop" if eos else ("length" if r.generated >= r.limit else None)
+        text = ""
+        if r.request.detokenize:
+            piece = r.detok.flush() if eos else r.detok.add(token)
+            if finish == "length":
+                piece += r.detok.flush()
+            text, stopped = r.matcher.feed(piece)
+            if stopped:
+                finish = "stop"
+            elif finish is not None:
+                text += r.matcher.flush()
+            r.text.append(text)
+        if logprob is not None:
+            r.logprobs.append(logprob)
+            if top is not None:
+                r.top_logprobs.append(top)
+        event = TokenEvent(r.request.request_id, token, index, text, finish, logprob, top)
+        if finish is None:
+            r.handle._deliver(event, wakeups=self._wakeups)
+        else:
+            self._finish(r, finish, event=event)
+
+    # -- finishing ---------------------------------------------------------------
+
+    def _preempt(self, victim: LiveRequest) -> None:
+        self.scheduler.preempt(victim)
+        self.metrics.preemptions_total += 1
+
+    def _finish(self, r: LiveRequest, reason: str, *, event: TokenEvent | None = None,
+                error: str | None = None) -> None:
+        if r.state == DONE:
+            return
+        self.scheduler.release(r)  # pages back to the pool now
+        r.state = DONE
+        r.next_input = None
+        with self._lock:
+            self._live.pop(r.request.request_id, None)
+            self._cancels.discard(r.request.request_id)
+        self.metrics.finished(reason)
+        self._update_gauges()  # before the caller hears of it: /metrics then shows the pages back
+        now = time.perf_counter()
+        p = r.request.sampling
+        result = RequestResult(
+            request_id=r.request.request_id, prompt_tokens=r.prompt_len, cached_tokens=r.cached_tokens or 0,
+            token_ids=r.all_ids[r.prompt_len:], text="".join(r.text), finish_reason=reason,
+            logprobs=r.logprobs if p.logprobs else None,
+            top_logprobs=r.top_logprobs if p.logprobs and p.top_logprobs else None,
+            preemptions=r.preemptions, ttft_ms=((r.t_first or now) - r.t_submit) * 1e3,
+            total_ms=(now - r.t_submit) * 1e3, error=error)
+        if event is None:
+            event = TokenEvent(r.request.request_id, None, r.generated, "", reason)
+        r.handle._deliver(event, result, wakeups=self._wakeups)
+
+    def _fail_all(self, message: str) -> None:
+        self._inflight = None
+        self._batch, self._batch_key = None, ()
+        for r in list(self.scheduler.running) + list(self.scheduler.waiting):
+            try:
+                self._finish(r, "error", error=message)
+            except Exception:  # keep releasing the others
+                log.exception("could not release a request")
+        self._update_gauges()
+
+    def _drain(self) -> None:
+        self._intake()
+        self._inflight = None
+        for r in list(self.scheduler.running) + list(self.scheduler.waiting):
+            self._finish(r, "cancelled")
+        self._update_gauges()
+

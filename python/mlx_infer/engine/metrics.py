@@ -1,0 +1,125 @@
+"""Engine counters and their Prometheus text form."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+#: Seconds of history behind the tokens/s gauges.
+RATE_WINDOW_S = 10.0
+
+
+@dataclass
+class EngineMetrics:
+    """Counters the engine thread updates; :meth:`snapshot` reads them from any thread."""
+
+    requests_total: dict[str, int] = field(default_factory=dict)  # by finish reason
+    prompt_tokens_total: int = 0
+    cached_tokens_total: int = 0
+    prefill_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    decode_steps_total: int = 0
+    preemptions_total: int = 0
+    rejected_total: int = 0
+    _gen: deque = field(default_factory=deque)  # (time, tokens) of recent decode steps
+    _pre: deque = field(default_factory=deque)  # (time, tokens) of recent prefill chunks
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def finished(self, reason: str) -> None:
+        with self._lock:
+            self.requests_total[reason] = self.requests_total.get(reason, 0) + 1
+
+    def admitted(self, prompt_tokens: int, cached_tokens: int) -> None:
+        with self._lock:
+            self.prompt_tokens_total += prompt_tokens
+            self.cached_tokens_total += cached_tokens
+
+    def prefilled(self, n: int) -> None:
+        with self._lock:
+            self.prefill_tokens_total += n
+            self._push(self._pre, n)
+
+    def generated(self, n: int) -> None:
+        with self._lock:
+            self.generation_tokens_total += n
+            self.decode_steps_total += 1
+            self._push(self._gen, n)
+
+    def _push(self, q: deque, n: int) -> None:
+        now = time.monotonic()
+        q.append((now, n))
+        while q and q[0][0] < now - RATE_WINDOW_S:
+            q.popleft()
+
+    @staticmethod
+    def _rate(q: deque) -> float:
+        now = time.monotonic()
+        recent = [(t, n) for t, n in q if t >= now - RATE_WINDOW_S]
+        if not recent:
+            return 0.0
+        span = max(now - recent[0][0], 1e-3)
+        return sum(n for _, n in recent) / span
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Share of admitted prompt tokens served from cached pages."""
+        return self.cached_tokens_total / self.prompt_tokens_total if self.prompt_tokens_total else 0.0
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "requests_total": dict(self.requests_total),
+                "prompt_tokens_total": self.prompt_tokens_total,
+                "cached_tokens_total": self.cached_tokens_total,
+                "prefill_tokens_total": self.prefill_tokens_total,
+                "generation_tokens_total": self.generation_tokens_total,
+                "decode_steps_total": self.decode_steps_total,
+                "preemptions_total": self.preemptions_total,
+                "rejected_total": self.rejected_total,
+                "generation_tokens_per_second": self._rate(self._gen),
+                "prompt_tokens_per_second": self._rate(self._pre),
+                "prefix_hit_rate": self.prefix_hit_rate,
+            }
+
+
+_HELP = {
+    "queue_depth": ("gauge", "Requests waiting for admission."),
+    "running": ("gauge", "Requests holding KV pages (prefilling or decoding)."),
+    "requests_total": ("counter", "Finished requests by finish reason."),
+    "prompt_tokens_total": ("counter", "Prompt tokens admitted (cached ones included)."),
+    "cached_tokens_total": ("counter", "Prompt tokens served from the prefix cache."),
+    "prefill_tokens_total": ("counter", "Tokens computed by prefill chunks."),
+    "generation_tokens_total": ("counter", "Tokens generated."),
+    "decode_steps_total": ("counter", "Batched decode steps run."),
+    "preemptions_total": ("counter", "Requests preempted (pages freed, recomputed later)."),
+    "rejected_total": ("counter", "Requests refused at submit (queue full)."),
+    "generation_tokens_per_second": ("gauge", f"Generated tokens/s over the last {RATE_WINDOW_S:.0f} s."),
+    "prompt_tokens_per_second": ("gauge", f"Prefilled tokens/s over the last {RATE_WINDOW_S:.0f} s."),
+    "prefix_hit_rate": ("gauge", "cached_tokens_total / prompt_tokens_total."),
+    "kv_pages_total": ("gauge", "Usable KV pages (the null page excluded)."),
+    "kv_pages_used": ("gauge", "KV pages referenced by live sequences."),
+    "kv_pages_free": ("gauge", "KV pages allocatable (free plus evictable cached)."),
+    "kv_pages_cached": ("gauge", "Free KV pages still indexed by the prefix cache."),
+    "kv_page_usage": ("gauge", "kv_pages_used / kv_pages_total."),
+    "memory_active_bytes": ("gauge", "MLX active memory."),
+    "memory_peak_bytes": ("gauge", "MLX peak memory."),
+}
+
+
+def prometheus_text(values: dict[str, Any], prefix: str = "mlx_infer_") -> str:
+    """Render engine values in the Prometheus text exposition format (0.0.4)."""
+    lines = []
+    for name, value in values.items():
+        kind, help_text = _HELP.get(name, ("gauge", name))
+        full = prefix + name
+        lines.append(f"# HELP {full} {help_text}")
+        lines.append(f"# TYPE {full} {kind}")
+        if isinstance(value, dict):
+            for label, v in sorted(value.items()):
+                lines.append(f'{full}{{finish_reason="{label}"}} {v}')
+        else:
+            lines.append(f"{full} {float(value):.6g}" if isinstance(value, float) else f"{full} {value}")
+    return "\n".join(lines) + "\n"

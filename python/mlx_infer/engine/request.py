@@ -1,0 +1,267 @@
+"""What a caller hands the engine and what it gets back.
+
+A caller submits an :class:`EngineRequest` and receives a
+:class:`RequestHandle`. The engine thread delivers one :class:`TokenEvent` per
+generated token (plus a final token-less event when a request is cancelled or
+fails); the handle hands them out three ways, all usable at once:
+
+- a callback (``on_token``), called on the engine thread (keep it quick);
+- a blocking iterator (``for ev in handle``) and :meth:`RequestHandle.result`;
+- an async iterator (``async for ev in handle``) and :meth:`RequestHandle.aresult`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable, Iterator, Sequence
+
+from ..errors import MlxInferError
+from ..sampling import SamplingParams
+
+DEFAULT_MAX_TOKENS = 256
+
+#: Why a request ended: EOS or a stop string, the token limit, the caller, or an engine failure.
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineRequest:
+    """One generation request.
+
+    Args:
+        prompt_ids: the prompt's token ids (non-empty).
+        sampling: the request's own sampling parameters (seed and logprobs included).
+        max_tokens: the most tokens to generate (>= 1).
+        stop: stop strings; the text ends before the first match.
+        request_id: a caller-chosen id (default: a fresh one).
+        namespace: prefix-cache namespace (requests share cached pages only within one).
+        ignore_eos: keep generating past EOS (benchmarks: every request makes ``max_tokens``).
+        detokenize: produce text (``False``: token ids only, for clients that decode
+            themselves; no stop strings then).
+    """
+
+    prompt_ids: Sequence[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    stop: Sequence[str] = ()
+    request_id: str = ""
+    namespace: str = ""
+    ignore_eos: bool = False
+    detokenize: bool = True
+
+    def __post_init__(self) -> None:
+        ids = list(self.prompt_ids)
+        if not ids:
+            raise MlxInferError("The prompt is empty: give at least one token.")
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
+            raise MlxInferError("prompt_ids must be non-negative integer token ids.")
+        object.__setattr__(self, "prompt_ids", tuple(ids))
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise MlxInferError(f"max_tokens must be a positive integer, got {self.max_tokens!r}.")
+        if not isinstance(self.sampling, SamplingParams):
+            raise MlxInferError(f"sampling must be a SamplingParams, got {type(self.sampling).__name__}.")
+        stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        for s in stops:
+            if not isinstance(s, str) or not s:
+                raise MlxInferError(f"stop strings must be non-empty strings, got {s!r}.")
+        object.__setattr__(self, "stop", stops)
+        if stops and not self.detokenize:
+            raise MlxInferError("stop strings need detokenize=True (they match the generated text).")
+        if not self.request_id:
+            object.__setattr__(self, "request_id", uuid.uuid4().hex)
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One step of one request.
+
+    Attributes:
+        request_id: the request.
+        token: the generated id, or ``None`` on a final event that carries no
+            token (cancelled, error).
+        index: 0 for the first generated token.
+        text: the text this token completes (held back while a UTF-8 character
+            or a possible stop string is incomplete; EOS carries none).
+        finish_reason: set on the last event: one of :data:`FINISH_REASONS`.
+        logprob: the token's log-probability (with ``sampling.logprobs``).
+        top_logprobs: ``[(id, logprob), ...]`` most likely first (with ``top_logprobs``).
+    """
+
+    request_id: str
+    token: int | None
+    index: int
+    text: str = ""
+    finish_reason: str | None = None
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+@dataclass
+class RequestResult:
+    """A finished request.
+
+    Attributes:
+        request_id: the request.
+        prompt_tokens: prompt length.
+        cached_tokens: prompt tokens reused from the prefix cache (first admission).
+        token_ids: every generated id (EOS included when it ended the request).
+        text: the generated text (stop string and EOS excluded).
+        finish_reason: one of :data:`FINISH_REASONS`.
+        logprobs: per token, with ``sampling.logprobs``.
+        top_logprobs: per token, with ``sampling.top_logprobs``.
+        preemptions: times the request lost its pages and was recomputed.
+        ttft_ms: submit to first token.
+        total_ms: submit to finish.
+        error: what failed, when ``finish_reason == "error"``.
+    """
+
+    request_id: str
+    prompt_tokens: int
+    cached_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    preemptions: int = 0
+    ttft_ms: float = 0.0
+    total_ms: float = 0.0
+    error: str | None = None
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, TokenEvent]]) -> None:
+    for q, event in items:
+        q.put_nowait(event)
+
+
+def wake(wakeups: dict) -> None:
+    """Deliver collected async events: one wake-up per event loop (see ``RequestHandle._deliver``)."""
+    for loop, items in wakeups.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:  # the consumer's loop is closed: nobody listens
+            pass
+
+
+class RequestHandle:
+    """The caller's side of a submitted request (see the module docstring).
+
+    Created by :meth:`mlx_infer.engine.Engine.submit`; thread-safe.
+    """
+
+    def __init__(self, request: EngineRequest, cancel: Callable[[str], None],
+                 on_token: Callable[[TokenEvent], None] | None = None):
+        self.request = request
+        self.request_id = request.request_id
+        self._cancel = cancel
+        self._on_token = on_token
+        self._cond = threading.Condition()
+        self._waiters = 0  # blocking iterators: only they need a notify per token
+        self._done = threading.Event()
+        self._events: list[TokenEvent] = []
+        self._result: RequestResult | None = None
+        self._queues: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = []
+
+    # -- engine side --------------------------------------------------------
+
+    def _deliver(self, event: TokenEvent, result: RequestResult | None = None,
+                 wakeups: dict | None = None) -> None:
+        """Hand ``event`` to the callback, the blocking iterators and the async iterators.
+
+        With ``wakeups``, async deliveries are collected per event loop instead of
+        waking each loop once per event; :func:`wake` then wakes each loop once.
+        """
+        if self._on_token is not None:
+            try:
+                self._on_token(event)
+            except Exception:  # a broken callback must not take the engine down
+                pass
+        with self._cond:
+            self._events.append(event)
+            if result is not None:
+                self._result = result
+            if self._waiters:
+                self._cond.notify_all()
+            queues = list(self._queues)
+        if result is not None:
+            self._done.set()
+        for loop, q in queues:
+            if wakeups is not None:
+                wakeups.setdefault(loop, []).append((q, event))
+                continue
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, event)
+            except RuntimeError:  # the consumer's loop is closed: nobody listens
+                pass
+
+    # -- caller side ----------------------------------------------------------
+
+    def cancel(self) -> None:
+        """Stop the request; its pages are freed at the engine's next iteration."""
+        if not self.done:
+            self._cancel(self.request_id)
+
+    @property
+    def done(self) -> bool:
+        """Whether the final event was delivered."""
+        return self._result is not None
+
+    def result(self, timeout: float | None = None) -> RequestResult:
+        """Block until the request ends; return its :class:`RequestResult`.
+
+        Raises:
+            TimeoutError: ``timeout`` seconds passed first.
+        """
+        if self._result is not None:  # set before the final event is delivered anywhere
+            return self._result
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.request_id} did not finish within {timeout} s")
+        return self._result  # type: ignore[return-value]
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        i = 0
+        while True:
+            with self._cond:
+                self._waiters += 1
+                try:
+                    self._cond.wait_for(lambda: len(self._events) > i)
+                finally:
+                    self._waiters -= 1
+                event = self._events[i]
+            i += 1
+            yield event
+            if event.finish_reason is not None:
+                return
+
+    async def __aiter__(self) -> AsyncIterator[TokenEvent]:
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        with self._cond:
+            for ev in self._events:
+                q.put_nowait(ev)
+            entry = (loop, q)
+            self._queues.append(entry)
+        try:
+            while True:
+                event = await q.get()
+                yield event
+                if event.finish_reason is not None:
+                    return
+        finally:
+            with self._cond:
+                if entry in self._queues:
+                    self._queues.remove(entry)
+
+    async def aresult(self) -> RequestResult:
+        """Await the :class:`RequestResult`."""
+        async for _ in self:
+            pass
+        return self._result  # type: ignore[return-value]
+

@@ -1,0 +1,207 @@
+"""Admission, preemption and page release: the third paging layer (DESIGN.md, convention 3).
+
+The pool hands out pages; each sequence grows page by page; the scheduler
+decides who may hold pages at all::
+
+    waiting (FIFO)             running (admission order)          pool
+    [r7, r8, r9]  --admit-->   [r1 r2 r3 r4 r5 r6]               free + cached pages
+                  <-preempt--  youngest first (r6, then r5 ...)
+
+    admit head while: running < max_batch
+                      free pages - pages promised to prefilling requests
+                          >= pages(prompt + 1) + one page per running request
+                      (optionally) MLX active memory <= a limit
+    preempt (recompute): register the victim's full pages in the prefix
+                      index, free its sequence, put it back at the head of
+                      the queue; on re-admission its prompt + generated tokens
+                      are prefilled again, through whatever cached pages
+                      survived.
+
+The head of the queue blocks the rest (no overtaking), so a long prompt is
+never starved by a stream of short ones.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Any, Callable
+
+import mlx.core as mx
+
+from ..state.paged import PagedKVStore, PagedLayerCache, PagedSequence
+from .request import EngineRequest, RequestHandle
+
+WAITING, PREFILL, DECODE, DONE = "waiting", "prefill", "decode", "done"
+
+
+class LiveRequest:
+    """The engine's state of one request between submit and finish.
+
+    ``all_ids`` is prompt + generated tokens. While running, the first
+    ``prefilled`` of them are in the sequence's pages; once prefill is done
+    the decode step feeds ``next_input`` (the last token: a host int, or a
+    row of the previous step's lazy token array).
+    """
+
+    def __init__(self, request: EngineRequest, handle: RequestHandle, order: int, limit: int):
+        self.request = request
+        self.handle = handle
+        self.order = order  # submit order
+        self.limit = limit  # tokens this request may generate
+        self.all_ids: list[int] = list(request.prompt_ids)
+        self.prompt_len = len(self.all_ids)
+        self.state = WAITING
+        self.seq: PagedSequence | None = None
+        self.caches: list[PagedLayerCache] | None = None
+        self.prefilled = 0
+        self.next_input: int | tuple[mx.array, int] | None = None
+        self.cached_tokens: int | None = None  # set at first admission
+        self.admitted_at = 0  # admission counter (preemption picks the largest)
+        self.preemptions = 0
+        # Set on the engine thread at intake.
+        self.sampler: Any = None
+        self.rng: Any = None
+        self.detok: Any = None
+        self.matcher: Any = None
+        self.simple = False  # greedy, no processors, no logprobs: one batched argmax
+        self.needs_history = False
+        self.text: list[str] = []
+        self.logprobs: list[float] = []
+        self.top_logprobs: list[list[tuple[int, float]]] = []
+        self.t_submit = 0.0
+        self.t_first: float | None = None
+
+    @property
+    def generated(self) -> int:
+        return len(self.all_ids) - self.prompt_len
+
+    def __repr__(self) -> str:
+        return f"LiveRequest({self.request.request_id[:8]}, {self.state}, {len(self.all_ids)} ids)"
+
+
+class Scheduler:
+    """Queue and running set over one :class:`PagedKVStore`.
+
+    Args:
+        store: the page store.
+        max_batch: most running requests.
+        prefix_cache: add sequences through the prefix index and register
+            their full pages when they are released.
+        memory_limit: admit nobody new while MLX's active memory exceeds this
+            (bytes; ``None``, the default, disables the check: the pool's size
+            already bounds the KV).
+        on_admit: called with each admitted request (metrics).
+    """
+
+    def __init__(self, store: PagedKVStore, *, max_batch: int, prefix_cache: bool = True,
+                 memory_limit: int | None = None, on_admit: Callable[[LiveRequest], None] | None = None):
+        self.store = store
+        self.max_batch = max_batch
+        self.prefix_cache = prefix_cache
+        self.memory_limit = memory_limit
+        self.on_admit = on_admit
+        self.waiting: deque[LiveRequest] = deque()
+        self.running: list[LiveRequest] = []
+        self._admissions = 0
+
+    @property
+    def capacity_pages(self) -> int:
+        """Pages a sequence can ever hold (the null page excluded)."""
+        return self.store.pool.num_pages - 1
+
+    def pages_for(self, tokens: int) -> int:
+        return math.ceil(tokens / self.store.page_size)
+
+    def enqueue(self, live: LiveRequest) -> None:
+        self.waiting.append(live)
+
+    def admit(self) -> tuple[list[LiveRequest], list[LiveRequest]]:
+        """Admit from the head of the queue while pages, batch room and memory allow.
+
+        Returns:
+            ``(admitted, unfit)``: ``unfit`` are requests that cannot fit the
+            pool even alone (a preempted request that grew to the pool's size);
+            they are out of the queue and the caller finishes them.
+        """
+        admitted: list[LiveRequest] = []
+        unfit: list[LiveRequest] = []
+        pool = self.store.pool
+        while self.waiting and len(self.running) < self.max_batch:
+            live = self.waiting[0]
+            need = self.pages_for(len(live.all_ids) + 1)
+            if need > self.capacity_pages:
+                unfit.append(self.waiting.popleft())
+                continue
+            if pool.num_free_pages() - self._promised() < need + len(self.running):
+                break
+            if (self.memory_limit is not None and self.running
+                    and mx.get_active_memory() > self.memory_limit):
+                break
+            self.waiting.popleft()
+            self._start(live)
+            admitted.append(live)
+        return admitted, unfit
+
+    def _promised(self) -> int:
+        """Pages admitted requests still need to finish their prefill (not allocated yet)."""
+        return sum(max(0, self.pages_for(len(r.all_ids) + 1) - self.pages_for(r.seq.length))
+                   for r in self.running if r.state == PREFILL and r.seq is not None)
+
+    def _start(self, live: LiveRequest) -> None:
+        ids = live.all_ids
+        seq = self.store.add_sequence(ids if self.prefix_cache else None, namespace=live.request.namespace)
+        live.seq = seq
+        live.caches = self.store.make_cache(seq)
+        live.prefilled = seq.cached_tokens
+        self._admissions += 1
+        live.admitted_at = self._admissions
+        if live.cached_tokens is None:
+            live.cached_tokens = seq.cached_tokens
+            if self.on_admit is not None:
+                self.on_admit(live)
+        if live.prefilled >= len(ids) - 1:
+            live.state = DECODE
+            live.next_input = ids[-1]
+        else:
+            live.state = PREFILL
+        self.running.append(live)
+
+    def youngest(self) -> LiveRequest | None:
+        """The running request admitted last (the preemption victim)."""
+        return max(self.running, key=lambda r: r.admitted_at, default=None)
+
+    def preempt(self, live: LiveRequest) -> None:
+        """Free ``live``'s pages (recompute later) and put it at the head of the queue."""
+        self.release(live)
+        live.state = WAITING
+        live.next_input = None
+        live.preemptions += 1
+        self.waiting.appendleft(live)
+
+    def release(self, live: LiveRequest) -> None:
+        """Take ``live`` out of the running set and free its sequence, indexing its full pages first."""
+        if live in self.running:
+            self.running.remove(live)
+        else:
+            try:
+                self.waiting.remove(live)
+            except ValueError:
+                pass
+        seq = live.seq
+        live.seq = live.caches = None
+        live.prefilled = 0
+        if seq is None or seq.freed:
+            return
+        try:
+            if self.prefix_cache:
+                fed = min(seq.length, len(live.all_ids))
+                if fed >= self.store.page_size:
+                    seq.register(live.all_ids[:fed])
+        finally:
+            seq.free()
+
+    def register_prompt(self, live: LiveRequest, tokens: int) -> None:
+        """Index the full pages of the first ``tokens`` ids (done after prefill)."""
+        if self.prefix_cache and live.seq is not None and tokens >= self.store.page_size:
+            live.seq.register(live.all_ids[:tokens])
