@@ -376,3 +376,25 @@ def test_multimodal_checkpoint_loads_as_text():
     model2 = model_cls(args_cls.from_dict(cfg))
     model2.load_weights(list(model2.sanitize(renamed).items()), strict=True)
     assert mx.array_equal(model2(mx.array(ids)), model(mx.array(ids)))
+
+
+@pytest.mark.parametrize("name", ["dense", "kv_shared", "moe"])
+def test_generation_loop_drives_gemma4_eagerly(name):
+    """The AR binding binds Gemma 4 (no compiled step declared) and the loop runs it."""
+    from mlx_infer.generation.autoregressive import generate_tokens
+    from mlx_infer.generation.bindings.autoregressive import bind_autoregressive
+
+    model = build_ours(name)
+    binding = bind_autoregressive(model)
+    assert binding.create_decode() is None
+    assert binding.decode_unavailable_reason() == "the graph declares no compiled decode step"
+    _, _, ids, _ = hf_setup(name)
+    prompt = ids[0].tolist()
+    got = [t.token for t in generate_tokens(model, prompt, max_tokens=6,
+                                            prefill_step_size=binding.prefill_policy.chunk_size(len(prompt)))]
+    ref = []
+    seq = list(prompt)
+    for _ in range(6):
+        ref.append(int(mx.argmax(model(mx.array([seq]))[0, -1]).item()))
+        seq.append(ref[-1])
+    assert got == ref

@@ -113,3 +113,13 @@ def test_seeded_request_draws_the_same_alone_and_in_a_batch(loaded):
         alone = [t.token for t in generate_tokens(loaded.model, prompt, max_tokens=10, sampling=p)]
         assert row == alone
     assert stats.generated_tokens == 30
+
+
+def test_compiled_decode_gives_the_eager_tokens_and_state(loaded):
+    """generate() uses the binding's compiled step by default; tokens, text and cache match eager."""
+    runs = {}
+    for compiled in (True, False):
+        gen = generate(loaded, "The capital of France is", max_tokens=24, compiled=compiled)
+        items = list(gen)
+        runs[compiled] = ([t.token for t in items], "".join(t.text for t in items), gen.stats.cache_tokens)
+    assert runs[True] == runs[False]

@@ -202,7 +202,7 @@ def test_model_args_ignore_unknown_keys_and_declaration(name):
     args = args_cls.from_dict({**cfg, "some_future_key": 1})
     assert args.hidden_size == 64
     model = build_ours(name)
-    assert model.declaration == GraphDeclaration(method="autoregressive")
+    assert model.declaration == GraphDeclaration(method="autoregressive", compiled_decode=True)
     assert model.args is not None and len(model.layers) == cfg["num_hidden_layers"]
 
 

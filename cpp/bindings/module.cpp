@@ -12,6 +12,8 @@ namespace mx = mlx::core;
 // Defined in cpp/bindings/<area>.cpp, one per area.
 void bind_kv(nb::module_& m);
 void bind_attention(nb::module_& m);
+void bind_decode(nb::module_& m);
+void bind_matmul(nb::module_& m);
 
 NB_MODULE(_fast, m) {
   m.doc() = "mlx-infer's C++ core over the MLX C++ API.";
@@ -37,4 +39,6 @@ Returns:
 
   bind_kv(m);
   bind_attention(m);
+  bind_decode(m);
+  bind_matmul(m);
 }

@@ -23,7 +23,7 @@ def _generate(args: argparse.Namespace) -> int:
                               repetition_penalty=args.repetition_penalty or 1.0, seed=args.seed)
     if args.checkpoint and args.resume:
         raise MlxInferError("give either --checkpoint DIR (a new run) or --resume DIR (continue one), not both.")
-    loaded = load_model(args.model, dtype=args.dtype)
+    loaded = load_model(args.model, dtype=args.dtype, cpu_kernels=False if args.stock_kernels else None)
     prompt = args.prompt
     if args.chat and args.system_prompt:
         prompt = [{"role": "system", "content": args.system_prompt}, {"role": "user", "content": args.prompt}]
@@ -98,7 +98,8 @@ def _bench(args: argparse.Namespace) -> int:
     config = BenchConfig(prompt_tokens=args.prompt_tokens, generation_tokens=args.generation_tokens,
                          batch_size=args.batch_size, num_trials=args.num_trials,
                          prefill_step_size=args.prefill_step_size)
-    names = ["mlx-infer", *[c.strip() for c in (args.compare or "").split(",") if c.strip()]]
+    names = ["mlx-infer-stock" if args.stock_kernels else "mlx-infer",
+             *[c.strip() for c in (args.compare or "").split(",") if c.strip()]]
     if len(set(names)) != len(names):
         raise MlxInferError(f"--compare names an engine twice: {args.compare}")
     source = Path(args.model).expanduser() if args.model else default_model_gguf()
@@ -161,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="cast weights to this dtype")
+    g.add_argument("--stock-kernels", action="store_true",
+                   help="MLX's stock CPU kernels instead of mlx-infer's (bit-exact with mlx-lm)")
     g.add_argument("--checkpoint", default=None, metavar="DIR",
                    help="save a resumable checkpoint to DIR as it goes and on Ctrl-C")
     g.add_argument("--resume", default=None, metavar="DIR",
@@ -201,6 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--num-trials", "-n", type=int, default=5, help="timed trials per engine")
     b.add_argument("--prefill-step-size", type=int, default=2048, help="prompt tokens per prefill chunk")
     b.add_argument("--compare", default=None, help="engines to compare with: mlx-lm[,llama.cpp]")
+    b.add_argument("--stock-kernels", action="store_true",
+                   help="run mlx-infer on MLX's stock CPU kernels (engine mlx-infer-stock)")
     b.add_argument("--json", default=None, help="write results JSON here")
     b.add_argument("--markdown", default=None, help="write a markdown table here")
     b.add_argument("--plot", default=None, help="write a PNG plot here")

@@ -69,8 +69,13 @@ def is_gguf(path: Path) -> bool:
         return f.read(4) == GGUF_MAGIC
 
 
-def load_model(path: str | Path | None = None, *, dtype: str | None = None) -> LoadedModel:
+def load_model(path: str | Path | None = None, *, dtype: str | None = None,
+               cpu_kernels: bool | None = None) -> LoadedModel:
     """Load a model; see the module docstring for what ``path`` may be.
+
+    ``cpu_kernels``: run linear layers and the LM head on mlx-infer's CPU matmul
+    kernels (:mod:`mlx_infer.layers.linear`); ``None`` = on when the default
+    device is the CPU. ``False`` keeps MLX's stock kernels (bit-exact with mlx-lm).
 
     Raises:
         ModelLoadError: with a message saying what is wrong and how to fix it.
@@ -91,7 +96,7 @@ def load_model(path: str | Path | None = None, *, dtype: str | None = None) -> L
                 "directory. Pass the directory holding config.json, or a .gguf file."
             )
         p = converted_gguf_dir(p)
-    return load_model_dir(p, source=source, dtype=dtype)
+    return load_model_dir(p, source=source, dtype=dtype, cpu_kernels=cpu_kernels)
 
 
 def converted_gguf_dir(gguf_path: Path) -> Path:
@@ -177,8 +182,27 @@ def _quantize_if_needed(model: nn.Module, config: dict[str, Any], weights: dict[
     )
 
 
-def load_model_dir(model_dir: Path, *, source: str | None = None, dtype: str | None = None) -> LoadedModel:
-    """Load an HF or MLX-quantized model directory."""
+#: Environment override of the CPU-kernel default ("0" off, "1" on); read here only.
+CPU_KERNELS_ENV = "MLX_INFER_CPU_KERNELS"
+
+
+def default_cpu_kernels() -> bool:
+    """Whether models load onto mlx-infer's CPU kernels when the caller does not say.
+
+    On by default when MLX's default device is the CPU; ``MLX_INFER_CPU_KERNELS=0``
+    keeps MLX's stock kernels (bit-exact with mlx-lm), ``=1`` forces them on.
+    """
+    import os
+
+    value = os.environ.get(CPU_KERNELS_ENV)
+    if value is not None and value.strip() in ("0", "1"):
+        return value.strip() == "1"
+    return mx.default_device() == mx.cpu
+
+
+def load_model_dir(model_dir: Path, *, source: str | None = None, dtype: str | None = None,
+                   cpu_kernels: bool | None = None) -> LoadedModel:
+    """Load an HF or MLX-quantized model directory (``cpu_kernels``: see :func:`load_model`)."""
     from ..models import get_model_classes
 
     if not model_dir.is_dir():
@@ -209,6 +233,12 @@ def load_model_dir(model_dir: Path, *, source: str | None = None, dtype: str | N
         ) from None
     model.eval()
     mx.eval(model.parameters())
+    if cpu_kernels is None:
+        cpu_kernels = default_cpu_kernels()
+    if cpu_kernels:
+        from ..layers.linear import swap_in_cpu_kernels
+
+        swap_in_cpu_kernels(model)
 
     tokenizer = load_tokenizer(model_dir)
     generation_config = _read_json(model_dir / "generation_config.json")

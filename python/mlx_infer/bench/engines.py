@@ -48,14 +48,20 @@ def _timed(prompt_tokens: int, batch: int, n: int, t0: float, t_first: float, t_
 
 
 class MlxInferEngine:
-    """mlx-infer's generation loop (batch 1) or static batch path (batch > 1)."""
+    """mlx-infer's generation loop (batch 1) or static batch path (batch > 1).
+
+    ``cpu_kernels=False`` (engine ``mlx-infer-stock``) keeps MLX's stock matmul
+    and attention kernels instead of mlx-infer's CPU ones.
+    """
 
     name = "mlx-infer"
 
-    def __init__(self, model_path: str | None, dtype: str | None = None):
+    def __init__(self, model_path: str | None, dtype: str | None = None, cpu_kernels: bool | None = None):
         from ..artifacts.loader import load_model
 
-        self.loaded = load_model(model_path, dtype=dtype)
+        self.loaded = load_model(model_path, dtype=dtype, cpu_kernels=cpu_kernels)
+        if cpu_kernels is False:
+            self.name = "mlx-infer-stock"
 
     def run(self, prompts: list[list[int]], generation_tokens: int, prefill_step_size: int) -> TrialResult:
         from ..generation.autoregressive import generate_tokens
@@ -134,7 +140,13 @@ class LlamaCppEngine:
             raise MlxInferError("--compare llama.cpp needs llama-cpp-python: pip install llama-cpp-python.") from None
         if gguf_path is None:
             raise MlxInferError("--compare llama.cpp needs a GGUF model (pass --model FILE.gguf or use the default).")
-        self.llm = Llama(model_path=str(gguf_path), n_ctx=n_ctx, verbose=False, logits_all=False)
+        # llama-cpp-python defaults to cpu_count // 2 threads (1 on a 2-core machine); give it
+        # as many as mlx-infer's CPU kernels use (physical cores), for prompt and decode alike.
+        from .. import _fast
+
+        threads = _fast.cpu_threads()
+        self.llm = Llama(model_path=str(gguf_path), n_ctx=n_ctx, verbose=False, logits_all=False,
+                         n_threads=threads, n_threads_batch=threads)
 
     def run(self, prompts: list[list[int]], generation_tokens: int, prefill_step_size: int) -> TrialResult:
         if len(prompts) != 1:
@@ -155,7 +167,7 @@ class LlamaCppEngine:
         gc.collect()
 
 
-ENGINES = ("mlx-infer", "mlx-lm", "llama.cpp")
+ENGINES = ("mlx-infer", "mlx-infer-stock", "mlx-lm", "llama.cpp")
 
 
 def make_engine(name: str, *, model: str | None, model_dir: Path, gguf_path: Path | None, n_ctx: int,
@@ -163,6 +175,8 @@ def make_engine(name: str, *, model: str | None, model_dir: Path, gguf_path: Pat
     """Build an engine by name for the same model."""
     if name == "mlx-infer":
         return MlxInferEngine(model, dtype=dtype)
+    if name == "mlx-infer-stock":
+        return MlxInferEngine(model, dtype=dtype, cpu_kernels=False)
     if name == "mlx-lm":
         return MlxLmEngine(model_dir)
     if name == "llama.cpp":

@@ -10,6 +10,11 @@ Two things turn pipelining off, because step n+1 then needs token n on the
 host first: penalties (they read the token history) and ``pipeline=False``
 (checkpointing: the state must be exactly "prompt + tokens so far" at each yield).
 
+Decode steps after the first run through the binding's compiled C++ step
+when one is given (``decode=``); it takes the KV over from the plain caches
+and writes it back (``sync``) when the generation ends, so prompt caches and
+stats see the same state as an eager run.
+
 Prefill runs the prompt, except its last token, through the graph's hidden
 phase in chunks (no LM head: the vocabulary projection is only needed for the
 last position); the last prompt token is the first decode step. A cache that
@@ -163,6 +168,7 @@ def generate_tokens(
     pipeline: bool = True,
     prompt_cache: PromptCache | None = None,
     namespace: str = "",
+    decode: Any | None = None,
 ) -> Generation:
     """Generate token ids after ``prompt_ids``.
 
@@ -186,6 +192,9 @@ def generate_tokens(
         prompt_cache: reuse the longest cached prefix of ``prompt_ids`` from it
             (when no ``cache`` is given), and store this run's cache there at the end.
         namespace: the prompt-cache namespace (e.g. the active adapter set).
+        decode: a compiled decode step (``step(tokens, state) -> logits``,
+            ``sync()``, ``close()``; see ``AutoregressiveBinding.create_decode``)
+            for every step after the first; it is closed when the generation ends.
 
     Returns:
         A :class:`Generation` (iterator of :class:`GeneratedToken` with ``stats`` and ``state``).
@@ -207,7 +216,7 @@ def generate_tokens(
     stats = GenerateStats(prompt_tokens=len(prompt_ids), cached_tokens=cached)
     limit = max_tokens if context_length is None else min(max_tokens, context_length - len(prompt_ids) + 1)
     pipeline = pipeline and not sampler.processors
-    run = _run(model, state, sampler, limit, eos, prefill_step_size, cancel, start_index, pipeline, stats)
+    run = _run(model, state, sampler, limit, eos, prefill_step_size, cancel, start_index, pipeline, stats, decode)
     if prompt_cache is not None:
         run = _storing(run, state, prompt_cache, namespace)
     return Generation(run, stats, state)
@@ -225,16 +234,19 @@ def _storing(run: Iterator[GeneratedToken], state: RunState, prompt_cache: Promp
 
 
 def _run(model: Any, state: RunState, sampler: Any, limit: int, eos: frozenset[int], prefill_step_size: int,
-         cancel: CancelToken | None, start_index: int, pipeline: bool, stats: GenerateStats) -> Iterator[GeneratedToken]:
+         cancel: CancelToken | None, start_index: int, pipeline: bool, stats: GenerateStats,
+         decode: Any | None) -> Iterator[GeneratedToken]:
     mx.reset_peak_memory()
     cache, prompt_ids = state.cache, state.prompt_ids
     history = list(prompt_ids) if sampler.processors else None
     want_logprobs = sampler.params.logprobs
 
-    def step(y: mx.array) -> Any:
-        logits = model(y[None], cache=cache)[:, -1, :]  # (1, vocab)
-        out = sampler.step(logits, history or (), state.rng)
-        return out
+    def step(y: mx.array, first: bool = False) -> Any:
+        if decode is not None and not first:
+            logits = decode.step(y, cache)  # (1, vocab)
+        else:
+            logits = model(y[None], cache=cache)[:, -1, :]  # (1, vocab)
+        return sampler.step(logits, history or (), state.rng)
 
     tic = time.perf_counter()
     try:
@@ -251,7 +263,7 @@ def _run(model: Any, state: RunState, sampler: Any, limit: int, eos: frozenset[i
             if cancel is not None and cancel.cancelled:
                 stats.finish_reason = "cancelled"
                 return
-        out = step(prompt[-1:])
+        out = step(prompt[-1:], first=True)
         mx.async_eval(out.token)
         n = 0
         decode_tic = tic
@@ -290,6 +302,9 @@ def _run(model: Any, state: RunState, sampler: Any, limit: int, eos: frozenset[i
         stats.finish_reason = stats.finish_reason or "cancelled"
         raise
     finally:
+        if decode is not None:
+            decode.sync()  # the plain caches hold every fed token again
+            decode.close()
         stats.cache_tokens = max((c.offset for c in cache), default=0)
         stats.peak_memory_gb = mx.get_peak_memory() / 1e9
 
@@ -363,20 +378,28 @@ def generate(
     max_tokens: int = DEFAULT_MAX_TOKENS,
     stop: Iterable[str] = (),
     chat: bool = False,
-    prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
+    prefill_step_size: int | None = None,
     cancel: CancelToken | None = None,
     prompt_cache: PromptCache | None = None,
+    compiled: bool = True,
 ) -> Generation:
     """Generate text after ``prompt`` (a string, or chat messages); items carry their text.
 
     EOS ends the generation and contributes no text; so does a stop string,
-    which is excluded from the text.
+    which is excluded from the text. ``compiled`` uses the graph's compiled
+    decode step where it has one (same tokens; see ``tests/test_decode_step.py``).
+    ``prefill_step_size`` ``None`` takes the binding's prefill policy (workspace-bounded).
     """
+    from .bindings.autoregressive import bind_autoregressive
+
     ids = prompt_ids_for(loaded, prompt, chat=chat)
+    binding = bind_autoregressive(loaded)
+    if prefill_step_size is None:
+        prefill_step_size = binding.prefill_policy.chunk_size(len(ids))
     inner = generate_tokens(
         loaded.model, ids, sampling=sampling, max_tokens=max_tokens,
         eos_token_ids=loaded.eos_token_ids, newline_token_ids=newline_ids(loaded),
         context_length=loaded.context_length, prefill_step_size=prefill_step_size, cancel=cancel,
-        prompt_cache=prompt_cache,
+        prompt_cache=prompt_cache, decode=binding.create_decode() if compiled else None,
     )
     return stream_text(loaded, inner, stop=stop)

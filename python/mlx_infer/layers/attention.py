@@ -12,6 +12,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from .linear import cpu_attention_active, fast_scaled_dot_product_attention
+
 Mask = None | str | mx.array
 
 
@@ -83,6 +85,8 @@ def scaled_dot_product_attention(queries: mx.array, keys: Any, values: Any, *,
     """
     if isinstance(keys, tuple):
         return quantized_scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+    if cpu_attention_active():  # a model on mlx-infer's CPU kernels (layers.linear)
+        return fast_scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
 

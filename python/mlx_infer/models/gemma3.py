@@ -251,7 +251,7 @@ class Gemma3Model(nn.Module):
 class Model(nn.Module):
     """Gemma 3 causal LM: ``inputs (B, L) -> logits (B, L, vocab)``."""
 
-    declaration = GraphDeclaration(method="autoregressive")
+    declaration = GraphDeclaration(method="autoregressive", compiled_decode=True)
 
     def __init__(self, args: ModelArgs):
         super().__init__()

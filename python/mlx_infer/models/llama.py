@@ -216,7 +216,7 @@ class LlamaModel(nn.Module):
 class Model(nn.Module):
     """A Llama-family causal LM: ``inputs (B, L) -> logits (B, L, vocab)``."""
 
-    declaration = GraphDeclaration(method="autoregressive")
+    declaration = GraphDeclaration(method="autoregressive", compiled_decode=True)
 
     def __init__(self, args: ModelArgs):
         super().__init__()

@@ -1,0 +1,115 @@
+// nanobind only: the compiled decode step (DecodeConfig, RopeSpec, DecodeStep).
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/unordered_map.h>
+#include <nanobind/stl/vector.h>
+
+#include <string>
+
+#include "mlx_infer/decode.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+namespace mx = mlx::core;
+using mlx_infer::DecodeConfig;
+using mlx_infer::DecodeStep;
+using mlx_infer::RopeSpec;
+
+void bind_decode(nb::module_& m) {
+  nb::class_<RopeSpec>(m, "RopeSpec",
+                       "One layer's RoPE, as ``mx.fast.rope`` takes it (exactly one of base/freqs).")
+      .def(
+          "__init__",
+          [](RopeSpec* r, int dims, bool traditional, std::optional<float> base, float scale,
+             std::optional<mx::array> freqs, float mscale) {
+            new (r) RopeSpec{dims, traditional, base, scale, std::move(freqs), mscale};
+          },
+          nb::kw_only(), "dims"_a, "traditional"_a = false, "base"_a = nb::none(),
+          "scale"_a = 1.0f, "freqs"_a = nb::none(), "mscale"_a = 1.0f)
+      .def_ro("dims", &RopeSpec::dims)
+      .def_ro("traditional", &RopeSpec::traditional)
+      .def_ro("base", &RopeSpec::base)
+      .def_ro("scale", &RopeSpec::scale)
+      .def_ro("mscale", &RopeSpec::mscale);
+
+  nb::class_<DecodeConfig>(m, "DecodeConfig",
+                           R"(The graph a DecodeStep runs (shapes and family switches).
+
+Fields mirror ``cpp/include/mlx_infer/decode.h``; ``windows`` and ``ropes``
+hold one entry per layer (window 0 = global attention).)")
+      .def(nb::init<>())
+      .def_rw("family", &DecodeConfig::family)
+      .def_rw("num_layers", &DecodeConfig::num_layers)
+      .def_rw("hidden_size", &DecodeConfig::hidden_size)
+      .def_rw("num_heads", &DecodeConfig::num_heads)
+      .def_rw("num_kv_heads", &DecodeConfig::num_kv_heads)
+      .def_rw("head_dim", &DecodeConfig::head_dim)
+      .def_rw("vocab_size", &DecodeConfig::vocab_size)
+      .def_rw("rms_norm_eps", &DecodeConfig::rms_norm_eps)
+      .def_rw("attn_scale", &DecodeConfig::attn_scale)
+      .def_rw("activation", &DecodeConfig::activation, "'silu' or 'gelu_tanh'.")
+      .def_rw("embed_scale", &DecodeConfig::embed_scale, "Embedding multiplier; 0 = none.")
+      .def_rw("clip_f16_residual", &DecodeConfig::clip_f16_residual)
+      .def_rw("final_logit_softcap", &DecodeConfig::final_logit_softcap)
+      .def_rw("windows", &DecodeConfig::windows)
+      .def_rw("ropes", &DecodeConfig::ropes)
+      .def_rw("kv_dtype", &DecodeConfig::kv_dtype,
+              "'bfloat16', 'float16', 'float32' or '' (the prefix's dtype).")
+      .def_rw("capacity_step", &DecodeConfig::capacity_step, "KV growth in tokens.")
+      .def_rw("max_capacity", &DecodeConfig::max_capacity,
+              "Most tokens a row may hold; 0 = unbounded. A step past it raises RuntimeError.")
+      .def_rw("compile", &DecodeConfig::compile,
+              "Compile the whole step (masked attention over fixed-size buffers).")
+      .def_rw("compile_min_batch", &DecodeConfig::compile_min_batch,
+              R"(Compile only for batches of at least this many rows; smaller ones
+build the graph each step and read exact-length KV views without a mask.)")
+      .def_rw("cpu_kernel_linears", &DecodeConfig::cpu_kernel_linears,
+              "Linears (``embed``: the tied head) whose products run on mlx-infer's CPU kernels.")
+      .def_rw("fuse_projections", &DecodeConfig::fuse_projections,
+              "Run q|k|v and gate|up as one matmul each (holds a fused copy of those weights).");
+
+  nb::class_<DecodeStep>(
+      m, "DecodeStep",
+      R"(A one-token decode step over its own KV buffers (see decode.h).
+
+Per layer it holds K/V buffers ``(B, kv_heads, slots, head_dim)``: a global
+layer's slot p holds position p (slots = capacity, grown in chunks), a sliding
+layer's is a ring of ``min(window, capacity)`` slots. A step that raises leaves
+the buffers unchanged. Not thread-safe.)")
+      .def(nb::init<DecodeConfig, const std::unordered_map<std::string, mx::array>&,
+                    const std::unordered_map<std::string, mlx_infer::QuantSpec>&>(),
+           "config"_a, "weights"_a, "quantization"_a,
+           R"(Args:
+    config: a DecodeConfig.
+    weights: canonical name -> array (``embed.weight``, ``layers.0.q.weight``, ...).
+    quantization: linear name -> ``(group_size, bits, mode)`` for quantized linears.)")
+      .def("load_prefix", &DecodeStep::load_prefix, "keys"_a, "values"_a, "lengths"_a,
+           R"(Takes over a prefilled cache (and resets the step counter).
+
+Args:
+    keys: per layer ``(B, kv_heads, S, head_dim)``, each row right-aligned so
+        that slot ``S - 1`` holds its last token.
+    values: likewise.
+    lengths: tokens held per row (list[int], B entries).)")
+      .def("step", &DecodeStep::step, "tokens"_a,
+           R"(Feeds one token per row; returns lazy logits ``(B, vocab)``.
+
+Raises:
+    ValueError: bad tokens or no cache loaded.
+    RuntimeError: max_capacity reached. Either way the buffers are unchanged.)")
+      .def("kv_state", &DecodeStep::kv_state,
+           "Per layer ``(keys, values)`` in the buffer layout.")
+      .def("reset", &DecodeStep::reset, "Drops the KV buffers (the weights stay).")
+      .def_prop_ro("lengths", &DecodeStep::lengths, "Tokens held per row.")
+      .def_prop_ro("batch_size", &DecodeStep::batch_size)
+      .def_prop_ro("capacity", &DecodeStep::capacity, "Slots of a global layer's buffer.")
+      .def_prop_ro("traces", &DecodeStep::traces,
+                   "Times the compiled step was traced (one per (batch, capacity) seen).")
+      .def_prop_ro("steps", &DecodeStep::steps, "Steps since the last load_prefix.")
+      .def_prop_ro("loaded", &DecodeStep::loaded)
+      .def_prop_ro("kv_nbytes", &DecodeStep::kv_nbytes)
+      .def_prop_ro("config", &DecodeStep::config, nb::rv_policy::copy);
+}

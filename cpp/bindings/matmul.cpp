@@ -1,0 +1,110 @@
+// nanobind only: the CPU matmul ops (cpp/matmul/).
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/variant.h>
+
+#include <string>
+
+#include "mlx_infer/matmul.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+namespace mx = mlx::core;
+
+void bind_matmul(nb::module_& m) {
+  m.def(
+      "fast_linear",
+      [](const mx::array& x, const mx::array& weight, const std::optional<mx::array>& bias,
+         mx::StreamOrDevice stream) { return mlx_infer::fast_linear(x, weight, bias, stream); },
+      "x"_a, "weight"_a, "bias"_a = nb::none(), nb::kw_only(), "stream"_a = nb::none(),
+      R"(``x @ weight.T (+ bias)`` with mlx-infer's CPU kernels on CPU streams.
+
+Args:
+    x: ``(..., K)`` float32, bfloat16 or float16.
+    weight: ``(N, K)`` float32, bfloat16 or float16 (a Linear layer's weight).
+    bias: optional ``(N,)``.
+    stream: stream or device (default: the default stream).
+
+Returns:
+    ``(..., N)`` in the promoted dtype. Computed in float32 and rounded once.
+    On a GPU stream, or for inputs the kernels do not cover, MLX's own
+    ``matmul``/``addmm``.)");
+
+  m.def(
+      "fast_quantized_matmul",
+      [](const mx::array& x, const mx::array& w, const mx::array& scales,
+         const std::optional<mx::array>& biases, bool transpose, int group_size, int bits,
+         const std::string& mode, mx::StreamOrDevice stream) {
+        return mlx_infer::fast_quantized_matmul(x, w, scales, biases, transpose, group_size, bits,
+                                                mode, stream);
+      },
+      "x"_a, "w"_a, "scales"_a, "biases"_a = nb::none(), nb::kw_only(), "transpose"_a = true,
+      "group_size"_a = 64, "bits"_a = 4, "mode"_a = "affine", "stream"_a = nb::none(),
+      R"(``mx.quantized_matmul`` with mlx-infer's CPU kernels on CPU streams.
+
+The kernels cover mode ``"affine"`` with biases, ``transpose=True``, bits 4
+and 8, group sizes 32/64/128 and float inputs (MLX's packing: uint32 words,
+``32 // bits`` values each, least significant first; ``w = scale * q + bias``
+per group). They compute in float32 and round once to the output dtype.
+Anything else, and every GPU stream, runs ``mx.quantized_matmul``.)");
+
+  m.def(
+      "fast_sdpa",
+      [](const mx::array& q, const mx::array& k, const mx::array& v, float scale,
+         const std::string& mask_mode, const std::optional<mx::array>& mask,
+         mx::StreamOrDevice stream) {
+        return mlx_infer::fast_sdpa(q, k, v, scale, mask_mode, mask, stream);
+      },
+      "q"_a, "k"_a, "v"_a, nb::kw_only(), "scale"_a, "mask_mode"_a = "", "mask"_a = nb::none(),
+      "stream"_a = nb::none(),
+      R"(``mx.fast.scaled_dot_product_attention`` with mlx-infer's CPU kernels on CPU streams.
+
+Args:
+    q: ``(B, H, L, D)``; k: ``(B, KVH, S, D)``; v: ``(B, KVH, S, Dv)`` (one float dtype,
+        ``H`` a multiple of ``KVH``).
+    scale: multiplier on ``q . k``.
+    mask_mode: ``""``, ``"causal"`` (key ``s`` visible to query ``l`` when
+        ``s <= l + S - L``) or ``"array"``.
+    mask: with ``"array"``: bool (True = attend) or float (added to the scores),
+        broadcastable to ``(B, H, L, S)``.
+
+Returns:
+    ``(B, H, L, Dv)`` in q's dtype. Scores, softmax and the weighted sum run in
+    float32. A query that sees no key gets zeros (MLX: NaN). Other inputs and
+    GPU streams run MLX's op.)");
+
+  m.def(
+      "fast_gated_activation",
+      [](const mx::array& gate, const mx::array& up, const std::string& activation,
+         mx::StreamOrDevice stream) {
+        return mlx_infer::fast_gated_activation(gate, up, activation, stream);
+      },
+      "gate"_a, "up"_a, nb::kw_only(), "activation"_a, "stream"_a = nb::none(),
+      R"(``act(gate) * up`` in one pass on CPU streams (a gated MLP's activation).
+
+Args:
+    gate, up: same shape and float dtype.
+    activation: ``"gelu_approx"`` (``mlx.nn.gelu_approx``) or ``"silu"``.
+
+Returns:
+    Same shape and dtype. Computed in float32 (``x * sigmoid(z)`` with a
+    vectorized exp) and rounded once. GPU streams and other inputs run the same
+    formula in MLX ops.
+
+Raises:
+    ValueError: for an unknown activation.)");
+
+  m.def("cpu_kernel_isa", &mlx_infer::cpu_kernel_isa,
+        "The instruction set the CPU kernels use: 'avx512', 'avx2' or 'generic'.");
+  m.def("set_cpu_kernel_isa", &mlx_infer::set_cpu_kernel_isa, "isa"_a,
+        R"(Force the CPU kernels to a narrower instruction set (tests, benchmarks).
+
+Args:
+    isa: 'avx512', 'avx2', 'generic', or '' for automatic detection.
+
+Raises:
+    ValueError: for an unknown name or one this CPU lacks.)");
+  m.def("cpu_threads", &mlx_infer::cpu_threads,
+        "Threads the CPU kernels run on: physical cores, or MLX_INFER_CPU_THREADS.");
+}

@@ -1,0 +1,398 @@
+// The one-token forward of the llama and gemma3 families, composed of the same
+// MLX ops, in the same order, as python/mlx_infer/models/{llama,gemma3}.py, so
+// the compiled step's logits stay within rounding of the eager graph's.
+#include "graph.h"
+
+#include "mlx_infer/matmul.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+namespace mlx_infer {
+
+namespace {
+
+constexpr double kSqrt2OverPi = 0.7978845608028654;  // math.sqrt(2 / math.pi), as nn.gelu_approx
+
+mx::array scalar(double v, mx::Dtype dtype) {
+  return mx::array(static_cast<float>(v), dtype);
+}
+
+// nn.Linear / nn.QuantizedLinear (and their CPU-kernel twins in mlx_infer.layers.linear).
+mx::array apply_linear(const Linear& l, const mx::array& x) {
+  if (l.fast) {
+    if (l.quantized()) {
+      auto y = fast_quantized_matmul(x, *l.w, *l.scales, l.biases, true, l.group_size, l.bits, l.mode);
+      return l.bias ? mx::add(y, *l.bias) : y;
+    }
+    return fast_linear(x, *l.w, l.bias);
+  }
+  if (l.quantized()) {
+    auto y = mx::quantized_matmul(x, *l.w, *l.scales, l.biases, /*transpose=*/true, l.group_size,
+                                  l.bits, l.mode);
+    return l.bias ? mx::add(y, *l.bias) : y;
+  }
+  if (l.bias) {
+    return mx::addmm(*l.bias, x, mx::transpose(*l.w));
+  }
+  return mx::matmul(x, mx::transpose(*l.w));
+}
+
+// nn.Embedding / nn.QuantizedEmbedding lookup: ids (B, 1) -> (B, 1, hidden).
+mx::array embed_lookup(const Linear& e, const mx::array& ids) {
+  if (e.quantized()) {
+    std::optional<mx::array> biases;
+    if (e.biases) {
+      biases = mx::take(*e.biases, ids, 0);
+    }
+    return mx::dequantize(mx::take(*e.w, ids, 0), mx::take(*e.scales, ids, 0), biases,
+                          e.group_size, e.bits, e.mode);
+  }
+  return mx::take(*e.w, ids, 0);
+}
+
+// Embedding.as_linear / QuantizedEmbedding.as_linear.
+mx::array embed_as_linear(const Linear& e, const mx::array& x) {
+  if (e.fast) {
+    return e.quantized()
+        ? fast_quantized_matmul(x, *e.w, *e.scales, e.biases, true, e.group_size, e.bits, e.mode)
+        : fast_linear(x, *e.w);
+  }
+  if (e.quantized()) {
+    return mx::quantized_matmul(x, *e.w, *e.scales, e.biases, true, e.group_size, e.bits, e.mode);
+  }
+  return mx::matmul(x, mx::transpose(*e.w));
+}
+
+mx::array rms(const mx::array& x, const std::optional<mx::array>& w, float eps) {
+  return mx::fast::rms_norm(x, w, eps);
+}
+
+mx::array rope(const mx::array& x, const RopeSpec& r, const mx::array& offset) {
+  auto y = x;
+  if (r.mscale != 1.0f) {  // YarnRoPE: x.at[..., :dims].multiply(mscale)
+    int D = x.shape(-1);
+    auto m = scalar(r.mscale, x.dtype());
+    if (r.dims == D) {
+      y = mx::multiply(x, m);
+    } else {
+      auto shape = x.shape();
+      auto head = mx::slice(x, {0, 0, 0, 0}, {shape[0], shape[1], shape[2], r.dims});
+      auto tail = mx::slice(x, {0, 0, 0, r.dims}, shape);
+      y = mx::concatenate({mx::multiply(head, m), tail}, -1);
+    }
+  }
+  return mx::fast::rope(y, r.dims, r.traditional, r.base, r.scale, offset, r.freqs);
+}
+
+// gemma3.residual_add: in float16, summed in float32 and clipped to the f16 range.
+mx::array residual(const DecodeConfig& cfg, const mx::array& x, const mx::array& y) {
+  if (!cfg.clip_f16_residual || x.dtype() != mx::float16) {
+    return mx::add(x, y);
+  }
+  float bound = 65504.0f;
+  auto s = mx::add(mx::astype(x, mx::float32), mx::astype(y, mx::float32));
+  return mx::astype(mx::clip(s, mx::array(-bound), mx::array(bound)), mx::float16);
+}
+
+// nn.silu(gate) * up  /  nn.gelu_approx(gate) * up, op for op.
+std::vector<mx::array> swiglu_ops(const std::vector<mx::array>& in) {
+  const auto& gate = in[0];
+  return {mx::multiply(mx::multiply(gate, mx::sigmoid(gate)), in[1])};
+}
+
+std::vector<mx::array> geglu_ops(const std::vector<mx::array>& in) {
+  const auto& gate = in[0];
+  auto dt = gate.dtype();
+  auto inner = mx::add(gate, mx::multiply(scalar(0.044715, dt), mx::power(gate, scalar(3, dt))));
+  auto t = mx::tanh(mx::multiply(scalar(kSqrt2OverPi, dt), inner));
+  auto act = mx::multiply(mx::multiply(scalar(0.5, dt), gate), mx::add(scalar(1, dt), t));
+  return {mx::multiply(act, in[1])};
+}
+
+// Shapeless-compiled, as mlx-lm compiles its activations: one fused kernel when
+// the step is built op by op; inlined when the whole step is being traced.
+mx::array gated(const DecodeConfig& cfg, const mx::array& gate, const mx::array& up) {
+  static auto swiglu = mx::compile(swiglu_ops, /*shapeless=*/true);
+  static auto geglu = mx::compile(geglu_ops, /*shapeless=*/true);
+  return (cfg.activation == "gelu_tanh" ? geglu : swiglu)({gate, up})[0];
+}
+
+// Writes one token per row into a (B, KVH, S, D) buffer at slot[b].
+mx::array write_slot(const mx::array& buf, const mx::array& x, const mx::array& slot,
+                     std::optional<int> static_slot) {
+  auto upd = mx::astype(x, buf.dtype());  // (B, KVH, 1, D)
+  int B = buf.shape(0);
+  if (static_slot) {
+    auto stop = buf.shape();
+    stop[2] = *static_slot + 1;
+    return mx::slice_update(buf, upd, {0, 0, *static_slot, 0}, stop);
+  }
+  if (B == 1) {
+    return mx::slice_update(buf, upd, mx::reshape(slot, {1}), {2});
+  }
+  auto rows = mx::arange(0, B, 1, mx::int32);
+  auto shaped = mx::expand_dims(upd, 1);  // (B, 1, KVH, 1, D)
+  return mx::scatter(buf, {rows, slot}, shaped, {0, 2});
+}
+
+}  // namespace
+
+std::vector<mx::array> decode_forward(
+    const DecodeStep::Graph& g,
+    const std::vector<mx::array>& inputs,
+    const AttentionRead& read) {
+  const auto& cfg = g.cfg;
+  const int L = cfg.num_layers;
+  if (static_cast<int>(inputs.size()) != 2 + 2 * L) {
+    throw std::invalid_argument("[decode_forward] expected tokens, positions and 2 KV buffers per layer.");
+  }
+  const auto& tokens = inputs[0];
+  const auto& positions = inputs[1];  // (B,) int32
+  const int B = tokens.shape(0);
+  const int H = cfg.num_heads, KVH = cfg.num_kv_heads, D = cfg.head_dim;
+
+  auto h = embed_lookup(g.embed, mx::reshape(tokens, {B, 1}));  // (B, 1, E)
+  if (cfg.embed_scale != 0.0f) {
+    h = mx::multiply(h, scalar(cfg.embed_scale, h.dtype()));
+  }
+
+  // One mask per buffer length (slot s of row b is visible iff s <= positions[b]).
+  std::unordered_map<int, mx::array> masks;
+  auto pos_col = mx::reshape(positions, {B, 1, 1, 1});
+  auto mask_for = [&](int slots) -> mx::array {
+    auto it = masks.find(slots);
+    if (it != masks.end()) {
+      return it->second;
+    }
+    auto m = mx::less_equal(mx::reshape(mx::arange(0, slots, 1, mx::int32), {1, 1, 1, slots}), pos_col);
+    masks.emplace(slots, m);
+    return m;  // (B, 1, 1, slots)
+  };
+
+  std::vector<mx::array> outputs;
+  outputs.reserve(inputs.size());
+  outputs.push_back(mx::array(0));  // placeholders, filled below
+  outputs.push_back(mx::add(positions, mx::array(1, mx::int32)));
+
+  for (int i = 0; i < L; ++i) {
+    const auto& lw = g.layers[i];
+    const auto& kbuf = inputs[2 + 2 * i];
+    const auto& vbuf = inputs[3 + 2 * i];
+    const int slots = kbuf.shape(2);
+
+    auto x = rms(h, lw.attn_norm, cfg.rms_norm_eps);
+    mx::array q(0), k(0), v(0);
+    if (lw.qkv.present()) {
+      auto qkv = apply_linear(lw.qkv, x);  // (B, 1, (H + 2 KVH) D)
+      auto parts = mx::split(qkv, mx::Shape{H * D, (H + KVH) * D}, -1);
+      q = parts[0], k = parts[1], v = parts[2];
+    } else {
+      q = apply_linear(lw.q, x);
+      k = apply_linear(lw.k, x);
+      v = apply_linear(lw.v, x);
+    }
+    q = mx::reshape(q, {B, 1, H, D});
+    k = mx::reshape(k, {B, 1, KVH, D});
+    v = mx::reshape(v, {B, 1, KVH, D});
+    if (lw.q_norm) {
+      q = rms(q, lw.q_norm, cfg.rms_norm_eps);
+      k = rms(k, lw.k_norm, cfg.rms_norm_eps);
+    }
+    q = mx::transpose(q, {0, 2, 1, 3});  // (B, H, 1, D)
+    k = mx::transpose(k, {0, 2, 1, 3});  // (B, KVH, 1, D)
+    v = mx::transpose(v, {0, 2, 1, 3});
+    q = rope(q, lw.rope, positions);
+    k = rope(k, lw.rope, positions);
+
+    // Write slot: the position itself, or its ring slot on a sliding layer.
+    std::optional<int> static_slot;
+    mx::array slot = positions;
+    if (read.uniform_length) {
+      int p = *read.uniform_length - 1;
+      static_slot = lw.window > 0 ? p % slots : p;
+    } else if (lw.window > 0) {
+      slot = mx::remainder(positions, mx::array(slots, mx::int32));
+    }
+    auto new_k = write_slot(kbuf, k, slot, static_slot);  // (B, KVH, slots, D)
+    auto new_v = write_slot(vbuf, v, slot, static_slot);
+
+    mx::array attn(0);
+    if (read.uniform_length) {
+      int n = std::min(*read.uniform_length, slots);  // a full ring is read whole
+      auto kr = new_k, vr = new_v;
+      if (n < slots) {
+        kr = mx::slice(new_k, {0, 0, 0, 0}, {B, KVH, n, D});
+        vr = mx::slice(new_v, {0, 0, 0, 0}, {B, KVH, n, D});
+      }
+      attn = mx::fast::scaled_dot_product_attention(q, kr, vr, cfg.attn_scale, "", std::nullopt);
+    } else {
+      attn = mx::fast::scaled_dot_product_attention(q, new_k, new_v, cfg.attn_scale, "array",
+                                                    mask_for(slots));
+    }
+    attn = mx::reshape(mx::transpose(attn, {0, 2, 1, 3}), {B, 1, H * D});  // (B, 1, H*D)
+    auto r = apply_linear(lw.o, attn);
+
+    if (lw.post_attn_norm) {  // gemma3 sandwich norms
+      h = residual(cfg, h, rms(r, lw.post_attn_norm, cfg.rms_norm_eps));
+    } else {
+      h = mx::add(h, r);
+    }
+
+    x = rms(h, lw.mlp_norm, cfg.rms_norm_eps);
+    mx::array gate(0), up(0);
+    if (lw.gate_up.present()) {
+      auto gu = apply_linear(lw.gate_up, x);
+      auto parts = mx::split(gu, 2, -1);
+      gate = parts[0], up = parts[1];
+    } else {
+      gate = apply_linear(lw.gate, x);
+      up = apply_linear(lw.up, x);
+    }
+    r = apply_linear(lw.down, gated(cfg, gate, up));
+    if (lw.post_mlp_norm) {
+      h = residual(cfg, h, rms(r, lw.post_mlp_norm, cfg.rms_norm_eps));
+    } else {
+      h = mx::add(h, r);
+    }
+    outputs.push_back(std::move(new_k));
+    outputs.push_back(std::move(new_v));
+  }
+
+  h = rms(h, g.norm, cfg.rms_norm_eps);
+  auto logits = g.lm_head.present() ? apply_linear(g.lm_head, h) : embed_as_linear(g.embed, h);
+  if (cfg.final_logit_softcap) {
+    auto cap = scalar(*cfg.final_logit_softcap, logits.dtype());
+    logits = mx::multiply(mx::tanh(mx::divide(logits, cap)), cap);
+  }
+  outputs[0] = mx::reshape(logits, {B, logits.shape(-1)});  // (B, vocab)
+  return outputs;
+}
+
+namespace {
+
+std::optional<mx::array> find(const std::unordered_map<std::string, mx::array>& w,
+                              const std::string& name) {
+  auto it = w.find(name);
+  if (it == w.end()) {
+    return std::nullopt;
+  }
+  return it->second;
+}
+
+mx::array require(const std::unordered_map<std::string, mx::array>& w, const std::string& name) {
+  auto a = find(w, name);
+  if (!a) {
+    throw std::invalid_argument("[DecodeStep] missing weight '" + name + "'.");
+  }
+  return *a;
+}
+
+Linear read_linear(const std::unordered_map<std::string, mx::array>& w,
+                   const std::unordered_map<std::string, QuantSpec>& quant,
+                   const std::vector<std::string>& fast, const std::string& name,
+                   bool required = true) {
+  Linear l;
+  l.fast = std::find(fast.begin(), fast.end(), name) != fast.end();
+  l.w = required ? std::optional<mx::array>(require(w, name + ".weight")) : find(w, name + ".weight");
+  if (!l.w) {
+    return l;
+  }
+  l.bias = find(w, name + ".bias");
+  auto q = quant.find(name);
+  if (q != quant.end()) {
+    l.scales = require(w, name + ".scales");
+    l.biases = find(w, name + ".biases");
+    std::tie(l.group_size, l.bits, l.mode) = q->second;
+  }
+  return l;
+}
+
+bool same_kind(const Linear& a, const Linear& b) {
+  if (a.quantized() != b.quantized() || a.fast != b.fast || a.bias.has_value() != b.bias.has_value() ||
+      a.biases.has_value() != b.biases.has_value() || a.w->dtype() != b.w->dtype()) {
+    return false;
+  }
+  return !a.quantized() || (a.group_size == b.group_size && a.bits == b.bits && a.mode == b.mode);
+}
+
+// Rows of W (and of its scales, biases and bias) concatenated: one matmul for several outputs.
+Linear fuse(const std::vector<const Linear*>& ls) {
+  Linear out = *ls[0];
+  auto cat = [&](auto member) {
+    std::vector<mx::array> parts;
+    for (auto* l : ls) {
+      parts.push_back(*(l->*member));
+    }
+    return mx::concatenate(parts, 0);
+  };
+  out.w = cat(&Linear::w);
+  if (out.scales) out.scales = cat(&Linear::scales);
+  if (out.biases) out.biases = cat(&Linear::biases);
+  if (out.bias) out.bias = cat(&Linear::bias);
+  return out;
+}
+
+}  // namespace
+
+void load_graph_weights(
+    DecodeStep::Graph& g,
+    const std::unordered_map<std::string, mx::array>& weights,
+    const std::unordered_map<std::string, QuantSpec>& quantization) {
+  const auto& cfg = g.cfg;
+  const auto& fast = cfg.cpu_kernel_linears;
+  g.embed = read_linear(weights, quantization, fast, "embed");
+  g.lm_head = read_linear(weights, quantization, fast, "lm_head", /*required=*/false);
+  g.norm = require(weights, "norm.weight");
+  g.dtype = g.embed.quantized() ? g.embed.scales->dtype() : g.embed.w->dtype();
+  std::vector<mx::array> fused;  // evaluated once, here, not in the first step
+  auto keep = [&fused](const Linear& l) {
+    for (const auto* a : {&l.w, &l.scales, &l.biases, &l.bias}) {
+      if (*a) fused.push_back(**a);
+    }
+  };
+  for (int i = 0; i < cfg.num_layers; ++i) {
+    std::string p = "layers." + std::to_string(i) + ".";
+    LayerWeights lw;
+    for (auto [field, name] : {std::pair{&LayerWeights::q, "q"}, {&LayerWeights::k, "k"},
+                               {&LayerWeights::v, "v"}, {&LayerWeights::o, "o"},
+                               {&LayerWeights::gate, "gate"}, {&LayerWeights::up, "up"},
+                               {&LayerWeights::down, "down"}}) {
+      lw.*field = read_linear(weights, quantization, fast, p + name);
+    }
+    lw.attn_norm = require(weights, p + "attn_norm.weight");
+    lw.mlp_norm = require(weights, p + "mlp_norm.weight");
+    lw.post_attn_norm = find(weights, p + "post_attn_norm.weight");
+    lw.post_mlp_norm = find(weights, p + "post_mlp_norm.weight");
+    lw.q_norm = find(weights, p + "q_norm.weight");
+    lw.k_norm = find(weights, p + "k_norm.weight");
+    if (lw.q_norm.has_value() != lw.k_norm.has_value()) {
+      throw std::invalid_argument("[DecodeStep] " + p + "q_norm and k_norm must come together.");
+    }
+    if (lw.post_attn_norm.has_value() != lw.post_mlp_norm.has_value()) {
+      throw std::invalid_argument("[DecodeStep] " + p +
+                                  "post_attn_norm and post_mlp_norm must come together.");
+    }
+    lw.window = cfg.windows[i];
+    lw.rope = cfg.ropes[i];
+    if (cfg.fuse_projections) {
+      // The fused copies replace the separate weights in this graph (the model keeps its own).
+      if (same_kind(lw.q, lw.k) && same_kind(lw.q, lw.v)) {
+        lw.qkv = fuse({&lw.q, &lw.k, &lw.v});
+        lw.q = lw.k = lw.v = Linear{};
+        keep(lw.qkv);
+      }
+      if (same_kind(lw.gate, lw.up)) {
+        lw.gate_up = fuse({&lw.gate, &lw.up});
+        lw.gate = lw.up = Linear{};
+        keep(lw.gate_up);
+      }
+    }
+    g.layers.push_back(std::move(lw));
+  }
+  if (!fused.empty()) {
+    mx::eval(fused);
+  }
+}
+
+}  // namespace mlx_infer

@@ -1,0 +1,277 @@
+// DecodeStep: the KV buffers, their growth, prefix take-over and the commit of
+// one step (see decode.h for the layout and the transactional rule).
+#include <algorithm>
+#include <sstream>
+#include <stdexcept>
+
+#include "graph.h"
+
+namespace mlx_infer {
+
+namespace {
+
+mx::Dtype parse_dtype(const std::string& name) {
+  if (name == "bfloat16" || name == "bf16") return mx::bfloat16;
+  if (name == "float16" || name == "f16") return mx::float16;
+  if (name == "float32" || name == "f32") return mx::float32;
+  throw std::invalid_argument("[DecodeStep] kv_dtype must be 'bfloat16', 'float16', 'float32' or '' "
+                              "(the prefix's dtype), got '" + name + "'.");
+}
+
+void validate(const DecodeConfig& c) {
+  auto fail = [](const std::string& what) {
+    throw std::invalid_argument("[DecodeStep] " + what);
+  };
+  if (c.num_layers < 1) fail("num_layers must be >= 1.");
+  if (c.num_heads < 1 || c.num_kv_heads < 1 || c.num_heads % c.num_kv_heads != 0) {
+    fail("num_heads must be a positive multiple of num_kv_heads.");
+  }
+  if (c.head_dim < 1 || c.hidden_size < 1 || c.vocab_size < 1) fail("sizes must be positive.");
+  if (static_cast<int>(c.windows.size()) != c.num_layers) {
+    fail("windows needs one entry per layer (0 for a global layer).");
+  }
+  if (static_cast<int>(c.ropes.size()) != c.num_layers) fail("ropes needs one RopeSpec per layer.");
+  for (int w : c.windows) {
+    if (w < 0) fail("a sliding window must be >= 1 (0 = global).");
+  }
+  for (const auto& r : c.ropes) {
+    if (r.base.has_value() == r.freqs.has_value()) fail("each RopeSpec needs exactly one of base and freqs.");
+    if (r.dims < 2 || r.dims > c.head_dim) fail("RopeSpec.dims must be in [2, head_dim].");
+  }
+  if (c.activation != "silu" && c.activation != "gelu_tanh") {
+    fail("activation must be 'silu' or 'gelu_tanh', got '" + c.activation + "'.");
+  }
+  if (c.capacity_step < 1) fail("capacity_step must be >= 1.");
+  if (c.compile_min_batch < 1) fail("compile_min_batch must be >= 1.");
+  if (c.max_capacity < 0) fail("max_capacity must be >= 0 (0 = unbounded).");
+  if (!c.kv_dtype.empty()) parse_dtype(c.kv_dtype);
+}
+
+int round_up(int n, int step) {
+  return ((n + step - 1) / step) * step;
+}
+
+}  // namespace
+
+DecodeStep::DecodeStep(
+    DecodeConfig config,
+    const std::unordered_map<std::string, mx::array>& weights,
+    const std::unordered_map<std::string, QuantSpec>& quantization) {
+  validate(config);
+  graph_ = std::make_shared<Graph>();
+  graph_->cfg = std::move(config);
+  load_graph_weights(*graph_, weights, quantization);
+  if (graph_->cfg.compile) {
+    auto g = graph_;
+    compiled_ = mx::compile(
+        [g](const std::vector<mx::array>& in) {
+          if (!in.empty() && in[0].is_tracer()) {
+            g->traces += 1;  // runs only while tracing: one per (B, capacity) seen
+          }
+          return decode_forward(*g, in, AttentionRead{});
+        },
+        /*shapeless=*/false);
+  }
+}
+
+DecodeStep::~DecodeStep() = default;
+
+const DecodeConfig& DecodeStep::config() const {
+  return graph_->cfg;
+}
+
+int DecodeStep::traces() const {
+  return graph_->traces;
+}
+
+int64_t DecodeStep::kv_nbytes() const {
+  int64_t n = 0;
+  for (const auto& a : kv_) {
+    n += a.nbytes();
+  }
+  return n;
+}
+
+void DecodeStep::reset() {
+  kv_.clear();
+  positions_.reset();
+  lengths_.clear();
+  capacity_ = 0;
+  steps_ = 0;
+}
+
+std::vector<std::pair<mx::array, mx::array>> DecodeStep::kv_state() const {
+  std::vector<std::pair<mx::array, mx::array>> out;
+  for (size_t i = 0; i + 1 < kv_.size(); i += 2) {
+    out.emplace_back(kv_[i], kv_[i + 1]);
+  }
+  return out;
+}
+
+void DecodeStep::load_prefix(
+    const std::vector<mx::array>& keys,
+    const std::vector<mx::array>& values,
+    const std::vector<int>& lengths) {
+  const auto& cfg = graph_->cfg;
+  const int L = cfg.num_layers;
+  if (static_cast<int>(keys.size()) != L || static_cast<int>(values.size()) != L) {
+    std::ostringstream msg;
+    msg << "[DecodeStep.load_prefix] expected " << L << " key and value arrays (one per layer), got "
+        << keys.size() << " and " << values.size() << ".";
+    throw std::invalid_argument(msg.str());
+  }
+  const int B = static_cast<int>(lengths.size());
+  if (B < 1) throw std::invalid_argument("[DecodeStep.load_prefix] lengths needs one entry per row.");
+  int max_len = 0;
+  for (int n : lengths) {
+    if (n < 0) throw std::invalid_argument("[DecodeStep.load_prefix] lengths must be >= 0.");
+    max_len = std::max(max_len, n);
+  }
+  const int cap = round_up(max_len + 1, cfg.capacity_step);
+  if (cfg.max_capacity > 0 && max_len + 1 > cfg.max_capacity) {
+    std::ostringstream msg;
+    msg << "[DecodeStep.load_prefix] a row holds " << max_len << " tokens; max_capacity "
+        << cfg.max_capacity << " leaves no room for the next one. Raise max_capacity.";
+    throw std::runtime_error(msg.str());
+  }
+  mx::Dtype kv_dtype = cfg.kv_dtype.empty() ? keys[0].dtype() : parse_dtype(cfg.kv_dtype);
+
+  std::vector<mx::array> kv;
+  kv.reserve(2 * L);
+  for (int i = 0; i < L; ++i) {
+    for (const auto* src : {&keys[i], &values[i]}) {
+      if (src->ndim() != 4 || src->shape(0) != B || src->shape(1) != cfg.num_kv_heads ||
+          src->shape(3) != cfg.head_dim) {
+        std::ostringstream msg;
+        msg << "[DecodeStep.load_prefix] layer " << i << ": expected (" << B << ", "
+            << cfg.num_kv_heads << ", S, " << cfg.head_dim << ") keys/values, got " << src->shape()
+            << ".";
+        throw std::invalid_argument(msg.str());
+      }
+    }
+    const int window = cfg.windows[i];
+    const int slots = window > 0 ? std::min(window, cap) : cap;
+    const int S = keys[i].shape(2);
+    // Source slot of each buffer slot, per row; -1 where the slot stays empty.
+    std::vector<int32_t> idx(static_cast<size_t>(B) * slots, 0);
+    std::vector<uint8_t> valid(static_cast<size_t>(B) * slots, 0);
+    for (int b = 0; b < B; ++b) {
+      const int n = lengths[b];
+      if (S < std::min(n, slots)) {
+        std::ostringstream msg;
+        msg << "[DecodeStep.load_prefix] layer " << i << " row " << b << " holds " << n
+            << " tokens but only " << S << " were given; a " << (window > 0 ? "sliding" : "global")
+            << " layer needs the last " << std::min(n, slots) << ".";
+        throw std::invalid_argument(msg.str());
+      }
+      for (int j = 0; j < slots; ++j) {
+        int p;  // the position that lives in slot j
+        if (window > 0) {
+          if (n - 1 < j) continue;
+          p = j + slots * ((n - 1 - j) / slots);
+        } else {
+          if (j >= n) continue;
+          p = j;
+        }
+        const int s = p - n + S;
+        if (s < 0) continue;
+        idx[b * slots + j] = s;
+        valid[b * slots + j] = 1;
+      }
+    }
+    auto idx_a = mx::array(idx.begin(), {B, 1, slots, 1}, mx::int32);
+    auto valid_a = mx::astype(mx::array(valid.begin(), {B, 1, slots, 1}, mx::uint8), mx::bool_);
+    for (const auto* src : {&keys[i], &values[i]}) {
+      mx::Shape shape{B, cfg.num_kv_heads, slots, cfg.head_dim};
+      if (S == 0) {
+        kv.push_back(mx::zeros(shape, kv_dtype));
+        continue;
+      }
+      auto g = mx::take_along_axis(mx::astype(*src, kv_dtype), idx_a, 2);  // (B, KVH, slots, D)
+      kv.push_back(mx::where(valid_a, g, mx::zeros({1}, kv_dtype)));
+    }
+  }
+  auto positions = mx::array(lengths.begin(), {B}, mx::int32);
+  std::vector<mx::array> to_eval = kv;
+  to_eval.push_back(positions);
+  mx::eval(to_eval);
+  kv_ = std::move(kv);
+  positions_ = positions;
+  lengths_ = lengths;
+  capacity_ = cap;
+  steps_ = 0;
+}
+
+mx::array DecodeStep::step(const mx::array& tokens) {
+  const auto& cfg = graph_->cfg;
+  if (!loaded()) {
+    throw std::invalid_argument("[DecodeStep.step] no cache loaded: call load_prefix first "
+                                "(with zero lengths to start from an empty cache).");
+  }
+  const int B = batch_size();
+  if (tokens.size() != static_cast<size_t>(B) || tokens.ndim() > 2 ||
+      !mx::issubdtype(tokens.dtype(), mx::integer)) {
+    std::ostringstream msg;
+    msg << "[DecodeStep.step] expected " << B << " integer token ids (one per row), got shape "
+        << tokens.shape() << " of " << tokens.dtype() << ".";
+    throw std::invalid_argument(msg.str());
+  }
+  const int needed = *std::max_element(lengths_.begin(), lengths_.end()) + 1;
+  if (cfg.max_capacity > 0 && needed > cfg.max_capacity) {
+    std::ostringstream msg;
+    msg << "[DecodeStep.step] capacity exhausted: the next token would be number " << needed
+        << " of a row, over max_capacity " << cfg.max_capacity << ".";
+    throw std::runtime_error(msg.str());
+  }
+
+  // Everything below builds into locals; members change only at the commit.
+  std::vector<mx::array> inputs;
+  inputs.reserve(2 + kv_.size());
+  inputs.push_back(mx::astype(mx::reshape(tokens, {B}), mx::int32));
+  inputs.push_back(*positions_);
+  int cap = capacity_;
+  if (needed > cap) {
+    cap = round_up(needed, cfg.capacity_step);
+    if (cfg.max_capacity > 0) cap = std::min(cap, cfg.max_capacity);
+  }
+  for (int i = 0; i < cfg.num_layers; ++i) {
+    const int window = cfg.windows[i];
+    const int slots = window > 0 ? std::min(window, cap) : cap;
+    for (int j = 0; j < 2; ++j) {
+      const auto& buf = kv_[2 * i + j];
+      const int have = buf.shape(2);
+      if (slots > have) {  // growth; a ring below its window has not wrapped yet
+        auto shape = buf.shape();
+        shape[2] = slots - have;
+        inputs.push_back(mx::concatenate({buf, mx::zeros(shape, buf.dtype())}, 2));
+      } else {
+        inputs.push_back(buf);
+      }
+    }
+  }
+
+  std::vector<mx::array> outputs;
+  if (compiled_ && B >= cfg.compile_min_batch) {
+    outputs = compiled_(inputs);
+  } else {
+    AttentionRead read;
+    if (std::all_of(lengths_.begin(), lengths_.end(), [&](int n) { return n == lengths_[0]; })) {
+      read.uniform_length = lengths_[0] + 1;
+    }
+    outputs = decode_forward(*graph_, inputs, read);
+  }
+  inputs.clear();
+
+  // Commit. The old buffers are now referenced only by the new graph, so MLX
+  // may write the new token into them in place.
+  positions_ = outputs[1];
+  kv_.assign(outputs.begin() + 2, outputs.end());
+  for (auto& n : lengths_) {
+    n += 1;
+  }
+  capacity_ = cap;
+  steps_ += 1;
+  return outputs[0];
+}
+
+}  // namespace mlx_infer

@@ -1,0 +1,149 @@
+// The compiled one-token decode step (DESIGN.md, "Contracts": DecodeStep).
+//
+// One step feeds one new token for each of B sequences through a llama- or
+// gemma3-family graph and returns the next-token logits. The step owns its KV:
+//
+//   per layer, K and V buffers (B, kv_heads, slots, head_dim)
+//     global layer : slots = capacity (grows in chunks of capacity_step)
+//                    token at position p lives in slot p
+//     sliding layer: slots = min(window, capacity), a ring
+//                    token at position p lives in slot p % slots
+//
+//   row b has lengths[b] tokens; its next token goes to position lengths[b].
+//   Compiled (B >= compile_min_batch): attention reads the whole buffer under
+//   a per-row mask (slot <= position), so the traced graph depends on
+//   (B, capacity) only: per-step integers (positions) enter as arrays and a
+//   steady-state step never retraces. Otherwise the graph is built op by op
+//   each step and reads [:length] views without a mask while the rows agree.
+//
+// Transactional: a step builds its whole graph into locals and only then
+// replaces the buffers; if building throws (bad input, capacity limit), the
+// buffers are unchanged. The previous buffers are released at commit so MLX
+// can update them in place (holding them would force a full KV copy per
+// step); an error raised later, while evaluating, is outside this guarantee.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include <mlx/mlx.h>
+
+namespace mlx_infer {
+
+namespace mx = mlx::core;
+
+/// RoPE of one layer, as ``mx::fast::rope`` takes it (exactly one of base/freqs).
+struct RopeSpec {
+  int dims = 0;
+  bool traditional = false;
+  std::optional<float> base;
+  float scale = 1.0f;
+  std::optional<mx::array> freqs;
+  /// YaRN magnitude correction applied to the first ``dims`` features first.
+  float mscale = 1.0f;
+};
+
+/// The graph a step runs. Weights are handed over separately (see DecodeStep).
+struct DecodeConfig {
+  std::string family;  // "llama" or "gemma3" (informational; switches below decide)
+  int num_layers = 0;
+  int hidden_size = 0;
+  int num_heads = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  int vocab_size = 0;
+  float rms_norm_eps = 1e-6f;
+  float attn_scale = 1.0f;
+  std::string activation = "silu";  // "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+  float embed_scale = 0.0f;         // multiply embeddings by this when != 0
+  bool clip_f16_residual = false;   // gemma3: f16 residual sums in f32, clipped
+  std::optional<float> final_logit_softcap;
+  std::vector<int> windows;     // per layer: 0 = global, else the sliding window
+  std::vector<RopeSpec> ropes;  // per layer
+  std::string kv_dtype;         // "bfloat16" | "float16" | "float32" | "" (= prefix/model dtype)
+  int capacity_step = 256;      // buffer growth, tokens
+  int max_capacity = 0;         // 0 = unbounded; a step past it throws
+  bool compile = true;          // mx::compile the whole step (masked attention)...
+  int compile_min_batch = 2;    // ...for batches of at least this many rows; smaller
+                                // batches build the graph per step and, while all rows
+                                // hold one length, read exact-length KV views unmasked
+                                // (the GPU's fused decode-attention kernel applies)
+  bool fuse_projections = false;  // q|k|v and gate|up as one matmul each (costs a weight copy)
+  /// Linears (``embed`` = the tied head) whose products run on mlx-infer's CPU
+  /// kernels (mlx_infer/matmul.h), as the model's own layers do.
+  std::vector<std::string> cpu_kernel_linears;
+};
+
+/// Quantization of one linear: (group_size, bits, mode).
+using QuantSpec = std::tuple<int, int, std::string>;
+
+/// A one-token decode step over its own KV buffers. Not thread-safe.
+class DecodeStep {
+ public:
+  /// Args:
+  ///   config: the graph's shape and switches.
+  ///   weights: canonical names (see python/mlx_infer/generation/bindings/decode_step.py):
+  ///     embed.{weight,scales,biases}, norm.weight, lm_head.* (absent when tied),
+  ///     layers.{i}.{q,k,v,o,gate,up,down}.{weight,bias,scales,biases},
+  ///     layers.{i}.{attn_norm,mlp_norm,post_attn_norm,post_mlp_norm,q_norm,k_norm}.weight
+  ///     (norm weights already include gemma's ``1 +``).
+  ///   quantization: linear name (``embed``, ``lm_head``, ``layers.{i}.q``...) -> spec.
+  DecodeStep(
+      DecodeConfig config,
+      const std::unordered_map<std::string, mx::array>& weights,
+      const std::unordered_map<std::string, QuantSpec>& quantization);
+  ~DecodeStep();
+
+  /// Takes over a prefilled cache.
+  ///
+  /// ``keys[i]`` / ``values[i]``: ``(B, kv_heads, S_i, head_dim)``, each row
+  /// right-aligned: slot ``S_i - 1`` holds row b's token at position
+  /// ``lengths[b] - 1``, slot ``S_i - 1 - j`` the one at ``lengths[b] - 1 - j``
+  /// (slots before a row's first token are ignored). A global layer needs all of
+  /// a row's tokens, a sliding layer its last ``min(lengths[b], window)``.
+  /// Evaluates the copies; replaces any state held before.
+  void load_prefix(
+      const std::vector<mx::array>& keys,
+      const std::vector<mx::array>& values,
+      const std::vector<int>& lengths);
+
+  /// Feeds ``tokens`` (B,) (one per row) and returns logits ``(B, vocab)``, lazily.
+  mx::array step(const mx::array& tokens);
+
+  /// Per layer ``(keys, values)`` in the buffer layout (see the file comment).
+  std::vector<std::pair<mx::array, mx::array>> kv_state() const;
+
+  /// Tokens held per row (the position of each row's next token).
+  const std::vector<int>& lengths() const { return lengths_; }
+  int batch_size() const { return static_cast<int>(lengths_.size()); }
+  int capacity() const { return capacity_; }
+  /// Times the whole-step graph was traced (one per (B, capacity) seen).
+  int traces() const;
+  /// Steps taken since the last load_prefix.
+  int steps() const { return steps_; }
+  bool loaded() const { return !kv_.empty(); }
+  const DecodeConfig& config() const;
+  /// Bytes held by the KV buffers.
+  int64_t kv_nbytes() const;
+  /// Drops the KV buffers (the weights stay).
+  void reset();
+
+  struct Graph;  // weights and config, shared with the compiled function
+
+ private:
+  std::shared_ptr<Graph> graph_;
+  std::function<std::vector<mx::array>(const std::vector<mx::array>&)> compiled_;
+  std::vector<mx::array> kv_;  // k0, v0, k1, v1, ...
+  std::optional<mx::array> positions_;  // (B,) int32, device copy of lengths_
+  std::vector<int> lengths_;
+  int capacity_ = 0;
+  int steps_ = 0;
+};
+
+}  // namespace mlx_infer

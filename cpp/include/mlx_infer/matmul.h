@@ -1,0 +1,98 @@
+// CPU matmul primitives: dense and MLX-affine-quantized `x @ W^T` for linear layers.
+//
+// MLX's Linux CPU backend runs these products through the reference BLAS (f32)
+// or scalar loops (bf16/f16, quantized). These ops build our own primitive when
+// the stream is on the CPU and MLX's op otherwise, so a model can call them
+// unconditionally:
+//
+//   fast_linear(x, W)                   == x @ W.T           (W: (N, K) float)
+//   fast_quantized_matmul(x, Wq, s, b)  == mx.quantized_matmul(x, Wq, s, b, transpose=True)
+//
+// Kernels compute in float32 (inputs converted on load, accumulation in
+// float32, one rounding to the output dtype at the end); they are chosen at run
+// time by the CPU's instruction set (AVX-512, AVX2+FMA, or portable C++) and
+// run on a persistent pool of `cpu_threads()` threads (the MLX stream thread
+// takes part, so MLX's own CPU work and ours never exceed that count).
+#pragma once
+
+#include <optional>
+#include <string>
+
+#include <mlx/mlx.h>
+
+namespace mlx_infer {
+
+namespace mx = mlx::core;
+
+/// `x @ weight.T (+ bias)` over the last axis of x.
+///
+/// Args:
+///   x: (..., K) float32/bfloat16/float16.
+///   weight: (N, K) float32/bfloat16/float16 (a Linear layer's weight).
+///   bias: optional (N,).
+/// Returns (..., N) in the promoted dtype of x and weight. On a non-CPU stream,
+/// or for shapes/dtypes the kernels do not cover, MLX's own matmul/addmm.
+mx::array fast_linear(
+    const mx::array& x,
+    const mx::array& weight,
+    const std::optional<mx::array>& bias = std::nullopt,
+    mx::StreamOrDevice s = {});
+
+/// `mx::quantized_matmul(x, w, scales, biases, transpose, group_size, bits, mode)`.
+///
+/// Our kernel covers mode "affine" with biases, transpose=true, bits 4 or 8,
+/// group_size 32/64/128 and float x/scales: MLX's packing (uint32 words,
+/// 32/bits values per word, least significant first) and w ~ scale * q + bias
+/// per group. Anything else, and every non-CPU stream, gets MLX's op.
+mx::array fast_quantized_matmul(
+    const mx::array& x,
+    const mx::array& w,
+    const mx::array& scales,
+    const std::optional<mx::array>& biases,
+    bool transpose = true,
+    int group_size = 64,
+    int bits = 4,
+    const std::string& mode = "affine",
+    mx::StreamOrDevice s = {});
+
+/// `mx::fast::scaled_dot_product_attention(q, k, v, scale, mask_mode, mask)`.
+///
+/// q (B, H, L, D), k (B, KVH, S, D), v (B, KVH, S, Dv), H a multiple of KVH,
+/// one float dtype; mask_mode "" (none), "causal" (key s visible to query l
+/// when s <= l + S - L) or "array" (bool: true = attend; float: added to the
+/// scaled scores; broadcastable to (B, H, L, S)). Scores, softmax and the
+/// weighted sum run in float32; keys past the causal limit are skipped, not
+/// masked. A query that sees no key gets a zero row (MLX: NaN). Other inputs
+/// and GPU streams get MLX's op.
+mx::array fast_sdpa(
+    const mx::array& q,
+    const mx::array& k,
+    const mx::array& v,
+    float scale,
+    const std::string& mask_mode = "",
+    const std::optional<mx::array>& mask = std::nullopt,
+    mx::StreamOrDevice s = {});
+
+/// `act(gate) * up`, act "gelu_approx" (mlx.nn.gelu_approx, the tanh form) or
+/// "silu": a gated MLP's activation in one pass, in float32 with vectorized
+/// exp. gate and up share shape and dtype; otherwise, and on GPU streams, the
+/// same formula in MLX ops.
+mx::array fast_gated_activation(
+    const mx::array& gate,
+    const mx::array& up,
+    const std::string& activation,
+    mx::StreamOrDevice s = {});
+
+/// The instruction set the kernels dispatch to: "avx512", "avx2" or "generic".
+std::string cpu_kernel_isa();
+
+/// Threads the kernels use (the pool size): physical cores available to this
+/// process, or MLX_INFER_CPU_THREADS when set (read once, here only).
+int cpu_threads();
+
+/// For tests and benchmarks: force an instruction set no wider than the CPU
+/// has ("avx512", "avx2", "generic"); "" restores automatic detection.
+/// Throws std::invalid_argument for an unknown name or one the CPU lacks.
+void set_cpu_kernel_isa(const std::string& isa);
+
+}  // namespace mlx_infer
