@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-# The suite compares against mlx-lm bit for bit, which needs MLX's stock kernels; the
-# CPU kernels are tested where they are asked for explicitly (tests/test_cpu_kernels.py,
-# load_model(..., cpu_kernels=True)). Subprocesses inherit this.
-os.environ.setdefault("MLX_INFER_CPU_KERNELS", "0")
+# The suite compares against mlx-lm bit for bit, which needs MLX's stock kernels (the
+# default); the CPU kernels are tested where they are asked for explicitly
+# (tests/test_cpu_kernels.py, load_model(..., cpu_kernels=True)). Subprocesses inherit this.
+os.environ["MLX_INFER_CPU_KERNELS"] = "0"
 
 
 @pytest.fixture(scope="session")

@@ -80,8 +80,6 @@ def tiny_model(name: str):
                 lambda p, w: mx.random.normal(w.shape) * 0.5 if "norm" in p else w, model.parameters()))
         if bits is not None:
             nn.quantize(model, group_size=32, bits=bits)
-            if swap_in_cpu_kernels is not None and mx.default_device() == mx.cpu:
-                swap_in_cpu_kernels(model)  # as the loader leaves a quantized checkpoint
         mx.eval(model.parameters())
         _MODELS[name] = model
     return _MODELS[name]

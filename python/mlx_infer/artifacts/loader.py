@@ -74,8 +74,9 @@ def load_model(path: str | Path | None = None, *, dtype: str | None = None,
     """Load a model; see the module docstring for what ``path`` may be.
 
     ``cpu_kernels``: run linear layers and the LM head on mlx-infer's CPU matmul
-    kernels (:mod:`mlx_infer.layers.linear`); ``None`` = on when the default
-    device is the CPU. ``False`` keeps MLX's stock kernels (bit-exact with mlx-lm).
+    kernels (:mod:`mlx_infer.layers.linear`); ``None`` = :func:`default_cpu_kernels`
+    (off unless ``MLX_INFER_CPU_KERNELS=1``). ``False`` keeps MLX's stock kernels
+    (bit-exact with mlx-lm).
 
     Raises:
         ModelLoadError: with a message saying what is wrong and how to fix it.
@@ -189,15 +190,14 @@ CPU_KERNELS_ENV = "MLX_INFER_CPU_KERNELS"
 def default_cpu_kernels() -> bool:
     """Whether models load onto mlx-infer's CPU kernels when the caller does not say.
 
-    On by default when MLX's default device is the CPU; ``MLX_INFER_CPU_KERNELS=0``
-    keeps MLX's stock kernels (bit-exact with mlx-lm), ``=1`` forces them on.
+    Off by default: the AVX-512 VNNI path quantizes activations to int8, which moves
+    logits by up to a few percent and can change greedy tokens against MLX's stock
+    kernels (bit-exact with mlx-lm). ``MLX_INFER_CPU_KERNELS=1`` turns them on when
+    MLX runs on the CPU; ``load_model(..., cpu_kernels=True)`` asks for them directly.
     """
     import os
 
-    value = os.environ.get(CPU_KERNELS_ENV)
-    if value is not None and value.strip() in ("0", "1"):
-        return value.strip() == "1"
-    return mx.default_device() == mx.cpu
+    return os.environ.get(CPU_KERNELS_ENV, "").strip() == "1" and mx.default_device() == mx.cpu
 
 
 def load_model_dir(model_dir: Path, *, source: str | None = None, dtype: str | None = None,
