@@ -96,12 +96,17 @@ Raises:
     ValueError: for an unknown activation.)");
 
   m.def("cpu_kernel_isa", &mlx_infer::cpu_kernel_isa,
-        "The instruction set the CPU kernels use: 'avx512', 'avx2' or 'generic'.");
+        "The instruction set the CPU kernels use: 'avx512vnni', 'avx512', 'avx2' or 'generic'.");
   m.def("set_cpu_kernel_isa", &mlx_infer::set_cpu_kernel_isa, "isa"_a,
-        R"(Force the CPU kernels to a narrower instruction set (tests, benchmarks).
+        R"(Choose the CPU kernels' instruction set (process-wide; tests, benchmarks).
+
+The default is the widest the CPU has, except ``'avx512vnni'``, which is
+opt-in: its quantized GEMV (M <= 4 rows) rounds x to int8 per 32 values
+(absmax scale, as llama.cpp's Q8_0) for VNNI dot products, adding at most
+``sum_k |w_k| * amax(x block) / 254`` per output (~0.5% relative for Gaussian x).
 
 Args:
-    isa: 'avx512', 'avx2', 'generic', or '' for automatic detection.
+    isa: 'avx512vnni', 'avx512', 'avx2', 'generic', or '' for the default.
 
 Raises:
     ValueError: for an unknown name or one this CPU lacks.)");

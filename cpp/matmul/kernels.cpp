@@ -32,9 +32,16 @@ Isa detected_isa() {
   return isa;
 }
 
+Isa default_isa() {
+  // avx512vnni rounds x to int8 in quantized GEMV (~6% faster decode of a 4-bit
+  // Gemma 3 270M here): opt-in, so the default kernels keep float32 inputs exact.
+  const Isa d = detected_isa();
+  return d == Isa::avx512vnni ? Isa::avx512 : d;
+}
+
 Isa active_isa() {
   const int f = forced.load(std::memory_order_relaxed);
-  return f < 0 ? detected_isa() : static_cast<Isa>(f);
+  return f < 0 ? default_isa() : static_cast<Isa>(f);
 }
 
 void force_isa(Isa isa) { forced.store(static_cast<int>(isa)); }

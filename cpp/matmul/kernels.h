@@ -81,7 +81,10 @@ enum class Isa : uint8_t { generic = 0, avx2 = 1, avx512 = 2, avx512vnni = 3 };
 
 /// The widest instruction set this CPU supports.
 Isa detected_isa();
-/// The instruction set kernels use now (detected, unless forced lower).
+/// What kernels use unless told otherwise: detected_isa(), but never
+/// avx512vnni (its int8 activations are opt-in).
+Isa default_isa();
+/// The instruction set kernels use now (the default, unless forced).
 Isa active_isa();
 void force_isa(Isa isa);
 const char* isa_name(Isa isa);

@@ -40,9 +40,6 @@ struct S {
     hi = static_cast<float>(p[0] >> 4);
   }
   static V q8(const uint8_t* p) { return static_cast<float>(p[0]); }
-  static constexpr bool kHasLut = false;
-  static V iota() { return 0.0f; }
-  static void q4_lut(const uint8_t*, V, V&, V&) {}
 };
 
 #include "kernels_body.inc"

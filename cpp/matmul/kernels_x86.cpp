@@ -87,9 +87,6 @@ struct S {
     lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
     hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
   }
-  static constexpr bool kHasLut = false;
-  static V iota() { return zero(); }
-  static void q4_lut(const uint8_t*, V, V&, V&) {}
   static V q8(const uint8_t* p) {
     return _mm256_cvtepi32_ps(
         _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
@@ -180,16 +177,6 @@ struct S {
     lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
     hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
   }
-  static constexpr bool kHasLut = true;
-  static V iota() {
-    return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  }
-  // 16 bytes -> table[low nibbles] (even k), table[high nibbles] (odd k).
-  static void q4_lut(const uint8_t* p, V table, V& lo, V& hi) {
-    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    lo = _mm512_permutexvar_ps(v, table);
-    hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
-  }
   static V q8(const uint8_t* p) {
     return _mm512_cvtepi32_ps(
         _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
@@ -213,7 +200,7 @@ struct S {
 // weights stay bytes: x is quantized to int8 per 32 values (as llama.cpp's
 // Q8_0) and vpdpbusd multiplies 64 weight bytes by 64 x bytes per instruction;
 // the int32 sums are scaled by scale * dx once per 64 weights. The bias term
-// uses the exact float sums of x.
+// uses the sums of the same rounded x.
 //
 //   4-bit chunk of 64 weights = 32 packed bytes, broadcast to both zmm halves:
 //     low half  & 0x0f -> q[k = 0, 2, .., 62]     (dword lanes 0-7)
@@ -251,6 +238,7 @@ void quantize_x(const QuantProblem& p, QuantizedX& qx) {
   qx.xs.resize(static_cast<size_t>(p.M * G));
   std::vector<float> xf(static_cast<size_t>(K));
   std::vector<int8_t> xn(static_cast<size_t>(K));
+  std::vector<float> dxs(static_cast<size_t>(K / 32));
   for (int64_t m = 0; m < p.M; ++m) {
     for (int64_t k = 0; k < K; ++k) {
       xf[k] = load_elem(p.x, p.x_type, m * K + k);
@@ -264,6 +252,7 @@ void quantize_x(const QuantProblem& p, QuantizedX& qx) {
           amax = std::max(amax, std::fabs(blk[i]));
         }
         dx[b] = amax / 127.0f;
+        dxs[c * 2 + b] = dx[b];
         const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
         for (int i = 0; i < 32; ++i) {
           xn[c * 64 + b * 32 + i] = static_cast<int8_t>(std::nearbyint(blk[i] * inv));
@@ -286,10 +275,14 @@ void quantize_x(const QuantProblem& p, QuantizedX& qx) {
         lanes[l] = dx[second ? 1 : 0];
       }
     }
+    // Sums of the int8-rounded x, not of x: then every weight sees the same
+    // rounded x_k in both terms, and the error is sum_k w_k (x^_k - x_k),
+    // weighted by w rather than by the unsigned q in 0..15.
     for (int64_t g = 0; g < G; ++g) {
       float s = 0.0f;
       for (int i = 0; i < p.group_size; ++i) {
-        s += xf[g * p.group_size + i];
+        const int64_t k = g * p.group_size + i;
+        s += static_cast<float>(xn[k]) * dxs[k / 32];
       }
       qx.xs[m * G + g] = s;
     }

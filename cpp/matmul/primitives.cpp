@@ -185,7 +185,7 @@ int cpu_threads() { return cpu::pool().size(); }
 
 void set_cpu_kernel_isa(const std::string& isa) {
   if (isa.empty()) {
-    cpu::force_isa(cpu::detected_isa());
+    cpu::force_isa(cpu::default_isa());
     return;
   }
   cpu::Isa want;

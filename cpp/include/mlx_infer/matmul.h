@@ -83,15 +83,18 @@ mx::array fast_gated_activation(
     const std::string& activation,
     mx::StreamOrDevice s = {});
 
-/// The instruction set the kernels dispatch to: "avx512", "avx2" or "generic".
+/// The instruction set the kernels dispatch to: "avx512vnni", "avx512", "avx2"
+/// or "generic". The default is the widest the CPU has except avx512vnni, which
+/// is opt-in: its quantized GEMV (M <= 4) rounds x to int8 per 32 values (as
+/// llama.cpp's Q8_0) for VNNI dot products instead of keeping x in float32.
 std::string cpu_kernel_isa();
 
 /// Threads the kernels use (the pool size): physical cores available to this
 /// process, or MLX_INFER_CPU_THREADS when set (read once, here only).
 int cpu_threads();
 
-/// For tests and benchmarks: force an instruction set no wider than the CPU
-/// has ("avx512", "avx2", "generic"); "" restores automatic detection.
+/// Choose the kernels' instruction set (process-wide): "avx512vnni", "avx512",
+/// "avx2", "generic" (none wider than the CPU has), or "" for the default.
 /// Throws std::invalid_argument for an unknown name or one the CPU lacks.
 void set_cpu_kernel_isa(const std::string& isa);
 
