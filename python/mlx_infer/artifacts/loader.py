@@ -22,7 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ..errors import ModelLoadError
+from ..errors import MlxInferError, ModelLoadError
 from ..input.tokenizer import Tokenizer, load_tokenizer
 from .config import context_length, read_config
 from .default_model import cache_dir, default_model_gguf
@@ -75,8 +75,8 @@ def load_model(path: str | Path | None = None, *, dtype: str | None = None,
 
     ``cpu_kernels``: run linear layers and the LM head on mlx-infer's CPU matmul
     kernels (:mod:`mlx_infer.layers.linear`); ``None`` = :func:`default_cpu_kernels`
-    (off unless ``MLX_INFER_CPU_KERNELS=1``). ``False`` keeps MLX's stock kernels
-    (bit-exact with mlx-lm).
+    (on when MLX runs on the CPU, unless ``MLX_INFER_CPU_KERNELS=0``). ``False``
+    keeps MLX's stock kernels (bit-exact with mlx-lm).
 
     Raises:
         ModelLoadError: with a message saying what is wrong and how to fix it.
@@ -190,14 +190,22 @@ CPU_KERNELS_ENV = "MLX_INFER_CPU_KERNELS"
 def default_cpu_kernels() -> bool:
     """Whether models load onto mlx-infer's CPU kernels when the caller does not say.
 
-    Off by default: the AVX-512 VNNI path quantizes activations to int8, which moves
-    logits by up to a few percent and can change greedy tokens against MLX's stock
-    kernels (bit-exact with mlx-lm). ``MLX_INFER_CPU_KERNELS=1`` turns them on when
-    MLX runs on the CPU; ``load_model(..., cpu_kernels=True)`` asks for them directly.
+    On whenever MLX's default device is the CPU: the kernels accumulate in float32
+    (MLX's stock bfloat16 and quantized CPU kernels accumulate in bfloat16), so they
+    are both faster and closer to a float32 reference (``tests/test_cpu_kernels.py``).
+    ``MLX_INFER_CPU_KERNELS=0`` keeps MLX's stock kernels (bit-exact with mlx-lm), as
+    does ``load_model(..., cpu_kernels=False)`` or the CLI's ``--stock-kernels``.
+    On a GPU the stock kernels always run.
     """
     import os
 
-    return os.environ.get(CPU_KERNELS_ENV, "").strip() == "1" and mx.default_device() == mx.cpu
+    if mx.default_device() != mx.cpu:
+        return False
+    value = os.environ.get(CPU_KERNELS_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise MlxInferError(f"{CPU_KERNELS_ENV}={value!r}: use 1 (mlx-infer's CPU kernels, the default on a CPU) "
+                         "or 0 (MLX's stock kernels).")
+    return value != "0"
 
 
 def load_model_dir(model_dir: Path, *, source: str | None = None, dtype: str | None = None,

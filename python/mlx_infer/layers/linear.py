@@ -37,7 +37,8 @@ adding at most ``sum_k |w_k| * amax(x block) / 254`` (~0.5% relative for
 Gaussian x); on the 4-bit Gemma 3 270M its decode logits stay as close to the
 float32 model's as MLX's stock 4-bit kernels are, for ~6% more decode speed.
 
-The loader swaps these in with ``cpu_kernels=True`` (or ``MLX_INFER_CPU_KERNELS=1``);
+The loader swaps these in by default when MLX runs on the CPU (``cpu_kernels=False``
+or ``MLX_INFER_CPU_KERNELS=0`` opts out);
 :func:`swap_in_cpu_kernels` does it for any model, :func:`swap_out_cpu_kernels`
 restores MLX's stock layers (bit-exact with mlx-lm).
 """
