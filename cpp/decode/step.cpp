@@ -165,7 +165,7 @@ void DecodeStep::load_prefix(
   if (static_cast<int>(keys.size()) != L || static_cast<int>(values.size()) != L) {
     std::ostringstream msg;
     msg << "[DecodeStep.load_prefix] expected " << L
-        << " key and value arrays (one per KV-owning layer), got " << keys.size() << " and "
+        << " key and value arrays (one per layer, KV-shared layers excepted), got " << keys.size() << " and "
         << values.size() << ".";
     throw std::invalid_argument(msg.str());
   }
