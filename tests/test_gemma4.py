@@ -151,8 +151,7 @@ def test_registry_args_and_declaration():
     assert (args2.layer_head_dims, args2.layer_kv_heads) == (args.layer_head_dims, args.layer_kv_heads)
     shared = args_cls.from_dict(hf_setup("kv_shared")[0])
     assert shared.kv_donors == [None, None, None, None, 3, 2]
-    assert model_cls.declaration == GraphDeclaration(method="autoregressive")
-    assert not model_cls.declaration.compiled_decode
+    assert model_cls.declaration == GraphDeclaration(method="autoregressive", compiled_decode=True)
 
 
 def test_unsupported_configs_raise():
@@ -379,19 +378,25 @@ def test_multimodal_checkpoint_loads_as_text():
 
 
 @pytest.mark.parametrize("name", ["dense", "kv_shared", "moe"])
-def test_generation_loop_drives_gemma4_eagerly(name):
-    """The AR binding binds Gemma 4 (no compiled step declared) and the loop runs it."""
+def test_generation_loop_drives_gemma4(name):
+    """The AR binding binds Gemma 4 (with its compiled step: tests/test_gemma4_decode_step.py) and the loop
+    runs it eagerly and through the compiled step, with the same greedy tokens as full-sequence forwards."""
+    from mlx_infer.generation.bindings.decode_step import CompiledDecodeStep
     from mlx_infer.generation.autoregressive import generate_tokens
     from mlx_infer.generation.bindings.autoregressive import bind_autoregressive
 
     model = build_ours(name)
     binding = bind_autoregressive(model)
-    assert binding.create_decode() is None
-    assert binding.decode_unavailable_reason() == "the graph declares no compiled decode step"
+    assert binding.decode_unavailable_reason() is None
+    decode = binding.create_decode()
+    assert isinstance(decode, CompiledDecodeStep)
     _, _, ids, _ = hf_setup(name)
     prompt = ids[0].tolist()
-    got = [t.token for t in generate_tokens(model, prompt, max_tokens=6,
-                                            prefill_step_size=binding.prefill_policy.chunk_size(len(prompt)))]
+    chunk = binding.prefill_policy.chunk_size(len(prompt))
+    got = [t.token for t in generate_tokens(model, prompt, max_tokens=6, prefill_step_size=chunk)]
+    compiled = [t.token for t in generate_tokens(model, prompt, max_tokens=6, prefill_step_size=chunk,
+                                                 decode=decode)]
+    assert decode.failures == 0 and compiled == got
     ref = []
     seq = list(prompt)
     for _ in range(6):

@@ -69,13 +69,25 @@ build the graph each step and read exact-length KV views without a mask.)")
       .def_rw("cpu_kernel_linears", &DecodeConfig::cpu_kernel_linears,
               "Linears (``embed``: the tied head) whose products run on mlx-infer's CPU kernels.")
       .def_rw("fuse_projections", &DecodeConfig::fuse_projections,
-              "Run q|k|v and gate|up as one matmul each (holds a fused copy of those weights).");
+              "Run q|k|v and gate|up as one matmul each (holds a fused copy of those weights).")
+      .def_rw("layer_kv_heads", &DecodeConfig::layer_kv_heads,
+              "gemma4: KV heads per layer (empty = num_kv_heads everywhere).")
+      .def_rw("layer_head_dims", &DecodeConfig::layer_head_dims,
+              "gemma4: head dim per layer (empty = head_dim everywhere).")
+      .def_rw("kv_donors", &DecodeConfig::kv_donors,
+              R"(gemma4: per layer, -1 when it owns a KV buffer, else the earlier layer
+whose buffer it reads (KV sharing). Empty = every layer owns one.)")
+      .def_rw("per_layer_width", &DecodeConfig::per_layer_width,
+              "gemma4: per-layer input width (0 = no per-layer inputs).")
+      .def_rw("num_experts", &DecodeConfig::num_experts, "gemma4: experts of the MoE block (0 = none).")
+      .def_rw("top_k_experts", &DecodeConfig::top_k_experts, "gemma4: experts routed per token.");
 
   nb::class_<DecodeStep>(
       m, "DecodeStep",
       R"(A one-token decode step over its own KV buffers (see decode.h).
 
-Per layer it holds K/V buffers ``(B, kv_heads, slots, head_dim)``: a global
+Per KV-owning layer it holds K/V buffers ``(B, kv_heads, slots, head_dim)``
+(gemma4's KV-shared layers read their donor's): a global
 layer's slot p holds position p (slots = capacity, grown in chunks), a sliding
 layer's is a ring of ``min(window, capacity)`` slots. A step that raises leaves
 the buffers unchanged. Not thread-safe.)")
@@ -90,7 +102,7 @@ the buffers unchanged. Not thread-safe.)")
            R"(Takes over a prefilled cache (and resets the step counter).
 
 Args:
-    keys: per layer ``(B, kv_heads, S, head_dim)``, each row right-aligned so
+    keys: per KV-owning layer ``(B, kv_heads, S, head_dim)``, each row right-aligned so
         that slot ``S - 1`` holds its last token.
     values: likewise.
     lengths: tokens held per row (list[int], B entries).)")
@@ -101,7 +113,7 @@ Raises:
     ValueError: bad tokens or no cache loaded.
     RuntimeError: max_capacity reached. Either way the buffers are unchanged.)")
       .def("kv_state", &DecodeStep::kv_state,
-           "Per layer ``(keys, values)`` in the buffer layout.")
+           "Per KV-owning layer ``(keys, values)`` in the buffer layout.")
       .def("reset", &DecodeStep::reset, "Drops the KV buffers (the weights stay).")
       .def_prop_ro("lengths", &DecodeStep::lengths, "Tokens held per row.")
       .def_prop_ro("batch_size", &DecodeStep::batch_size)

@@ -3,6 +3,8 @@
 // the compiled step's logits stay within rounding of the eager graph's.
 #include "graph.h"
 
+#include "gemma4.h"
+
 #include "mlx_infer/matmul.h"
 
 #include <algorithm>
@@ -13,6 +15,8 @@ namespace mlx_infer {
 namespace {
 
 constexpr double kSqrt2OverPi = 0.7978845608028654;  // math.sqrt(2 / math.pi), as nn.gelu_approx
+
+}  // namespace
 
 mx::array scalar(double v, mx::Dtype dtype) {
   return mx::array(static_cast<float>(v), dtype);
@@ -85,6 +89,8 @@ mx::array rope(const mx::array& x, const RopeSpec& r, const mx::array& offset) {
   return mx::fast::rope(y, r.dims, r.traditional, r.base, r.scale, offset, r.freqs);
 }
 
+namespace {
+
 // gemma3.residual_add: in float16, summed in float32 and clipped to the f16 range.
 mx::array residual(const DecodeConfig& cfg, const mx::array& x, const mx::array& y) {
   if (!cfg.clip_f16_residual || x.dtype() != mx::float16) {
@@ -109,6 +115,8 @@ std::vector<mx::array> geglu_ops(const std::vector<mx::array>& in) {
   auto act = mx::multiply(mx::multiply(scalar(0.5, dt), gate), mx::add(scalar(1, dt), t));
   return {mx::multiply(act, in[1])};
 }
+
+}  // namespace
 
 // Shapeless-compiled, as mlx-lm compiles its activations: one fused kernel when
 // the step is built op by op; inlined when the whole step is being traced.
@@ -136,12 +144,13 @@ mx::array write_slot(const mx::array& buf, const mx::array& x, const mx::array& 
   return mx::scatter(buf, {rows, slot}, shaped, {0, 2});
 }
 
-}  // namespace
-
 std::vector<mx::array> decode_forward(
     const DecodeStep::Graph& g,
     const std::vector<mx::array>& inputs,
     const AttentionRead& read) {
+  if (g.gemma4) {
+    return gemma4_forward(g, inputs, read);
+  }
   const auto& cfg = g.cfg;
   const int L = cfg.num_layers;
   if (static_cast<int>(inputs.size()) != 2 + 2 * L) {
@@ -269,10 +278,8 @@ std::vector<mx::array> decode_forward(
   return outputs;
 }
 
-namespace {
-
-std::optional<mx::array> find(const std::unordered_map<std::string, mx::array>& w,
-                              const std::string& name) {
+std::optional<mx::array> find_weight(const std::unordered_map<std::string, mx::array>& w,
+                                     const std::string& name) {
   auto it = w.find(name);
   if (it == w.end()) {
     return std::nullopt;
@@ -280,8 +287,8 @@ std::optional<mx::array> find(const std::unordered_map<std::string, mx::array>& 
   return it->second;
 }
 
-mx::array require(const std::unordered_map<std::string, mx::array>& w, const std::string& name) {
-  auto a = find(w, name);
+mx::array require_weight(const std::unordered_map<std::string, mx::array>& w, const std::string& name) {
+  auto a = find_weight(w, name);
   if (!a) {
     throw std::invalid_argument("[DecodeStep] missing weight '" + name + "'.");
   }
@@ -291,22 +298,25 @@ mx::array require(const std::unordered_map<std::string, mx::array>& w, const std
 Linear read_linear(const std::unordered_map<std::string, mx::array>& w,
                    const std::unordered_map<std::string, QuantSpec>& quant,
                    const std::vector<std::string>& fast, const std::string& name,
-                   bool required = true) {
+                   bool required) {
   Linear l;
   l.fast = std::find(fast.begin(), fast.end(), name) != fast.end();
-  l.w = required ? std::optional<mx::array>(require(w, name + ".weight")) : find(w, name + ".weight");
+  l.w = required ? std::optional<mx::array>(require_weight(w, name + ".weight"))
+                 : find_weight(w, name + ".weight");
   if (!l.w) {
     return l;
   }
-  l.bias = find(w, name + ".bias");
+  l.bias = find_weight(w, name + ".bias");
   auto q = quant.find(name);
   if (q != quant.end()) {
-    l.scales = require(w, name + ".scales");
-    l.biases = find(w, name + ".biases");
+    l.scales = require_weight(w, name + ".scales");
+    l.biases = find_weight(w, name + ".biases");
     std::tie(l.group_size, l.bits, l.mode) = q->second;
   }
   return l;
 }
+
+namespace {
 
 bool same_kind(const Linear& a, const Linear& b) {
   if (a.quantized() != b.quantized() || a.fast != b.fast || a.bias.has_value() != b.bias.has_value() ||
@@ -339,11 +349,15 @@ void load_graph_weights(
     DecodeStep::Graph& g,
     const std::unordered_map<std::string, mx::array>& weights,
     const std::unordered_map<std::string, QuantSpec>& quantization) {
+  if (g.cfg.family == "gemma4") {
+    load_gemma4_weights(g, weights, quantization);
+    return;
+  }
   const auto& cfg = g.cfg;
   const auto& fast = cfg.cpu_kernel_linears;
   g.embed = read_linear(weights, quantization, fast, "embed");
   g.lm_head = read_linear(weights, quantization, fast, "lm_head", /*required=*/false);
-  g.norm = require(weights, "norm.weight");
+  g.norm = require_weight(weights, "norm.weight");
   g.dtype = g.embed.quantized() ? g.embed.scales->dtype() : g.embed.w->dtype();
   std::vector<mx::array> fused;  // evaluated once, here, not in the first step
   auto keep = [&fused](const Linear& l) {
@@ -360,12 +374,12 @@ void load_graph_weights(
                                {&LayerWeights::down, "down"}}) {
       lw.*field = read_linear(weights, quantization, fast, p + name);
     }
-    lw.attn_norm = require(weights, p + "attn_norm.weight");
-    lw.mlp_norm = require(weights, p + "mlp_norm.weight");
-    lw.post_attn_norm = find(weights, p + "post_attn_norm.weight");
-    lw.post_mlp_norm = find(weights, p + "post_mlp_norm.weight");
-    lw.q_norm = find(weights, p + "q_norm.weight");
-    lw.k_norm = find(weights, p + "k_norm.weight");
+    lw.attn_norm = require_weight(weights, p + "attn_norm.weight");
+    lw.mlp_norm = require_weight(weights, p + "mlp_norm.weight");
+    lw.post_attn_norm = find_weight(weights, p + "post_attn_norm.weight");
+    lw.post_mlp_norm = find_weight(weights, p + "post_mlp_norm.weight");
+    lw.q_norm = find_weight(weights, p + "q_norm.weight");
+    lw.k_norm = find_weight(weights, p + "k_norm.weight");
     if (lw.q_norm.has_value() != lw.k_norm.has_value()) {
       throw std::invalid_argument("[DecodeStep] " + p + "q_norm and k_norm must come together.");
     }

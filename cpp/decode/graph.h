@@ -1,6 +1,7 @@
 // Internal to cpp/decode/: the weights of a decode step and its one-token forward.
 #pragma once
 
+#include <memory>
 #include <optional>
 #include <string>
 #include <unordered_map>
@@ -33,8 +34,11 @@ struct LayerWeights {
   RopeSpec rope;
 };
 
+struct Gemma4Weights;  // gemma4.h
+
 struct DecodeStep::Graph {
   DecodeConfig cfg;
+  std::shared_ptr<const Gemma4Weights> gemma4;  // set for family "gemma4" (its own forward)
   Linear embed;
   Linear lm_head;  // absent (w unset) when the head is tied to the embedding
   std::optional<mx::array> norm;
@@ -53,7 +57,8 @@ struct AttentionRead {
 
 /// The one-token forward.
 ///
-/// inputs:  tokens (B,), positions (B,) int32, k_0, v_0, ..., k_{L-1}, v_{L-1}
+/// inputs:  tokens (B,), positions (B,) int32, then K and V of each KV-owning
+///          layer in order (kv_layers): k_0, v_0, k_1, v_1, ...
 /// outputs: logits (B, vocab), positions + 1, k_0', v_0', ...
 std::vector<mx::array> decode_forward(
     const DecodeStep::Graph& g,
@@ -65,5 +70,33 @@ void load_graph_weights(
     DecodeStep::Graph& g,
     const std::unordered_map<std::string, mx::array>& weights,
     const std::unordered_map<std::string, QuantSpec>& quantization);
+
+// -- building blocks shared by the families' forwards (graph.cpp) --
+
+mx::array scalar(double v, mx::Dtype dtype);
+/// nn.Linear / nn.QuantizedLinear (and their CPU-kernel twins).
+mx::array apply_linear(const Linear& l, const mx::array& x);
+/// nn.Embedding / nn.QuantizedEmbedding lookup: ids (B, 1) -> (B, 1, width).
+mx::array embed_lookup(const Linear& e, const mx::array& ids);
+/// Embedding.as_linear (the tied head).
+mx::array embed_as_linear(const Linear& e, const mx::array& x);
+mx::array rms(const mx::array& x, const std::optional<mx::array>& w, float eps);
+/// mx::fast::rope at per-row offsets (B,).
+mx::array rope(const mx::array& x, const RopeSpec& r, const mx::array& offset);
+/// act(gate) * up, shapeless-compiled as mlx-lm compiles its activations.
+mx::array gated(const DecodeConfig& cfg, const mx::array& gate, const mx::array& up);
+/// Writes one token per row into a (B, KVH, S, D) buffer at slot[b] (or at static_slot).
+mx::array write_slot(const mx::array& buf, const mx::array& x, const mx::array& slot,
+                     std::optional<int> static_slot);
+
+std::optional<mx::array> find_weight(const std::unordered_map<std::string, mx::array>& w,
+                                     const std::string& name);
+/// The weight, or std::invalid_argument naming it.
+mx::array require_weight(const std::unordered_map<std::string, mx::array>& w, const std::string& name);
+/// ``name``.{weight,bias,scales,biases} with the quantization of ``name`` (if any).
+Linear read_linear(const std::unordered_map<std::string, mx::array>& w,
+                   const std::unordered_map<std::string, QuantSpec>& quant,
+                   const std::vector<std::string>& fast, const std::string& name,
+                   bool required = true);
 
 }  // namespace mlx_infer

@@ -34,9 +34,40 @@ void validate(const DecodeConfig& c) {
   for (int w : c.windows) {
     if (w < 0) fail("a sliding window must be >= 1 (0 = global).");
   }
-  for (const auto& r : c.ropes) {
+  const bool gemma4 = c.family == "gemma4";
+  if (!gemma4 && (!c.layer_kv_heads.empty() || !c.layer_head_dims.empty() || !c.kv_donors.empty() ||
+                  c.per_layer_width != 0 || c.num_experts != 0)) {
+    fail("per-layer KV geometry, KV sharing, per-layer inputs and experts are gemma4 switches; "
+         "family is '" + c.family + "'.");
+  }
+  auto per_layer = [&](const std::vector<int>& v, const char* name) {
+    if (!v.empty() && static_cast<int>(v.size()) != c.num_layers) {
+      fail(std::string(name) + " needs one entry per layer (or none).");
+    }
+  };
+  per_layer(c.layer_kv_heads, "layer_kv_heads");
+  per_layer(c.layer_head_dims, "layer_head_dims");
+  per_layer(c.kv_donors, "kv_donors");
+  for (int i = 0; i < c.num_layers; ++i) {
+    const int kvh = layer_kv_heads(c, i), hd = layer_head_dim(c, i);
+    if (kvh < 1 || c.num_heads % kvh != 0) fail("num_heads must be a multiple of each layer's KV heads.");
+    if (hd < 1) fail("head dims must be positive.");
+    const auto& r = c.ropes[i];
     if (r.base.has_value() == r.freqs.has_value()) fail("each RopeSpec needs exactly one of base and freqs.");
-    if (r.dims < 2 || r.dims > c.head_dim) fail("RopeSpec.dims must be in [2, head_dim].");
+    if (r.dims < 2 || r.dims > hd) fail("RopeSpec.dims must be in [2, the layer's head_dim].");
+    const int d = c.kv_donors.empty() ? -1 : c.kv_donors[i];
+    if (d == -1) continue;
+    if (d < 0 || d >= i || c.kv_donors[d] != -1) {
+      fail("kv_donors[" + std::to_string(i) + "] must name an earlier layer that owns its KV (or be -1).");
+    }
+    if (c.windows[d] != c.windows[i] || layer_head_dim(c, d) != hd || layer_kv_heads(c, d) != kvh) {
+      fail("KV-shared layer " + std::to_string(i) + " must have its donor's window, head_dim and KV heads.");
+    }
+  }
+  if (c.per_layer_width < 0) fail("per_layer_width must be >= 0.");
+  if (c.num_experts < 0 || c.top_k_experts < 0 || (c.num_experts > 0) != (c.top_k_experts > 0) ||
+      c.top_k_experts > c.num_experts) {
+    fail("the MoE block needs 1 <= top_k_experts <= num_experts (both 0 without one).");
   }
   if (c.activation != "silu" && c.activation != "gelu_tanh") {
     fail("activation must be 'silu' or 'gelu_tanh', got '" + c.activation + "'.");
@@ -52,6 +83,22 @@ int round_up(int n, int step) {
 }
 
 }  // namespace
+
+int layer_kv_heads(const DecodeConfig& c, int layer) {
+  return c.layer_kv_heads.empty() ? c.num_kv_heads : c.layer_kv_heads[layer];
+}
+
+int layer_head_dim(const DecodeConfig& c, int layer) {
+  return c.layer_head_dims.empty() ? c.head_dim : c.layer_head_dims[layer];
+}
+
+std::vector<int> kv_layers(const DecodeConfig& c) {
+  std::vector<int> out;
+  for (int i = 0; i < c.num_layers; ++i) {
+    if (c.kv_donors.empty() || c.kv_donors[i] == -1) out.push_back(i);
+  }
+  return out;
+}
 
 DecodeStep::DecodeStep(
     DecodeConfig config,
@@ -113,11 +160,13 @@ void DecodeStep::load_prefix(
     const std::vector<mx::array>& values,
     const std::vector<int>& lengths) {
   const auto& cfg = graph_->cfg;
-  const int L = cfg.num_layers;
+  const auto owners = kv_layers(cfg);
+  const int L = static_cast<int>(owners.size());
   if (static_cast<int>(keys.size()) != L || static_cast<int>(values.size()) != L) {
     std::ostringstream msg;
-    msg << "[DecodeStep.load_prefix] expected " << L << " key and value arrays (one per layer), got "
-        << keys.size() << " and " << values.size() << ".";
+    msg << "[DecodeStep.load_prefix] expected " << L
+        << " key and value arrays (one per layer, KV-shared layers excepted), got " << keys.size() << " and "
+        << values.size() << ".";
     throw std::invalid_argument(msg.str());
   }
   const int B = static_cast<int>(lengths.size());
@@ -139,17 +188,17 @@ void DecodeStep::load_prefix(
   std::vector<mx::array> kv;
   kv.reserve(2 * L);
   for (int i = 0; i < L; ++i) {
+    const int layer = owners[i];
+    const int kvh = layer_kv_heads(cfg, layer), hd = layer_head_dim(cfg, layer);
     for (const auto* src : {&keys[i], &values[i]}) {
-      if (src->ndim() != 4 || src->shape(0) != B || src->shape(1) != cfg.num_kv_heads ||
-          src->shape(3) != cfg.head_dim) {
+      if (src->ndim() != 4 || src->shape(0) != B || src->shape(1) != kvh || src->shape(3) != hd) {
         std::ostringstream msg;
-        msg << "[DecodeStep.load_prefix] layer " << i << ": expected (" << B << ", "
-            << cfg.num_kv_heads << ", S, " << cfg.head_dim << ") keys/values, got " << src->shape()
-            << ".";
+        msg << "[DecodeStep.load_prefix] layer " << layer << ": expected (" << B << ", " << kvh
+            << ", S, " << hd << ") keys/values, got " << src->shape() << ".";
         throw std::invalid_argument(msg.str());
       }
     }
-    const int window = cfg.windows[i];
+    const int window = cfg.windows[layer];
     const int slots = window > 0 ? std::min(window, cap) : cap;
     const int S = keys[i].shape(2);
     // Source slot of each buffer slot, per row; -1 where the slot stays empty.
@@ -159,7 +208,7 @@ void DecodeStep::load_prefix(
       const int n = lengths[b];
       if (S < std::min(n, slots)) {
         std::ostringstream msg;
-        msg << "[DecodeStep.load_prefix] layer " << i << " row " << b << " holds " << n
+        msg << "[DecodeStep.load_prefix] layer " << layer << " row " << b << " holds " << n
             << " tokens but only " << S << " were given; a " << (window > 0 ? "sliding" : "global")
             << " layer needs the last " << std::min(n, slots) << ".";
         throw std::invalid_argument(msg.str());
@@ -182,7 +231,7 @@ void DecodeStep::load_prefix(
     auto idx_a = mx::array(idx.begin(), {B, 1, slots, 1}, mx::int32);
     auto valid_a = mx::astype(mx::array(valid.begin(), {B, 1, slots, 1}, mx::uint8), mx::bool_);
     for (const auto* src : {&keys[i], &values[i]}) {
-      mx::Shape shape{B, cfg.num_kv_heads, slots, cfg.head_dim};
+      mx::Shape shape{B, kvh, slots, hd};
       if (S == 0) {
         kv.push_back(mx::zeros(shape, kv_dtype));
         continue;
@@ -234,8 +283,9 @@ mx::array DecodeStep::step(const mx::array& tokens) {
     cap = round_up(needed, cfg.capacity_step);
     if (cfg.max_capacity > 0) cap = std::min(cap, cfg.max_capacity);
   }
-  for (int i = 0; i < cfg.num_layers; ++i) {
-    const int window = cfg.windows[i];
+  const auto owners = kv_layers(cfg);
+  for (int i = 0; i < static_cast<int>(owners.size()); ++i) {
+    const int window = cfg.windows[owners[i]];
     const int slots = window > 0 ? std::min(window, cap) : cap;
     for (int j = 0; j < 2; ++j) {
       const auto& buf = kv_[2 * i + j];

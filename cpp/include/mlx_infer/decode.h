@@ -1,9 +1,13 @@
 // The compiled one-token decode step (DESIGN.md, "Contracts": DecodeStep).
 //
-// One step feeds one new token for each of B sequences through a llama- or
-// gemma3-family graph and returns the next-token logits. The step owns its KV:
+// One step feeds one new token for each of B sequences through a llama-,
+// gemma3- or gemma4-family graph and returns the next-token logits. The step
+// owns its KV:
 //
-//   per layer, K and V buffers (B, kv_heads, slots, head_dim)
+//   per KV-owning layer, K and V buffers (B, kv_heads_i, slots, head_dim_i)
+//     (every layer owns one, except gemma4's KV-shared layers, which read
+//     their donor's buffers after the donor's write; kv_heads_i / head_dim_i
+//     are the layer's own where DecodeConfig::layer_* say so)
 //     global layer : slots = capacity (grows in chunks of capacity_step)
 //                    token at position p lives in slot p
 //     sliding layer: slots = min(window, capacity), a ring
@@ -51,7 +55,7 @@ struct RopeSpec {
 
 /// The graph a step runs. Weights are handed over separately (see DecodeStep).
 struct DecodeConfig {
-  std::string family;  // "llama" or "gemma3" (informational; switches below decide)
+  std::string family;  // "llama", "gemma3" or "gemma4" (gemma4 runs its own forward, gemma4.cpp)
   int num_layers = 0;
   int hidden_size = 0;
   int num_heads = 0;
@@ -78,7 +82,21 @@ struct DecodeConfig {
   /// Linears (``embed`` = the tied head) whose products run on mlx-infer's CPU
   /// kernels (mlx_infer/matmul.h), as the model's own layers do.
   std::vector<std::string> cpu_kernel_linears;
+
+  // gemma4 only; the defaults give every layer its own (num_kv_heads, head_dim) buffer.
+  std::vector<int> layer_kv_heads;   // per layer; empty = num_kv_heads everywhere
+  std::vector<int> layer_head_dims;  // per layer; empty = head_dim everywhere
+  std::vector<int> kv_donors;        // per layer: -1 owns a buffer, j reads layer j's; empty = all own
+  int per_layer_width = 0;           // per-layer input width (0 = no per-layer inputs)
+  int num_experts = 0;               // MoE block beside the MLP when > 0...
+  int top_k_experts = 0;             // ...routing each token to this many experts
 };
+
+/// KV layout helpers (the per-layer geometry of DecodeConfig).
+int layer_kv_heads(const DecodeConfig& c, int layer);
+int layer_head_dim(const DecodeConfig& c, int layer);
+/// The layers that own a KV buffer, in order: buffer pair j belongs to layer ``kv_layers(c)[j]``.
+std::vector<int> kv_layers(const DecodeConfig& c);
 
 /// Quantization of one linear: (group_size, bits, mode).
 using QuantSpec = std::tuple<int, int, std::string>;
@@ -92,7 +110,8 @@ class DecodeStep {
   ///     embed.{weight,scales,biases}, norm.weight, lm_head.* (absent when tied),
   ///     layers.{i}.{q,k,v,o,gate,up,down}.{weight,bias,scales,biases},
   ///     layers.{i}.{attn_norm,mlp_norm,post_attn_norm,post_mlp_norm,q_norm,k_norm}.weight
-  ///     (norm weights already include gemma's ``1 +``).
+  ///     (norm weights already include gemma's ``1 +``); gemma4 adds its own
+  ///     (see cpp/decode/gemma4.h).
   ///   quantization: linear name (``embed``, ``lm_head``, ``layers.{i}.q``...) -> spec.
   DecodeStep(
       DecodeConfig config,
@@ -102,9 +121,10 @@ class DecodeStep {
 
   /// Takes over a prefilled cache.
   ///
-  /// ``keys[i]`` / ``values[i]``: ``(B, kv_heads, S_i, head_dim)``, each row
-  /// right-aligned: slot ``S_i - 1`` holds row b's token at position
-  /// ``lengths[b] - 1``, slot ``S_i - 1 - j`` the one at ``lengths[b] - 1 - j``
+  /// ``keys[j]`` / ``values[j]`` (one per KV-owning layer, see kv_layers):
+  /// ``(B, kv_heads, S_j, head_dim)`` of that layer, each row
+  /// right-aligned: slot ``S_j - 1`` holds row b's token at position
+  /// ``lengths[b] - 1``, slot ``S_j - 1 - t`` the one at ``lengths[b] - 1 - t``
   /// (slots before a row's first token are ignored). A global layer needs all of
   /// a row's tokens, a sliding layer its last ``min(lengths[b], window)``.
   /// Evaluates the copies; replaces any state held before.
@@ -116,7 +136,7 @@ class DecodeStep {
   /// Feeds ``tokens`` (B,) (one per row) and returns logits ``(B, vocab)``, lazily.
   mx::array step(const mx::array& tokens);
 
-  /// Per layer ``(keys, values)`` in the buffer layout (see the file comment).
+  /// Per KV-owning layer ``(keys, values)`` in the buffer layout (see the file comment).
   std::vector<std::pair<mx::array, mx::array>> kv_state() const;
 
   /// Tokens held per row (the position of each row's next token).

@@ -516,10 +516,12 @@ class Gemma4Model(nn.Module):
 class Model(nn.Module):
     """Gemma 4 causal LM: ``inputs (B, L) -> logits (B, L, vocab)``.
 
-    Compiled decode is not declared: this family runs the eager graph only.
+    Compiled decode is declared: the C++ step (``cpp/decode/gemma4.cpp``) covers
+    every switch; a graph it cannot build (e.g. nvfp4 experts with a global
+    scale) is refused by the binding, which then decodes eagerly.
     """
 
-    declaration = GraphDeclaration(method="autoregressive")
+    declaration = GraphDeclaration(method="autoregressive", compiled_decode=True)
 
     def __init__(self, args: ModelArgs):
         super().__init__()

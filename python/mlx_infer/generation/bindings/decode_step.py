@@ -1,6 +1,6 @@
 """The compiled C++ decode step, wrapped for the generation loop.
 
-:func:`graph_spec` reads a llama- or gemma3-family graph into what
+:func:`graph_spec` reads a llama-, gemma3- or gemma4-family graph into what
 ``mlx_infer._fast.DecodeStep`` takes: a :class:`~mlx_infer._fast.DecodeConfig`,
 the weights under canonical names (no copy: the same arrays the model holds)
 and the quantization of each quantized linear.
@@ -25,6 +25,12 @@ Canonical weight names::
     layers.{i}.{q_norm,k_norm}.weight       qwen3 / gemma per-head norms
 
 Gemma's norms scale by ``1 + w``; the ``1 +`` is applied here, once.
+
+Gemma 4 (:func:`_gemma4_spec`; its norms scale by ``w``) adds per-layer KV
+geometry, KV sharing (``kv_donors``: shared layers own no buffer), per-layer
+inputs and the MoE block; its extra canonical names are listed in
+``cpp/decode/gemma4.h``. The step's buffers then exist for the KV-owning
+layers only, in the order of ``model.make_cache()``.
 """
 
 from __future__ import annotations
@@ -38,10 +44,11 @@ import mlx.nn as nn
 
 from ... import _fast
 from ...layers.rope import Llama3RoPE, YarnRoPE
+from ...models.gemma4 import FULL, SLIDING, ProportionalRoPE, QuantizedSwitchLinear, SwitchLinear
 from ...state.kv import KVCache, RotatingKVCache
 
 #: Families with a C++ step (module name of the graph's family file).
-SUPPORTED_FAMILIES = ("llama", "gemma3")
+SUPPORTED_FAMILIES = ("llama", "gemma3", "gemma4")
 
 #: KV scheme name -> the buffer dtype the C++ step takes.
 KV_DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}
@@ -89,7 +96,7 @@ class DecodePolicy:
 
 
 def family_of_graph(model: Any) -> str:
-    """``"llama"`` or ``"gemma3"`` from the graph's module; raises DecodeStepUnsupported otherwise."""
+    """``"llama"``, ``"gemma3"`` or ``"gemma4"`` from the graph's module; raises DecodeStepUnsupported otherwise."""
     family = type(model).__module__.rsplit(".", 1)[-1]
     if family not in SUPPORTED_FAMILIES:
         raise DecodeStepUnsupported(f"no compiled decode step for the {family!r} graph family")
@@ -97,6 +104,8 @@ def family_of_graph(model: Any) -> str:
 
 
 def _rope_spec(rope: nn.Module) -> Any:
+    if isinstance(rope, ProportionalRoPE):
+        return _fast.RopeSpec(dims=rope.dims, traditional=False, freqs=rope._freqs)
     if isinstance(rope, Llama3RoPE):
         return _fast.RopeSpec(dims=rope.dims, traditional=rope.traditional, freqs=rope._freqs)
     if isinstance(rope, YarnRoPE):
@@ -141,6 +150,10 @@ def graph_spec(model: Any, *, kv_scheme: str | None = None,
         DecodeStepUnsupported: the family, a module type or the rope type has no C++ step.
     """
     family = family_of_graph(model)
+    if kv_scheme is not None and kv_scheme not in KV_DTYPES:
+        raise ValueError(f"kv_scheme must be one of {', '.join(KV_DTYPES)} or None, got {kv_scheme!r}.")
+    if family == "gemma4":
+        return _gemma4_spec(model, kv_scheme, policy)
     args = model.args
     inner = model.model
     gemma = family == "gemma3"
@@ -163,14 +176,7 @@ def graph_spec(model: Any, *, kv_scheme: str | None = None,
     window = args.sliding_window
     cfg.windows = [int(window) if layer.use_sliding else 0 for layer in inner.layers]
     cfg.ropes = [_rope_spec(layer.self_attn.rope) for layer in inner.layers]
-    if kv_scheme is not None and kv_scheme not in KV_DTYPES:
-        raise ValueError(f"kv_scheme must be one of {', '.join(KV_DTYPES)} or None, got {kv_scheme!r}.")
-    cfg.kv_dtype = KV_DTYPES[kv_scheme] if kv_scheme else ""
-    cfg.capacity_step = policy.capacity_step
-    cfg.max_capacity = policy.max_capacity
-    cfg.compile = policy.compile
-    cfg.compile_min_batch = policy.resolved_compile_min_batch()
-    cfg.fuse_projections = policy.fuse_projections
+    _apply_policy(cfg, kv_scheme, policy)
 
     weights: dict[str, mx.array] = {}
     quant: dict[str, tuple] = {}
@@ -202,6 +208,125 @@ def graph_spec(model: Any, *, kv_scheme: str | None = None,
     cfg.cpu_kernel_linears = fast
     mx.eval(list(weights.values()))
     return cfg, weights, quant
+
+
+def _apply_policy(cfg: Any, kv_scheme: str | None, policy: DecodePolicy) -> None:
+    cfg.kv_dtype = KV_DTYPES[kv_scheme] if kv_scheme else ""
+    cfg.capacity_step = policy.capacity_step
+    cfg.max_capacity = policy.max_capacity
+    cfg.compile = policy.compile
+    cfg.compile_min_batch = policy.resolved_compile_min_batch()
+    cfg.fuse_projections = policy.fuse_projections
+
+
+def _add_experts(name: str, module: nn.Module, weights: dict, quant: dict) -> None:
+    """A SwitchLinear ``(experts, out, in)``, or its quantized form, under ``name``."""
+    weights[f"{name}.weight"] = module["weight"]
+    if isinstance(module, QuantizedSwitchLinear):
+        if module.get("global_scale") is not None:
+            raise DecodeStepUnsupported(f"no compiled decode step for {name}: experts with a global "
+                                        f"scale ({module.mode}) are not built into the step")
+        weights[f"{name}.scales"] = module["scales"]
+        if module.get("biases") is not None:
+            weights[f"{name}.biases"] = module["biases"]
+        quant[name] = (int(module.group_size), int(module.bits), str(module.mode))
+    elif not isinstance(module, SwitchLinear):
+        raise DecodeStepUnsupported(f"no compiled decode step for {name} of type {type(module).__name__}")
+
+
+def _gemma4_spec(model: Any, kv_scheme: str | None,
+                 policy: DecodePolicy) -> tuple[Any, dict[str, mx.array], dict[str, tuple]]:
+    """:func:`graph_spec` for a Gemma 4 text graph (names: ``cpp/decode/gemma4.h``)."""
+    args, inner = model.args, model.model
+    layers = inner.layers
+    if any(t not in (FULL, SLIDING) for t in args.layer_types):
+        raise DecodeStepUnsupported(f"no compiled decode step for gemma4 layer types {sorted(set(args.layer_types))}")
+    cfg = _fast.DecodeConfig()
+    cfg.family = "gemma4"
+    cfg.num_layers = len(layers)
+    cfg.hidden_size = args.hidden_size
+    cfg.num_heads = layers[0].self_attn.n_heads
+    cfg.num_kv_heads = layers[0].self_attn.n_kv_heads
+    cfg.head_dim = layers[0].self_attn.head_dim
+    cfg.vocab_size = args.vocab_size
+    cfg.rms_norm_eps = float(args.rms_norm_eps)
+    cfg.attn_scale = 1.0  # q/k norms do the scaling
+    cfg.activation = "gelu_tanh"
+    cfg.embed_scale = float(inner.embed_scale)
+    cfg.clip_f16_residual = False
+    cfg.final_logit_softcap = (float(args.final_logit_softcapping)
+                               if args.final_logit_softcapping is not None else None)
+    cfg.windows = [int(args.sliding_window) if layer.layer_type == SLIDING else 0 for layer in layers]
+    cfg.ropes = [_rope_spec(layer.self_attn.rope) for layer in layers]
+    cfg.layer_kv_heads = [layer.self_attn.n_kv_heads for layer in layers]
+    cfg.layer_head_dims = [layer.self_attn.head_dim for layer in layers]
+    cfg.kv_donors = [-1 if d is None else int(d) for d in args.kv_donors]
+    cfg.per_layer_width = int(inner.per_layer_width or 0)
+    if args.enable_moe_block:
+        cfg.num_experts = int(args.num_experts)
+        cfg.top_k_experts = int(args.top_k_experts)
+    _apply_policy(cfg, kv_scheme, policy)
+    cfg.fuse_projections = False  # the gemma4 forward runs each projection on its own
+
+    weights: dict[str, mx.array] = {}
+    quant: dict[str, tuple] = {}
+    fast: list[str] = []
+
+    def linear(name: str, module: nn.Module) -> None:
+        _add_linear(name, module, weights, quant, fast)
+
+    def norm(name: str, module: nn.Module) -> None:
+        weights[f"{name}.weight"] = module.weight
+
+    linear("embed", inner.embed_tokens)
+    if not args.tie_word_embeddings:
+        linear("lm_head", model.lm_head)
+    norm("norm", inner.norm)
+    if cfg.per_layer_width:
+        linear("embed_per_layer", inner.embed_tokens_per_layer)
+        linear("per_layer_proj", inner.per_layer_model_projection)
+        norm("per_layer_proj_norm", inner.per_layer_projection_norm)
+    for i, layer in enumerate(layers):
+        p = f"layers.{i}"
+        attn, mlp = layer.self_attn, layer.mlp
+        mods = [("q", attn.q_proj), ("o", attn.o_proj), ("gate", mlp.gate_proj), ("up", mlp.up_proj),
+                ("down", mlp.down_proj)]
+        if attn.owns_kv:
+            mods.append(("k", attn.k_proj))
+            if not attn.k_eq_v:
+                mods.append(("v", attn.v_proj))
+            norm(f"{p}.k_norm", attn.k_norm)
+        for short, mod in mods:
+            linear(f"{p}.{short}", mod)
+        norm(f"{p}.q_norm", attn.q_norm)
+        norm(f"{p}.attn_norm", layer.input_layernorm)
+        norm(f"{p}.post_attn_norm", layer.post_attention_layernorm)
+        norm(f"{p}.mlp_norm", layer.pre_feedforward_layernorm)
+        norm(f"{p}.post_mlp_norm", layer.post_feedforward_layernorm)
+        weights[f"{p}.layer_scalar"] = layer.layer_scalar
+        if cfg.per_layer_width:
+            linear(f"{p}.pli_gate", layer.per_layer_input_gate)
+            linear(f"{p}.pli_proj", layer.per_layer_projection)
+            norm(f"{p}.pli_norm", layer.post_per_layer_input_norm)
+        if layer.enable_moe:
+            linear(f"{p}.router", layer.router.proj)
+            weights[f"{p}.router_scale"] = layer.router.scale
+            weights[f"{p}.per_expert_scale"] = layer.router.per_expert_scale
+            glu = layer.experts.switch_glu
+            for short, mod in (("gate", glu.gate_proj), ("up", glu.up_proj), ("down", glu.down_proj)):
+                _add_experts(f"{p}.experts.{short}", mod, weights, quant)
+            norm(f"{p}.mlp_norm_2", layer.pre_feedforward_layernorm_2)
+            norm(f"{p}.post_mlp_norm_1", layer.post_feedforward_layernorm_1)
+            norm(f"{p}.post_mlp_norm_2", layer.post_feedforward_layernorm_2)
+    cfg.cpu_kernel_linears = fast
+    mx.eval(list(weights.values()))
+    return cfg, weights, quant
+
+
+def kv_layers(cfg: Any) -> list[int]:
+    """The layers that own a KV buffer (all but gemma4's KV-shared ones), as the plain cache list orders them."""
+    donors = list(cfg.kv_donors)
+    return [i for i in range(cfg.num_layers) if not donors or donors[i] == -1]
 
 
 # -- plain caches <-> the step's buffers ----------------------------------------------------------
@@ -243,13 +368,17 @@ def _is_rows(state: Sequence[Any]) -> bool:
     return len(state) > 0 and isinstance(state[0], (list, tuple))
 
 
-def prefix_arrays(rows: list[list[Any]], n_kv_heads: int, head_dim: int,
+def prefix_arrays(rows: list[list[Any]], n_kv_heads: int | Sequence[int], head_dim: int | Sequence[int],
                   dtype: mx.Dtype) -> tuple[list[mx.array], list[mx.array], list[int]]:
     """Right-aligned per-layer K/V over the rows' caches, and each row's length.
 
     ``rows[r]`` is a cache list whose caches all hold the same number of rows
     (usually one); rows of different lengths are left-padded with zeros.
+    ``n_kv_heads`` / ``head_dim``: one for every cache, or one per cache.
     """
+    n = len(rows[0])
+    heads = [n_kv_heads] * n if isinstance(n_kv_heads, int) else list(n_kv_heads)
+    dims = [head_dim] * n if isinstance(head_dim, int) else list(head_dim)
     lengths: list[int] = []
     for caches in rows:
         offsets = {c.offset for c in caches}
@@ -263,7 +392,7 @@ def prefix_arrays(rows: list[list[Any]], n_kv_heads: int, head_dim: int,
         ks, vs = [], []
         for caches, p in zip(rows, parts):
             if p is None:
-                empty = mx.zeros((_row_width(caches), n_kv_heads, S, head_dim), dtype)
+                empty = mx.zeros((_row_width(caches), heads[layer], S, dims[layer]), dtype)
                 ks.append(empty)
                 vs.append(empty)
                 continue
@@ -322,7 +451,10 @@ class CompiledDecodeStep:
         cfg, weights, quant = graph_spec(model, kv_scheme=kv_scheme, policy=policy)
         self._model = model
         self._cfg = cfg
-        self._windows = list(cfg.windows)
+        owners = kv_layers(cfg)  # one buffer (and one plain cache) per KV-owning layer
+        self._windows = [cfg.windows[i] for i in owners]
+        self._kv_heads = [cfg.layer_kv_heads[i] if cfg.layer_kv_heads else cfg.num_kv_heads for i in owners]
+        self._head_dims = [cfg.layer_head_dims[i] if cfg.layer_head_dims else cfg.head_dim for i in owners]
         self._step: Any = _fast.DecodeStep(cfg, weights, quant)
         self._bound: Any = None
         self._bound_offsets: list[int] | None = None
@@ -410,7 +542,7 @@ class CompiledDecodeStep:
         dtype = self._model.model.embed_tokens.weight.dtype
         if isinstance(self._model.model.embed_tokens, nn.QuantizedEmbedding):
             dtype = self._model.model.embed_tokens.scales.dtype
-        keys, values, lengths = prefix_arrays(rows, self._cfg.num_kv_heads, self._cfg.head_dim, dtype)
+        keys, values, lengths = prefix_arrays(rows, self._kv_heads, self._head_dims, dtype)
         self._step.load_prefix(keys, values, lengths)
         self._rows = rows
         self._bound = state

@@ -1,0 +1,293 @@
+// The one-token forward of the Gemma 4 text family, composed of the same MLX
+// ops, in the same order, as python/mlx_infer/models/gemma4.py (itself mlx-lm's
+// gemma4_text), so the compiled step's logits stay within rounding of the
+// eager graph's. KV-shared layers read the buffers their donor wrote earlier in
+// the same step; only KV-owning layers have buffers (see decode.h).
+#include "gemma4.h"
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+
+namespace mlx_infer {
+
+namespace {
+
+// Attention over one layer's buffers after this step's write (see AttentionRead).
+mx::array attend(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
+                 const AttentionRead& read, const std::function<mx::array(int)>& mask_for) {
+  const int slots = k.shape(2);
+  if (!read.uniform_length) {
+    return mx::fast::scaled_dot_product_attention(q, k, v, scale, "array", mask_for(slots));
+  }
+  const int n = std::min(*read.uniform_length, slots);  // a full ring is read whole
+  if (n == slots) {
+    return mx::fast::scaled_dot_product_attention(q, k, v, scale, "", std::nullopt);
+  }
+  auto stop = k.shape();
+  stop[2] = n;
+  return mx::fast::scaled_dot_product_attention(q, mx::slice(k, {0, 0, 0, 0}, stop),
+                                                mx::slice(v, {0, 0, 0, 0}, stop), scale, "",
+                                                std::nullopt);
+}
+
+// Router.__call__: (indices, weights), each (B, 1, k).
+std::pair<mx::array, mx::array> route(const DecodeConfig& cfg, const Gemma4Layer& lw,
+                                      const mx::array& h) {
+  const int E = cfg.num_experts, k = cfg.top_k_experts;
+  auto scores = apply_linear(lw.router, rms(h, lw.router_scale, cfg.rms_norm_eps));  // (B, 1, E)
+  auto part = mx::argpartition(scores, E - k, -1);
+  auto stop = part.shape();
+  auto idx = mx::slice(part, {0, 0, E - k}, stop);  // (B, 1, k)
+  auto weights = mx::softmax(mx::take_along_axis(scores, idx, -1), -1, /*precise=*/false);
+  return {idx, mx::multiply(weights, mx::take(*lw.per_expert_scale, idx, 0))};
+}
+
+// SwitchLinear / QuantizedSwitchLinear.
+mx::array switch_linear(const Linear& l, const mx::array& x, const mx::array& idx, bool sorted) {
+  if (l.quantized()) {
+    return mx::gather_qmm(x, *l.w, *l.scales, l.biases, std::nullopt, idx, /*transpose=*/true,
+                          l.group_size, l.bits, l.mode, std::nullopt, sorted);
+  }
+  return mx::gather_mm(x, mx::swapaxes(*l.w, -1, -2), std::nullopt, idx, sorted);
+}
+
+// Experts.__call__ (SwitchGLU, then the routing-weighted sum): x (B, 1, D) -> (B, 1, D).
+mx::array experts(const DecodeConfig& cfg, const Gemma4Layer& lw, const mx::array& x_in,
+                  const mx::array& indices, const mx::array& weights) {
+  auto x = mx::expand_dims(x_in, {-2, -3});  // (B, 1, 1, 1, D)
+  // Many rows: sorted by expert, as the eager graph does from 64 routed rows on.
+  const bool do_sort = indices.size() >= 64;
+  auto idx = indices;
+  std::optional<mx::array> inv_order;
+  if (do_sort) {
+    const int k = indices.shape(-1);
+    auto flat = mx::flatten(indices);
+    auto order = mx::argsort(flat);
+    inv_order = mx::argsort(order);
+    x = mx::take(mx::flatten(x, 0, -3), mx::floor_divide(order, mx::array(k, order.dtype())), 0);
+    idx = mx::take(flat, order, 0);  // (B*k,)
+  }
+  auto up = switch_linear(lw.expert_up, x, idx, do_sort);
+  auto gate = switch_linear(lw.expert_gate, x, idx, do_sort);
+  auto y = switch_linear(lw.expert_down, gated(cfg, gate, up), idx, do_sort);
+  if (do_sort) {
+    y = mx::unflatten(mx::take(y, *inv_order, 0), 0, indices.shape());
+  }
+  y = mx::squeeze(y, -2);                                          // (B, 1, k, D)
+  return mx::sum(mx::multiply(mx::expand_dims(weights, -1), y), -2);  // (B, 1, D)
+}
+
+// nn.gelu_approx(x) alone (shapeless-compiled as MLX compiles it): the per-layer-input gate
+// multiplies after it, outside the fused activation, as the eager layer does.
+std::vector<mx::array> gelu_approx_ops(const std::vector<mx::array>& in) {
+  const auto& x = in[0];
+  auto dt = x.dtype();
+  auto inner = mx::add(x, mx::multiply(scalar(0.044715, dt), mx::power(x, scalar(3, dt))));
+  auto t = mx::tanh(mx::multiply(scalar(0.7978845608028654, dt), inner));  // sqrt(2 / pi)
+  return {mx::multiply(mx::multiply(scalar(0.5, dt), x), mx::add(scalar(1, dt), t))};
+}
+
+mx::array gelu_approx(const mx::array& x) {
+  static auto fn = mx::compile(gelu_approx_ops, /*shapeless=*/true);
+  return fn({x})[0];
+}
+
+}  // namespace
+
+std::vector<mx::array> gemma4_forward(
+    const DecodeStep::Graph& g,
+    const std::vector<mx::array>& inputs,
+    const AttentionRead& read) {
+  const auto& cfg = g.cfg;
+  const auto& w = *g.gemma4;
+  const int L = cfg.num_layers, H = cfg.num_heads, P = cfg.per_layer_width;
+  const float eps = cfg.rms_norm_eps;
+  if (static_cast<int>(inputs.size()) != 2 + 2 * w.buffers) {
+    throw std::invalid_argument(
+        "[decode_forward] expected tokens, positions and 2 KV buffers per KV-owning layer.");
+  }
+  const auto& tokens = inputs[0];
+  const auto& positions = inputs[1];  // (B,) int32
+  const int B = tokens.shape(0);
+  auto ids = mx::reshape(tokens, {B, 1});
+
+  auto h = embed_lookup(g.embed, ids);  // (B, 1, E)
+  h = mx::multiply(h, scalar(cfg.embed_scale, h.dtype()));
+
+  std::optional<mx::array> pli;  // (B, 1, L, P): token-identity part + projection of the embeddings
+  if (P > 0) {
+    auto t = embed_lookup(w.embed_per_layer, ids);  // (B, 1, L*P)
+    t = mx::reshape(mx::multiply(t, scalar(std::sqrt(static_cast<double>(P)), t.dtype())), {B, 1, L, P});
+    auto proj = apply_linear(w.per_layer_proj, h);  // (B, 1, L*P)
+    proj = mx::multiply(proj, scalar(std::pow(static_cast<double>(cfg.hidden_size), -0.5), proj.dtype()));
+    proj = rms(mx::reshape(proj, {B, 1, L, P}), w.per_layer_proj_norm, eps);
+    auto sum = mx::add(proj, t);
+    pli = mx::multiply(sum, scalar(std::pow(2.0, -0.5), sum.dtype()));
+  }
+
+  std::unordered_map<int, mx::array> masks;  // slot s of row b is visible iff s <= positions[b]
+  auto pos_col = mx::reshape(positions, {B, 1, 1, 1});
+  std::function<mx::array(int)> mask_for = [&](int slots) -> mx::array {
+    auto it = masks.find(slots);
+    if (it != masks.end()) {
+      return it->second;
+    }
+    auto m = mx::less_equal(mx::reshape(mx::arange(0, slots, 1, mx::int32), {1, 1, 1, slots}), pos_col);
+    masks.emplace(slots, m);
+    return m;  // (B, 1, 1, slots)
+  };
+
+  std::vector<mx::array> outputs(inputs.begin(), inputs.end());  // buffers replaced as written
+  outputs[0] = mx::array(0);
+  outputs[1] = mx::add(positions, mx::array(1, mx::int32));
+
+  for (int i = 0; i < L; ++i) {
+    const auto& lw = w.layers[i];
+    const int KVH = lw.kv_heads, D = lw.head_dim;
+    auto x = rms(h, lw.attn_norm, eps);
+    auto q = rms(mx::reshape(apply_linear(lw.q, x), {B, 1, H, D}), lw.q_norm, eps);  // (B, 1, H, D)
+    auto& kbuf = outputs[2 + 2 * lw.buffer];
+    auto& vbuf = outputs[3 + 2 * lw.buffer];
+    if (lw.owns_kv) {
+      auto k = mx::reshape(apply_linear(lw.k, x), {B, 1, KVH, D});
+      auto v = lw.v.present() ? mx::reshape(apply_linear(lw.v, x), {B, 1, KVH, D}) : k;
+      k = rope(mx::transpose(rms(k, lw.k_norm, eps), {0, 2, 1, 3}), lw.rope, positions);  // (B, KVH, 1, D)
+      v = mx::transpose(rms(v, std::nullopt, eps), {0, 2, 1, 3});                       // (B, KVH, 1, D)
+      const int slots = kbuf.shape(2);
+      std::optional<int> static_slot;
+      mx::array slot = positions;
+      if (read.uniform_length) {
+        const int p = *read.uniform_length - 1;
+        static_slot = lw.window > 0 ? p % slots : p;
+      } else if (lw.window > 0) {
+        slot = mx::remainder(positions, mx::array(slots, mx::int32));
+      }
+      kbuf = write_slot(kbuf, k, slot, static_slot);
+      vbuf = write_slot(vbuf, v, slot, static_slot);
+    }
+    q = rope(mx::transpose(q, {0, 2, 1, 3}), lw.rope, positions);  // (B, H, 1, D)
+    auto attn = attend(q, kbuf, vbuf, cfg.attn_scale, read, mask_for);
+    attn = mx::reshape(mx::transpose(attn, {0, 2, 1, 3}), {B, 1, H * D});  // (B, 1, H*D)
+    h = mx::add(h, rms(apply_linear(lw.o, attn), lw.post_attn_norm, eps));
+
+    auto mlp = [&](const mx::array& in) {
+      return apply_linear(lw.down, gated(cfg, apply_linear(lw.gate, in), apply_linear(lw.up, in)));
+    };
+    mx::array r = mlp(rms(h, lw.mlp_norm, eps));
+    if (cfg.num_experts > 0) {
+      auto h1 = rms(r, lw.post_mlp_norm_1, eps);
+      auto [idx, weights] = route(cfg, lw, h);
+      auto h2 = experts(cfg, lw, rms(h, lw.mlp_norm_2, eps), idx, weights);
+      r = mx::add(h1, rms(h2, lw.post_mlp_norm_2, eps));
+    }
+    h = mx::add(h, rms(r, lw.post_mlp_norm, eps));
+    if (pli) {
+      auto mine = mx::reshape(mx::slice(*pli, {0, 0, i, 0}, {B, 1, i + 1, P}), {B, 1, P});  // (B, 1, P)
+      auto gate = mx::multiply(gelu_approx(apply_linear(lw.pli_gate, h)), mine);  // (B, 1, P)
+      h = mx::add(h, rms(apply_linear(lw.pli_proj, gate), lw.pli_norm, eps));
+    }
+    h = mx::multiply(h, *lw.layer_scalar);
+  }
+
+  h = rms(h, g.norm, eps);
+  auto logits = g.lm_head.present() ? apply_linear(g.lm_head, h) : embed_as_linear(g.embed, h);
+  if (cfg.final_logit_softcap) {
+    auto cap = scalar(*cfg.final_logit_softcap, logits.dtype());
+    logits = mx::multiply(mx::tanh(mx::divide(logits, cap)), cap);
+  }
+  outputs[0] = mx::reshape(logits, {B, logits.shape(-1)});  // (B, vocab)
+  return outputs;
+}
+
+void load_gemma4_weights(
+    DecodeStep::Graph& g,
+    const std::unordered_map<std::string, mx::array>& weights,
+    const std::unordered_map<std::string, QuantSpec>& quantization) {
+  const auto& cfg = g.cfg;
+  const auto& fast = cfg.cpu_kernel_linears;
+  auto linear = [&](const std::string& name, bool required = true) {
+    return read_linear(weights, quantization, fast, name, required);
+  };
+  auto need = [&](const std::string& name) { return require_weight(weights, name); };
+  g.embed = linear("embed");
+  g.lm_head = linear("lm_head", /*required=*/false);
+  g.norm = need("norm.weight");
+  g.dtype = g.embed.quantized() ? g.embed.scales->dtype() : g.embed.w->dtype();
+  if (cfg.activation != "gelu_tanh") {
+    throw std::invalid_argument("[DecodeStep] gemma4 uses the 'gelu_tanh' activation, got '" +
+                                cfg.activation + "'.");
+  }
+
+  auto w = std::make_shared<Gemma4Weights>();
+  if (cfg.per_layer_width > 0) {
+    w->embed_per_layer = linear("embed_per_layer");
+    w->per_layer_proj = linear("per_layer_proj");
+    w->per_layer_proj_norm = need("per_layer_proj_norm.weight");
+  }
+  std::vector<int> buffer_of(cfg.num_layers, -1);
+  std::vector<mx::array> derived;
+  for (int i = 0; i < cfg.num_layers; ++i) {
+    const std::string p = "layers." + std::to_string(i) + ".";
+    Gemma4Layer lw;
+    lw.kv_heads = layer_kv_heads(cfg, i);
+    lw.head_dim = layer_head_dim(cfg, i);
+    lw.window = cfg.windows[i];
+    lw.rope = cfg.ropes[i];
+    const int donor = cfg.kv_donors.empty() ? -1 : cfg.kv_donors[i];
+    lw.owns_kv = donor == -1;
+    lw.buffer = lw.owns_kv ? w->buffers++ : buffer_of[donor];
+    buffer_of[i] = lw.buffer;
+    lw.q = linear(p + "q");
+    lw.o = linear(p + "o");
+    lw.gate = linear(p + "gate");
+    lw.up = linear(p + "up");
+    lw.down = linear(p + "down");
+    if (lw.owns_kv) {
+      lw.k = linear(p + "k");
+      lw.v = linear(p + "v", /*required=*/false);  // absent: attention_k_eq_v
+      lw.k_norm = need(p + "k_norm.weight");
+    }
+    lw.attn_norm = need(p + "attn_norm.weight");
+    lw.post_attn_norm = need(p + "post_attn_norm.weight");
+    lw.mlp_norm = need(p + "mlp_norm.weight");
+    lw.post_mlp_norm = need(p + "post_mlp_norm.weight");
+    lw.q_norm = need(p + "q_norm.weight");
+    lw.layer_scalar = need(p + "layer_scalar");
+    if (cfg.per_layer_width > 0) {
+      lw.pli_gate = linear(p + "pli_gate");
+      lw.pli_proj = linear(p + "pli_proj");
+      lw.pli_norm = need(p + "pli_norm.weight");
+    }
+    if (cfg.num_experts > 0) {
+      lw.router = linear(p + "router");
+      auto scale = need(p + "router_scale");
+      lw.router_scale = mx::multiply(
+          scale, scalar(std::pow(static_cast<double>(cfg.hidden_size), -0.5), scale.dtype()));
+      derived.push_back(*lw.router_scale);
+      lw.per_expert_scale = need(p + "per_expert_scale");
+      lw.expert_gate = linear(p + "experts.gate");
+      lw.expert_up = linear(p + "experts.up");
+      lw.expert_down = linear(p + "experts.down");
+      for (const auto* e : {&lw.expert_gate, &lw.expert_up, &lw.expert_down}) {
+        if (e->w->ndim() != 3 || e->w->shape(0) != cfg.num_experts || e->fast) {
+          throw std::invalid_argument("[DecodeStep] " + p +
+                                      "experts.* must be (num_experts, out, in) and run on MLX's kernels.");
+        }
+      }
+      lw.mlp_norm_2 = need(p + "mlp_norm_2.weight");
+      lw.post_mlp_norm_1 = need(p + "post_mlp_norm_1.weight");
+      lw.post_mlp_norm_2 = need(p + "post_mlp_norm_2.weight");
+    }
+    w->layers.push_back(std::move(lw));
+  }
+  if (!derived.empty()) {
+    mx::eval(derived);
+  }
+  g.gemma4 = std::move(w);
+}
+
+}  // namespace mlx_infer
