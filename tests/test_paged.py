@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from mlx_infer._fast import AppendResult, PagePool, gather_pages, scatter_slots
+from mlx_infer._fast import AppendResult, PageGroups, PagePool, gather_pages, scatter_slots
 
 
 def make(num_pages=6, page_size=4):
@@ -661,3 +661,135 @@ TestPoolMachine.settings = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
+
+
+# -- layer groups (PageGroups) ------------------------------------------------------
+#
+# Group 0 global, group 1 windowed; every sequence lives in both with one length.
+
+
+def groups(num_pages=(16, 6), window=8, slack=0, page_size=4):
+    return PageGroups(num_pages=list(num_pages), page_size=page_size, windows=[0, window], slack=slack)
+
+
+def test_groups_windowed_pages_go_back_while_global_pages_stay():
+    g = groups()
+    assert (g.num_groups, g.keep(0), g.keep(1)) == (2, 0, 7)  # window 8: the next query reads 7
+    g.add_sequence(1)
+    r0, r1 = g.append(1, 6)
+    assert r0.slots == r1.slots == [4, 5, 6, 7, 8, 9]  # pages 1, 2 in each group's own pool
+    g.append(1, 6)  # length 12: nothing is 7 tokens behind the end of a page yet
+    assert g.block_table(1, 0) == g.block_table(1, 1) == [1, 2, 3]
+    r0, r1 = g.append(1, 4)  # release first: tokens 0..3 are more than 7 behind 12
+    assert g.block_table(1, 0) == [1, 2, 3, 4]
+    assert g.block_table(1, 1) == [0, 2, 3, 4]  # page 1 released, page 4 taken from the free queue
+    assert r1.slots == [16, 17, 18, 19]
+    assert g.pool(1).first_held_token(1) == 4 and g.pool(1).num_free_pages() == 2
+    assert (g.held_pages(1, 0), g.held_pages(1, 1)) == (4, 3)
+    for _ in range(40):  # one token at a time, 10 windows further
+        assert g.append(1, 1) is not None
+        assert g.held_pages(1, 1) <= -(-(8 + 0) // 4) + 1  # ceil((W + slack) / P) + 1
+        g.check()
+    assert g.length(1) == 56 and g.held_pages(1, 0) == 14 and g.pool(0).num_free_pages() == 1
+    g.free(1)
+    assert g.pool(0).num_used_pages() == g.pool(1).num_used_pages() == 0
+    g.check()
+
+
+def test_groups_append_is_all_groups_or_none():
+    g = groups(num_pages=(16, 3))  # the windowed group has 2 usable pages
+    g.add_sequence(1)
+    assert g.append(1, 8) is not None
+    before = [(g.block_table(1, i), g.pool(i).num_free_pages()) for i in (0, 1)]
+    assert g.pool(1).pages_needed(1, 4) == 1 and g.pool(1).num_free_pages() == 0
+    assert g.append(1, 4) is None  # the windowed group needs a page it does not have
+    assert g.length(1) == 8 and [(g.block_table(1, i), g.pool(i).num_free_pages()) for i in (0, 1)] == before
+    assert g.pool(1).pages_needed(1, 10**9) == 2**31 - 1  # can never fit
+    g.check()
+
+
+def test_groups_truncate_within_the_slack_and_refused_past_it():
+    g = groups(slack=2)  # keep 9 tokens in the windowed group
+    g.add_sequence(1)
+    g.append(1, 12)
+    g.append(1, 4)  # release: tokens before 12 - 9 = 3 -> none whole; length 16
+    g.append(1, 1)  # release: tokens before 16 - 9 = 7 -> page 0 (tokens 0..3)
+    assert g.block_table(1, 1)[0] == 0 and g.pool(1).first_held_token(1) == 4
+    g.truncate(1, 4)  # length 13: the window reads from 13 - 7 = 6 >= 4
+    assert g.length(1) == 13
+    with pytest.raises(ValueError, match="slack"):
+        g.truncate(1, 3)  # length 10 would read from 3, a released token
+    assert g.length(1) == 13 and g.block_table(1, 0) == [1, 2, 3, 4]  # nothing changed
+    g.truncate(1, 13)  # back to empty: nothing is read, always allowed
+    assert g.length(1) == 0 and g.block_table(1, 1) == []
+    with pytest.raises(ValueError, match=r"n_tokens must be in \[0, length\]"):
+        g.truncate(1, 1)
+    g.check()
+
+
+def test_groups_fork_copies_a_shared_partial_page_in_each_group():
+    g = groups(window=5)
+    g.add_sequence(1)
+    g.append(1, 6)  # pages [1, 2], page 2 half full
+    g.fork(1, 2)
+    assert [g.pool(i).refcount(2) for i in (0, 1)] == [2, 2]
+    r0, r1 = g.append(2, 1)
+    assert r0.copies == r1.copies == [(2, 3)]  # copy-on-write in both groups
+    assert g.block_table(2, 0) == g.block_table(2, 1) == [1, 3]
+    assert g.block_table(1, 0) == g.block_table(1, 1) == [1, 2]
+    g.append(2, 5)  # length 12
+    g.append(2, 1)  # the windowed group of 2 releases pages 1 and 3 (1 still held by sequence 1)
+    assert g.block_table(2, 1)[0] == 0 and g.pool(1).refcount(1) == 1 and g.pool(0).refcount(1) == 2
+    with pytest.raises(ValueError, match="already exists"):
+        g.fork(1, 2)
+    g.free(2)
+    assert [g.pool(i).refcount(p) for i in (0, 1) for p in (1, 2)] == [1, 1, 1, 1]
+    g.check()
+
+
+def test_groups_prefix_hit_needs_every_group_and_only_the_window_pages():
+    g = groups(window=5)  # keep 4 tokens: a hit needs 1 windowed page before its end
+    tokens = list(range(100, 117))  # 17 tokens: 4 full pages reusable
+    g.add_sequence(1)
+    g.append(1, 16)  # pages 1..4 in both groups
+    assert g.register_full_pages(1, tokens) == 8  # 4 per group
+    g.append(1, 1)  # windowed group releases logical pages 0..2 (hashed: they stay cached)
+    assert g.block_table(1, 1) == [0, 0, 0, 4, 5]
+    assert g.pool(1).cached_pages() == [3, 2, 1]  # newest first: the chain head goes last
+    assert g.add_sequence_with_prefix(2, tokens) == 16
+    assert g.block_table(2, 0) == [1, 2, 3, 4]
+    assert g.block_table(2, 1) == [0, 0, 0, 4]  # only the page its window reads
+    assert g.pool(1).refcount(4) == 2 and g.pool(1).cached_pages() == [3, 2, 1]
+    assert (g.hits, g.misses) == (4, 0)
+    # A prompt sharing 2 pages: cached windowed pages serve it too.
+    other = tokens[:8] + [7] * 9
+    assert g.match_prefix(other) == 8
+    assert g.pool(1).prefix_hits(other) == [1, 2, 0, 0]
+    g.pool(1).set_cache_cap(0)  # evict the windowed group's cached pages
+    assert g.pool(1).prefix_hits(other) == [0, 0, 0, 0]
+    assert g.pool(0).prefix_hits(other) == [1, 2, 0, 0]  # the global group still hits...
+    assert g.match_prefix(other) == 0  # ...but every group must
+    assert g.add_sequence_with_prefix(3, other) == 0 and g.misses == 4
+    g.check()
+
+
+def test_groups_bad_input_is_a_value_error():
+    for kw, match in (
+        ({"num_pages": [8], "windows": [0, 8]}, "one window and one pool size per group"),
+        ({"num_pages": [8, 8], "windows": [0, -1]}, "must be >= 0"),
+        ({"num_pages": [8, 1], "windows": [0, 8]}, "at least 2"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            PageGroups(page_size=4, slack=0, **kw)
+    with pytest.raises(ValueError, match="slack must be >= 0"):
+        PageGroups(num_pages=[8], page_size=4, windows=[0], slack=-1)
+    g = groups()
+    with pytest.raises(ValueError, match="unknown sequence id 9"):
+        g.append(9, 1)
+    with pytest.raises(ValueError, match="out of range"):
+        g.pool(2)
+    g.add_sequence(1)
+    with pytest.raises(ValueError, match="n_tokens must be >= 0"):
+        g.append(1, -1)
+    with pytest.raises(ValueError, match="already exists"):
+        g.add_sequence_with_prefix(1, [1, 2, 3])
