@@ -793,3 +793,141 @@ def test_groups_bad_input_is_a_value_error():
         g.append(1, -1)
     with pytest.raises(ValueError, match="already exists"):
         g.add_sequence_with_prefix(1, [1, 2, 3])
+
+
+GROUP_WINDOWS = [0, 5]  # a global group and a windowed one (keep 4 + slack)
+GROUP_SLACK = 2
+
+
+class GroupsMachine(RuleBasedStateMachine):
+    """Random PageGroups operations against a model of each sequence's tokens.
+
+    One simulated storage per group (a token id per flat slot). Every
+    sequence must read back its tokens from each group: all of them from the
+    global group, and in a windowed group every token from its first held
+    one, which never lies past what the window and the slack need.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.pages = PageGroups(num_pages=[NUM_PAGES, NUM_PAGES // 2], page_size=PAGE_SIZE,
+                                windows=GROUP_WINDOWS, slack=GROUP_SLACK)
+        self.storage = [np.full(NUM_PAGES * PAGE_SIZE, -1, dtype=np.int64) for _ in GROUP_WINDOWS]
+        self.tokens: dict[int, list[int]] = {}
+        # Longest length an append started at (where the window last released): rolling back to
+        # floor - slack or later is always allowed.
+        self.floor: dict[int, int] = {}
+        self.next_id = 0
+
+    ids = st.integers(min_value=0, max_value=10**6)
+
+    def _pick(self, i):
+        keys = sorted(self.tokens)
+        return keys[i % len(keys)]
+
+    def _snapshot(self):
+        return {s: [self.pages.block_table(s, g) for g in range(len(GROUP_WINDOWS))] for s in self.tokens}
+
+    def _append(self, seq, new):
+        self.floor[seq] = max(self.floor[seq], len(self.tokens[seq]))  # released even when refused
+        rs = self.pages.append(seq, len(new))
+        if rs is None:
+            held = [self.pages.pool(g).pages_needed(seq, len(new)) > self.pages.pool(g).num_free_pages()
+                    for g in range(len(GROUP_WINDOWS))]
+            assert any(held) and self.pages.length(seq) == len(self.tokens[seq])
+            return False
+        for store, r in zip(self.storage, rs):
+            for src, dst in r.copies:
+                store[dst * PAGE_SIZE:(dst + 1) * PAGE_SIZE] = store[src * PAGE_SIZE:(src + 1) * PAGE_SIZE]
+            for slot, tok in zip(r.slots, new):
+                assert slot // PAGE_SIZE != 0, "wrote into the null page"
+                store[slot] = tok
+        self.tokens[seq].extend(new)
+        return True
+
+    @rule(base=st.sampled_from(BASES), extra=st.lists(st.integers(0, 9), max_size=4),
+          prefixed=st.booleans(), index=st.booleans())
+    def add(self, base, extra, prefixed, index):
+        self.next_id += 1
+        seq = self.next_id
+        prompt = base + extra
+        n = self.pages.add_sequence_with_prefix(seq, prompt) if prefixed else 0
+        if not prefixed:
+            self.pages.add_sequence(seq)
+        assert n % PAGE_SIZE == 0 and (n == 0 or n < len(prompt))
+        self.tokens[seq] = prompt[:n]
+        self.floor[seq] = n
+        if self._append(seq, prompt[n:]) and index:
+            self.pages.register_full_pages(seq, self.tokens[seq])
+
+    @precondition(lambda self: self.tokens)
+    @rule(i=ids, new=st.lists(st.integers(0, 9), min_size=0, max_size=6), index=st.booleans())
+    def append(self, i, new, index):
+        seq = self._pick(i)
+        if self._append(seq, new) and index:
+            self.pages.register_full_pages(seq, self.tokens[seq])
+
+    @precondition(lambda self: self.tokens)
+    @rule(i=ids)
+    def fork(self, i):
+        src = self._pick(i)
+        self.next_id += 1
+        self.pages.fork(src, self.next_id)
+        self.tokens[self.next_id] = list(self.tokens[src])
+        self.floor[self.next_id] = self.floor[src]
+
+    @precondition(lambda self: self.tokens)
+    @rule(i=ids)
+    def free(self, i):
+        seq = self._pick(i)
+        self.pages.free(seq)
+        del self.tokens[seq], self.floor[seq]
+
+    @precondition(lambda self: self.tokens)
+    @rule(i=ids, n=st.integers(0, 6))
+    def truncate(self, i, n):
+        seq = self._pick(i)
+        length = len(self.tokens[seq])
+        n = min(n, length)
+        new_len = length - n
+        if new_len == 0 or new_len >= self.floor[seq] - GROUP_SLACK:
+            self.pages.truncate(seq, n)  # within the slack: always allowed
+            del self.tokens[seq][new_len:]
+            if new_len == 0:
+                self.floor[seq] = 0  # an empty sequence holds nothing and released nothing
+        else:
+            before = self._snapshot()
+            try:
+                self.pages.truncate(seq, n)
+            except ValueError:
+                assert self._snapshot() == before  # refused: nothing changed
+            else:
+                del self.tokens[seq][new_len:]
+                if new_len == 0:
+                    self.floor[seq] = 0
+
+    @invariant()
+    def groups_agree_and_read_back(self):
+        self.pages.check()
+        for seq, toks in self.tokens.items():
+            assert self.pages.length(seq) == len(toks)
+            for g, w in enumerate(GROUP_WINDOWS):
+                first = self.pages.pool(g).first_held_token(seq)
+                if w == 0:
+                    assert first == 0
+                elif toks:  # the next query reads the last w - 1 tokens: they are held
+                    assert first <= max(0, len(toks) - (w - 1))
+                table = self.pages.block_table(seq, g)
+                for pos in range(first, len(toks)):
+                    page = table[pos // PAGE_SIZE]
+                    assert page != 0
+                    assert self.storage[g][page * PAGE_SIZE + pos % PAGE_SIZE] == toks[pos], (seq, g, pos)
+
+
+TestGroupsMachine = GroupsMachine.TestCase
+TestGroupsMachine.settings = settings(
+    max_examples=300,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)

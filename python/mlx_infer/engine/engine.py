@@ -354,11 +354,15 @@ class Engine:
             budget -= n * len(rows)
             did = True
             self.metrics.prefilled(n * len(rows))
+            windowed = any(g.window is not None for g in self.store.groups)
             for r in rows:
                 r.prefilled += n
                 target = len(r.all_ids) - 1
+                if r.prefilled == target or windowed:
+                    # Windowed layer groups release pages as the prompt grows: index them
+                    # chunk by chunk, so released ones stay cached for a shorter shared prefix.
+                    self.scheduler.register_prompt(r, r.prefilled)
                 if r.prefilled == target:
-                    self.scheduler.register_prompt(r, target)
                     r.state = DECODE
                     r.next_input = r.all_ids[-1]
         return did
