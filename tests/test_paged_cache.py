@@ -529,7 +529,7 @@ def test_bad_input_is_a_clear_value_error(models):
     small = store_for(model, num_pages=3)  # 2 usable pages: 8 tokens
     s = small.add_sequence()
     assert not s.reserve(9) and s.length == 0
-    with pytest.raises(PagedKVExhausted, match="free pages, too few to append 9 tokens"):
+    with pytest.raises(PagedKVExhausted, match=r"free pages \(per layer group\), too few to append 9 tokens"):
         model(mx.array(PROMPT[:9])[None], cache=small.make_cache(s))
     assert isinstance(PagedKVExhausted("x"), ValueError)
 
