@@ -556,3 +556,32 @@ def test_real_model_paged_equals_plain(real_model):
     store = PagedKVStore.for_model(model, num_pages=16, page_size=16)
     got, _ = greedy(model, store.make_cache(store.add_sequence()), prompt, 64)
     assert got == want
+
+
+@pytest.mark.slow
+def test_real_model_past_the_window_equals_plain(real_model):
+    """Gemma 3 270M (window 512 on 15 of 18 layers) over a 1,100-token prompt: two windows."""
+    model = real_model.model
+    ids = real_model.tokenizer.encode("The capital of France is Paris. " * 160)[:1100]
+    store = PagedKVStore.for_model(model, num_pages=128, page_size=16)
+    seq = store.add_sequence()
+    runs = []
+    for cache in (model.make_cache(), store.make_cache(seq)):
+        for start in range(0, len(ids), 256):  # the same prefill chunks on both
+            logits = model(mx.array(ids[start:start + 256])[None], cache=cache)[:, -1]
+        runs.append(greedy_from(model, cache, logits, 8))
+    assert runs[0] == runs[1]
+    win = store.groups[1]
+    assert (win.window, len(win.layers)) == (512, 15)
+    assert store.pages.held_pages(seq.seq_id, win.index) <= -(-(512 + store.pages.slack) // 16) + 1
+    assert store.pages.held_pages(seq.seq_id, 0) == -(-seq.length // 16)
+
+
+def greedy_from(model, cache, logits, steps):
+    """``steps`` greedy tokens continuing from ``logits`` (1, vocab)."""
+    tokens = []
+    for _ in range(steps):
+        y = mx.argmax(logits, axis=-1)
+        tokens.append(y.item())
+        logits = model(y[None], cache=cache)[:, -1]
+    return tokens
