@@ -68,8 +68,10 @@ class PagedKVStore:
 
     A token of a sequence sits at the same slot in every layer of a group;
     slots differ between groups. A group of window ``w`` keeps the last
-    ``w - 1 + window_slack`` tokens: rolling back more than ``window_slack``
-    tokens past the last step raises ``ValueError``.
+    ``w - 1 + window_slack`` tokens: rolling back (truncate / trim) up to
+    ``window_slack`` tokens before the longest length a step started at is
+    always allowed; a rollback that would make a windowed layer read a
+    released token raises ``ValueError`` and changes nothing.
 
     Args:
         num_layers: attention layers.
