@@ -23,13 +23,14 @@ from mlx_infer.engine import (
     EngineRequest,
     QueueFullError,
     RequestTooLargeError,
+    pool_pages,
     prometheus_text,
 )
 from mlx_infer.engine.scheduler import DECODE, WAITING, LiveRequest, Scheduler
 from mlx_infer.errors import MlxInferError, PromptTooLongError
 from mlx_infer.generation.autoregressive import generate, generate_tokens, newline_ids
 from mlx_infer.sampling import SamplingParams
-from mlx_infer.state.paged import PagedKVStore
+from mlx_infer.state.paged import DEFAULT_WINDOW_SLACK, PagedKVStore
 from tiny import make_tiny_model_dir
 
 LOGPROB_ATOL = 1e-4
@@ -308,3 +309,28 @@ def test_scheduler_memory_limit_holds_admissions():
     mx.eval(keep)
     admitted, _ = sched.admit()
     assert admitted == [a]  # the first always runs (no deadlock); the rest wait for memory
+
+
+def test_mixed_windows_engine_releases_window_pages_and_reuses_prefixes(tiny):
+    """Gemma 3 tiny (window 8 on 2 of 3 layers): the windowed group has its own, smaller pool."""
+    loaded = tiny("gemma3")
+    prompt = prompts(1, base=60)[0]  # 60 tokens: 7 windows
+    config = EngineConfig(page_size=4, prefill_step_size=16, max_batch=4)
+    sizes = pool_pages(loaded.model, config, loaded.context_length)
+    hold = -(-(8 - 1 + DEFAULT_WINDOW_SLACK + 16) // 4) + 1  # window + slack + one prefill chunk
+    assert sizes[1] == 4 * hold + 1 < sizes[0]  # global pages get the bytes windows do not need
+    want = [t.token for t in alone(loaded, prompt, 40)]
+    with Engine(loaded, config) as engine:
+        assert [g.num_pages for g in engine.store.groups] == sizes
+        first = engine.generate([EngineRequest(prompt_ids=prompt, max_tokens=40)])[0]
+        # A second prompt sharing 44 tokens: the windowed pages at its end were indexed chunk
+        # by chunk before the window released them, so every group hits.
+        other = prompt[:44] + [9] * 10
+        second, third = engine.generate([EngineRequest(prompt_ids=other, max_tokens=8),
+                                         EngineRequest(prompt_ids=prompt, max_tokens=40)])
+        for g in engine.store.groups:
+            assert engine.store.pages.pool(g.index).num_used_pages() == 0
+        engine.store.pages.check()
+    assert first.token_ids == want and third.token_ids == want
+    assert first.cached_tokens == 0 and second.cached_tokens == 44 and third.cached_tokens == 56
+    assert second.token_ids == [t.token for t in alone(loaded, other, 8)]

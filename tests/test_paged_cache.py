@@ -99,13 +99,171 @@ def test_greedy_over_pages_equals_plain_kv(models, name):
     atol = 0 if name == "llama" else PLAIN_ATOL
     np.testing.assert_allclose(np.array(got_logits), np.array(want_logits), rtol=0, atol=atol)
     assert seq.length == len(PROMPT) + 64
-    if name == "mistral":  # every layer windowed: pages behind the window go back
-        assert store.release_window == 7
-        assert sum(p != 0 for p in seq.block_table) <= 3
-        assert store.pool.num_used_pages() <= 3
-    else:  # a global layer (or all) still reads every token
-        assert store.release_window is None
-        assert store.pool.num_used_pages() == -(-seq.length // 4)
+    windowed = [g for g in store.groups if g.window is not None]
+    bound = -(-(8 + store.pages.slack) // 4) + 1  # ceil((W + slack) / P) + 1
+    for g in windowed:  # pages behind the window (plus slack) went back to the group's pool
+        assert g.window == 8 and g.keep == 7 + store.pages.slack
+        assert store.pages.held_pages(seq.seq_id, g.index) <= bound
+        assert store.pages.pool(g.index).num_used_pages() <= bound
+    for g in store.groups:
+        if g.window is None:  # the global layers keep every page
+            assert store.pages.pool(g.index).num_used_pages() == -(-seq.length // 4)
+    assert [g.window for g in store.groups] == {"llama": [None], "gemma3": [None, 8], "mistral": [8]}[name]
+    store.pages.check()
+
+
+@pytest.mark.parametrize("slack", [0, 5])
+def test_mixed_model_windowed_pages_stay_bounded_past_many_windows(models, slack):
+    """Gemma 3 tiny (window 8 on 2 of 3 layers): 8 windows long, chunked prefill then decode."""
+    model = models("gemma3")
+    P, W, prompt = 4, 8, PROMPT * 2  # 42 prompt tokens
+    plain = model.make_cache()
+    store = store_for(model, window_slack=slack)
+    assert [(g.window, g.layers) for g in store.groups] == [(None, (2,)), (8, (0, 1))]
+    seq = store.add_sequence()
+    paged = store.make_cache(seq)
+    bound = -(-(W + slack) // P) + 1
+    win, glob = store.groups[1].index, store.groups[0].index
+    peak = 0
+    for start in range(0, len(prompt), 6):  # prefill chunks of 6 (< W): the bound holds after each
+        chunk = mx.array(prompt[start:start + 6])[None]
+        want = model(chunk, cache=plain)[:, -1]
+        got = model(chunk, cache=paged)[:, -1]
+        np.testing.assert_allclose(np.array(got), np.array(want), rtol=0, atol=PLAIN_ATOL)
+        peak = max(peak, store.pages.held_pages(seq.seq_id, win))
+    assert peak <= -(-(W + slack + 6) // P) + 1  # window + slack + one chunk
+    y = mx.argmax(want, axis=-1)
+    for step in range(24):  # 66 tokens in all: past the window 8 times
+        want = model(y[None], cache=plain)[:, -1]
+        got = model(y[None], cache=paged)[:, -1]
+        assert mx.argmax(got, axis=-1).item() == mx.argmax(want, axis=-1).item()
+        np.testing.assert_allclose(np.array(got), np.array(want), rtol=0, atol=PLAIN_ATOL)
+        y = mx.argmax(want, axis=-1)
+        held = store.pages.held_pages(seq.seq_id, win)
+        assert held <= bound, (step, held, bound)
+        assert store.pages.held_pages(seq.seq_id, glob) == -(-seq.length // P)  # grows with length
+        store.pages.check()
+    assert seq.length == 66
+    table = seq.block_tables[win]
+    assert table[:(66 - W - slack) // P - 1] == [0] * ((66 - W - slack) // P - 1)  # released
+    assert 0 not in seq.block_tables[glob]
+    # used pages: the windowed group's pool holds only the window's pages
+    assert store.pages.pool(win).num_used_pages() == store.pages.held_pages(seq.seq_id, win) <= bound
+
+
+def test_rollback_within_the_slack_and_refused_beyond(models):
+    model = models("gemma3")
+    store = store_for(model, window_slack=4)  # keeps W - 1 + 4 = 11 tokens
+    seq = store.add_sequence()
+    caches = store.make_cache(seq)
+    plain = model.make_cache()
+    model(mx.array(PROMPT * 2)[None], cache=plain)
+    model(mx.array(PROMPT * 2)[None], cache=caches)  # 42 tokens
+    for t in (3, 4, 5, 6):  # one token per step: the window releases as it goes
+        model(mx.array([[t]]), cache=caches)
+    assert seq.length == 46
+    before = (seq.block_tables, list(seq.offsets))
+    with pytest.raises(ValueError, match="slack"):
+        seq.truncate(9)  # the window at 37 would start at 30 < first held token
+    assert (seq.block_tables, list(seq.offsets)) == before  # refused: nothing changed
+    assert seq.truncate(4) == 4  # back to 42 tokens: within the slack
+    want = forced(model, plain, [9, 8, 7])
+    got = forced(model, caches, [9, 8, 7])
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=0, atol=PLAIN_ATOL)
+    store.pages.check()
+
+
+def test_prefix_reuse_with_mixed_groups_needs_every_group_to_hit(models):
+    model = models("gemma3")
+    P = 4
+    prompt = PROMPT * 2  # 42 tokens: 10 full pages reusable (one token left to compute)
+    store = store_for(model, window_slack=0)  # windowed group keeps 7 tokens: 2 pages before a hit
+    first = store.add_sequence(prompt)
+    caches = store.make_cache(first)
+    for start in range(0, 40, 8):  # prefill 40 tokens in chunks: the windowed group releases
+        model(mx.array(prompt[start:start + 8])[None], cache=caches)
+    assert first.register(prompt) > 0  # indexes what each group still holds
+    win = store.groups[1].index
+    assert first.block_tables[win][:6] == [0] * 6  # pages behind the window are gone
+    assert 0 not in first.block_tables[0]
+    second = store.add_sequence(prompt)
+    assert second.cached_tokens == 40  # the global group has all 10 pages, the windowed the last 2
+    assert second.block_tables[0] == first.block_tables[0]
+    assert second.block_tables[win] == [0] * 8 + first.block_tables[win][8:10]
+    got = model(mx.array(prompt[40:])[None], cache=store.make_cache(second))[:, -1]
+    plain = model.make_cache()
+    for start in range(0, 40, 8):
+        model(mx.array(prompt[start:start + 8])[None], cache=plain)
+    want = model(mx.array(prompt[40:])[None], cache=plain)[:, -1]
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=0, atol=PLAIN_ATOL)
+    # A prompt diverging at token 30: the global group would reuse 7 pages, but the windowed
+    # group released pages 0-5 before they were indexed, so a hit of 7 pages (which needs
+    # windowed pages 5 and 6) is impossible, and so is any shorter one.
+    third_prompt = prompt[:30] + [1] * 12
+    hits = [store.pages.pool(g.index).prefix_hits(third_prompt) for g in store.groups]
+    assert all(hits[0][:7]) and not hits[0][7]
+    assert not any(hits[1][:6]) and hits[1][6]
+    assert store.add_sequence(third_prompt).cached_tokens == 0
+    # Once the windowed group's cached pages are evicted, the full prompt misses too.
+    first.free()
+    second.free()
+    store.pages.pool(win).set_cache_cap(0)
+    assert store.pages.match_prefix(prompt) == 0
+    store.pages.pool(0).check()
+    assert store.add_sequence(prompt).cached_tokens == 0
+    store.pages.check()
+
+
+def test_fork_copy_on_write_with_mixed_groups(models):
+    model = models("gemma3")
+    store = store_for(model, window_slack=0)
+    parent = store.add_sequence()
+    pc = store.make_cache(parent)
+    prompt = PROMPT * 2
+    model(mx.array(prompt[:40])[None], cache=pc)
+    model(mx.array(prompt[40:])[None], cache=pc)  # 42 tokens, the windowed group released its head
+    reference = model.make_cache()
+    model(mx.array(prompt)[None], cache=reference)
+    child_plain = model.make_cache()
+    model(mx.array(prompt)[None], cache=child_plain)
+    child = parent.fork()
+    for g in store.groups:  # every group shares the held pages, the last (partial) one included
+        p = store.pages.pool(g.index)
+        assert child.block_tables[g.index] == parent.block_tables[g.index]
+        assert p.refcount(parent.block_tables[g.index][-1]) == 2
+    got_child = forced(model, store.make_cache(child), [40, 41, 42, 43, 44, 45, 46, 47, 48])
+    for g in store.groups:  # copy-on-write in each group
+        assert child.block_tables[g.index][10] != parent.block_tables[g.index][10]
+    got_parent = forced(model, pc, [11, 12, 13, 14, 15, 16])
+    np.testing.assert_allclose(np.array(got_parent), np.array(forced(model, reference, [11, 12, 13, 14, 15, 16])),
+                               rtol=0, atol=PLAIN_ATOL)
+    np.testing.assert_allclose(np.array(got_child),
+                               np.array(forced(model, child_plain, [40, 41, 42, 43, 44, 45, 46, 47, 48])),
+                               rtol=0, atol=PLAIN_ATOL)
+    store.pages.check()
+    child.free()
+    for g in store.groups:
+        assert all(store.pages.pool(g.index).refcount(p) == 1 for p in parent.block_tables[g.index] if p)
+    parent.free()
+    assert all(store.pages.pool(g.index).num_used_pages() == 0 for g in store.groups)
+    store.pages.check()
+
+
+def test_windowed_group_out_of_pages_is_a_return_value(models):
+    model = models("gemma3")
+    store = store_for(model, num_pages=[64, 4], window_slack=0)  # windowed group: 3 usable pages
+    seq = store.add_sequence()
+    caches = store.make_cache(seq)
+    model(mx.array(PROMPT[:8])[None], cache=caches)  # 2 windowed pages
+    assert not seq.reserve(8)  # 8 more: the windowed group needs 2 more pages, has 1
+    assert seq.length == 8 and store.pages.held_pages(seq.seq_id, 0) == 2
+    with pytest.raises(PagedKVExhausted, match="per layer group"):
+        model(mx.array(PROMPT[8:16])[None], cache=caches)
+    assert seq.length == 8 and seq.offsets == [8, 8, 8]
+    for t in PROMPT[8:]:  # one token at a time fits: the window releases as it grows
+        model(mx.array([[t]]), cache=caches)
+    assert seq.length == 21
+    store.pages.check()
 
 
 def test_generate_tokens_runs_over_paged_state(models):
@@ -371,7 +529,7 @@ def test_bad_input_is_a_clear_value_error(models):
     small = store_for(model, num_pages=3)  # 2 usable pages: 8 tokens
     s = small.add_sequence()
     assert not s.reserve(9) and s.length == 0
-    with pytest.raises(PagedKVExhausted, match="free pages, too few to append 9 tokens"):
+    with pytest.raises(PagedKVExhausted, match=r"free pages \(per layer group\), too few to append 9 tokens"):
         model(mx.array(PROMPT[:9])[None], cache=small.make_cache(s))
     assert isinstance(PagedKVExhausted("x"), ValueError)
 
@@ -398,3 +556,32 @@ def test_real_model_paged_equals_plain(real_model):
     store = PagedKVStore.for_model(model, num_pages=16, page_size=16)
     got, _ = greedy(model, store.make_cache(store.add_sequence()), prompt, 64)
     assert got == want
+
+
+@pytest.mark.slow
+def test_real_model_past_the_window_equals_plain(real_model):
+    """Gemma 3 270M (window 512 on 15 of 18 layers) over a 1,100-token prompt: two windows."""
+    model = real_model.model
+    ids = real_model.tokenizer.encode("The capital of France is Paris. " * 160)[:1100]
+    store = PagedKVStore.for_model(model, num_pages=128, page_size=16)
+    seq = store.add_sequence()
+    runs = []
+    for cache in (model.make_cache(), store.make_cache(seq)):
+        for start in range(0, len(ids), 256):  # the same prefill chunks on both
+            logits = model(mx.array(ids[start:start + 256])[None], cache=cache)[:, -1]
+        runs.append(greedy_from(model, cache, logits, 8))
+    assert runs[0] == runs[1]
+    win = store.groups[1]
+    assert (win.window, len(win.layers)) == (512, 15)
+    assert store.pages.held_pages(seq.seq_id, win.index) <= -(-(512 + store.pages.slack) // 16) + 1
+    assert store.pages.held_pages(seq.seq_id, 0) == -(-seq.length // 16)
+
+
+def greedy_from(model, cache, logits, steps):
+    """``steps`` greedy tokens continuing from ``logits`` (1, vocab)."""
+    tokens = []
+    for _ in range(steps):
+        y = mx.argmax(logits, axis=-1)
+        tokens.append(y.item())
+        logits = model(y[None], cache=cache)[:, -1]
+    return tokens

@@ -13,6 +13,7 @@ namespace nb = nanobind;
 using namespace nb::literals;
 namespace mx = mlx::core;
 using mlx_infer::AppendResult;
+using mlx_infer::PageGroups;
 using mlx_infer::PagePool;
 
 void bind_kv(nb::module_& m) {
@@ -117,6 +118,15 @@ under the sequence's namespace. Returns how many pages were newly indexed.)")
       .def("match_prefix", &PagePool::match_prefix, "token_ids"_a, nb::kw_only(),
            "namespace"_a = "",
            "Pages of the longest cached chain prefixing ``token_ids``; no side effects.")
+      .def("pages_needed", &PagePool::pages_needed, "seq_id"_a, "n_tokens"_a,
+           "Pages ``append(seq_id, n_tokens)`` would take now (copy-on-write included).")
+      .def("first_held_token", &PagePool::first_held_token, "seq_id"_a,
+           "First token whose page is still held (earlier ones were released by a window).")
+      .def("prefix_hits", &PagePool::prefix_hits, "token_ids"_a, nb::kw_only(),
+           "namespace"_a = "", "max_pages"_a = static_cast<size_t>(1) << 62,
+           R"(For each full page of ``token_ids``: the indexed page holding that
+page of the chain, or 0 where it is not indexed (does not stop at a miss).
+No side effects.)")
       .def("set_cache_cap", &PagePool::set_cache_cap, "pages"_a,
            "Keeps at most ``pages`` cached pages, evicting LRU pages over it now.")
       .def("check", &PagePool::check,
@@ -127,6 +137,86 @@ under the sequence's namespace. Returns how many pages were newly indexed.)")
                ", free=" + std::to_string(p.num_free_pages()) +
                ", cached=" + std::to_string(p.num_cached_pages()) +
                ", used=" + std::to_string(p.num_used_pages()) + ")";
+      });
+
+  nb::class_<PageGroups>(
+      m, "PageGroups",
+      R"(One ``PagePool`` per layer group (global, or one sliding window), each
+with its own block tables: a windowed group releases the pages behind its
+window while the global group keeps every page (vLLM's hybrid KV manager).
+
+A group of window ``w`` keeps the last ``w - 1 + slack`` tokens; ``slack``
+is how far a caller may roll back (``truncate``) beyond the last append.
+Every sequence lives in every group with the same length. ``append`` is all
+groups or none (``None`` when any group is out of pages); a prefix hit needs
+every group to hit: the global group all its pages, a windowed group only
+the pages of its window before the hit's end. Bad input raises
+``ValueError``. Not thread-safe.)")
+      .def(nb::init<const std::vector<int>&, int, const std::vector<int64_t>&, int64_t>(),
+           nb::kw_only(), "num_pages"_a, "page_size"_a, "windows"_a, "slack"_a,
+           R"(Args:
+    num_pages: pool size of each group, null page included (each >= 2).
+    page_size: tokens per page, a positive power of two.
+    windows: sliding window of each group in tokens, 0 for global.
+    slack: tokens a windowed group keeps beyond its window, for rollback.)")
+      .def_prop_ro("num_groups", &PageGroups::num_groups)
+      .def_prop_ro("page_size", &PageGroups::page_size, "Tokens per page.")
+      .def_prop_ro("slack", &PageGroups::slack, "Tokens kept beyond each window.")
+      .def_prop_ro("hits", &PageGroups::hits,
+                   "Pages reused by add_sequence_with_prefix (all groups hit).")
+      .def_prop_ro("misses", &PageGroups::misses,
+                   "Full prompt pages add_sequence_with_prefix could not reuse.")
+      .def("pool", nb::overload_cast<int>(&PageGroups::pool), "group"_a,
+           nb::rv_policy::reference_internal,
+           "The group's ``PagePool`` (inspect it; mutate sequences through PageGroups).")
+      .def("window", &PageGroups::window, "group"_a, "The group's window (0 = global).")
+      .def("keep", &PageGroups::keep, "group"_a,
+           "Tokens behind the end the group keeps (0 = all).")
+      .def("add_sequence", &PageGroups::add_sequence, "seq_id"_a, nb::kw_only(),
+           "namespace"_a = "", "Adds an empty sequence to every group.")
+      .def("add_sequence_with_prefix", &PageGroups::add_sequence_with_prefix,
+           "seq_id"_a, "token_ids"_a, nb::kw_only(), "namespace"_a = "",
+           R"(Adds a sequence starting with the longest cached prefix of
+``token_ids`` that every group can serve (whole pages, at least one token
+left to compute). Returns the number of cached tokens.)")
+      .def("match_prefix", &PageGroups::match_prefix, "token_ids"_a, nb::kw_only(),
+           "namespace"_a = "",
+           "Tokens ``add_sequence_with_prefix`` would reuse now; no side effects.")
+      .def("append", &PageGroups::append, "seq_id"_a, "n_tokens"_a,
+           R"(Releases each windowed group's pages behind its window, then
+reserves ``n_tokens`` in every group.
+
+Returns:
+    One ``AppendResult`` per group, or ``None`` when some group has too few
+    pages (nothing is appended).)")
+      .def("fork", &PageGroups::fork, "src"_a, "dst"_a,
+           "Creates ``dst`` sharing all of ``src``'s held pages, in every group.")
+      .def("free", &PageGroups::free, "seq_id"_a, "Releases the sequence in every group.")
+      .def("truncate", &PageGroups::truncate, "seq_id"_a, "n_tokens"_a,
+           R"(Drops the last ``n_tokens`` tokens in every group. Raises
+ValueError (changing nothing) when a windowed group would then read a token
+it already released: roll back at most ``slack`` tokens past the last append.)")
+      .def("register_full_pages", &PageGroups::register_full_pages, "seq_id"_a,
+           "token_ids"_a,
+           "Indexes the held full pages in every group; returns pages newly indexed (sum).")
+      .def("has_sequence", &PageGroups::has_sequence, "seq_id"_a)
+      .def("sequences", &PageGroups::sequences, "Live sequence ids, sorted.")
+      .def("length", &PageGroups::length, "seq_id"_a, "Tokens in the sequence.")
+      .def("block_table", &PageGroups::block_table, "seq_id"_a, "group"_a,
+           "The sequence's block table in ``group`` (0 = released by the window).")
+      .def("held_pages", &PageGroups::held_pages, "seq_id"_a, "group"_a,
+           "Pages of ``group`` the sequence holds (non-null entries).")
+      .def("check", &PageGroups::check,
+           "Verifies every pool and the groups' agreement; raises RuntimeError.")
+      .def("__repr__", [](const PageGroups& g) {
+        std::string out = "PageGroups(";
+        for (int i = 0; i < g.num_groups(); ++i) {
+          const PagePool& p = g.pool(i);
+          out += (i ? ", " : "") + std::string("window ") + std::to_string(g.window(i)) +
+                 ": used " + std::to_string(p.num_used_pages()) + "/" +
+                 std::to_string(p.num_pages() - 1);
+        }
+        return out + ")";
       });
 
   m.def(

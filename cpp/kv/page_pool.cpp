@@ -165,7 +165,7 @@ std::optional<AppendResult> PagePool::append(int64_t seq_id, int64_t n_tokens) {
   const bool partial = len % page_size_ != 0;
   const int last = partial ? q.pages.back() : 0;
   const bool cow = partial && refcount_[last] > 1;
-  if (new_pages + (cow ? 1 : 0) > num_free_pages()) {
+  if (pages_needed(seq_id, n_tokens) > num_free_pages()) {
     return std::nullopt;
   }
 
@@ -279,6 +279,31 @@ int PagePool::release_outside_window(int64_t seq_id, int64_t window) {
   }
   q.released_upto = std::max(q.released_upto, upto);
   return released;
+}
+
+int PagePool::pages_needed(int64_t seq_id, int64_t n_tokens) const {
+  const Sequence& q = seq(seq_id, "pages_needed");
+  if (n_tokens < 0) {
+    throw std::invalid_argument(
+        "[PagePool.pages_needed] n_tokens must be >= 0, got " +
+        std::to_string(n_tokens) + ".");
+  }
+  if (n_tokens == 0) {
+    return 0;
+  }
+  // The same arithmetic as append, which must agree with it exactly.
+  if (n_tokens > static_cast<int64_t>(num_pages()) * page_size_) {
+    return std::numeric_limits<int>::max();
+  }
+  const int64_t new_pages = pages_for(q.length + n_tokens, page_size_) -
+      static_cast<int64_t>(q.pages.size());
+  const bool partial = q.length % page_size_ != 0;
+  const bool cow = partial && refcount_[q.pages.back()] > 1;
+  return static_cast<int>(new_pages + (cow ? 1 : 0));
+}
+
+int64_t PagePool::first_held_token(int64_t seq_id) const {
+  return seq(seq_id, "first_held_token").released_upto * page_size_;
 }
 
 bool PagePool::has_sequence(int64_t seq_id) const {

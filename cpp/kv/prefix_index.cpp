@@ -129,6 +129,78 @@ int64_t PagePool::add_sequence_with_prefix(
   return cached;
 }
 
+std::vector<int32_t> PagePool::prefix_hits(
+    const std::vector<int32_t>& token_ids, const std::string& ns,
+    size_t max_pages) const {
+  const size_t n = std::min(max_pages, token_ids.size() / page_size_);
+  std::vector<int32_t> pages(n, 0);
+  auto id = find_ns(ns);
+  if (!id) {
+    return pages;  // nothing was ever cached under this namespace
+  }
+  uint64_t parent = root_hash(*id);
+  for (size_t i = 0; i < n; ++i) {
+    const int32_t* tokens = token_ids.data() + i * page_size_;
+    // The chain hash comes from the tokens alone, so a page can be looked up
+    // even when the pages before it were released or evicted.
+    const uint64_t h = chain_hash(parent, tokens, *id);
+    auto it = index_.find(h);
+    if (it != index_.end()) {
+      const PageKey& key = *keys_[it->second];
+      if (key.parent == parent && key.ns == *id &&
+          std::equal(key.tokens.begin(), key.tokens.end(), tokens)) {
+        pages[i] = it->second;  // else a hash collision: a miss
+      }
+    }
+    parent = h;
+  }
+  return pages;
+}
+
+void PagePool::add_sequence_with_pages(
+    int64_t seq_id, const std::vector<int32_t>& token_ids, const std::string& ns,
+    int64_t n_pages, int64_t first, int64_t max_pages) {
+  const char* fn = "[PagePool.add_sequence_with_pages] ";
+  if (seqs_.count(seq_id)) {
+    throw std::invalid_argument(
+        std::string(fn) + "sequence id " + std::to_string(seq_id) +
+        " already exists; free it first or pick another id.");
+  }
+  if (first < 0 || first > n_pages || n_pages > max_pages ||
+      n_pages * page_size_ > static_cast<int64_t>(token_ids.size())) {
+    throw std::invalid_argument(
+        std::string(fn) + "need 0 <= first (" + std::to_string(first) +
+        ") <= n_pages (" + std::to_string(n_pages) + ") <= max_pages (" +
+        std::to_string(max_pages) + ") and n_pages full pages in token_ids (" +
+        std::to_string(token_ids.size()) + " tokens).");
+  }
+  std::vector<int32_t> hits = prefix_hits(token_ids, ns, n_pages);
+  for (int64_t i = first; i < n_pages; ++i) {
+    if (hits[i] == 0) {
+      throw std::invalid_argument(
+          std::string(fn) + "logical page " + std::to_string(i) +
+          " of token_ids is not in the prefix index; take n_pages and first "
+          "from prefix_hits.");
+    }
+  }
+  Sequence q;
+  q.ns = intern(ns);
+  uint64_t parent = root_hash(q.ns);
+  for (int64_t i = 0; i < n_pages; ++i) {
+    parent = chain_hash(parent, token_ids.data() + i * page_size_, q.ns);
+    q.hashes.push_back(parent);
+    q.pages.push_back(i < first ? 0 : hits[i]);
+  }
+  for (int64_t i = first; i < n_pages; ++i) {
+    take_ref(q.pages[i]);
+  }
+  hits_ += n_pages - first;
+  misses_ += max_pages - n_pages;
+  q.length = n_pages * page_size_;
+  q.released_upto = first;
+  seqs_.emplace(seq_id, std::move(q));
+}
+
 int PagePool::register_full_pages(
     int64_t seq_id, const std::vector<int32_t>& token_ids) {
   Sequence& q = seq(seq_id, "register_full_pages");

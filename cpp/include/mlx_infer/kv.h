@@ -145,6 +145,13 @@ class PagePool {
   /// entries become the null page. Returns how many pages were released.
   int release_outside_window(int64_t seq_id, int64_t window);
 
+  /// Pages `append(seq_id, n_tokens)` would take now: new pages plus one
+  /// copy-on-write copy of a shared last page. INT_MAX when it can never fit.
+  int pages_needed(int64_t seq_id, int64_t n_tokens) const;
+  /// First token whose page is still held: tokens before it were released
+  /// by `release_outside_window` (their entries are the null page).
+  int64_t first_held_token(int64_t seq_id) const;
+
   bool has_sequence(int64_t seq_id) const;
   std::vector<int64_t> sequences() const;
   std::vector<int32_t> block_table(int64_t seq_id) const;
@@ -169,6 +176,20 @@ class PagePool {
   /// counters, no refcounts, no LRU change.
   std::vector<int32_t> match_prefix(
       const std::vector<int32_t>& token_ids, const std::string& ns = "") const;
+  /// For each of the first `max_pages` full pages of `token_ids`: the indexed
+  /// page holding that page of the chain, or 0 where it is not indexed. Unlike
+  /// `match_prefix` it does not stop at the first miss: a sliding-window
+  /// group only needs the pages of its window. Pure.
+  std::vector<int32_t> prefix_hits(
+      const std::vector<int32_t>& token_ids, const std::string& ns,
+      size_t max_pages) const;
+  /// Adds a sequence of `n_pages` full pages of `token_ids` taken from the
+  /// index: pages [first, n_pages) must all be indexed (see `prefix_hits`),
+  /// pages [0, first) start released (null), as after a window release.
+  /// Counts n_pages - first hits and max_pages - n_pages misses.
+  void add_sequence_with_pages(
+      int64_t seq_id, const std::vector<int32_t>& token_ids,
+      const std::string& ns, int64_t n_pages, int64_t first, int64_t max_pages);
   /// Caps cached (refcount 0, hashed) pages; evicts LRU pages over the cap now.
   void set_cache_cap(int pages);
   int cache_cap() const { return cache_cap_; }
@@ -229,6 +250,100 @@ class PagePool {
   std::vector<uint64_t> ns_hash_;
   int cache_cap_;
   int64_t hits_ = 0, misses_ = 0, evictions_ = 0;
+};
+
+/// The pools of a model whose layers differ in attention span (vLLM's hybrid
+/// KV manager): one PagePool per *group* of layers sharing a sliding window
+/// (or global), each with its own block tables, so a windowed group releases
+/// the pages behind its window while the global group keeps every page.
+///
+///   Gemma 3: 5 windowed layers (window 512) per global layer, page_size 16,
+///   slack 16, length 2000:
+///
+///     group 0 (global)       [ 3][ 8][ 1] ... [77][78]  125 pages, all held
+///     group 1 (window 512)   [ 0][ 0][ 0] ... [ 5][ 9]   34 pages held, the
+///                                                        rest back in the pool
+///
+/// A group with window w keeps the last `keep = w - 1 + slack` tokens (at
+/// least 1): w - 1 is what the next query reads, and the slack lets a caller
+/// roll back (truncate) up to `slack` tokens past the last append. Each
+/// sequence exists in every group with the same length.
+///
+///   append   release each windowed group's pages behind `keep`, then all
+///            groups or none: nullopt (nothing appended) when any group has
+///            too few free pages
+///   prefix   a hit of k pages needs every group to hit: the global group
+///            pages [0, k), a windowed group only the ceil(keep / page_size)
+///            pages before k (earlier ones start released); the longest k
+///            every group allows wins
+///   truncate refuses (std::invalid_argument, nothing changed) to end a
+///            sequence where a windowed group's next query would read a
+///            released token
+///
+/// Bad input throws std::invalid_argument; not thread-safe.
+class PageGroups {
+ public:
+  /// `windows[g]`: the group's sliding window in tokens, 0 for global;
+  /// `num_pages[g]`: its pool size (null page included).
+  PageGroups(const std::vector<int>& num_pages, int page_size,
+             const std::vector<int64_t>& windows, int64_t slack);
+
+  int num_groups() const { return static_cast<int>(pools_.size()); }
+  int page_size() const { return page_size_; }
+  int64_t slack() const { return slack_; }
+  PagePool& pool(int group);
+  const PagePool& pool(int group) const;
+  int64_t window(int group) const;
+  /// Tokens behind the end a group keeps (0 = all, a global group).
+  int64_t keep(int group) const;
+
+  void add_sequence(int64_t seq_id, const std::string& ns = "");
+  /// As PagePool::add_sequence_with_prefix, over every group (see above);
+  /// returns the number of cached tokens.
+  int64_t add_sequence_with_prefix(
+      int64_t seq_id, const std::vector<int32_t>& token_ids,
+      const std::string& ns = "");
+  /// Tokens `add_sequence_with_prefix` would reuse now. Pure.
+  int64_t match_prefix(
+      const std::vector<int32_t>& token_ids, const std::string& ns = "") const;
+  /// One AppendResult per group, or nullopt when some group is out of pages
+  /// (nothing appended; window releases may have happened).
+  std::optional<std::vector<AppendResult>> append(int64_t seq_id, int64_t n_tokens);
+  void fork(int64_t src, int64_t dst);
+  void free(int64_t seq_id);
+  void truncate(int64_t seq_id, int64_t n_tokens);
+  /// Indexes the sequence's held full pages in every group; returns the
+  /// number of pages newly indexed, summed over groups.
+  int register_full_pages(int64_t seq_id, const std::vector<int32_t>& token_ids);
+
+  bool has_sequence(int64_t seq_id) const;
+  std::vector<int64_t> sequences() const;
+  int64_t length(int64_t seq_id) const;
+  std::vector<int32_t> block_table(int64_t seq_id, int group) const;
+  /// Pages of `group` the sequence holds (non-null block-table entries).
+  int held_pages(int64_t seq_id, int group) const;
+
+  int64_t hits() const { return hits_; }
+  int64_t misses() const { return misses_; }
+
+  /// Debug check of every pool and of the groups agreeing on sequences and
+  /// lengths; throws std::logic_error.
+  void check() const;
+
+ private:
+  void check_group(int group, const char* fn) const;
+  const PagePool& first(int64_t seq_id, const char* fn) const;
+  // Largest k <= max_pages (pages) every group can start a sequence at.
+  int64_t best_prefix(const std::vector<int32_t>& token_ids, const std::string& ns,
+                      int64_t max_pages) const;
+  int64_t first_page(int group, int64_t n_pages) const;
+
+  int page_size_;
+  int64_t slack_;
+  std::vector<PagePool> pools_;
+  std::vector<int64_t> windows_;
+  std::vector<int64_t> keep_;
+  int64_t hits_ = 0, misses_ = 0;
 };
 
 }  // namespace mlx_infer

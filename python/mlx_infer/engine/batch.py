@@ -6,12 +6,12 @@ appends exactly one token to every row, so everything but the K/V values is
 known before the forward and is computed once per step, in numpy, for all
 rows and layers together::
 
-    reserve()   pool.append(seq, 1) per row (C++)      -> copies, one slot per row
-                block tables, refreshed only when a row crosses a page
+    reserve()   pages.append(seq, 1) per row (C++)     -> per layer group: copies, one slot per row
+                block tables per group, refreshed only when a row crosses a page
                 positions (B,)            RoPE offset of each row
                 slots (B,)                where each row's new K/V goes
                 per window kind: (pages, offsets) (B, S) and mask (B, 1, 1, S)
-    forward     every layer: copy pages (rare), write the B slots, gather (B, S)
+    forward     every layer: its group's copies (rare), write its group's B slots, gather (B, S)
     commit()    every layer's offset of every row moves to the new length
 
 Rows are right-padded to the longest; padding reads slot 0 of the null page
@@ -40,46 +40,53 @@ class DecodeBatch:
         self.seqs = list(seqs)
         self.ids = [s.seq_id for s in self.seqs]
         self.caches = [_DecodeLayerCache(self, i) for i in range(store.num_layers)]
-        self._tables: list[list[int]] = [store.pool.block_table(i) for i in self.ids]
+        G = len(store.groups)
+        self._tables: list[list[list[int]]] = [  # [group][row] block table
+            [store.pages.block_table(i, g) for i in self.ids] for g in range(G)]
         self.offset: mx.array | None = None  # (B,) int32 positions of the new tokens
-        self.slots: mx.array | None = None  # (B,) int32
-        self.copies: tuple[mx.array, mx.array] | None = None
+        self.slots: list[mx.array] = []  # per group, (B,) int32
+        self.copies: list[tuple[mx.array, mx.array] | None] = [None] * G
         self._gather: dict[int | None, tuple[mx.array, mx.array]] = {}
         self._masks: dict[int | None, mx.array | None] = {}
         self._windows = sorted(set(store.layer_windows), key=lambda w: -1 if w is None else w)
+        self._group_of = {w: store.group_of_window(w) for w in self._windows}
 
     def reserve(self) -> bool:
         """Reserve one token on every row; all or nothing (``False``: out of pages)."""
-        pool, P = self.store.pool, self.store.page_size
-        window = self.store.release_window
+        pages, P = self.store.pages, self.store.page_size
+        G = len(self.store.groups)
         done: list[int] = []
-        slots: list[int] = []
-        copies: list[tuple[int, int]] = []
+        slots: list[list[int]] = [[] for _ in range(G)]
+        copies: list[list[tuple[int, int]]] = [[] for _ in range(G)]
         for b, sid in enumerate(self.ids):
-            released = window is not None and pool.release_outside_window(sid, window) > 0
-            r = pool.append(sid, 1)
-            if r is None:
+            rs = pages.append(sid, 1)  # windowed groups release the pages behind their window first
+            if rs is None:
                 for d in done:
-                    pool.truncate(d, 1)
+                    pages.truncate(d, 1)
                 return False
             done.append(sid)
-            slots.append(r.slots[0])
-            if r.copies or released or r.slots[0] % P == 0:  # a new or copied page: re-read the table
-                copies += r.copies
-                self._tables[b] = pool.block_table(sid)
+            for g, r in enumerate(rs):
+                slots[g].append(r.slots[0])
+                # A new or copied page: re-read the table. Entries a window released stay stale
+                # here, which is harmless: they lie before the window and are never gathered.
+                if r.copies or r.slots[0] % P == 0:
+                    copies[g] += r.copies
+                    self._tables[g][b] = pages.block_table(sid, g)
         starts = np.array([s.offsets[0] for s in self.seqs])  # (B,) tokens before this step
         self.offset = mx.array(starts, mx.int32)
-        self.slots = mx.array(slots, mx.int32)
-        self.copies = None
-        if copies:
-            self.copies = (mx.array([c[0] for c in copies], mx.int32), mx.array([c[1] for c in copies], mx.int32))
+        self.slots = [mx.array(sl, mx.int32) for sl in slots]
+        self.copies = [None if not c else (mx.array([x[0] for x in c], mx.int32), mx.array([x[1] for x in c], mx.int32))
+                       for c in copies]
         self._gather = {}
         self._rows = {}
-        self._slots_np = np.array(slots, np.int64)
-        tab = np.zeros((len(self.ids), max(map(len, self._tables))), np.int64)  # (B, max_pages)
-        for b, t in enumerate(self._tables):
-            tab[b, :len(t)] = t
-        self._gather_np = {w: _index_np(starts, w, tab, P) for w in self._windows}
+        self._slots_np = [np.array(sl, np.int64) for sl in slots]
+        tabs = []
+        for g in range(G):
+            tab = np.zeros((len(self.ids), max(map(len, self._tables[g]))), np.int64)  # (B, max_pages)
+            for b, t in enumerate(self._tables[g]):
+                tab[b, :len(t)] = t
+            tabs.append(tab)
+        self._gather_np = {w: _index_np(starts, w, tabs[self._group_of[w]], P) for w in self._windows}
         self._masks = {}
         for w, (_, _, valid) in self._gather_np.items():
             # No padding anywhere (one row, or rows of one length): no mask, the fast attention path.
@@ -90,7 +97,8 @@ class DecodeBatch:
         return self._masks[window]
 
     def slot_index(self, window: int | None) -> tuple[mx.array, mx.array]:
-        """``(pages, offsets)`` ``(B, S)`` as arrays (the quantized path reads through these)."""
+        """``(pages, offsets)`` ``(B, S)`` as arrays, into the window's group's storage
+        (the quantized path reads through these)."""
         if window not in self._gather:
             pages, offs, _ = self._gather_np[window]
             self._gather[window] = (mx.array(pages, mx.int32), mx.array(offs, mx.int32))
@@ -103,7 +111,7 @@ class DecodeBatch:
         if key not in self._rows:
             P = self.store.page_size
             h = np.arange(heads)
-            s = self._slots_np
+            s = self._slots_np[self._group_of[window]]
             write = ((s // P)[:, None] * heads + h[None]) * P + (s % P)[:, None]  # (B, H)
             pages, offs, _ = self._gather_np[window]
             read = (pages[:, None, :] * heads + h[None, :, None]) * P + offs[:, None, :]  # (B, H, S)
@@ -148,6 +156,7 @@ class _DecodeLayerCache:
         self.batch = batch
         self.layer = layer
         self.window: int | None = batch.store.layer_windows[layer]
+        self.group: int = batch.store.layer_group[layer]
 
     @property
     def offset(self) -> mx.array:
@@ -161,10 +170,10 @@ class _DecodeLayerCache:
         """Write ``(B, KVH, 1, D)`` keys/values; return ``(B, KVH, S, D)`` padded rows."""
         b = self.batch
         storage = b.store._storage(self.layer, keys, values)
-        if b.copies is not None:
-            storage.copy_pages(*b.copies)
+        if b.copies[self.group] is not None:
+            storage.copy_pages(*b.copies[self.group])
         if storage.scheme.quantized:
-            storage.write(b.slots, keys[:, :, 0].transpose(1, 0, 2), values[:, :, 0].transpose(1, 0, 2))
+            storage.write(b.slots[self.group], keys[:, :, 0].transpose(1, 0, 2), values[:, :, 0].transpose(1, 0, 2))
             k, v = storage.read_slots(*b.slot_index(self.window))  # (B, KVH, S, w)
             return storage.unwrap(k), storage.unwrap(v)
         # Plain parts as (pages * KVH * P, D) row views: one scatter and one gather per part.

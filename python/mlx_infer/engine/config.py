@@ -10,7 +10,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from ..errors import MlxInferError
-from ..state.paged import model_geometry
+from ..state.paged import DEFAULT_WINDOW_SLACK, model_geometry
 
 DEFAULT_MAX_BATCH = 32
 DEFAULT_PAGE_SIZE = 16
@@ -93,21 +93,37 @@ def kv_page_bytes(model: Any, page_size: int, dtype: mx.Dtype | None = None) -> 
     return len(windows) * 2 * kv_heads * page_size * head_dim * itemsize
 
 
-def pool_pages(model: Any, config: EngineConfig, context_length: int | None) -> int:
-    """Pages for the pool: the explicit count, else the KV share of the budget.
+def pool_pages(model: Any, config: EngineConfig, context_length: int | None) -> list[int]:
+    """Pages of each layer group's pool (the store's group order: global, then windows ascending).
 
-    Never more than ``max_batch`` full contexts twice over (the second half
-    keeps finished prefixes cached) plus the null page.
+    An explicit ``num_pages`` sizes every group. Otherwise every group starts
+    from the pages the KV share of the budget holds over all layers; a
+    sliding-window group keeps no more than ``max_batch`` sequences hold at
+    most (window + slack + one prefill chunk each), and the global group
+    takes the bytes that frees, never more than ``max_batch`` full contexts
+    twice over (the second half keeps finished prefixes cached). Each count
+    includes the null page.
     """
+    windows, kv_heads, head_dim = model_geometry(model)
+    keys = sorted(set(windows), key=lambda w: -1 if w is None else w)
     if config.num_pages is not None:
-        return config.num_pages
-    per_page = kv_page_bytes(model, config.page_size, config.kv_dtype)
-    pages = int(config.memory_budget_bytes * KV_FRACTION) // per_page
-    context = context_length or _FALLBACK_CONTEXT
-    cap = 2 * config.max_batch * math.ceil(context / config.page_size) + 1
-    pages = min(pages, cap)
-    if pages < 2:
+        return [config.num_pages] * len(keys)
+    P = config.page_size
+    per_page = kv_page_bytes(model, P, config.kv_dtype)
+    layer_page = per_page // len(windows)  # one page of one layer, K and V
+    budget = int(config.memory_budget_bytes * KV_FRACTION)
+    even = budget // per_page
+    if even < 2:
         raise MlxInferError(
             f"A memory budget of {config.memory_budget_gb} GB holds no KV page of "
             f"{per_page} bytes for this model; raise --memory-budget.")
-    return pages
+    full = math.ceil((context_length or _FALLBACK_CONTEXT) / P)
+    sizes: dict[int | None, int] = {}
+    for w in keys:
+        if w is not None:
+            hold = min(full, math.ceil((w - 1 + DEFAULT_WINDOW_SLACK + config.prefill_step_size) / P) + 1)
+            sizes[w] = min(even, config.max_batch * hold + 1)
+            budget -= sizes[w] * windows.count(w) * layer_page
+    if None in keys:
+        sizes[None] = min(budget // (windows.count(None) * layer_page), 2 * config.max_batch * full + 1)
+    return [sizes[w] for w in keys]

@@ -104,10 +104,11 @@ class Engine:
         self.metrics = EngineMetrics()
         self.scheduler = Scheduler(
             self.store, max_batch=config.max_batch,
-            # Released window pages cannot be shared: prefix reuse needs every page kept.
-            prefix_cache=config.prefix_cache and self.store.release_window is None,
+            # A prefix hit needs every layer group to hit (a windowed group: the pages of its window).
+            prefix_cache=config.prefix_cache,
             memory_limit=None if config.memory_limit_gb is None else int(config.memory_limit_gb * 2**30),
-            on_admit=lambda r: self.metrics.admitted(r.prompt_len, r.cached_tokens or 0))
+            on_admit=lambda r: self.metrics.admitted(r.prompt_len, r.cached_tokens or 0),
+            prefill_step=config.prefill_step_size)
         self._lock = threading.Lock()
         self._inbox: deque[LiveRequest] = deque()
         self._cancels: set[str] = set()
@@ -171,7 +172,7 @@ class Engine:
                 f"tokens, which must also hold at least one generated token; shorten the prompt by "
                 f"at least {n - self.context_length + 1} tokens.")
         need = self.scheduler.pages_for(n + 1)
-        if need > self.scheduler.capacity_pages:
+        if not self.scheduler.fits(n + 1):
             raise RequestTooLargeError(
                 f"The prompt has {n} tokens and needs {need} KV pages of {self.store.page_size} tokens; "
                 f"the server's pool holds {self.scheduler.capacity_pages}. Shorten the prompt or start "
@@ -236,12 +237,14 @@ class Engine:
         return prometheus_text({k: s[k] for k in order})
 
     def _update_gauges(self) -> None:
-        pool = self.store.pool
-        total = pool.num_pages - 1
-        used = pool.num_used_pages()
+        pools = [self.store.pages.pool(g.index) for g in self.store.groups]  # summed over layer groups
+        total = sum(p.num_pages - 1 for p in pools)
+        used = sum(p.num_used_pages() for p in pools)
         g = {"queue_depth": len(self.scheduler.waiting), "running": len(self.scheduler.running),
-             "kv_pages_total": total, "kv_pages_used": used, "kv_pages_free": pool.num_free_pages(),
-             "kv_pages_cached": pool.num_cached_pages(), "kv_page_usage": used / total if total else 0.0}
+             "kv_pages_total": total, "kv_pages_used": used,
+             "kv_pages_free": sum(p.num_free_pages() for p in pools),
+             "kv_pages_cached": sum(p.num_cached_pages() for p in pools),
+             "kv_page_usage": used / total if total else 0.0}
         with self._lock:
             self._gauges = g
 
@@ -351,11 +354,15 @@ class Engine:
             budget -= n * len(rows)
             did = True
             self.metrics.prefilled(n * len(rows))
+            windowed = any(g.window is not None for g in self.store.groups)
             for r in rows:
                 r.prefilled += n
                 target = len(r.all_ids) - 1
+                if r.prefilled == target or windowed:
+                    # Windowed layer groups release pages as the prompt grows: index them
+                    # chunk by chunk, so released ones stay cached for a shorter shared prefix.
+                    self.scheduler.register_prompt(r, r.prefilled)
                 if r.prefilled == target:
-                    self.scheduler.register_prompt(r, target)
                     r.state = DECODE
                     r.next_input = r.all_ids[-1]
         return did

@@ -8,8 +8,10 @@ decides who may hold pages at all::
                   <-preempt--  youngest first (r6, then r5 ...)
 
     admit head while: running < max_batch
+                      in every layer group (global; each sliding window):
                       free pages - pages promised to prefilling requests
-                          >= pages(prompt + 1) + one page per running request
+                          >= pages it holds for prompt + 1 + one per running request
+                      (a windowed group holds only its window plus a prefill chunk)
                       (optionally) MLX active memory <= a limit
     preempt (recompute): register the victim's full pages in the prefix
                       index, free its sequence, put it back at the head of
@@ -23,7 +25,6 @@ never starved by a stream of short ones.
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from typing import Any, Callable
 
@@ -92,11 +93,15 @@ class Scheduler:
             (bytes; ``None``, the default, disables the check: the pool's size
             already bounds the KV).
         on_admit: called with each admitted request (metrics).
+        prefill_step: prompt tokens per prefill chunk (bounds what a windowed
+            group holds while prefilling); ``None``: the whole prompt at once.
     """
 
     def __init__(self, store: PagedKVStore, *, max_batch: int, prefix_cache: bool = True,
-                 memory_limit: int | None = None, on_admit: Callable[[LiveRequest], None] | None = None):
+                 memory_limit: int | None = None, on_admit: Callable[[LiveRequest], None] | None = None,
+                 prefill_step: int | None = None):
         self.store = store
+        self.prefill_step = prefill_step
         self.max_batch = max_batch
         self.prefix_cache = prefix_cache
         self.memory_limit = memory_limit
@@ -107,11 +112,20 @@ class Scheduler:
 
     @property
     def capacity_pages(self) -> int:
-        """Pages a sequence can ever hold (the null page excluded)."""
-        return self.store.pool.num_pages - 1
+        """Pages a sequence can ever hold in group 0 (the global layers'; null page excluded)."""
+        return self.store.groups[0].num_pages - 1
 
     def pages_for(self, tokens: int) -> int:
-        return math.ceil(tokens / self.store.page_size)
+        """Pages of group 0 (every page, when it is the global group) for ``tokens`` tokens."""
+        return self.group_pages(tokens)[0]
+
+    def group_pages(self, tokens: int) -> list[int]:
+        """Pages each layer group holds at most for a sequence of ``tokens`` tokens."""
+        return self.store.pages_to_hold(tokens, self.prefill_step)
+
+    def fits(self, tokens: int) -> bool:
+        """Whether a sequence of ``tokens`` tokens fits every group's pool alone."""
+        return all(need <= g.num_pages - 1 for need, g in zip(self.group_pages(tokens), self.store.groups))
 
     def enqueue(self, live: LiveRequest) -> None:
         self.waiting.append(live)
@@ -126,14 +140,14 @@ class Scheduler:
         """
         admitted: list[LiveRequest] = []
         unfit: list[LiveRequest] = []
-        pool = self.store.pool
         while self.waiting and len(self.running) < self.max_batch:
             live = self.waiting[0]
-            need = self.pages_for(len(live.all_ids) + 1)
-            if need > self.capacity_pages:
+            need = self.group_pages(len(live.all_ids) + 1)
+            if not self.fits(len(live.all_ids) + 1):
                 unfit.append(self.waiting.popleft())
                 continue
-            if pool.num_free_pages() - self._promised() < need + len(self.running):
+            free, promised = self.store.free_pages(), self._promised()
+            if any(f - p < n + len(self.running) for f, p, n in zip(free, promised, need)):
                 break
             if (self.memory_limit is not None and self.running
                     and mx.get_active_memory() > self.memory_limit):
@@ -143,10 +157,15 @@ class Scheduler:
             admitted.append(live)
         return admitted, unfit
 
-    def _promised(self) -> int:
-        """Pages admitted requests still need to finish their prefill (not allocated yet)."""
-        return sum(max(0, self.pages_for(len(r.all_ids) + 1) - self.pages_for(r.seq.length))
-                   for r in self.running if r.state == PREFILL and r.seq is not None)
+    def _promised(self) -> list[int]:
+        """Pages of each group admitted requests still need to finish their prefill (not allocated yet)."""
+        out = [0] * len(self.store.groups)
+        pages = self.store.pages
+        for r in self.running:
+            if r.state == PREFILL and r.seq is not None:
+                for g, need in enumerate(self.group_pages(len(r.all_ids) + 1)):
+                    out[g] += max(0, need - pages.held_pages(r.seq.seq_id, g))
+        return out
 
     def _start(self, live: LiveRequest) -> None:
         ids = live.all_ids

@@ -1,6 +1,7 @@
 """Paged KV state over :mod:`mlx_infer._fast`: the cache protocol on pages.
 
-Layout (page_size 4, one layer shown; every layer has the same block tables)::
+Layout (page_size 4, one layer shown; every layer of one layer group has the
+same block tables)::
 
     PagePool (C++)                              storage per layer (MLX arrays)
     ---------------------------------           ------------------------------------
@@ -12,8 +13,13 @@ Layout (page_size 4, one layer shown; every layer has the same block tables)::
       slot = table[t // 4] * 4 + t % 4            page 4 B      [t8 u9 .  . ]  B's write of u9
                                                                                copied page 3 first
     one step (N new tokens):
-      pool.append(seq, N) -> copies, slots       once per step, shared by all layers
-      per layer: copy pages, scatter K/V at slots, gather the sequence -> attention
+      pages.append(seq, N) -> per group: copies, slots    once per step
+      per layer: its group's copies and slots, scatter K/V, gather -> attention
+
+Layer groups: the global layers share one pool, the layers of each sliding
+window another (``PageGroups`` in C++), so a windowed group releases the pages
+behind its window (keeping ``window_slack`` more tokens for rollback) while
+the global group keeps them all.
 
 Public API: :class:`PagedKVStore` (``add_sequence``, ``make_cache``, ``batch``),
 :class:`PagedSequence` (``reserve``, ``fork``, ``truncate``, ``register``,
@@ -24,10 +30,11 @@ Public API: :class:`PagedKVStore` (``add_sequence``, ``make_cache``, ``batch``),
 from .batch import PagedBatch, PagedBatchLayerCache
 from .scheme import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, LayerKV, load_kv_config, uniform_scheme
 from .sequence import PagedKVExhausted, PagedLayerCache, PagedSequence
-from .store import DEFAULT_PAGE_SIZE, PagedKVStore, PagedModel, model_geometry
+from .store import DEFAULT_PAGE_SIZE, DEFAULT_WINDOW_SLACK, LayerGroup, PagedKVStore, PagedModel, model_geometry
 
 __all__ = [
-    "DEFAULT_PAGE_SIZE", "SUPPORTED_BITS", "SUPPORTED_GROUP_SIZES", "LayerKV", "PagedBatch",
+    "DEFAULT_PAGE_SIZE", "DEFAULT_WINDOW_SLACK", "SUPPORTED_BITS", "SUPPORTED_GROUP_SIZES", "LayerGroup",
+    "LayerKV", "PagedBatch",
     "PagedBatchLayerCache", "PagedKVExhausted", "PagedKVStore", "PagedLayerCache", "PagedModel",
     "PagedSequence", "load_kv_config", "model_geometry", "uniform_scheme",
 ]

@@ -11,6 +11,9 @@ reads slot 0 of the null page and is masked out::
                           array offset and rotates each row at its own position
     mask   (B, 1, N, S)  bool; a windowed layer reads only the last w - 1
                           cached tokens of each row plus the new ones
+
+Layers of different layer groups (global, each window) have their own pages,
+so the gather index of a window indexes that window's group's storage.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ class PagedBatch:
         for s in self.seqs:
             if not s.reserve(n):
                 for d in done:  # roll back the rows already grown
-                    d.store.pool.truncate(d.seq_id, n)
+                    d.store.pages.truncate(d.seq_id, n)
                     d._step = None
                 return False
             done.append(s)
@@ -70,13 +73,16 @@ class PagedBatch:
     def gather_index(self, steps: list, n: int, window: int | None) -> tuple[mx.array, mx.array]:
         """``(pages, offsets)`` ``(B, S)`` of the tokens each row reads this step.
 
-        Computed once per step and window, shared by every layer of that kind.
+        ``pages`` index the storage of the layers whose window is ``window``
+        (their layer group's pool). Computed once per step and window, shared
+        by every layer of that kind.
         """
         if [id(st) for st in steps] != self._steps_key:
             self._steps_key, self._steps, self._gathers = [id(st) for st in steps], steps, {}
         if (n, window) not in self._gathers:
             starts = tuple(st.start for st in steps)
-            self._gathers[(n, window)] = self._index(starts, n, window, [st.table for st in steps])[:2]
+            g = self.store.group_of_window(window)
+            self._gathers[(n, window)] = self._index(starts, n, window, [st.groups[g].table for st in steps])[:2]
         return self._gathers[(n, window)]
 
     def _index(self, starts: tuple[int, ...], n: int, window: int | None,
@@ -112,6 +118,7 @@ class PagedBatchLayerCache:
         self.batch = batch
         self.layer = layer
         self.window: int | None = batch.store.layer_windows[layer]
+        self.group: int = batch.store.layer_group[layer]
 
     def _starts(self) -> tuple[int, ...]:
         return tuple(s.offsets[self.layer] for s in self.batch.seqs)
@@ -132,16 +139,18 @@ class PagedBatchLayerCache:
         seqs = self.batch.seqs
         if all(s._step is None or s.offsets[self.layer] != s._step.start for s in seqs):
             if not self.batch.reserve(n):  # all rows or none, before any row is written
+                free = ", ".join(map(str, self.batch.store.free_pages()))
                 raise PagedKVExhausted(
-                    f"The KV page pool has {self.batch.store.pool.num_free_pages()} free pages, too "
-                    f"few to append {n} tokens to each of {B} sequences; free sequences or use a "
-                    "larger pool (or call batch.reserve() first and handle False).")
+                    f"The KV page pools have {free} free pages (per layer group), too few to append "
+                    f"{n} tokens to each of {B} sequences; free sequences or use a larger pool (or "
+                    "call batch.reserve() first and handle False).")
         steps = [s._take_step(self.layer, n) for s in seqs]
+        mine = [st.groups[self.group] for st in steps]
         storage = self.batch.store._storage(self.layer, keys, values)
-        src = [st.src for st in steps if st.src is not None]
+        src = [g.src for g in mine if g.src is not None]
         if src:
-            storage.copy_pages(mx.concatenate(src), mx.concatenate([st.dst for st in steps if st.dst is not None]))
-        slots = mx.concatenate([st.slots for st in steps])  # (B * n,) row-major like the values
+            storage.copy_pages(mx.concatenate(src), mx.concatenate([g.dst for g in mine if g.dst is not None]))
+        slots = mx.concatenate([g.slots for g in mine])  # (B * n,) row-major like the values
         flat_k = keys.transpose(1, 0, 2, 3).reshape(H, B * n, -1)  # (KVH, B*n, D)
         flat_v = values.transpose(1, 0, 2, 3).reshape(H, B * n, -1)
         storage.write(slots, flat_k, flat_v)

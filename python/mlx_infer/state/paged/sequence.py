@@ -1,18 +1,20 @@
 """A sequence in a :class:`~.store.PagedKVStore` and its per-layer cache views.
 
 One forward pass is one *step*: it appends ``N`` tokens to the sequence. The
-pool is asked once per step (``reserve``), and every layer then writes its
-own K/V at the same slots::
+page groups are asked once per step (``reserve``); every layer then writes
+its own K/V at its group's slots::
 
-    reserve(N) -> pool.append(seq, N): copies (src, dst), slots s0..sN-1
-    layer 0:   copy pages, scatter K/V at slots, gather -> attention
-    layer 1:   same copies and slots on layer 1's storage
+    reserve(N) -> pages.append(seq, N): per group, copies (src, dst) and
+                  slots s0..sN-1 (a windowed group first releases the pages
+                  behind its window)
+    layer 0:   its group's copies and slots on layer 0's storage, gather -> attention
+    layer 1:   same for layer 1 (another group: other slots)
     ...
     offsets    layer i has written offsets[i] tokens; a layer whose offset
-               equals the pool length starts the next step
+               equals the sequence length starts the next step
 
 A layer that finds no reserved step reserves one itself, raising
-:class:`PagedKVExhausted` when the pool is out of pages (a scheduler calls
+:class:`PagedKVExhausted` when a pool is out of pages (a scheduler calls
 ``reserve`` first, where running out is a ``False`` return).
 """
 
@@ -35,14 +37,19 @@ class PagedKVExhausted(MlxInferError):
 
 
 @dataclass
-class _Step:
-    start: int  # pool length before the step
-    n: int
-    slots: mx.array  # (n,) int32 flat slots
+class _GroupStep:
+    slots: mx.array  # (n,) int32 flat slots in the group's storage
     src: mx.array | None  # (c,) pages to copy before writing, or None
     dst: mx.array | None
-    table: list[int]  # block table after the append
+    table: list[int]  # the group's block table after the append
     table_arr: mx.array  # (pages,) int32
+
+
+@dataclass
+class _Step:
+    start: int  # sequence length before the step
+    n: int
+    groups: list[_GroupStep]  # one per layer group of the store
 
 
 class PagedSequence:
@@ -76,36 +83,43 @@ class PagedSequence:
     def length(self) -> int:
         """Tokens in the sequence (what every layer has once a step is done)."""
         self._live("read the length")
-        return self.store.pool.length(self.seq_id)
+        return self.store.pages.length(self.seq_id)
 
     @property
     def block_table(self) -> list[int]:
+        """Group 0's block table (the global layers' when there are any)."""
         self._live("read the block table")
-        return self.store.pool.block_table(self.seq_id)
+        return self.store.pages.block_table(self.seq_id, 0)
+
+    @property
+    def block_tables(self) -> list[list[int]]:
+        """One block table per layer group (0 entries: released by the group's window)."""
+        self._live("read the block tables")
+        return [self.store.pages.block_table(self.seq_id, g.index) for g in self.store.groups]
 
     def _idle(self) -> bool:
-        n = self.store.pool.length(self.seq_id)
+        n = self.store.pages.length(self.seq_id)
         return all(o == n for o in self.offsets)
 
     # -- steps ------------------------------------------------------------
 
     def reserve(self, n: int) -> bool:
-        """Reserve pages for the next step of ``n`` tokens; ``False`` when out of pages."""
+        """Reserve pages for the next step of ``n`` tokens; ``False`` when some group is out of pages."""
         self._live("append tokens")
         assert self._idle(), "reserve() while a step is still in flight on some layers"
-        store, pool = self.store, self.store.pool
-        if store.release_window is not None:
-            pool.release_outside_window(self.seq_id, store.release_window)
-        r = pool.append(self.seq_id, n)
-        if r is None:
+        pages = self.store.pages
+        results = pages.append(self.seq_id, n)
+        if results is None:
             return False
-        start = pool.length(self.seq_id) - n
-        src = dst = None
-        if r.copies:
-            src = mx.array([c[0] for c in r.copies], mx.int32)
-            dst = mx.array([c[1] for c in r.copies], mx.int32)
-        table = pool.block_table(self.seq_id)
-        self._step = _Step(start, n, mx.array(r.slots, mx.int32), src, dst, table, mx.array(table, mx.int32))
+        groups = []
+        for g, r in enumerate(results):
+            src = dst = None
+            if r.copies:
+                src = mx.array([c[0] for c in r.copies], mx.int32)
+                dst = mx.array([c[1] for c in r.copies], mx.int32)
+            table = pages.block_table(self.seq_id, g)
+            groups.append(_GroupStep(mx.array(r.slots, mx.int32), src, dst, table, mx.array(table, mx.int32)))
+        self._step = _Step(pages.length(self.seq_id) - n, n, groups)
         return True
 
     def _take_step(self, layer: int, n: int) -> _Step:
@@ -114,8 +128,9 @@ class PagedSequence:
         off = self.offsets[layer]
         if self._step is None or off != self._step.start:
             if not self.reserve(n):
+                free = ", ".join(map(str, self.store.free_pages()))
                 raise PagedKVExhausted(
-                    f"The KV page pool has {self.store.pool.num_free_pages()} free pages, too few to "
+                    f"The KV page pools have {free} free pages (per layer group), too few to "
                     f"append {n} tokens to sequence {self.seq_id}; free sequences or use a larger pool."
                 )
         step = self._step
@@ -133,21 +148,26 @@ class PagedSequence:
         return self.store._fork(self)
 
     def truncate(self, n: int) -> int:
-        """Drop the last ``n`` tokens on every layer; returns how many were dropped."""
+        """Drop the last ``n`` tokens on every layer; returns how many were dropped.
+
+        Raises:
+            ValueError: a windowed layer would have to read tokens it already
+                released (roll back at most the store's ``window_slack``
+                past the last step); nothing changes then.
+        """
         self._live("truncate")
         n = min(n, min(self.offsets))
-        for i in range(len(self.offsets)):
-            self.offsets[i] -= n
-        self._sync_length()
+        self._set_offsets([o - n for o in self.offsets])
         return n
 
-    def _sync_length(self) -> None:
-        pool = self.store.pool
-        target = max(self.offsets)
-        excess = pool.length(self.seq_id) - target
+    def _set_offsets(self, offsets: list[int]) -> None:
+        """Move the layers' offsets, truncating the pages first (which may refuse)."""
+        pages = self.store.pages
+        excess = pages.length(self.seq_id) - max(offsets)
         if excess > 0:
-            pool.truncate(self.seq_id, excess)
+            pages.truncate(self.seq_id, excess)
             self._step = None
+        self.offsets[:] = offsets
 
     def register(self, token_ids: list[int]) -> int:
         """Index this sequence's full pages under its namespace for prefix reuse.
@@ -156,10 +176,11 @@ class PagedSequence:
             token_ids: the sequence's tokens from position 0 (the prompt).
 
         Returns:
-            Pages newly indexed.
+            Pages newly indexed, summed over layer groups (a windowed group
+            indexes only the pages it still holds).
         """
         self._live("register pages")
-        return self.store.pool.register_full_pages(self.seq_id, list(token_ids))
+        return self.store.pages.register_full_pages(self.seq_id, list(token_ids))
 
     def free(self) -> None:
         """Release the pages (indexed ones stay cached until evicted). Idempotent."""
@@ -187,6 +208,7 @@ class PagedLayerCache:
         self.seq = seq
         self.layer = layer
         self.window: int | None = seq.store.layer_windows[layer]
+        self.group: int = seq.store.layer_group[layer]
 
     @property
     def offset(self) -> int:
@@ -214,12 +236,13 @@ class PagedLayerCache:
             )
         kept, n = self._kept(), keys.shape[2]
         step = self.seq._take_step(self.layer, n)
+        g = step.groups[self.group]
         storage = self.seq.store._storage(self.layer, keys, values)
-        if step.src is not None:
-            storage.copy_pages(step.src, step.dst)
-        storage.write(step.slots, keys[0], values[0])
+        if g.src is not None:
+            storage.copy_pages(g.src, g.dst)
+        storage.write(g.slots, keys[0], values[0])
         end = step.start + n
-        k, v = storage.read(step.table_arr, end - n - kept, end)  # (1, KVH, kept + n, w)
+        k, v = storage.read(g.table_arr, end - n - kept, end)  # (1, KVH, kept + n, w)
         return storage.unwrap(k), storage.unwrap(v)
 
     @property
@@ -235,8 +258,9 @@ class PagedLayerCache:
         """Forget this layer's last ``n`` tokens; pages go once every layer has trimmed."""
         self.seq._live("trim")
         n = min(n, self.offset)
-        self.seq.offsets[self.layer] -= n
-        self.seq._sync_length()
+        offsets = list(self.seq.offsets)
+        offsets[self.layer] -= n
+        self.seq._set_offsets(offsets)
         return n
 
     def size(self) -> int:
@@ -253,4 +277,4 @@ class PagedLayerCache:
         s = self.seq.store.storage[self.layer]
         if s is None:
             return 0
-        return len({p for p in self.seq.block_table if p != 0}) * s.page_bytes
+        return self.seq.store.pages.held_pages(self.seq.seq_id, self.group) * s.page_bytes

@@ -1,8 +1,9 @@
-"""The paged KV store of one model: one page pool, per-layer paged storage."""
+"""The paged KV store of one model: one page pool per layer group, per-layer paged storage."""
 
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import mlx.core as mx
@@ -26,26 +27,57 @@ def model_geometry(model: Any) -> tuple[list[int | None], int, int]:
     return windows, attn.n_kv_heads, attn.head_dim
 
 
+#: Tokens a sliding-window group keeps beyond its window, so a caller can roll
+#: back (truncate / trim) that far past the last step.
+DEFAULT_WINDOW_SLACK = 16
+
+
+@dataclass(frozen=True)
+class LayerGroup:
+    """Layers that share a sliding window (or are global), and so one page pool.
+
+    Attributes:
+        index: the group's index in the store's :class:`mlx_infer._fast.PageGroups`.
+        window: the layers' sliding window, ``None`` for global layers.
+        layers: the layer indices, ascending.
+        num_pages: the group's pool size, null page included.
+        keep: tokens behind a sequence's end the group holds (``None`` = all).
+    """
+
+    index: int
+    window: int | None
+    layers: tuple[int, ...]
+    num_pages: int
+    keep: int | None
+
+
 class PagedKVStore:
     """Paged K/V for every sequence of one model.
 
-    All layers share one :class:`mlx_infer._fast.PagePool` (a token sits at
-    the same slot in every layer) and each layer has its own storage, created
-    on its first write from the K/V shapes::
+    Layers are grouped by attention span: one group for the global layers and
+    one per distinct sliding window. Each group has its own page pool and
+    block tables (one :class:`mlx_infer._fast.PageGroups` drives them all), so
+    a windowed group hands back the pages behind its window while the global
+    group keeps every page. Each layer has its own storage, sized by its
+    group's pool and created on its first write::
 
-        pool (bookkeeping, C++)        storage, per layer (MLX arrays)
-        seq 3: block table [5, 2]      K (pages, kv_heads, page_size, D)
-        seq 4: block table [5, 7]      V (pages, kv_heads, page_size, D)
-                   |                       page 0: null page, never written
-        page 5 shared (refcount 2) ------> page 5: tokens 0..P-1 of seqs 3 and 4
+        groups (bookkeeping, C++)               storage, per layer (MLX arrays)
+        group 0, global   seq 3: [5, 2, 8, 1]   layers 5, 11, 17: (pages_0, kv_heads, P, D)
+        group 1, w 512    seq 3: [0, 0, 4, 9]   layers 0-4, 6-10 ...: (pages_1, kv_heads, P, D)
+                                 ^ released: back in group 1's pool
 
-    Sliding-window layers read only their window. Pages outside the window
-    are released only when every layer is windowed (a global layer of the
-    same model still reads them).
+    A token of a sequence sits at the same slot in every layer of a group;
+    slots differ between groups. A group of window ``w`` keeps the last
+    ``w - 1 + window_slack`` tokens: rolling back (truncate / trim) up to
+    ``window_slack`` tokens before the longest length a step started at is
+    always allowed; a rollback that would make a windowed layer read a
+    released token raises ``ValueError`` and changes nothing.
 
     Args:
         num_layers: attention layers.
-        num_pages: pages in the pool, the null page included.
+        num_pages: pages per group's pool, the null page included: one int for
+            every group, or one per group in :attr:`groups` order (the global
+            group first, then windows ascending).
         page_size: tokens per page (a power of two).
         layer_windows: sliding window per layer (``None`` = global); default all global.
         dtype: element type of plain storage and of quantization scales;
@@ -53,18 +85,19 @@ class PagedKVStore:
         kv_scheme: one :class:`LayerKV` per layer, a ``kv_config.json`` path or
             list (see :func:`load_kv_config`), or ``None`` for all plain.
         head_dim: when given, the scheme is checked against it now.
-        release_windows: release pages outside the windows when every layer
-            is windowed (``False`` keeps them for rollback / prefix reuse).
+        release_windows: give windowed layers their own pools and release pages
+            behind the window (``False``: one pool, every page kept).
+        window_slack: tokens a windowed group keeps beyond its window.
 
     Raises:
         ValueError: a page size that is not a power of two, a scheme the model
-            cannot use, or a bad ``kv_config``.
+            cannot use, a bad ``kv_config`` or a bad pool size.
     """
 
-    def __init__(self, *, num_layers: int, num_pages: int, page_size: int = DEFAULT_PAGE_SIZE,
+    def __init__(self, *, num_layers: int, num_pages: int | Sequence[int], page_size: int = DEFAULT_PAGE_SIZE,
                  layer_windows: Sequence[int | None] | None = None, dtype: mx.Dtype | None = None,
-                 kv_scheme: Any = None, head_dim: int | None = None, release_windows: bool = True):
-        self.pool = _fast.PagePool(num_pages=num_pages, page_size=page_size)
+                 kv_scheme: Any = None, head_dim: int | None = None, release_windows: bool = True,
+                 window_slack: int = DEFAULT_WINDOW_SLACK):
         self.num_layers = num_layers
         self.page_size = page_size
         self.dtype = dtype
@@ -85,32 +118,74 @@ class PagedKVStore:
         for i, s in enumerate(scheme):
             s.check(layer=i, head_dim=head_dim)
         self.scheme = scheme
+
+        # Group keys: None (global) first, then windows ascending; without
+        # release every layer shares one pool and reads its window from it.
+        keys = [None] if not release_windows else sorted(
+            set(self.layer_windows), key=lambda w: -1 if w is None else w)
+        self.layer_group: list[int] = [0 if not release_windows else keys.index(w) for w in self.layer_windows]
+        sizes = [num_pages] * len(keys) if isinstance(num_pages, int) else list(num_pages)
+        if len(sizes) != len(keys):
+            raise MlxInferError(
+                f"num_pages has {len(sizes)} entries but the store has {len(keys)} layer groups "
+                f"(windows {keys}); give one int, or one per group.")
+        self.pages = _fast.PageGroups(num_pages=sizes, page_size=page_size,
+                                      windows=[w or 0 for w in keys], slack=window_slack)
+        self.groups: list[LayerGroup] = [
+            LayerGroup(g, w, tuple(i for i, lg in enumerate(self.layer_group) if lg == g), sizes[g],
+                       self.pages.keep(g) or None)
+            for g, w in enumerate(keys)]
         self.storage: list[LayerStorage | None] = [None] * num_layers
-        # Every future step reads at most the last w - 1 cached tokens of a window w.
-        all_windowed = all(w is not None for w in self.layer_windows)
-        self.release_window = (max(max(self.layer_windows) - 1, 1)
-                               if release_windows and all_windowed else None)
         self._next_id = 0
         self._live: dict[int, PagedSequence] = {}
 
     @classmethod
-    def for_model(cls, model: Any, *, num_pages: int, page_size: int = DEFAULT_PAGE_SIZE,
-                  dtype: mx.Dtype | None = None, kv_scheme: Any = None,
-                  release_windows: bool = True) -> "PagedKVStore":
+    def for_model(cls, model: Any, *, num_pages: int | Sequence[int], page_size: int = DEFAULT_PAGE_SIZE,
+                  dtype: mx.Dtype | None = None, kv_scheme: Any = None, release_windows: bool = True,
+                  window_slack: int = DEFAULT_WINDOW_SLACK) -> "PagedKVStore":
         """A store shaped for ``model`` (its layer count, windows and head_dim)."""
         windows, _, head_dim = model_geometry(model)
         return cls(num_layers=len(windows), num_pages=num_pages, page_size=page_size,
                    layer_windows=windows, dtype=dtype, kv_scheme=kv_scheme, head_dim=head_dim,
-                   release_windows=release_windows)
+                   release_windows=release_windows, window_slack=window_slack)
 
     def __repr__(self) -> str:
-        return (f"PagedKVStore(layers={self.num_layers}, sequences={len(self._live)}, "
-                f"{self.pool!r})")
+        return f"PagedKVStore(layers={self.num_layers}, sequences={len(self._live)}, {self.pages!r})"
+
+    @property
+    def pool(self) -> Any:
+        """Group 0's :class:`mlx_infer._fast.PagePool` (the global layers' when there are any).
+
+        For inspection; change sequences through :attr:`pages` (all groups at once).
+        """
+        return self.pages.pool(0)
+
+    def group_of_window(self, window: int | None) -> int:
+        """The group of the layers whose window is ``window``."""
+        for layer, w in enumerate(self.layer_windows):
+            if w == window:
+                return self.layer_group[layer]
+        raise MlxInferError(f"No layer of this store has window {window!r}; windows: {sorted(set(self.layer_windows), key=str)}.")
+
+    def pages_to_hold(self, tokens: int, step: int | None = None) -> list[int]:
+        """Pages each group needs at most for a sequence of ``tokens`` tokens fed ``step`` at a time.
+
+        A global group holds every page; a windowed group only its ``keep``
+        tokens plus one step (at most ``ceil((keep + step) / P) + 1`` pages).
+        """
+        P = self.page_size
+        full = -(-tokens // P)
+        step = tokens if step is None else step
+        return [full if g.keep is None else min(full, -(-(g.keep + step) // P) + 1) for g in self.groups]
+
+    def free_pages(self) -> list[int]:
+        """Pages each group's pool can still hand out (free plus evictable cached)."""
+        return [self.pages.pool(g.index).num_free_pages() for g in self.groups]
 
     # -- sequences ----------------------------------------------------------
 
     def add_sequence(self, prompt_ids: Sequence[int] | None = None, *, namespace: str = "") -> PagedSequence:
-        """Start a sequence; with ``prompt_ids``, reuse the longest cached prefix.
+        """Start a sequence; with ``prompt_ids``, reuse the longest cached prefix every group can serve.
 
         Returns:
             The sequence; ``seq.cached_tokens`` prompt tokens are already in
@@ -120,9 +195,9 @@ class PagedKVStore:
         self._next_id += 1
         cached = 0
         if prompt_ids is None:
-            self.pool.add_sequence(seq_id, namespace=namespace)
+            self.pages.add_sequence(seq_id, namespace=namespace)
         else:
-            cached = self.pool.add_sequence_with_prefix(seq_id, list(prompt_ids), namespace=namespace)
+            cached = self.pages.add_sequence_with_prefix(seq_id, list(prompt_ids), namespace=namespace)
         seq = PagedSequence(self, seq_id, [cached] * self.num_layers, cached)
         self._live[seq_id] = seq
         return seq
@@ -136,13 +211,13 @@ class PagedKVStore:
     def _fork(self, seq: PagedSequence) -> PagedSequence:
         new_id = self._next_id
         self._next_id += 1
-        self.pool.fork(seq.seq_id, new_id)
+        self.pages.fork(seq.seq_id, new_id)
         child = PagedSequence(self, new_id, list(seq.offsets), seq.cached_tokens)
         self._live[new_id] = child
         return child
 
     def _free(self, seq: PagedSequence) -> None:
-        self.pool.free(seq.seq_id)
+        self.pages.free(seq.seq_id)
         seq.freed = True
         self._live.pop(seq.seq_id, None)
 
@@ -165,26 +240,31 @@ class PagedKVStore:
             scheme = self.scheme[layer]
             scheme.check(layer=layer, head_dim=keys.shape[-1])
             scheme.check(layer=layer, head_dim=values.shape[-1])
-            s = LayerStorage(scheme, num_pages=self.pool.num_pages, page_size=self.page_size,
+            group = self.groups[self.layer_group[layer]]
+            s = LayerStorage(scheme, num_pages=group.num_pages, page_size=self.page_size,
                              kv_heads=keys.shape[1], k_dim=keys.shape[-1], v_dim=values.shape[-1],
                              dtype=self.dtype or keys.dtype)
             self.storage[layer] = s
         return s
 
+    def group_page_bytes(self, group: int) -> int:
+        """Bytes of one page of ``group`` over its allocated layers."""
+        return sum(self.storage[i].page_bytes for i in self.groups[group].layers if self.storage[i] is not None)
+
     @property
     def page_bytes(self) -> int:
-        """Bytes of one page over every allocated layer."""
+        """Bytes of one page in every allocated layer (one page of each group)."""
         return sum(s.page_bytes for s in self.storage if s is not None)
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the allocated storage (every page of the pool, every layer)."""
+        """Bytes of the allocated storage (every page of each group's pool, every layer)."""
         return sum(s.nbytes for s in self.storage if s is not None)
 
     @property
     def used_bytes(self) -> int:
         """Bytes of the pages some sequence references (shared pages counted once)."""
-        return self.pool.num_used_pages() * self.page_bytes
+        return sum(self.pages.pool(g.index).num_used_pages() * self.group_page_bytes(g.index) for g in self.groups)
 
 
 class PagedModel:
