@@ -76,7 +76,7 @@ def serve(options: ServeOptions) -> None:
     app, engine, model_id = build(options)
     try:
         print(f"mlx-infer: serving '{model_id}' on http://{options.host}:{options.port}/v1 "
-              f"({engine.store.pool.num_pages - 1} KV pages of {engine.store.page_size} tokens)", flush=True)
+              f"(KV pages of {engine.store.page_size} tokens: {_pages_summary(engine.store)})", flush=True)
         uvicorn.run(app, host=options.host, port=options.port, log_level=options.log_level)
     finally:
         engine.stop()
@@ -125,3 +125,9 @@ class ServerThread:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+def _pages_summary(store: Any) -> str:
+    """``"4095 global, 1023 window 512"``: each layer group's usable pages."""
+    return ", ".join(f"{g.num_pages - 1} {'global' if g.window is None else f'window {g.window}'}"
+                     for g in store.groups)
