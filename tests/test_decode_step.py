@@ -21,6 +21,8 @@ The real Gemma 3 270M (float32, slow test): see ``REAL_LOGITS_ATOL``.
 
 from __future__ import annotations
 
+import os
+import subprocess
 import tempfile
 import warnings
 from pathlib import Path
@@ -66,6 +68,41 @@ CONFIGS = {
 }
 
 _MODELS: dict[str, object] = {}
+
+
+def _mlx_compiles() -> bool:
+    """Whether ``mx.compile`` really compiles in this process (probed, not guessed).
+
+    MLX decides when ``compile`` is called (``skip_compile()`` in mlx/compile.cpp): if
+    compilation is disabled (``MLX_DISABLE_COMPILE``) or the device can't JIT, it returns the
+    function itself. On the CPU backend "can JIT" is ``JitCompiler::available()``: MLX runs
+    ``g++ --version`` through the shell once per process and compiles only if that succeeds
+    (mlx/backend/cpu/jit_compiler.cpp). Without it, nothing is ever traced: every call runs
+    the function on real arrays (same results, no fusion) and the C++ step's trace counter
+    stays 0 -- which is what a wheel user without a compiler gets. A Python function shows
+    which case holds: compiled, its body runs only while traced; uncompiled, on every call.
+    Two warm-up calls first: the first function compiled in a fresh process can trace twice
+    (measured, mlx 0.32.4: the cache entry's default stream is only settled by then).
+    """
+    calls: list[None] = []
+
+    def probe(x: mx.array) -> mx.array:
+        calls.append(None)
+        return x + 1
+
+    fn = mx.compile(probe)
+    x = mx.array(1.0)
+    for _ in range(2):  # warm-up: traces where MLX compiles
+        mx.eval(fn(x))
+    calls.clear()
+    for _ in range(3):  # same shape and dtype: no trace if compiled, a run per call if not
+        mx.eval(fn(x))
+    assert len(calls) in (0, 3), calls
+    return not calls
+
+
+MLX_COMPILES = _mlx_compiles()
+TRACED = 1 if MLX_COMPILES else 0  # traces of a compiled step for one (batch, capacity)
 
 
 def tiny_model(name: str):
@@ -168,12 +205,24 @@ def test_no_retrace_in_steady_state(name):
     for _ in range(4):  # warm-up
         y = mx.argmax(step.step(y, cache), axis=-1)
     before = step.traces
-    assert before == 1
+    assert before == TRACED
     for _ in range(32):
         y = mx.argmax(step.step(y, cache), axis=-1)
     mx.eval(y)
     assert step.traces - before == 0
     assert step.retraces == 0
+
+
+def test_mlx_compiles_exactly_where_its_jit_compiler_runs():
+    """The probe agrees with MLX's rule, and the C++ step's trace counter follows the probe."""
+    if mx.default_device().type != mx.DeviceType.cpu:
+        pytest.skip("MLX's g++ rule is its CPU backend's; this run's default device is a GPU")
+    gxx = subprocess.run("g++ --version", shell=True, capture_output=True).returncode == 0
+    assert MLX_COMPILES == (gxx and "MLX_DISABLE_COMPILE" not in os.environ)
+    model = tiny_model("llama")
+    _, _, step = compiled_run(model, steps=3, policy=DecodePolicy(compile=True, compile_min_batch=1))
+    assert step.failures == 0
+    assert step.traces == TRACED
 
 
 def test_compile_min_batch_picks_the_path_per_batch_size():
@@ -186,7 +235,7 @@ def test_compile_min_batch_picks_the_path_per_batch_size():
     model.model(tokens[:, :-1], cache=cache)
     pair = CompiledDecodeStep(model, policy=policy)
     mx.eval(pair.step(tokens[:, -1], cache))
-    assert pair.traces == 1
+    assert pair.traces == TRACED
     on_cpu = mx.default_device().type == mx.DeviceType.cpu
     assert DecodePolicy().resolved_compile_min_batch() == (1 if on_cpu else 2)
 
@@ -196,9 +245,10 @@ def test_capacity_growth_retraces_once_per_growth_and_keeps_tokens():
     want, _ = eager_run(model)
     got, _, step = compiled_run(model, policy=DecodePolicy(capacity_step=16, compile_min_batch=1))
     assert got == want
-    # capacity 16 at take-over (11 tokens), then 32, 48, 64, 80 as the rows reach 75 tokens
+    # capacity 16 at take-over (11 tokens), then 32, 48, 64, 80 as the rows reach 75 tokens:
+    # a trace per capacity where MLX compiles, none where it runs the step uncompiled
     assert step.native.capacity == 80
-    assert step.traces == 5
+    assert step.traces == 5 * TRACED
 
 
 def _prompts(n_rows: int) -> list[list[int]]:
@@ -224,7 +274,7 @@ def test_batched_rows_of_different_lengths_match_each_alone(name, compile_):
         for r, t in enumerate(y.tolist()):
             got[r].append(t)
     assert step.failures == 0
-    assert step.traces == (1 if compile_ else 0)
+    assert step.traces == (TRACED if compile_ else 0)
     assert step.lengths == [len(p) - 1 + 40 for p in prompts]
     for r, p in enumerate(prompts):
         want, _ = eager_run(model, prompt=p, steps=40)
