@@ -44,9 +44,14 @@ class DecodeBatch:
         self.offset: mx.array | None = None  # (B,) int32 positions of the new tokens
         self.slots: mx.array | None = None  # (B,) int32
         self.copies: tuple[mx.array, mx.array] | None = None
-        self._gather: dict[int | None, tuple[mx.array, mx.array]] = {}
+        self._gather: dict[Any, tuple[mx.array, ...]] = {}  # per window, and the paged step's inputs
         self._masks: dict[int | None, mx.array | None] = {}
-        self._windows = sorted(set(store.layer_windows), key=lambda w: -1 if w is None else w)
+        self._windows = self.windows_of(store)
+
+    @staticmethod
+    def windows_of(store: PagedKVStore) -> list[int | None]:
+        """The store's distinct layer windows (``None`` = global first): one gather each per step."""
+        return sorted(set(store.layer_windows), key=lambda w: -1 if w is None else w)
 
     def reserve(self) -> bool:
         """Reserve one token on every row; all or nothing (``False``: out of pages)."""
@@ -85,6 +90,32 @@ class DecodeBatch:
             # No padding anywhere (one row, or rows of one length): no mask, the fast attention path.
             self._masks[w] = None if valid.all() else mx.array(valid[:, None, None, :])
         return True
+
+    def group_windows(self) -> list[int | None]:
+        """The windows of the layer groups, in the order :meth:`paged_inputs` lists them."""
+        return list(self._windows)
+
+    def paged_inputs(self, bucket: int = 1) -> list[tuple[mx.array, ...]]:
+        """Per layer group, what the compiled paged step reads (one tuple per window)::
+
+            pages, offsets  (B, S) int32   S rounded up to a multiple of ``bucket``;
+            mask            (B, S) bool    padding reads slot 0 of the null page, masked
+            write_pages,
+            write_offsets   (B,) int32     where each row's new token goes
+        """
+        key = ("paged", bucket)
+        if key not in self._gather:
+            P = self.store.page_size
+            write = (mx.array(self._slots_np // P, mx.int32), mx.array(self._slots_np % P, mx.int32))
+            out = []
+            for w in self._windows:
+                pages, offs, valid = self._gather_np[w]
+                pad = -pages.shape[1] % bucket
+                if pad:
+                    pages, offs, valid = (np.pad(a, ((0, 0), (0, pad))) for a in (pages, offs, valid))
+                out.append((mx.array(pages, mx.int32), mx.array(offs, mx.int32), mx.array(valid)) + write)
+            self._gather[key] = tuple(out)
+        return list(self._gather[key])
 
     def mask(self, window: int | None) -> mx.array | None:
         return self._masks[window]
