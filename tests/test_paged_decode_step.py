@@ -205,8 +205,8 @@ def test_failure_falls_back_to_eager_once_with_cache_intact(tiny, after_build):
     assert got == want
 
 
-def test_quantized_kv_uses_eager_with_a_reason(tiny):
-    loaded = tiny("llama")
+def test_quantized_kv_uses_eager_with_a_reason(tmp_path):
+    loaded = load_model(make_tiny_model_dir(tmp_path, "llama", model_type="qwen3", head_dim=32))
     engine = Engine(loaded, EngineConfig(page_size=4, kv_scheme=LayerKV(bits=8, group_size=32)))
     assert engine.paged_decode is None and "quantized" in engine.paged_decode_reason
     engine.stop()

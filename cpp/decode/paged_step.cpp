@@ -230,15 +230,15 @@ PagedStepOutput PagedDecodeStep::step(
   }
   for (int i = 0; i < L; ++i) {
     for (const auto* a : {&keys[i], &values[i]}) {
+      if (!mx::issubdtype(a->dtype(), mx::floating)) {
+        fail("layer " + std::to_string(i) + ": storage must be float16, bfloat16 or float32; quantized "
+             "KV storage has no compiled paged step (decode it eagerly).");
+      }
       if (a->ndim() != 4 || a->shape(1) != cfg.num_kv_heads || a->shape(3) != cfg.head_dim) {
         std::ostringstream msg;
         msg << "layer " << i << ": storage must be (pages, " << cfg.num_kv_heads << ", page_size, "
             << cfg.head_dim << "), got " << a->shape() << ".";
         fail(msg.str());
-      }
-      if (!mx::issubdtype(a->dtype(), mx::floating)) {
-        fail("layer " + std::to_string(i) + ": storage must be float16, bfloat16 or float32; quantized "
-             "KV storage has no compiled paged step (decode it eagerly).");
       }
     }
     if (keys[i].shape() != values[i].shape() || keys[i].dtype() != values[i].dtype()) {

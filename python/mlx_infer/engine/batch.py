@@ -11,7 +11,10 @@ rows and layers together::
                 positions (B,)            RoPE offset of each row
                 slots (B,)                where each row's new K/V goes
                 per window kind: (pages, offsets) (B, S) and mask (B, 1, 1, S)
-    forward     every layer: copy pages (rare), write the B slots, gather (B, S)
+    forward     every layer: copy pages (rare), write the B slots, gather (B, S):
+                the eager graph through ``caches``, or the compiled C++ paged
+                step through ``paged_inputs()`` (the same indices as arrays, S
+                rounded up to its bucket; see generation/bindings/paged_decode_step.py)
     commit()    every layer's offset of every row moves to the new length
 
 Rows are right-padded to the longest; padding reads slot 0 of the null page
