@@ -10,12 +10,16 @@
 #include <string>
 
 #include "mlx_infer/decode.h"
+#include "mlx_infer/paged_decode.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
 namespace mx = mlx::core;
 using mlx_infer::DecodeConfig;
 using mlx_infer::DecodeStep;
+using mlx_infer::PagedDecodeConfig;
+using mlx_infer::PagedDecodeStep;
+using mlx_infer::PagedGroupInputs;
 using mlx_infer::RopeSpec;
 
 void bind_decode(nb::module_& m) {
@@ -124,4 +128,69 @@ Raises:
       .def_prop_ro("loaded", &DecodeStep::loaded)
       .def_prop_ro("kv_nbytes", &DecodeStep::kv_nbytes)
       .def_prop_ro("config", &DecodeStep::config, nb::rv_policy::copy);
+
+  nb::class_<PagedDecodeConfig>(m, "PagedDecodeConfig",
+                                "Shape-independent choices of a PagedDecodeStep (see paged_decode.h).")
+      .def(nb::init<>())
+      .def_rw("layer_groups", &PagedDecodeConfig::layer_groups,
+              "Per layer, the index of its layer group (the gather it reads), 0..G-1.")
+      .def_rw("compile", &PagedDecodeConfig::compile,
+              "mx.compile the step (S bucketed); off builds the graph op by op at the exact S.")
+      .def_rw("s_bucket", &PagedDecodeConfig::s_bucket,
+              "Compiled: round each group's gathered length S up to a multiple of this.");
+
+  nb::class_<PagedDecodeStep>(
+      m, "PagedDecodeStep",
+      R"(A one-token decode step over paged K/V it does not own (see paged_decode.h).
+
+Each call takes the page storage of every layer and returns the updated
+storage; the caller replaces its arrays with them (the commit) and drops the
+old ones so MLX writes in place. A call that raises changes nothing. Not
+thread-safe.)")
+      .def(nb::init<DecodeConfig, PagedDecodeConfig, const std::unordered_map<std::string, mx::array>&,
+                    const std::unordered_map<std::string, mlx_infer::QuantSpec>&>(),
+           "config"_a, "paged"_a, "weights"_a, "quantization"_a,
+           R"(Args:
+    config: a DecodeConfig (its kv_dtype, capacity and compile fields are unused).
+    paged: a PagedDecodeConfig.
+    weights: canonical name -> array, as DecodeStep takes them.
+    quantization: linear name -> ``(group_size, bits, mode)``.)")
+      .def(
+          "step",
+          [](PagedDecodeStep& self, const mx::array& tokens, const mx::array& positions,
+             const std::vector<std::tuple<mx::array, mx::array, mx::array, mx::array, mx::array>>& groups,
+             const std::vector<mx::array>& keys, const std::vector<mx::array>& values) {
+            std::vector<PagedGroupInputs> gs;
+            gs.reserve(groups.size());
+            for (const auto& [pages, offsets, mask, wp, wo] : groups) {
+              gs.push_back(PagedGroupInputs{pages, offsets, mask, wp, wo});
+            }
+            auto out = self.step(tokens, positions, gs, keys, values);
+            return std::make_tuple(out.logits, std::move(out.keys), std::move(out.values));
+          },
+          "tokens"_a, "positions"_a, "groups"_a, "keys"_a, "values"_a,
+          R"(One token per row; returns ``(logits (B, vocab), keys, values)``, lazily.
+
+Args:
+    tokens: ``(B,)`` ids.
+    positions: ``(B,)`` positions of the new tokens.
+    groups: per layer group ``(pages, offsets, mask, write_pages, write_offsets)``:
+        ``(B, S)`` int32, ``(B, S)`` int32, ``(B, S)`` bool, ``(B,)`` int32, ``(B,)`` int32.
+    keys, values: per layer the storage ``(pages, kv_heads, page_size, head_dim)``.
+
+Returns:
+    The logits and each layer's updated key and value storage.
+
+Raises:
+    ValueError: inputs of the wrong count, shape or dtype (quantized storage included).)")
+      .def_prop_ro("traces", &PagedDecodeStep::traces,
+                   "Times the compiled step was traced (one per input-shape signature).")
+      .def_prop_ro("retraces", &PagedDecodeStep::retraces,
+                   "Traces of a shape signature traced before (0 when the compile cache works).")
+      .def_prop_ro("signatures", &PagedDecodeStep::signatures,
+                   "Distinct input-shape signatures the compiled step ran with.")
+      .def_prop_ro("steps", &PagedDecodeStep::steps)
+      .def_prop_ro("num_groups", &PagedDecodeStep::num_groups)
+      .def_prop_ro("config", &PagedDecodeStep::config, nb::rv_policy::copy)
+      .def_prop_ro("paged_config", &PagedDecodeStep::paged_config, nb::rv_policy::copy);
 }

@@ -144,20 +144,78 @@ mx::array write_slot(const mx::array& buf, const mx::array& x, const mx::array& 
   return mx::scatter(buf, {rows, slot}, shaped, {0, 2});
 }
 
-std::vector<mx::array> decode_forward(
-    const DecodeStep::Graph& g,
-    const std::vector<mx::array>& inputs,
-    const AttentionRead& read) {
-  if (g.gemma4) {
-    return gemma4_forward(g, inputs, read);
+namespace {
+
+// DecodeStep's buffers: per layer (B, KVH, slots, D), a global layer's slot p
+// holds position p, a sliding layer's is a ring (see decode.h).
+class BufferKV final : public KVAccess {
+ public:
+  BufferKV(const DecodeStep::Graph& g, const std::vector<mx::array>& inputs, const AttentionRead& read,
+           std::vector<mx::array>& outputs)
+      : g_(g), inputs_(inputs), read_(read), outputs_(outputs),
+        pos_col_(mx::reshape(inputs[1], {inputs[0].shape(0), 1, 1, 1})) {}
+
+  AttentionInputs write_read(int i, const mx::array& k, const mx::array& v) override {
+    const auto& positions = inputs_[1];
+    const auto& kbuf = inputs_[2 + 2 * i];
+    const auto& vbuf = inputs_[3 + 2 * i];
+    const int window = g_.layers[i].window;
+    const int B = kbuf.shape(0), KVH = kbuf.shape(1), slots = kbuf.shape(2), D = kbuf.shape(3);
+
+    // Write slot: the position itself, or its ring slot on a sliding layer.
+    std::optional<int> static_slot;
+    mx::array slot = positions;
+    if (read_.uniform_length) {
+      int p = *read_.uniform_length - 1;
+      static_slot = window > 0 ? p % slots : p;
+    } else if (window > 0) {
+      slot = mx::remainder(positions, mx::array(slots, mx::int32));
+    }
+    auto new_k = write_slot(kbuf, k, slot, static_slot);  // (B, KVH, slots, D)
+    auto new_v = write_slot(vbuf, v, slot, static_slot);
+    outputs_.push_back(new_k);
+    outputs_.push_back(new_v);
+
+    if (read_.uniform_length) {
+      int n = std::min(*read_.uniform_length, slots);  // a full ring is read whole
+      if (n < slots) {
+        return {mx::slice(new_k, {0, 0, 0, 0}, {B, KVH, n, D}),
+                mx::slice(new_v, {0, 0, 0, 0}, {B, KVH, n, D}), std::nullopt};
+      }
+      return {new_k, new_v, std::nullopt};
+    }
+    return {new_k, new_v, mask_for(slots)};
   }
+
+ private:
+  // One mask per buffer length (slot s of row b is visible iff s <= positions[b]).
+  mx::array mask_for(int slots) {
+    auto it = masks_.find(slots);
+    if (it != masks_.end()) {
+      return it->second;
+    }
+    auto m = mx::less_equal(mx::reshape(mx::arange(0, slots, 1, mx::int32), {1, 1, 1, slots}), pos_col_);
+    masks_.emplace(slots, m);
+    return m;  // (B, 1, 1, slots)
+  }
+
+  const DecodeStep::Graph& g_;
+  const std::vector<mx::array>& inputs_;
+  const AttentionRead& read_;
+  std::vector<mx::array>& outputs_;
+  mx::array pos_col_;
+  std::unordered_map<int, mx::array> masks_;
+};
+
+}  // namespace
+
+mx::array decode_layers(
+    const DecodeStep::Graph& g,
+    const mx::array& tokens,
+    const mx::array& positions,
+    KVAccess& kv) {
   const auto& cfg = g.cfg;
   const int L = cfg.num_layers;
-  if (static_cast<int>(inputs.size()) != 2 + 2 * L) {
-    throw std::invalid_argument("[decode_forward] expected tokens, positions and 2 KV buffers per layer.");
-  }
-  const auto& tokens = inputs[0];
-  const auto& positions = inputs[1];  // (B,) int32
   const int B = tokens.shape(0);
   const int H = cfg.num_heads, KVH = cfg.num_kv_heads, D = cfg.head_dim;
 
@@ -166,29 +224,8 @@ std::vector<mx::array> decode_forward(
     h = mx::multiply(h, scalar(cfg.embed_scale, h.dtype()));
   }
 
-  // One mask per buffer length (slot s of row b is visible iff s <= positions[b]).
-  std::unordered_map<int, mx::array> masks;
-  auto pos_col = mx::reshape(positions, {B, 1, 1, 1});
-  auto mask_for = [&](int slots) -> mx::array {
-    auto it = masks.find(slots);
-    if (it != masks.end()) {
-      return it->second;
-    }
-    auto m = mx::less_equal(mx::reshape(mx::arange(0, slots, 1, mx::int32), {1, 1, 1, slots}), pos_col);
-    masks.emplace(slots, m);
-    return m;  // (B, 1, 1, slots)
-  };
-
-  std::vector<mx::array> outputs;
-  outputs.reserve(inputs.size());
-  outputs.push_back(mx::array(0));  // placeholders, filled below
-  outputs.push_back(mx::add(positions, mx::array(1, mx::int32)));
-
   for (int i = 0; i < L; ++i) {
     const auto& lw = g.layers[i];
-    const auto& kbuf = inputs[2 + 2 * i];
-    const auto& vbuf = inputs[3 + 2 * i];
-    const int slots = kbuf.shape(2);
 
     auto x = rms(h, lw.attn_norm, cfg.rms_norm_eps);
     mx::array q(0), k(0), v(0);
@@ -214,31 +251,10 @@ std::vector<mx::array> decode_forward(
     q = rope(q, lw.rope, positions);
     k = rope(k, lw.rope, positions);
 
-    // Write slot: the position itself, or its ring slot on a sliding layer.
-    std::optional<int> static_slot;
-    mx::array slot = positions;
-    if (read.uniform_length) {
-      int p = *read.uniform_length - 1;
-      static_slot = lw.window > 0 ? p % slots : p;
-    } else if (lw.window > 0) {
-      slot = mx::remainder(positions, mx::array(slots, mx::int32));
-    }
-    auto new_k = write_slot(kbuf, k, slot, static_slot);  // (B, KVH, slots, D)
-    auto new_v = write_slot(vbuf, v, slot, static_slot);
-
-    mx::array attn(0);
-    if (read.uniform_length) {
-      int n = std::min(*read.uniform_length, slots);  // a full ring is read whole
-      auto kr = new_k, vr = new_v;
-      if (n < slots) {
-        kr = mx::slice(new_k, {0, 0, 0, 0}, {B, KVH, n, D});
-        vr = mx::slice(new_v, {0, 0, 0, 0}, {B, KVH, n, D});
-      }
-      attn = mx::fast::scaled_dot_product_attention(q, kr, vr, cfg.attn_scale, "", std::nullopt);
-    } else {
-      attn = mx::fast::scaled_dot_product_attention(q, new_k, new_v, cfg.attn_scale, "array",
-                                                    mask_for(slots));
-    }
+    auto in = kv.write_read(i, k, v);
+    auto attn = in.mask
+        ? mx::fast::scaled_dot_product_attention(q, in.keys, in.values, cfg.attn_scale, "array", in.mask)
+        : mx::fast::scaled_dot_product_attention(q, in.keys, in.values, cfg.attn_scale, "", std::nullopt);
     attn = mx::reshape(mx::transpose(attn, {0, 2, 1, 3}), {B, 1, H * D});  // (B, 1, H*D)
     auto r = apply_linear(lw.o, attn);
 
@@ -264,8 +280,6 @@ std::vector<mx::array> decode_forward(
     } else {
       h = mx::add(h, r);
     }
-    outputs.push_back(std::move(new_k));
-    outputs.push_back(std::move(new_v));
   }
 
   h = rms(h, g.norm, cfg.rms_norm_eps);
@@ -274,7 +288,25 @@ std::vector<mx::array> decode_forward(
     auto cap = scalar(*cfg.final_logit_softcap, logits.dtype());
     logits = mx::multiply(mx::tanh(mx::divide(logits, cap)), cap);
   }
-  outputs[0] = mx::reshape(logits, {B, logits.shape(-1)});  // (B, vocab)
+  return mx::reshape(logits, {B, logits.shape(-1)});  // (B, vocab)
+}
+
+std::vector<mx::array> decode_forward(
+    const DecodeStep::Graph& g,
+    const std::vector<mx::array>& inputs,
+    const AttentionRead& read) {
+  if (g.gemma4) {
+    return gemma4_forward(g, inputs, read);
+  }
+  if (static_cast<int>(inputs.size()) != 2 + 2 * g.cfg.num_layers) {
+    throw std::invalid_argument("[decode_forward] expected tokens, positions and 2 KV buffers per layer.");
+  }
+  std::vector<mx::array> outputs;
+  outputs.reserve(inputs.size());
+  outputs.push_back(mx::array(0));  // logits, set below
+  outputs.push_back(mx::add(inputs[1], mx::array(1, mx::int32)));
+  BufferKV kv(g, inputs, read, outputs);
+  outputs[0] = decode_layers(g, inputs[0], inputs[1], kv);
   return outputs;
 }
 

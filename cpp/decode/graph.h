@@ -55,7 +55,32 @@ struct AttentionRead {
   std::optional<int> uniform_length;
 };
 
-/// The one-token forward.
+/// What one layer's attention reads after its new token was written.
+struct AttentionInputs {
+  mx::array keys;                 // (B, KVH, S, D)
+  mx::array values;               // (B, KVH, S, D)
+  std::optional<mx::array> mask;  // (B, 1, 1, S) bool, or none: every key visible
+};
+
+/// Where a forward's K/V live: the contiguous buffers of DecodeStep or the
+/// pages of a paged store (paged_step.cpp). The layer code calls it once per
+/// layer; an implementation keeps the updated storage it builds as its output.
+class KVAccess {
+ public:
+  virtual ~KVAccess() = default;
+  /// Writes layer ``layer``'s new ``k``, ``v`` (B, KVH, 1, D), RoPE applied, and
+  /// returns what its attention reads.
+  virtual AttentionInputs write_read(int layer, const mx::array& k, const mx::array& v) = 0;
+};
+
+/// The one-token forward over any KV storage: logits (B, vocab), lazily.
+mx::array decode_layers(
+    const DecodeStep::Graph& g,
+    const mx::array& tokens,
+    const mx::array& positions,
+    KVAccess& kv);
+
+/// The one-token forward over DecodeStep's buffers.
 ///
 /// inputs:  tokens (B,), positions (B,) int32, then K and V of each KV-owning
 ///          layer in order (kv_layers): k_0, v_0, k_1, v_1, ...
@@ -64,6 +89,9 @@ std::vector<mx::array> decode_forward(
     const DecodeStep::Graph& g,
     const std::vector<mx::array>& inputs,
     const AttentionRead& read);
+
+/// Raises std::invalid_argument naming the first field of ``c`` that is out of range.
+void validate_decode_config(const DecodeConfig& c);
 
 /// Builds the graph's weights from canonical names (see decode.h).
 void load_graph_weights(

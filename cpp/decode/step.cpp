@@ -18,7 +18,9 @@ mx::Dtype parse_dtype(const std::string& name) {
                               "(the prefix's dtype), got '" + name + "'.");
 }
 
-void validate(const DecodeConfig& c) {
+}  // namespace
+
+void validate_decode_config(const DecodeConfig& c) {
   auto fail = [](const std::string& what) {
     throw std::invalid_argument("[DecodeStep] " + what);
   };
@@ -78,6 +80,8 @@ void validate(const DecodeConfig& c) {
   if (!c.kv_dtype.empty()) parse_dtype(c.kv_dtype);
 }
 
+namespace {
+
 int round_up(int n, int step) {
   return ((n + step - 1) / step) * step;
 }
@@ -104,7 +108,7 @@ DecodeStep::DecodeStep(
     DecodeConfig config,
     const std::unordered_map<std::string, mx::array>& weights,
     const std::unordered_map<std::string, QuantSpec>& quantization) {
-  validate(config);
+  validate_decode_config(config);
   graph_ = std::make_shared<Graph>();
   graph_->cfg = std::move(config);
   load_graph_weights(*graph_, weights, quantization);

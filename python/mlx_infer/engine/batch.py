@@ -11,7 +11,10 @@ rows and layers together::
                 positions (B,)            RoPE offset of each row
                 slots (B,)                where each row's new K/V goes
                 per window kind: (pages, offsets) (B, S) and mask (B, 1, 1, S)
-    forward     every layer: its group's copies (rare), write its group's B slots, gather (B, S)
+    forward     every layer: its group's copies (rare), write its group's B slots, gather (B, S):
+                the eager graph through ``caches``, or the compiled C++ paged
+                step through ``paged_inputs()`` (the same indices as arrays, S
+                rounded up to its bucket; see generation/bindings/paged_decode_step.py)
     commit()    every layer's offset of every row moves to the new length
 
 Rows are right-padded to the longest; padding reads slot 0 of the null page
@@ -46,10 +49,15 @@ class DecodeBatch:
         self.offset: mx.array | None = None  # (B,) int32 positions of the new tokens
         self.slots: list[mx.array] = []  # per group, (B,) int32
         self.copies: list[tuple[mx.array, mx.array] | None] = [None] * G
-        self._gather: dict[int | None, tuple[mx.array, mx.array]] = {}
+        self._gather: dict[Any, tuple[Any, ...]] = {}  # per window, and the paged step's inputs
         self._masks: dict[int | None, mx.array | None] = {}
-        self._windows = sorted(set(store.layer_windows), key=lambda w: -1 if w is None else w)
+        self._windows = self.windows_of(store)
         self._group_of = {w: store.group_of_window(w) for w in self._windows}
+
+    @staticmethod
+    def windows_of(store: PagedKVStore) -> list[int | None]:
+        """The store's distinct layer windows (``None`` = global first): one gather each per step."""
+        return sorted(set(store.layer_windows), key=lambda w: -1 if w is None else w)
 
     def reserve(self) -> bool:
         """Reserve one token on every row; all or nothing (``False``: out of pages)."""
@@ -92,6 +100,34 @@ class DecodeBatch:
             # No padding anywhere (one row, or rows of one length): no mask, the fast attention path.
             self._masks[w] = None if valid.all() else mx.array(valid[:, None, None, :])
         return True
+
+    def group_windows(self) -> list[int | None]:
+        """The windows of the gathers, in the order :meth:`paged_inputs` lists them."""
+        return list(self._windows)
+
+    def paged_inputs(self, bucket: int = 1) -> list[tuple[mx.array, ...]]:
+        """Per window, what the compiled paged step reads (one tuple each)::
+
+            pages, offsets  (B, S) int32   into the window's group's storage, S rounded up
+                                           to a multiple of ``bucket``
+            mask            (B, S) bool    padding reads slot 0 of the null page, masked
+            write_pages,
+            write_offsets   (B,) int32     where each row's new token goes in that storage
+        """
+        key = ("paged", bucket)
+        if key not in self._gather:
+            P = self.store.page_size
+            out = []
+            for w in self._windows:
+                slots = self._slots_np[self._group_of[w]]
+                pages, offs, valid = self._gather_np[w]
+                pad = -pages.shape[1] % bucket
+                if pad:
+                    pages, offs, valid = (np.pad(a, ((0, 0), (0, pad))) for a in (pages, offs, valid))
+                out.append((mx.array(pages, mx.int32), mx.array(offs, mx.int32), mx.array(valid),
+                            mx.array(slots // P, mx.int32), mx.array(slots % P, mx.int32)))
+            self._gather[key] = tuple(out)
+        return list(self._gather[key])
 
     def mask(self, window: int | None) -> mx.array | None:
         return self._masks[window]

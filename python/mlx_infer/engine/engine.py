@@ -10,7 +10,10 @@ An iteration of the engine thread::
                   only (no LM head); the last prompt token is left out
     4. decode     one forward of every decoding request, B rows of one token:
                   a request whose prefill just ended joins here with its
-                  last prompt token, so joining costs no extra forward
+                  last prompt token, so joining costs no extra forward.
+                  The forward is the compiled C++ paged step where the
+                  binding allows it (see ``Engine.paged_decode``), else the
+                  eager graph; a failing step falls back to eager for good
     5. read       step n-1's tokens are read while step n runs (pipelined);
                   text, stop strings, logprobs, finish; finished requests
                   free their pages at once
@@ -41,6 +44,10 @@ import mlx.core as mx
 
 from ..errors import MlxInferError, PromptTooLongError
 from ..generation.autoregressive import newline_ids
+from ..generation.bindings.autoregressive import Composition, bind_autoregressive
+from ..generation.bindings.decode_step import DecodeStepUnsupported
+from ..generation.bindings.paged_decode_step import (CompiledPagedDecodeStep, PagedDecodePolicy,
+                                                     paged_unsupported_reason)
 from ..generation.stopping import StopMatcher
 from ..sampling import RequestRNG, SampleOutput, make_sampler
 from ..state.paged import PagedKVStore
@@ -82,14 +89,20 @@ class Engine:
     Args:
         loaded: the model, tokenizer and facts from :func:`mlx_infer.artifacts.loader.load_model`.
         config: scheduling and memory settings.
+        composition: per-run graph choices; ``compiled_decode=False`` keeps the
+            batched decode on the eager graph.
+        decode_policy: how the compiled paged step compiles (S buckets).
 
     Attributes:
         store: the :class:`PagedKVStore` every request's pages live in.
         scheduler: queue and running set.
         metrics: counters (see :meth:`stats`).
+        paged_decode: the compiled paged decode step, or ``None`` (eager decode;
+            ``paged_decode_reason`` says why).
     """
 
-    def __init__(self, loaded: Any, config: EngineConfig | None = None):
+    def __init__(self, loaded: Any, config: EngineConfig | None = None, *,
+                 composition: Composition | None = None, decode_policy: PagedDecodePolicy | None = None):
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -101,6 +114,8 @@ class Engine:
         self.store = PagedKVStore.for_model(
             self.model, num_pages=pool_pages(self.model, config, self.context_length),
             page_size=config.page_size, dtype=config.kv_dtype, kv_scheme=config.kv_scheme)
+        self.paged_decode, self.paged_decode_reason = self._paged_decode(
+            composition or Composition(), decode_policy or PagedDecodePolicy())
         self.metrics = EngineMetrics()
         self.scheduler = Scheduler(
             self.store, max_batch=config.max_batch,
@@ -406,7 +421,10 @@ class Engine:
         if not rows:
             return None
         inputs = self._inputs(rows)  # (B,)
-        logits = self.model(inputs[:, None], cache=batch.caches)[:, -1, :]  # (B, vocab)
+        if self.paged_decode is not None:
+            logits = self.paged_decode.step(inputs, batch)  # (B, vocab); eager fallback inside
+        else:
+            logits = self.model(inputs[:, None], cache=batch.caches)[:, -1, :]  # (B, vocab)
         batch.commit()
         tokens, outs = self._sample(rows, logits)
         pending = [tokens]
@@ -417,6 +435,24 @@ class Engine:
         for i, r in enumerate(rows):
             r.next_input = (tokens, i)
         return _Step(rows, tokens, outs)
+
+    def _paged_decode(self, composition: Composition,
+                      policy: PagedDecodePolicy) -> tuple[CompiledPagedDecodeStep | None, str | None]:
+        """The compiled paged step when the binding allows it (graph declares compiled decode,
+        composition keeps it on, no adapter) and the store's KV is plain; else ``(None, why)``."""
+        reason = bind_autoregressive(self.loaded, composition).decode_unavailable_reason()
+        if reason is None:
+            reason = paged_unsupported_reason(self.store)
+        if reason is not None:
+            return None, reason
+        groups = DecodeBatch.windows_of(self.store)
+        try:
+            return CompiledPagedDecodeStep(self.model, self.store, groups, policy=policy), None
+        except DecodeStepUnsupported as exc:  # no C++ step for this family or module type
+            return None, str(exc)
+        except (ValueError, RuntimeError) as exc:  # the C++ step refused the graph
+            log.warning("compiled paged decode unavailable (%s: %s); decoding eagerly", type(exc).__name__, exc)
+            return None, f"{type(exc).__name__}: {exc}"
 
     def _batch_for(self, rows: list[LiveRequest]) -> DecodeBatch:
         key = tuple(r.seq.seq_id for r in rows)

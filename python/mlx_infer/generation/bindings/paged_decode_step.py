@@ -1,0 +1,197 @@
+"""The compiled C++ decode step over paged KV, wrapped for the batching engine.
+
+``mlx_infer._fast.PagedDecodeStep`` runs the same one-token forward as the
+plain compiled step (:mod:`.decode_step`) but owns no KV: every call takes the
+page storage of each layer (:class:`~mlx_infer.state.paged.storage.LayerStorage`)
+and the batch's gather index, and returns the updated storage::
+
+    per step, from the batch (computed in numpy, once for all layers)
+      tokens (B,)  positions (B,)
+      per layer group (one window): pages, offsets, mask (B, S); write page, offset (B,)
+    C++ step (one mx.compile'd graph, or op by op)
+      per layer: scatter the B new K/V rows, gather (B, KVH, S, D), attend, MLP
+    commit (here, only after the step returned)
+      storage.keys / storage.values <- the step's outputs
+
+The storage is replaced only at the commit, so a step that raises leaves the
+store as it was; the failure is reported once (``warnings.warn`` and the
+``mlx_infer.engine`` log) and every later step runs on the eager graph. The
+old storage arrays are referenced only by the new graph after the commit, so
+MLX writes the new rows in place (no per-step copy of the cache).
+
+Quantized KV storage has no compiled paged step: :func:`paged_unsupported_reason`
+says so and the engine decodes eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence
+
+import mlx.core as mx
+
+from ... import _fast
+from .decode_step import DecodePolicy, graph_spec
+
+log = logging.getLogger("mlx_infer.engine")
+
+#: Default rounding of the gathered length S in compiled mode (see PagedDecodePolicy).
+DEFAULT_S_BUCKET = 32
+
+
+@dataclass(frozen=True)
+class PagedDecodePolicy:
+    """Choices of the compiled paged step.
+
+    Attributes:
+        compile: trace the whole step with ``mx.compile`` (S rounded up to
+            ``s_bucket``, padding masked) so steady-state steps replay one
+            graph; off builds the graph op by op in C++ each step at the exact S.
+        s_bucket: compiled mode: each layer group's gathered length is rounded
+            up to a multiple of this, so a new trace happens once per
+            ``s_bucket`` tokens of the longest row (and per batch size seen).
+
+    Compiled is the default, measured on this project's 2-core CPU (mlx
+    0.32.4, engine decode tok/s vs the eager paged graph, 64-token prompts,
+    ``benchmarks/paged_decode.py``; the machine was shared, so noisy): tiny
+    llama B=1 0.9x, B=8 1.35x; tiny gemma3 B=1 1.43x, B=8 1.42x; op by op
+    0.5-1.1x (it builds the same graph per step plus the index arithmetic the
+    eager path does in numpy). Real Gemma 3 270M: see benchmarks/paged_decode.py's
+    report (the LM head dominates there).
+    """
+
+    compile: bool = True
+    s_bucket: int = DEFAULT_S_BUCKET
+
+    def __post_init__(self) -> None:
+        if isinstance(self.s_bucket, bool) or not isinstance(self.s_bucket, int) or self.s_bucket < 1:
+            raise ValueError(f"PagedDecodePolicy.s_bucket must be a positive integer, got {self.s_bucket!r}.")
+
+    @property
+    def bucket(self) -> int:
+        """The S rounding the batch should apply (1 when not compiling)."""
+        return self.s_bucket if self.compile else 1
+
+
+class PagedDecodeBatch(Protocol):
+    """What the step reads of a batch (``mlx_infer.engine.batch.DecodeBatch``) after ``reserve()``."""
+
+    store: Any
+    offset: mx.array  # (B,) int32 positions of the new tokens
+    copies: tuple[mx.array, mx.array] | None  # copy-on-write pages (src, dst), or None
+    caches: list[Any]  # the eager path's per-layer caches
+
+    def group_windows(self) -> list[int | None]: ...
+
+    def paged_inputs(self, bucket: int) -> list[tuple[mx.array, ...]]: ...
+
+
+def layer_groups(layer_windows: Sequence[int | None], group_windows: Sequence[int | None]) -> list[int]:
+    """Per layer, the index of its window in ``group_windows`` (the gather it reads)."""
+    index = {w: i for i, w in enumerate(group_windows)}
+    missing = {w for w in layer_windows if w not in index}
+    if missing:
+        raise ValueError(f"layer windows {sorted(map(str, missing))} have no layer group in {list(group_windows)}.")
+    return [index[w] for w in layer_windows]
+
+
+def paged_unsupported_reason(store: Any) -> str | None:
+    """Why the store's KV cannot go through the compiled paged step (``None``: it can)."""
+    quantized = [i for i, s in enumerate(store.scheme) if s.quantized]
+    if quantized:
+        return (f"the paged KV of layers {quantized} is quantized; the compiled paged step reads "
+                "float16/bfloat16/float32 storage only")
+    return None
+
+
+class CompiledPagedDecodeStep:
+    """``step(tokens, batch) -> logits`` over the C++ paged step, with an eager fallback.
+
+    Args:
+        model: a llama- or gemma3-family graph.
+        store: the :class:`~mlx_infer.state.paged.PagedKVStore` the batches read.
+        group_windows: the window of each layer group, in the order the
+            batch's ``paged_inputs`` lists them.
+        policy: compile choices.
+
+    Raises:
+        DecodeStepUnsupported: no C++ step for this graph family or module.
+        ValueError: quantized KV storage (see :func:`paged_unsupported_reason`).
+    """
+
+    def __init__(self, model: Any, store: Any, group_windows: Sequence[int | None], *,
+                 policy: PagedDecodePolicy = PagedDecodePolicy()):
+        reason = paged_unsupported_reason(store)
+        if reason is not None:
+            raise ValueError(reason)
+        cfg, weights, quant = graph_spec(model, policy=DecodePolicy(compile=False))
+        paged = _fast.PagedDecodeConfig()
+        paged.layer_groups = layer_groups(store.layer_windows, group_windows)
+        paged.compile = policy.compile
+        paged.s_bucket = policy.s_bucket
+        self.model = model
+        self.store = store
+        self.policy = policy
+        self.group_windows = list(group_windows)
+        self.native: Any = _fast.PagedDecodeStep(cfg, paged, weights, quant)
+        self.failures = 0
+        self.last_error: BaseException | None = None
+        self.eager_steps = 0  # steps this object ran eagerly (storage not yet allocated, or failed)
+
+    @property
+    def failed(self) -> bool:
+        """True once a step failed; every later step runs on the eager graph."""
+        return self.last_error is not None
+
+    @property
+    def traces(self) -> int:
+        """Times the compiled step was traced (one per (B, S buckets) signature seen)."""
+        return self.native.traces
+
+    @property
+    def retraces(self) -> int:
+        """Traces of a signature traced before: 0 when the step replays its graphs."""
+        return self.native.retraces
+
+    def step(self, tokens: mx.array, batch: PagedDecodeBatch) -> mx.array:
+        """Logits ``(B, vocab)`` for one new token per row; commits the store's new K/V.
+
+        Args:
+            tokens: ``(B,)`` ids.
+            batch: the engine's batch, after a successful ``reserve()``.
+        """
+        storages = self.store.storage
+        if self.failed or any(s is None for s in storages):  # nothing written yet: the eager path allocates
+            return self._eager(tokens, batch)
+        try:
+            if batch.group_windows() != self.group_windows:
+                raise ValueError(f"the batch's layer groups {batch.group_windows()} are not the step's "
+                                 f"{self.group_windows}")
+            if batch.copies is not None:  # copy-on-write; repeating it (eager fallback) is harmless
+                for s in storages:
+                    s.copy_pages(*batch.copies)
+            groups = batch.paged_inputs(self.policy.bucket)
+            logits, keys, values = self.native.step(
+                tokens, batch.offset, groups, [s.keys[0] for s in storages], [s.values[0] for s in storages])
+        except Exception as exc:  # noqa: BLE001 - any failure falls back, reported once
+            return self._fail(exc, tokens, batch)
+        for s, k, v in zip(storages, keys, values):  # the commit
+            s.keys, s.values = (k,), (v,)
+        return logits
+
+    __call__ = step
+
+    def _fail(self, exc: BaseException, tokens: mx.array, batch: PagedDecodeBatch) -> mx.array:
+        self.failures += 1
+        self.last_error = exc
+        message = (f"compiled paged decode step failed ({type(exc).__name__}: {exc}); "
+                   "the engine decodes on the eager graph from now on")
+        log.warning(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        return self._eager(tokens, batch)
+
+    def _eager(self, tokens: mx.array, batch: PagedDecodeBatch) -> mx.array:
+        self.eager_steps += 1
+        return self.model(tokens[:, None], cache=batch.caches)[:, -1, :]  # (B, vocab)
