@@ -398,6 +398,25 @@ def test_cached_generation_matches_stock(tmp_path):
     assert runs[0] == runs[1]
 
 
+@pytest.mark.parametrize("family,bits", [("gemma3", None), ("gemma3", 4), ("llama", 4)])
+def test_compiled_decode_step_runs_the_same_cpu_kernels(tmp_path, family, bits):
+    """The C++ step mirrors the swapped model: products, attention and the gated activation on
+    the CPU kernels, so its tokens and logits are the eager graph's (same kernels, same order)."""
+    from mlx_infer.generation.autoregressive import generate_tokens
+    from mlx_infer.generation.bindings.decode_step import CompiledDecodeStep, graph_spec
+
+    path, load_model = _tiny(tmp_path, family, bits)
+    model = load_model(path, cpu_kernels=True).model
+    cfg, _, _ = graph_spec(model)
+    assert {"attention", "gated_activation", "embed"} <= set(cfg.cpu_kernel_linears)
+    stock_cfg, _, _ = graph_spec(load_model(path, cpu_kernels=False).model)
+    assert not stock_cfg.cpu_kernel_linears
+    prompt = list(range(3, 40))  # past tiny gemma3's sliding window
+    eager = [t.token for t in generate_tokens(model, prompt, max_tokens=32)]
+    compiled = [t.token for t in generate_tokens(model, prompt, max_tokens=32, decode=CompiledDecodeStep(model))]
+    assert compiled == eager
+
+
 @pytest.mark.slow
 def test_real_model_greedy_tokens_match_stock(real_model):
     """Gemma 3 270M (the GGUF dequantized to float32): 32 greedy tokens, fast kernels == stock."""

@@ -253,8 +253,12 @@ mx::array decode_layers(
 
     auto in = kv.write_read(i, k, v);
     auto attn = in.mask
-        ? mx::fast::scaled_dot_product_attention(q, in.keys, in.values, cfg.attn_scale, "array", in.mask)
-        : mx::fast::scaled_dot_product_attention(q, in.keys, in.values, cfg.attn_scale, "", std::nullopt);
+        ? (g.fast_attention ? fast_sdpa(q, in.keys, in.values, cfg.attn_scale, "array", in.mask)
+                            : mx::fast::scaled_dot_product_attention(q, in.keys, in.values, cfg.attn_scale,
+                                                                     "array", in.mask))
+        : (g.fast_attention ? fast_sdpa(q, in.keys, in.values, cfg.attn_scale)
+                            : mx::fast::scaled_dot_product_attention(q, in.keys, in.values, cfg.attn_scale,
+                                                                     "", std::nullopt));
     attn = mx::reshape(mx::transpose(attn, {0, 2, 1, 3}), {B, 1, H * D});  // (B, 1, H*D)
     auto r = apply_linear(lw.o, attn);
 
@@ -274,7 +278,10 @@ mx::array decode_layers(
       gate = apply_linear(lw.gate, x);
       up = apply_linear(lw.up, x);
     }
-    r = apply_linear(lw.down, gated(cfg, gate, up));
+    auto act = g.fast_gated
+        ? fast_gated_activation(gate, up, cfg.activation == "gelu_tanh" ? "gelu_approx" : "silu")
+        : gated(cfg, gate, up);
+    r = apply_linear(lw.down, act);
     if (lw.post_mlp_norm) {
       h = residual(cfg, h, rms(r, lw.post_mlp_norm, cfg.rms_norm_eps));
     } else {
@@ -387,6 +394,8 @@ void load_graph_weights(
   }
   const auto& cfg = g.cfg;
   const auto& fast = cfg.cpu_kernel_linears;
+  g.fast_attention = std::find(fast.begin(), fast.end(), "attention") != fast.end();
+  g.fast_gated = std::find(fast.begin(), fast.end(), "gated_activation") != fast.end();
   g.embed = read_linear(weights, quantization, fast, "embed");
   g.lm_head = read_linear(weights, quantization, fast, "lm_head", /*required=*/false);
   g.norm = require_weight(weights, "norm.weight");

@@ -44,6 +44,8 @@ struct DecodeStep::Graph {
   std::optional<mx::array> norm;
   std::vector<LayerWeights> layers;
   mx::Dtype dtype = mx::float32;  // activations
+  bool fast_attention = false;  // attention / the gated activation on mlx-infer's CPU kernels,
+  bool fast_gated = false;      // as the model's swapped modules (cpu_kernel_linears lists them)
   int traces = 0;
 };
 

@@ -205,6 +205,12 @@ def graph_spec(model: Any, *, kv_scheme: str | None = None,
         if gemma or getattr(attn, "qk_norm", False):
             norm(f"{p}.q_norm", attn.q_norm)
             norm(f"{p}.k_norm", attn.k_norm)
+    # Attention and the gated activation on the CPU kernels too, as the swapped modules run them
+    # (layers.linear swaps every layer's modules alike: the last layer's classes say it).
+    if inner.layers and getattr(type(attn), "_mlx_infer_stock_class", None) is not None:
+        fast.append("attention")
+    if inner.layers and getattr(type(mlp), "_mlx_infer_stock_class", None) is not None:
+        fast.append("gated_activation")
     cfg.cpu_kernel_linears = fast
     mx.eval(list(weights.values()))
     return cfg, weights, quant

@@ -80,7 +80,7 @@ class PagedDecodeBatch(Protocol):
 
     store: Any
     offset: mx.array  # (B,) int32 positions of the new tokens
-    copies: tuple[mx.array, mx.array] | None  # copy-on-write pages (src, dst), or None
+    copies: list[tuple[mx.array, mx.array] | None]  # per store layer group: copy-on-write pages (src, dst)
     caches: list[Any]  # the eager path's per-layer caches
 
     def group_windows(self) -> list[int | None]: ...
@@ -169,9 +169,10 @@ class CompiledPagedDecodeStep:
             if batch.group_windows() != self.group_windows:
                 raise ValueError(f"the batch's layer groups {batch.group_windows()} are not the step's "
                                  f"{self.group_windows}")
-            if batch.copies is not None:  # copy-on-write; repeating it (eager fallback) is harmless
-                for s in storages:
-                    s.copy_pages(*batch.copies)
+            for layer, s in enumerate(storages):  # copy-on-write; repeating it (eager fallback) is harmless
+                c = batch.copies[self.store.layer_group[layer]]
+                if c is not None:
+                    s.copy_pages(*c)
             groups = batch.paged_inputs(self.policy.bucket)
             logits, keys, values = self.native.step(
                 tokens, batch.offset, groups, [s.keys[0] for s in storages], [s.values[0] for s in storages])
