@@ -227,7 +227,13 @@ def test_api_key_requires_bearer_token(tiny_loaded):
 
 
 def test_load_with_disconnects_returns_every_page(server, tiny_loaded):
-    """32 concurrent clients, 320 streamed requests of mixed lengths, every fifth dropped mid-stream."""
+    """32 concurrent clients, 320 streamed requests of mixed lengths, every fifth dropped mid-stream;
+    the whole load twice.
+
+    Memory: the engine's compiled decode step traces once per (batch size, bucketed context) shape
+    it meets, and each trace keeps its small constants, so the first pass grows memory by a bounded
+    amount that depends on scheduling (1.25 MB in one CI run). A per-request leak would grow
+    it again in the second pass: that is what the test bounds (1 MB over 320 requests)."""
     url = server.url
     rng = random.Random(0)
     jobs = [(i, [rng.randrange(5, 300) for _ in range(rng.randrange(2, 80))], rng.randrange(4, 48),
@@ -236,6 +242,14 @@ def test_load_with_disconnects_returns_every_page(server, tiny_loaded):
     openai.OpenAI(base_url=url + "/v1", api_key="x").completions.create(model="tiny", prompt=[5] * 40, max_tokens=4)
     time.sleep(0.2)
     idle = metrics(url)["memory_active_bytes"]
+    first = _load_pass(url, jobs)
+    assert first["memory_active_bytes"] <= idle + 16 * 2**20  # the traces, bounded
+    second = _load_pass(url, jobs)
+    assert second["memory_active_bytes"] <= first["memory_active_bytes"] + 2**20
+
+
+def _load_pass(url: str, jobs: list) -> dict:
+    """Run every job over 32 concurrent connections; check every page came back; return /metrics."""
     failures, completed, dropped = [], [0], [0]
 
     async def one(client: httpx.AsyncClient, job) -> None:
@@ -284,8 +298,8 @@ def test_load_with_disconnects_returns_every_page(server, tiny_loaded):
         time.sleep(0.05)
     assert m["kv_pages_used"] == 0 and m["running"] == 0 and m["queue_depth"] == 0
     assert m["kv_pages_free"] == m["kv_pages_total"]
-    assert m["memory_active_bytes"] <= idle + 2**20
     assert elapsed < 60
+    return m
 
 
 # -- schema fuzzing ------------------------------------------------------------------
