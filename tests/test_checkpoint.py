@@ -7,6 +7,7 @@ import sys
 import time
 
 import pytest
+from fs_snapshot import snapshot
 from tiny import make_tiny_model_dir
 
 from mlx_infer.artifacts.loader import load_model
@@ -71,7 +72,7 @@ def test_identity_is_canonical_and_seed_mode_explicit():
 
 def _checkpoint_once(loaded, directory):
     _run(loaded, directory, stop_at=6)
-    return {p.name: p.read_bytes() for p in directory.iterdir()}
+    return snapshot(directory)
 
 
 @pytest.mark.parametrize("change", ["prompt", "sampling", "max_tokens"])
@@ -80,44 +81,61 @@ def test_refuses_a_different_run_and_overwrites_nothing(loaded, tmp_path, change
     before = _checkpoint_once(loaded, d)
     kwargs = {"prompt": "Goodbye"} if change == "prompt" else (
         {"sampling": SamplingParams(temperature=0.9, seed=3)} if change == "sampling" else {"max_tokens": 41})
-    with pytest.raises(CheckpointError, match="different run"):
+    with pytest.raises(CheckpointError, match="different run") as e:
         _run(loaded, d, resume=True, **kwargs)
+    named = {"prompt": "the prompt", "sampling": "sampling.temperature (0.8 saved, 0.9 now)",
+             "max_tokens": "execution.max_tokens (40 saved, 41 now)"}[change]
+    assert f"differs in: {named})" in str(e.value)  # only what differs: never the model (tuple vs list)
     with pytest.raises(CheckpointError, match="different run"):
         _run(loaded, d, **kwargs)  # a new run into that directory must not clobber it
-    assert {p.name: p.read_bytes() for p in d.iterdir()} == before
+    assert snapshot(d) == before
 
 
 def test_refuses_another_model(loaded, tmp_path, model_dir):
     d = tmp_path / "ck"
     _checkpoint_once(loaded, d)
     other = load_model(make_tiny_model_dir(tmp_path / "other", "llama", seed=5))
-    with pytest.raises(CheckpointError, match="binding"):
+    with pytest.raises(CheckpointError, match=r"differs in: the model \(its weights, config or dtype\)\)"):
         _run(other, d, resume=True)
+
+
+def _live(d):
+    return d / json.loads((d / "CURRENT").read_text())["version"]
 
 
 def test_refuses_truncated_and_wrong_version(loaded, tmp_path):
     d = tmp_path / "ck"
     _checkpoint_once(loaded, d)
-    kv = d / "kv.safetensors"
+    kv = _live(d) / "kv.safetensors"
     data = kv.read_bytes()
     kv.write_bytes(data[: len(data) // 2])
     with pytest.raises(CheckpointError, match="truncated or damaged"):
         load_checkpoint(d)
     kv.write_bytes(data)
-    meta = json.loads((d / "checkpoint.json").read_text())
+    load_checkpoint(d, model=loaded.model)  # restored: loads again
+    meta = json.loads((_live(d) / "checkpoint.json").read_text())
     meta["format_version"] = 99
-    (d / "checkpoint.json").write_text(json.dumps(meta))
-    with pytest.raises(CheckpointError, match="format version 99"):
+    (_live(d) / "checkpoint.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="edited"):  # any edit breaks the manifest's size or digest
         load_checkpoint(d)
-    with pytest.raises(CheckpointError, match="not a checkpoint"):
+    with pytest.raises(CheckpointError, match="does not exist"):
         load_checkpoint(tmp_path / "nothing-here")
+
+
+def test_save_is_versioned_and_leaves_one_version(loaded, tmp_path):
+    d = tmp_path / "ck"
+    _run(loaded, d, stop_at=13)  # saves at 5, 10 and on close
+    names = sorted(p.name for p in d.iterdir())
+    assert names == [".lock", ".mlx-infer-checkpoint", "CURRENT", _live(d).name]
+    assert sorted(p.name for p in _live(d).iterdir()) == ["checkpoint.json", "kv.safetensors"]
+    assert load_checkpoint(d).generated_ids[-1] is not None and len(load_checkpoint(d).generated_ids) == 14
 
 
 def test_refuses_to_overwrite_a_foreign_directory(loaded, tmp_path):
     d = tmp_path / "mine"
     d.mkdir()
     (d / "thesis.txt").write_text("precious")
-    with pytest.raises(CheckpointError, match="refusing to overwrite"):
+    with pytest.raises(CheckpointError, match="did not write .thesis.txt.; refusing to use or overwrite"):
         _run(loaded, d)
     assert (d / "thesis.txt").read_text() == "precious"
 

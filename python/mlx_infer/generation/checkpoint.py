@@ -1,10 +1,13 @@
 """Exactly resumable generation: identity, save and load.
 
-A checkpoint directory holds ``checkpoint.json`` (format version, identity,
-the fields it was computed from, tokens, RNG position, emitted text, cache
-layout) and ``kv.safetensors`` (the KV state). It is written to a temporary
-directory beside the target and renamed into place, so a crash mid-write
-never leaves a half checkpoint and never clobbers the previous one.
+A checkpoint directory (see :mod:`.checkpoint_store` for the layout, the
+atomic publish, the marker and the lock) holds versions of two files:
+``checkpoint.json`` (format version, identity, the fields it was computed
+from, tokens, RNG position, emitted text, cache layout, the model's path) and
+``kv.safetensors`` (the KV state). A manifest digest covers every byte of
+both, and loading validates every field (:mod:`.checkpoint_validate`) and the
+KV state against the model, so a damaged or edited checkpoint is refused with
+a message, never resumed.
 
 The identity is sha256 over canonical JSON (object keys sorted, arrays kept
 in order) of everything that can change the continuation: prompt ids, stop
@@ -18,8 +21,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,14 +29,14 @@ import mlx.core as mx
 
 from ..errors import MlxInferError
 from ..sampling import RequestRNG, SamplingParams
+from .checkpoint_store import CheckpointError, CheckpointStore, _op
+from .checkpoint_validate import FORMAT_VERSION, sampling_from_fields, validate_against_model, validate_meta
 
-FORMAT_VERSION = 1
+__all__ = ["CheckpointError", "Checkpoint", "FORMAT_VERSION", "canonical_json", "identity_fields", "identity",
+           "binding_identity", "save_checkpoint", "load_checkpoint", "read_checkpoint", "generate_checkpointed"]
+
 _META = "checkpoint.json"
 _KV = "kv.safetensors"
-
-
-class CheckpointError(MlxInferError):
-    """A checkpoint is missing, damaged, of another format, or belongs to another run."""
 
 
 def canonical_json(value: Any) -> str:
@@ -43,15 +44,20 @@ def canonical_json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
+def _as_json(value: Any) -> Any:
+    """``value`` as JSON would give it back (tuples become lists), so comparisons match what was saved."""
+    return json.loads(canonical_json(value))
+
+
 def identity_fields(*, prompt_ids: list[int], sampling: SamplingParams, binding: dict[str, Any],
                     stop: list[str] | tuple[str, ...] = (), namespace: str = "",
                     execution: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Everything that can change a continuation, as a JSON-ready dict."""
+    """Everything that can change a continuation, as a JSON-ready dict (lists, never tuples)."""
     sampling_fields = sampling.to_dict()
     seed_mode = "explicit" if sampling.seed is not None else "default"
     if seed_mode == "default":
         sampling_fields.pop("seed", None)
-    return {
+    return _as_json({
         "prompt_ids": list(prompt_ids),
         "stop": list(stop),
         "namespace": namespace,
@@ -59,7 +65,7 @@ def identity_fields(*, prompt_ids: list[int], sampling: SamplingParams, binding:
         "binding": binding,
         "sampling": sampling_fields,
         "seed_mode": seed_mode,
-    }
+    })
 
 
 def identity(fields: dict[str, Any]) -> str:
@@ -70,13 +76,16 @@ def identity(fields: dict[str, Any]) -> str:
 def binding_identity(model_dir: Path, *, dtype: str | None) -> dict[str, Any]:
     """What identifies the weights a run used: config.json's hash and the weight files' names and sizes."""
     config = (model_dir / "config.json").read_bytes()
-    files = sorted((f.name, f.stat().st_size) for f in model_dir.glob("*.safetensors"))
+    files = sorted([f.name, f.stat().st_size] for f in model_dir.glob("*.safetensors"))
     return {"config_sha256": hashlib.sha256(config).hexdigest(), "weights": files, "dtype": dtype}
 
 
 @dataclass
 class Checkpoint:
-    """A loaded checkpoint: enough to continue exactly where the run stopped."""
+    """A loaded checkpoint: enough to continue exactly where the run stopped.
+
+    ``cache`` is ``None`` when it was read without a model (:func:`read_checkpoint`).
+    """
 
     identity: str
     fields: dict[str, Any]
@@ -85,30 +94,63 @@ class Checkpoint:
     generated_ids: list[int]
     emitted_text: str
     finished: bool
-    cache: list[Any]
+    cache: list[Any] | None
+    model: str | None = None
 
     @property
     def prompt_ids(self) -> list[int]:
         return list(self.fields["prompt_ids"])
 
+    @property
+    def max_tokens(self) -> int:
+        return int(self.fields["execution"]["max_tokens"])
+
+    @property
+    def stop(self) -> list[str]:
+        return list(self.fields["stop"])
+
+    @property
+    def execution(self) -> dict[str, Any]:
+        """The execution choices, without ``max_tokens``."""
+        return {k: v for k, v in self.fields["execution"].items() if k != "max_tokens"}
+
+    @property
+    def dtype(self) -> str | None:
+        return self.fields["binding"]["dtype"]
+
+    def sampling(self) -> SamplingParams:
+        """The run's sampling parameters."""
+        return sampling_from_fields(self.fields, "the checkpoint")
+
     def rng(self) -> RequestRNG:
         """The request's key sequence at the saved position."""
-        return RequestRNG.from_state((self.seed, self.rng_steps, self.fields["seed_mode"] == "explicit"))
+        return RequestRNG.from_state((self.seed, self.rng_steps, self.fields["seed_mode"] == "explicit"),
+                                     max_steps=len(self.generated_ids))
+
+
+def _write_version(vdir: Path, meta: dict[str, Any], arrays: dict[str, mx.array]) -> None:
+    _op("write kv")
+    mx.save_safetensors(str(vdir / _KV), arrays)
+    _op("write meta")
+    with open(vdir / _META, "x", encoding="utf-8") as fh:
+        fh.write(canonical_json(meta))
 
 
 def save_checkpoint(directory: str | Path, *, fields: dict[str, Any], rng: RequestRNG, generated_ids: list[int],
-                    emitted_text: str, cache: list[Any], finished: bool = False) -> Path:
+                    emitted_text: str, cache: list[Any], finished: bool = False, model: str | None = None,
+                    store: CheckpointStore | None = None) -> Path:
     """Atomically write a checkpoint to ``directory`` (replacing an earlier one of the same run).
 
-    Refuses to overwrite a directory that holds anything but a checkpoint of this run.
+    Refuses a directory mlx-infer did not make, one holding another run's
+    checkpoint, and one another process has open. ``store`` is an already
+    open (locked) :class:`CheckpointStore` of ``directory``.
     """
-    directory = Path(directory)
+    fields = _as_json(fields)
     ident = identity(fields)
-    if directory.exists():
-        _check_replaceable(directory, ident)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    own = store is None
+    store = store or CheckpointStore.open(directory, write=True)
     try:
+        _check_replaceable(store, ident)
         arrays: dict[str, mx.array] = {}
         layout = []
         for i, c in enumerate(cache):
@@ -116,12 +158,12 @@ def save_checkpoint(directory: str | Path, *, fields: dict[str, Any], rng: Reque
             for j, a in enumerate(state):
                 arrays[f"layer{i}.{j}"] = a
             layout.append({"class": type(c).__name__, "arrays": len(state), "meta_state": list(c.meta_state)})
-        mx.save_safetensors(str(tmp / _KV), arrays)
         rng_state = rng.state()
         meta = {
             "format_version": FORMAT_VERSION,
             "identity": ident,
             "fields": fields,
+            "model": model,
             "seed": rng_state.seed,
             "rng_steps": rng_state.steps,
             "generated_ids": list(generated_ids),
@@ -129,91 +171,114 @@ def save_checkpoint(directory: str | Path, *, fields: dict[str, Any], rng: Reque
             "finished": finished,
             "cache_layout": layout,
         }
-        (tmp / _META).write_text(canonical_json(meta), encoding="utf-8")
-        for f in tmp.iterdir():  # make the bytes durable before the rename publishes them
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        if directory.exists():
-            old = directory.with_name(f".{directory.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            directory.rename(old)
-            tmp.rename(directory)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(directory)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return directory
+        try:
+            store.publish(lambda vdir: _write_version(vdir, meta, arrays))
+        except OSError as e:
+            raise CheckpointError(f"could not save the checkpoint in {store.path}: {e.strerror or e}.") from None
+    finally:
+        if own:
+            store.close()
+    return store.path
 
 
-def _check_replaceable(directory: Path, ident: str) -> None:
-    if not directory.is_dir():
-        raise CheckpointError(f"{directory} exists and is not a checkpoint directory; choose another path.")
-    entries = {p.name for p in directory.iterdir()}
-    if not entries:
-        return
-    if not entries <= {_META, _KV}:
-        raise CheckpointError(f"{directory} holds other files ({', '.join(sorted(entries - {_META, _KV}))}); "
-                              "refusing to overwrite it. Choose an empty or new directory.")
+def _check_replaceable(store: CheckpointStore, ident: str) -> None:
+    """A writer may replace only a checkpoint of its own run (or an empty store)."""
     try:
-        existing = json.loads((directory / _META).read_text(encoding="utf-8")).get("identity")
-    except (OSError, json.JSONDecodeError):
+        current = store.current()
+    except CheckpointError as e:
+        raise CheckpointError(f"{store.path} holds a damaged checkpoint ({e}); refusing to overwrite it. "
+                              "Delete it or choose another directory.") from None
+    if current is None:
+        return
+    try:
+        existing = json.loads(current[0].decode("utf-8")).get("identity")
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, AttributeError):
         existing = None
     if existing != ident:
-        raise CheckpointError(f"{directory} holds a checkpoint of a different run; refusing to overwrite it. "
+        raise CheckpointError(f"{store.path} holds a checkpoint of a different run; refusing to overwrite it. "
                               "Resume it with --resume, or choose another directory.")
 
 
-def load_checkpoint(directory: str | Path, *, expected_fields: dict[str, Any] | None = None) -> Checkpoint:
-    """Read a checkpoint; with ``expected_fields`` (this run's identity fields), refuse one of another run.
+def _describe_difference(saved: dict[str, Any], now: dict[str, Any]) -> str:
+    parts = []
+    for key in sorted(set(saved) | set(now)):
+        a, b = saved.get(key), now.get(key)
+        if a == b:
+            continue
+        if key == "binding":
+            parts.append("the model (its weights, config or dtype)")
+        elif isinstance(a, dict) and isinstance(b, dict):
+            sub = [f"{key}.{k} ({a.get(k)!r} saved, {b.get(k)!r} now)" for k in sorted(set(a) | set(b))
+                   if a.get(k) != b.get(k)]
+            parts.extend(sub)
+        elif key == "prompt_ids":
+            parts.append("the prompt")
+        else:
+            parts.append(f"{key} ({a!r} saved, {b!r} now)")
+    return "; ".join(parts)
+
+
+def _read(store: CheckpointStore, *, expected_fields: dict[str, Any] | None, model: Any) -> Checkpoint:
+    where = str(store.path)
+    current = store.current()
+    if current is None:
+        raise CheckpointError(f"{where} holds no saved checkpoint yet (the run that made it saved none).")
+    raw, kv_path = current
+    try:
+        meta = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, ValueError) as e:
+        raise CheckpointError(f"{kv_path.parent / _META} is damaged ({e}); the checkpoint cannot be resumed.") \
+            from None
+    meta = validate_meta(meta, where)
+    if expected_fields is not None:
+        expected = _as_json(expected_fields)
+        if identity(expected) != meta["identity"]:
+            raise CheckpointError(
+                f"{where} was saved by a different run (it differs in: "
+                f"{_describe_difference(meta['fields'], expected)}); refusing to resume it with these "
+                "arguments. Resume with --resume DIR alone, or start a new run.")
+    cache = None
+    if model is not None:
+        try:
+            arrays = mx.load(str(kv_path))
+        except (RuntimeError, ValueError, OSError) as e:
+            raise CheckpointError(f"{kv_path} cannot be read ({e}); the checkpoint is damaged.") from None
+        if not isinstance(arrays, dict):
+            raise CheckpointError(f"{kv_path} is not a safetensors file of named arrays; it is damaged.")
+        cache = validate_against_model(meta, arrays, model, where)
+    return Checkpoint(identity=meta["identity"], fields=meta["fields"], seed=meta["seed"],
+                      rng_steps=meta["rng_steps"], generated_ids=list(meta["generated_ids"]),
+                      emitted_text=meta["emitted_text"], finished=meta["finished"], cache=cache,
+                      model=meta["model"])
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def load_checkpoint(directory: str | Path, *, expected_fields: dict[str, Any] | None = None, model: Any = None,
+                    store: CheckpointStore | None = None) -> Checkpoint:
+    """Read and validate a checkpoint; with ``expected_fields`` (this run's identity fields), refuse one
+    of another run; with ``model``, restore its KV caches after checking them against the model.
 
     Raises:
-        CheckpointError: missing files, a damaged or truncated file, another
-            format version, or an identity mismatch (the message says which).
+        CheckpointError: not a checkpoint directory, a damaged, edited or
+            truncated file, another format version, locked by a writer, or an
+            identity mismatch (the message says which).
     """
-    from ..state.kv import KVCache, RotatingKVCache
+    own = store is None
+    store = store or CheckpointStore.open(directory, write=False)
+    try:
+        return _read(store, expected_fields=expected_fields, model=model)
+    finally:
+        if own:
+            store.close()
 
-    directory = Path(directory)
-    meta_path, kv_path = directory / _META, directory / _KV
-    if not meta_path.is_file() or not kv_path.is_file():
-        raise CheckpointError(f"{directory} is not a checkpoint (it needs {_META} and {_KV}).")
-    try:
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{meta_path} is damaged ({e}); the checkpoint cannot be resumed.") from None
-    version = meta.get("format_version")
-    if version != FORMAT_VERSION:
-        raise CheckpointError(f"{directory} has checkpoint format version {version!r}; this mlx-infer reads "
-                              f"version {FORMAT_VERSION}. Resume it with the mlx-infer that wrote it.")
-    try:
-        if identity(meta["fields"]) != meta["identity"]:
-            raise CheckpointError(f"{meta_path} is damaged: its identity does not match its fields.")
-        arrays = mx.load(str(kv_path))
-    except KeyError as e:
-        raise CheckpointError(f"{meta_path} lacks {e}; the checkpoint is damaged.") from None
-    except (RuntimeError, ValueError) as e:
-        raise CheckpointError(f"{kv_path} is truncated or damaged ({e}); the checkpoint cannot be resumed.") from None
-    if expected_fields is not None and identity(expected_fields) != meta["identity"]:
-        differ = sorted(k for k in set(meta["fields"]) | set(expected_fields)
-                        if meta["fields"].get(k) != expected_fields.get(k))
-        raise CheckpointError(
-            f"{directory} was saved by a different run (it differs in: {', '.join(differ)}); refusing to "
-            "resume it with these arguments. Repeat the original command with --resume, or start a new run.")
-    classes = {"KVCache": KVCache, "RotatingKVCache": RotatingKVCache}
-    cache = []
-    for i, layer in enumerate(meta["cache_layout"]):
-        cls = classes.get(layer["class"])
-        if cls is None:
-            raise CheckpointError(f"{directory} holds a {layer['class']} cache, which cannot be restored.")
-        try:
-            state = tuple(arrays[f"layer{i}.{j}"] for j in range(layer["arrays"]))
-        except KeyError:
-            raise CheckpointError(f"{kv_path} lacks layer {i}'s arrays; the checkpoint is damaged.") from None
-        cache.append(cls.from_state(state, tuple(layer["meta_state"])))
-    return Checkpoint(identity=meta["identity"], fields=meta["fields"], seed=meta["seed"],
-                      rng_steps=meta["rng_steps"], generated_ids=meta["generated_ids"],
-                      emitted_text=meta["emitted_text"], finished=meta["finished"], cache=cache)
+
+def read_checkpoint(directory: str | Path) -> Checkpoint:
+    """The checkpoint's fields, checked, without its KV state (``cache`` is ``None``): what a
+    resume needs to know before it loads the model."""
+    return load_checkpoint(directory)
 
 
 def generate_checkpointed(
@@ -245,36 +310,43 @@ def generate_checkpointed(
     """
     from .autoregressive import Generation, GenerateStats, generate_tokens, newline_ids, stream_text
 
-    if every < 1:
-        raise MlxInferError(f"the checkpoint interval must be >= 1 token, got {every}.")
+    if type(every) is not int or every < 1:
+        raise MlxInferError(f"the checkpoint interval must be an integer >= 1 token, got {every!r}.")
     execution = dict(execution or {}, max_tokens=max_tokens)
     fields = identity_fields(prompt_ids=prompt_ids, sampling=sampling, stop=list(stop), execution=execution,
                              binding=binding_identity(Path(loaded.path), dtype=dtype))
-    generated: list[int] = []
-    emitted = ""
-    cache = rng = None
-    if resume:
-        ck = load_checkpoint(directory, expected_fields=fields)
-        if ck.finished:
-            return Generation(iter(()), GenerateStats(prompt_tokens=len(prompt_ids), finish_reason="stop"))
-        generated, emitted, cache, rng = list(ck.generated_ids), ck.emitted_text, ck.cache, ck.rng()
-    else:
-        rng = RequestRNG(sampling.seed)
-        if Path(directory).exists():
-            _check_replaceable(Path(directory), identity(fields))
-    prior = list(generated)
-    tokens = generate_tokens(
-        loaded.model, list(prompt_ids) + prior, sampling=sampling, max_tokens=max_tokens - len(prior),
-        eos_token_ids=loaded.eos_token_ids, newline_token_ids=newline_ids(loaded),
-        context_length=loaded.context_length, cancel=cancel, cache=cache, rng=rng,
-        start_index=len(prior), pipeline=False,
-    )
-    text = stream_text(loaded, tokens, stop=stop, prime_ids=prior)
+    source = getattr(loaded, "source", None)
+    model_path = None if source in (None, "default") else os.path.abspath(os.path.expanduser(source))
+    store = CheckpointStore.open(directory, write=True)  # locked until the generation ends
+    try:
+        generated: list[int] = []
+        emitted = ""
+        cache = rng = None
+        if resume:
+            ck = load_checkpoint(directory, expected_fields=fields, model=loaded.model, store=store)
+            if ck.finished:
+                store.close()
+                return Generation(iter(()), GenerateStats(prompt_tokens=len(prompt_ids), finish_reason="stop"))
+            generated, emitted, cache, rng = list(ck.generated_ids), ck.emitted_text, ck.cache, ck.rng()
+        else:
+            rng = RequestRNG(sampling.seed)
+            _check_replaceable(store, identity(fields))
+        prior = list(generated)
+        tokens = generate_tokens(
+            loaded.model, list(prompt_ids) + prior, sampling=sampling, max_tokens=max_tokens - len(prior),
+            eos_token_ids=loaded.eos_token_ids, newline_token_ids=newline_ids(loaded),
+            context_length=loaded.context_length, cancel=cancel, cache=cache, rng=rng,
+            start_index=len(prior), pipeline=False,
+        )
+        text = stream_text(loaded, tokens, stop=stop, prime_ids=prior)
+    except BaseException:
+        store.close()
+        raise
     state = tokens.state
 
     def save(finished: bool) -> None:
         save_checkpoint(directory, fields=fields, rng=state.rng, generated_ids=generated, emitted_text=emitted,
-                        cache=state.cache, finished=finished)
+                        cache=state.cache, finished=finished, model=model_path, store=store)
 
     def items() -> Any:
         nonlocal emitted
@@ -288,8 +360,11 @@ def generate_checkpointed(
                     save(finished)
                 yield item
         finally:
-            text.close()
-            if not finished:
-                save(False)
+            try:
+                text.close()
+                if not finished:
+                    save(False)
+            finally:
+                store.close()
 
     return Generation(items(), text.stats, state)

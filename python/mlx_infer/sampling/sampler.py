@@ -20,6 +20,10 @@ from .params import SamplingParams
 from .processors import History, LogitsProcessor, make_logits_processors
 
 _EVAL_EVERY = 512  # bounds the lazy graph while fast-forwarding a key sequence
+#: The most steps :meth:`RequestRNG.from_state` fast-forwards by default (about 10 s of splits on a CPU).
+MAX_RNG_STEPS = 1 << 20
+#: The largest seed ``mx.random.key`` accepts.
+MAX_SEED = (1 << 64) - 1
 
 
 class RNGState(NamedTuple):
@@ -56,19 +60,39 @@ class RequestRNG:
         return RNGState(self.seed, self.steps, self.explicit)
 
     @classmethod
-    def from_state(cls, state: RNGState | Sequence[Any] | Mapping[str, Any]) -> "RequestRNG":
+    def from_state(cls, state: RNGState | Sequence[Any] | Mapping[str, Any], *,
+                   max_steps: int = MAX_RNG_STEPS) -> "RequestRNG":
         """A sequence positioned after ``state.steps`` keys: its next key is the one an
         uninterrupted run would draw next. Accepts an :class:`RNGState`, a
-        ``(seed, steps[, explicit])`` tuple/list (as JSON returns it) or a mapping."""
-        if isinstance(state, Mapping):
-            seed, steps, explicit = state["seed"], state["steps"], state.get("explicit", True)
-        else:
-            seed, steps, *rest = state
-            explicit = rest[0] if rest else True
+        ``(seed, steps[, explicit])`` tuple/list (as JSON returns it) or a mapping.
+
+        Reaching step n takes n splits (the key chain cannot be jumped), so
+        ``steps`` is refused above ``max_steps`` (what the caller's run can have
+        drawn; default :data:`MAX_RNG_STEPS`) rather than looped over.
+
+        Raises:
+            MlxInferError: a malformed state, a bad seed, or too many steps.
+        """
+        try:
+            if isinstance(state, Mapping):
+                seed, steps, explicit = state["seed"], state["steps"], state.get("explicit", True)
+            else:
+                seed, steps, *rest = state
+                if len(rest) > 1:
+                    raise ValueError
+                explicit = rest[0] if rest else True
+        except (KeyError, TypeError, ValueError):
+            raise MlxInferError(f"RNG state must be (seed, steps[, explicit]), got {state!r}.") from None
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
             raise MlxInferError(f"RNG state steps must be a non-negative integer, got {steps!r}.")
+        if steps > max_steps:
+            raise MlxInferError(f"RNG state steps {steps} exceeds the most this run can have drawn ({max_steps}).")
+        if not isinstance(explicit, bool):
+            raise MlxInferError(f"RNG state explicit must be True or False, got {explicit!r}.")
+        if isinstance(seed, int) and not isinstance(seed, bool) and seed > MAX_SEED:
+            raise MlxInferError(f"RNG seed must be at most {MAX_SEED}, got {seed}.")
         rng = cls(seed)
-        rng.explicit = bool(explicit)
+        rng.explicit = explicit
         key = rng._key
         for i in range(steps):
             key = mx.random.split(key)[0]
