@@ -139,13 +139,71 @@ def test_refuses_to_overwrite(hf_dir, tmp_path):
     (out / "keep.txt").write_text("precious")
     with pytest.raises(MlxInferError, match="not empty"):
         convert(hf_dir, out, progress=False)
-    assert (out / "keep.txt").read_text() == "precious"
-    convert(hf_dir, out, overwrite=True, progress=False)
-    assert not (out / "keep.txt").exists() and (out / "config.json").is_file()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    with pytest.raises(MlxInferError, match="not written by mlx-infer convert"):
+        convert(hf_dir, out, overwrite=True, progress=False)  # --overwrite never deletes what we did not write
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"] and (out / "keep.txt").read_text() == "precious"
+    mine = convert(hf_dir, tmp_path / "mine", progress=False)
+    assert (mine / ".mlx-infer-convert").is_file()
+    before = (mine / "model.safetensors").read_bytes()
+    convert(hf_dir, mine, overwrite=True, dtype="float16", progress=False)  # our own output: replaced
+    assert (mine / "model.safetensors").read_bytes() != before and (mine / "config.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "out"]  # nothing left beside it
+    (mine / "notes.md").write_text("mine, not the converter's")
+    with pytest.raises(MlxInferError, match=r"did not write \(notes\.md\)"):
+        convert(hf_dir, mine, overwrite=True, progress=False)
+    assert (mine / "notes.md").read_text() == "mine, not the converter's"
     empty = tmp_path / "empty"
     empty.mkdir()
     assert convert(hf_dir, empty, progress=False) == empty  # an empty directory is fine
+
+
+@pytest.mark.parametrize("where", ["source", "parent", "grandparent"])
+def test_never_overwrites_the_source_or_a_parent_of_it(hf_dir, tmp_path, where):
+    import shutil
+
+    from fs_snapshot import snapshot
+
+    src = tmp_path / "models" / "hf"
+    shutil.copytree(hf_dir, src)
+    (tmp_path / "models" / "unrelated.txt").write_text("keep")
+    out = {"source": src, "parent": src.parent, "grandparent": tmp_path}[where]
+    before = snapshot(tmp_path)
+    with pytest.raises(MlxInferError, match="destroy it"):
+        convert(src, out, overwrite=True, progress=False)
+    assert snapshot(tmp_path) == before
+
+
+def test_a_killed_conversion_leaves_the_output_and_the_next_one_cleans_up(hf_dir, tmp_path, monkeypatch):
+    import mlx_infer.artifacts.output_dir as od
+
+    out = convert(hf_dir, tmp_path / "out", progress=False)
+    monkeypatch.setattr(od, "_exchange", lambda a, b: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        convert(hf_dir, out, overwrite=True, dtype="float16", progress=False)
+    assert (out / "config.json").is_file()  # the old output is intact
+    # a SIGKILL would have skipped the cleanup: leave a marked temp directory as it would
+    stale = tmp_path / ".out.tmp-0123abcd"
+    stale.mkdir()
+    (stale / ".mlx-infer-convert").write_text(od.MARKER_TEXT)
+    (stale / "config.json").write_text("{}")
+    foreign = tmp_path / ".out.tmp-89abcdef"
+    foreign.mkdir()
+    (foreign / "thesis.txt").write_text("not ours")
+    monkeypatch.undo()
+    convert(hf_dir, out, overwrite=True, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".out.tmp-89abcdef", "out"]
+    assert (foreign / "thesis.txt").read_text() == "not ours"
+
+
+def test_exchange_is_atomic_here(tmp_path):
+    from mlx_infer.artifacts.output_dir import _exchange
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "x").write_text("a")
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "x").write_text("b")
+    assert _exchange(tmp_path / "a", tmp_path / "b")  # Linux tmpfs/ext4 and macOS APFS support it
+    assert (tmp_path / "a" / "x").read_text() == "b" and (tmp_path / "b" / "x").read_text() == "a"
 
 
 def test_bad_arguments_and_sources(hf_dir, tmp_path):

@@ -19,26 +19,31 @@ def _generate(args: argparse.Namespace) -> int:
     from .generation.autoregressive import generate, prompt_ids_for
     from .sampling import SamplingParams
 
-    sampling = SamplingParams(temperature=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                              repetition_penalty=args.repetition_penalty or 1.0, seed=args.seed)
     if args.checkpoint and args.resume:
         raise MlxInferError("give either --checkpoint DIR (a new run) or --resume DIR (continue one), not both.")
-    loaded = load_model(args.model, dtype=args.dtype, cpu_kernels=False if args.stock_kernels else None)
-    prompt = args.prompt
-    if args.chat and args.system_prompt:
-        prompt = [{"role": "system", "content": args.system_prompt}, {"role": "user", "content": args.prompt}]
-    if loaded.model.declaration.method == "denoising":
-        from .generation import denoising
-
-        if args.checkpoint or args.resume:
-            raise MlxInferError("--checkpoint/--resume work with autoregressive models only; this one denoises.")
-        gen = denoising.generate(loaded, prompt, sampling=sampling, max_tokens=args.max_tokens, chat=args.chat,
-                                 stop=args.stop or ())
-    elif args.checkpoint or args.resume:
-        gen = _checkpointed(args, loaded, prompt_ids_for(loaded, prompt, chat=args.chat), sampling)
+    if args.resume:
+        gen = _resumed(args)
     else:
-        gen = generate(loaded, prompt, sampling=sampling, max_tokens=args.max_tokens, chat=args.chat,
-                       stop=args.stop or ())
+        if args.prompt is None:
+            raise MlxInferError("--prompt is required (only --resume DIR takes it from the checkpoint).")
+        sampling = SamplingParams(temperature=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                                  repetition_penalty=args.repetition_penalty or 1.0, seed=args.seed)
+        loaded = load_model(args.model, dtype=args.dtype, cpu_kernels=False if args.stock_kernels else None)
+        prompt = _prompt(args)
+        if loaded.model.declaration.method == "denoising":
+            from .generation import denoising
+
+            if args.checkpoint:
+                raise MlxInferError("--checkpoint/--resume work with autoregressive models only; this one denoises.")
+            gen = denoising.generate(loaded, prompt, sampling=sampling, max_tokens=args.max_tokens, chat=args.chat,
+                                     stop=args.stop or ())
+        elif args.checkpoint:
+            gen = _checkpointed(args, loaded, prompt_ids_for(loaded, prompt, chat=args.chat), sampling,
+                                max_tokens=args.max_tokens, stop=args.stop or [], dtype=args.dtype,
+                                execution=_execution(args.chat, args.stock_kernels))
+        else:
+            gen = generate(loaded, prompt, sampling=sampling, max_tokens=args.max_tokens, chat=args.chat,
+                           stop=args.stop or ())
     with gen:
         for item in gen:
             if item.text:
@@ -57,7 +62,56 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _checkpointed(args: argparse.Namespace, loaded: object, prompt_ids: list[int], sampling: object) -> object:
+def _prompt(args: argparse.Namespace) -> object:
+    if args.chat and args.system_prompt:
+        return [{"role": "system", "content": args.system_prompt}, {"role": "user", "content": args.prompt}]
+    return args.prompt
+
+
+def _execution(chat: bool, stock_kernels: bool) -> dict[str, object]:
+    """The execution choices a checkpoint's identity records."""
+    return {"chat": bool(chat), "stock_kernels": bool(stock_kernels)}
+
+
+def _resumed(args: argparse.Namespace) -> object:
+    """``--resume DIR``: the checkpoint holds the prompt and every setting; flags given too must match it."""
+    from .artifacts.loader import load_model
+    from .generation.autoregressive import prompt_ids_for
+    from .generation.checkpoint import read_checkpoint
+
+    ck = read_checkpoint(args.resume)
+    sampling, execution = ck.sampling(), ck.execution
+    defaults = vars(build_parser().parse_args(["generate"]))
+    saved = {
+        "temp": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k, "min_p": sampling.min_p,
+        "repetition_penalty": sampling.repetition_penalty, "seed": sampling.seed, "max_tokens": ck.max_tokens,
+        "stop": ck.stop, "chat": execution.get("chat", False), "dtype": ck.dtype,
+        "stock_kernels": execution.get("stock_kernels", False),
+    }
+    given = {k: getattr(args, k) for k in saved if getattr(args, k) != defaults[k]}
+    if given.get("repetition_penalty") is not None:
+        given["repetition_penalty"] = float(given["repetition_penalty"])
+    differ = [f"--{k.replace('_', '-')} ({v!r} given, {saved[k]!r} saved)" for k, v in given.items()
+              if v != saved[k] and not (k in ("temp", "top_p", "min_p") and float(v) == saved[k])]
+    if differ:
+        verb, them = ("differs", "it") if len(differ) == 1 else ("differ", "them")
+        raise MlxInferError(f"--resume {args.resume}: {', '.join(differ)} {verb} from the checkpoint; drop {them} "
+                            "(the checkpoint holds the run's settings) or start a new run with --checkpoint.")
+    model = args.model if args.model is not None else ck.model
+    loaded = load_model(model, dtype=ck.dtype, cpu_kernels=False if saved["stock_kernels"] else None)
+    if loaded.model.declaration.method == "denoising":
+        raise MlxInferError("--checkpoint/--resume work with autoregressive models only; this one denoises.")
+    if args.prompt is not None:
+        args.chat = saved["chat"]
+        if prompt_ids_for(loaded, _prompt(args), chat=saved["chat"]) != ck.prompt_ids:
+            raise MlxInferError(f"--resume {args.resume}: --prompt differs from the checkpoint's prompt; drop "
+                                "--prompt (the checkpoint holds it) or start a new run with --checkpoint.")
+    return _checkpointed(args, loaded, ck.prompt_ids, sampling, max_tokens=ck.max_tokens, stop=ck.stop,
+                         dtype=ck.dtype, execution=execution)
+
+
+def _checkpointed(args: argparse.Namespace, loaded: object, prompt_ids: list[int], sampling: object, *,
+                  max_tokens: int, stop: list[str], dtype: str | None, execution: dict[str, object]) -> object:
     """A checkpointed run; Ctrl-C (SIGINT) stops it at the next token and saves."""
     import signal
 
@@ -67,9 +121,9 @@ def _checkpointed(args: argparse.Namespace, loaded: object, prompt_ids: list[int
     cancel = CancelToken()
     signal.signal(signal.SIGINT, lambda *_: cancel.cancel())
     return generate_checkpointed(
-        loaded, prompt_ids, args.checkpoint or args.resume, sampling=sampling, max_tokens=args.max_tokens,
-        stop=args.stop or [], resume=bool(args.resume), every=args.checkpoint_every, dtype=args.dtype,
-        cancel=cancel, execution={"chat": args.chat},
+        loaded, prompt_ids, args.checkpoint or args.resume, sampling=sampling, max_tokens=max_tokens,
+        stop=stop, resume=bool(args.resume), every=args.checkpoint_every, dtype=dtype,
+        cancel=cancel, execution=execution,
     )
 
 
@@ -149,7 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text from a prompt")
     g.add_argument("--model", default=None,
                    help="model directory or .gguf file (default: the embedded Gemma 3 270M)")
-    g.add_argument("--prompt", "-p", required=True, help="the prompt text ('-' reads stdin)")
+    g.add_argument("--prompt", "-p", default=None,
+                   help="the prompt text ('-' reads stdin); --resume DIR takes it from the checkpoint")
     g.add_argument("--max-tokens", "-m", type=int, default=256, help="most tokens to generate")
     g.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0 = greedy)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
@@ -167,7 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--checkpoint", default=None, metavar="DIR",
                    help="save a resumable checkpoint to DIR as it goes and on Ctrl-C")
     g.add_argument("--resume", default=None, metavar="DIR",
-                   help="continue the run checkpointed in DIR (same prompt and settings); prints only what follows")
+                   help="continue the run checkpointed in DIR with its prompt and settings (flags given too "
+                        "must match them); prints only what follows")
     g.add_argument("--checkpoint-every", type=int, default=16, help="tokens between checkpoint saves")
     g.add_argument("--verbose", type=lambda s: s.lower() in ("1", "true", "yes"), default=True,
                    help="print stats on stderr (default true)")

@@ -9,8 +9,9 @@ The directory is what mlx-lm writes and what our loader reads::
       tokenizer.json, tokenizer_config.json, generation_config.json
 
 Writing is atomic: everything goes to a temporary directory beside ``out_dir``
-that is renamed into place only once complete, so a failure never leaves a
-half-written model behind.
+that is swapped into place only once complete, so a failure never leaves a
+half-written model behind; an existing ``out_dir`` is replaced only when it is
+an earlier output of ours (see :mod:`.output_dir`).
 """
 
 from __future__ import annotations
@@ -18,13 +19,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import uuid
 from pathlib import Path
 from typing import Any, Mapping
 
 import mlx.core as mx
 
 from ..errors import MlxInferError, ModelLoadError
+from .output_dir import check_output, discard, make_temp, source_exists, swap_into_place
 
 #: Shards are cut before they would exceed this many bytes (one tensor larger than it gets its own).
 DEFAULT_MAX_SHARD_BYTES = 2 << 30
@@ -70,17 +71,6 @@ def should_quantize(name: str, weight: mx.array, group_size: int) -> bool:
     )
 
 
-def _prepare_out_dir(out_dir: Path, overwrite: bool) -> None:
-    if out_dir.exists():
-        if not out_dir.is_dir():
-            raise MlxInferError(f"{out_dir} exists and is not a directory; choose another output path.")
-        if any(out_dir.iterdir()) and not overwrite:
-            raise MlxInferError(
-                f"{out_dir} already exists and is not empty; refusing to overwrite it. "
-                "Choose a new output path, delete it, or pass overwrite=True (--overwrite)."
-            )
-
-
 def _write_json(path: Path, data: Mapping[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=4, ensure_ascii=False) + "\n", encoding="utf-8")
 
@@ -112,6 +102,7 @@ def write_mlx_dir(
     progress: bool = True,
     extra_files: Mapping[str, str | os.PathLike] | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    source: Path | None = None,
 ) -> Path:
     """Write an MLX model directory atomically.
 
@@ -128,18 +119,22 @@ def write_mlx_dir(
         group_size: quantization group size (32, 64 or 128).
         dtype: cast floating weights to this dtype first (``None`` keeps them);
             quantization scales and biases take this dtype.
-        overwrite: replace an existing non-empty ``out_dir``.
+        overwrite: replace an existing non-empty ``out_dir`` -- only one this
+            function wrote (it carries :data:`~.output_dir.MARKER`) and that holds
+            nothing else; anyone else's directory is refused, never deleted.
         progress: show a progress bar.
         extra_files: file name in ``out_dir`` -> source path, copied verbatim
             (written after the named tokenizer/generation files, so they win).
         max_shard_bytes: split ``model.safetensors`` into shards of at most this size.
+        source: the model this output is converted from; an ``out_dir`` that is or
+            contains it is refused.
 
     Returns:
         ``out_dir`` as a ``Path``.
 
     Raises:
         MlxInferError: ``out_dir`` exists and is not empty (without ``overwrite``),
-            or an argument is invalid.
+            is not ours to replace, is or contains ``source``, or an argument is invalid.
     """
     out = Path(out_dir).expanduser()
     target = _resolve_dtype(dtype)
@@ -151,13 +146,11 @@ def write_mlx_dir(
         "quantization" in config or any(k.endswith(".scales") for k in weights)
     ):
         raise MlxInferError("These weights are already quantized; convert from the unquantized checkpoint instead.")
-    _prepare_out_dir(out, overwrite)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    check_output(out, overwrite=overwrite, source=None if source is None else Path(source).expanduser())
 
     from tqdm.auto import tqdm
 
-    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    tmp = make_temp(out)
     try:
         processed: dict[str, mx.array] = {}
         desc = f"Quantizing to {quantize_bits} bits" if quantize_bits else "Preparing weights"
@@ -206,21 +199,9 @@ def write_mlx_dir(
             shutil.copyfile(src, tmp / fname)
         del processed, shards
 
-        # Swap into place: the old directory (if any) is moved aside first and removed last.
-        old = None
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-            out.rename(old)
-        try:
-            tmp.rename(out)
-        except BaseException:
-            if old is not None:
-                old.rename(out)
-            raise
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        swap_into_place(tmp, out, overwrite=overwrite)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        discard(tmp)
         raise
     return out
 
@@ -289,7 +270,8 @@ def convert(
         group_size: quantization group size.
         dtype: cast floating weights first; ``None`` keeps the source dtype
             (float32 for a GGUF, whatever the safetensors hold otherwise).
-        overwrite: replace an existing non-empty ``out_dir``.
+        overwrite: replace an existing non-empty ``out_dir`` that an earlier
+            conversion wrote (see :func:`write_mlx_dir`).
         progress: show progress bars.
 
     Returns:
@@ -302,9 +284,9 @@ def convert(
     """
     src = Path(source).expanduser()
     out = Path(out_dir).expanduser()
-    if not src.exists():
+    if not source_exists(src):
         raise ModelLoadError(f"{str(src)!r} does not exist. Pass a .gguf file or a Hugging Face model directory.")
-    _prepare_out_dir(out, overwrite)  # fail before the slow read
+    check_output(out, overwrite=overwrite, source=src)  # fail before the slow read
     if src.is_file():
         from .gguf import read_gguf
 
@@ -313,10 +295,11 @@ def convert(
             art.config, art.weights, out,
             tokenizer_json=art.tokenizer_json, tokenizer_config=art.tokenizer_config,
             generation_config=art.generation_config, quantize_bits=quantize_bits, group_size=group_size,
-            dtype=dtype, overwrite=overwrite, progress=progress,
+            dtype=dtype, overwrite=overwrite, progress=progress, source=src,
         )
     config, weights, copied = _read_hf_dir(src)
     return write_mlx_dir(
         config, weights, out, quantize_bits=quantize_bits, group_size=group_size, dtype=dtype,
         overwrite=overwrite, progress=progress, extra_files={name: str(p) for name, p in copied.items()},
+        source=src,
     )
