@@ -28,7 +28,10 @@ def _generate(args: argparse.Namespace) -> int:
             raise MlxInferError("--prompt is required (only --resume DIR takes it from the checkpoint).")
         sampling = SamplingParams(temperature=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                                   repetition_penalty=args.repetition_penalty or 1.0, seed=args.seed)
-        loaded = load_model(args.model, dtype=args.dtype, cpu_kernels=False if args.stock_kernels else None)
+        from .artifacts.loader import default_cpu_kernels
+
+        cpu_kernels = False if args.stock_kernels else default_cpu_kernels()
+        loaded = load_model(args.model, dtype=args.dtype, cpu_kernels=cpu_kernels)
         prompt = _prompt(args)
         if loaded.model.declaration.method == "denoising":
             from .generation import denoising
@@ -40,7 +43,7 @@ def _generate(args: argparse.Namespace) -> int:
         elif args.checkpoint:
             gen = _checkpointed(args, loaded, prompt_ids_for(loaded, prompt, chat=args.chat), sampling,
                                 max_tokens=args.max_tokens, stop=args.stop or [], dtype=args.dtype,
-                                execution=_execution(args.chat, args.stock_kernels))
+                                execution={"chat": bool(args.chat), "cpu_kernels": cpu_kernels})
         else:
             gen = generate(loaded, prompt, sampling=sampling, max_tokens=args.max_tokens, chat=args.chat,
                            stop=args.stop or ())
@@ -68,11 +71,6 @@ def _prompt(args: argparse.Namespace) -> object:
     return args.prompt
 
 
-def _execution(chat: bool, stock_kernels: bool) -> dict[str, object]:
-    """The execution choices a checkpoint's identity records."""
-    return {"chat": bool(chat), "stock_kernels": bool(stock_kernels)}
-
-
 def _resumed(args: argparse.Namespace) -> object:
     """``--resume DIR``: the checkpoint holds the prompt and every setting; flags given too must match it."""
     from .artifacts.loader import load_model
@@ -86,7 +84,7 @@ def _resumed(args: argparse.Namespace) -> object:
         "temp": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k, "min_p": sampling.min_p,
         "repetition_penalty": sampling.repetition_penalty, "seed": sampling.seed, "max_tokens": ck.max_tokens,
         "stop": ck.stop, "chat": execution.get("chat", False), "dtype": ck.dtype,
-        "stock_kernels": execution.get("stock_kernels", False),
+        "stock_kernels": execution.get("cpu_kernels") is False,
     }
     given = {k: getattr(args, k) for k in saved if getattr(args, k) != defaults[k]}
     if given.get("repetition_penalty") is not None:
@@ -98,7 +96,8 @@ def _resumed(args: argparse.Namespace) -> object:
         raise MlxInferError(f"--resume {args.resume}: {', '.join(differ)} {verb} from the checkpoint; drop {them} "
                             "(the checkpoint holds the run's settings) or start a new run with --checkpoint.")
     model = args.model if args.model is not None else ck.model
-    loaded = load_model(model, dtype=ck.dtype, cpu_kernels=False if saved["stock_kernels"] else None)
+    cpu_kernels = execution.get("cpu_kernels")  # the kernels the run used: they change the numerics
+    loaded = load_model(model, dtype=ck.dtype, cpu_kernels=cpu_kernels if isinstance(cpu_kernels, bool) else None)
     if loaded.model.declaration.method == "denoising":
         raise MlxInferError("--checkpoint/--resume work with autoregressive models only; this one denoises.")
     if args.prompt is not None:

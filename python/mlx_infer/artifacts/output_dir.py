@@ -74,7 +74,7 @@ def check_output(out: Path, *, overwrite: bool, source: Path | None = None) -> N
             ``overwrite``, was not written by mlx-infer or holds other files.
     """
     if source is not None:
-        src_r, out_r = source.resolve(), out.resolve()
+        src_r, out_r = Path(os.path.realpath(source)), Path(os.path.realpath(out))  # never raises on loops
         if out_r == src_r or out_r in src_r.parents:
             raise MlxInferError(f"the output {out} {'is' if out_r == src_r else 'contains'} the source model "
                                 f"{source}; writing there would destroy it. Choose an output path outside it.")

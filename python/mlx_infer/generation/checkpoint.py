@@ -317,7 +317,7 @@ def generate_checkpointed(
                              binding=binding_identity(Path(loaded.path), dtype=dtype))
     source = getattr(loaded, "source", None)
     model_path = None if source in (None, "default") else os.path.abspath(os.path.expanduser(source))
-    store = CheckpointStore.open(directory, write=True)  # locked until the generation ends
+    store = CheckpointStore.open(directory, write=True, create=not resume)  # locked until the generation ends
     try:
         generated: list[int] = []
         emitted = ""

@@ -135,9 +135,10 @@ class CheckpointStore:
     # -- opening -------------------------------------------------------
 
     @classmethod
-    def open(cls, directory: str | Path, *, write: bool) -> "CheckpointStore":
-        """Open ``directory``: for writing it is created or adopted (when empty) and locked
-        exclusively; for reading it must already be ours, and is locked shared.
+    def open(cls, directory: str | Path, *, write: bool, create: bool = True) -> "CheckpointStore":
+        """Open ``directory``: for writing it is created or adopted (when empty; not with
+        ``create=False``) and locked exclusively; for reading it must already be ours, and is
+        locked shared.
 
         Raises:
             CheckpointError: the path is a file, a symlink loop, a directory of
@@ -151,7 +152,7 @@ class CheckpointStore:
         except OSError as e:
             raise CheckpointError(f"{describe_os_error(path, e)}; choose another checkpoint directory.") from None
         if st is None:
-            if not write:
+            if not (write and create):
                 raise CheckpointError(f"{path} does not exist; there is no checkpoint to resume there.")
             try:
                 path.mkdir(parents=True, exist_ok=True)
@@ -159,7 +160,7 @@ class CheckpointStore:
                 raise CheckpointError(f"cannot create {path}: {describe_os_error(path, e)}.") from None
         elif not stat.S_ISDIR(st.st_mode):
             raise CheckpointError(f"{path} exists and is not a directory; choose another checkpoint directory.")
-        cls._check_ours(path, adopt=write)
+        cls._check_ours(path, adopt=write and create)
         store = cls(path, None)
         store._lock(exclusive=write)
         return store
