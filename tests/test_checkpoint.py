@@ -1,6 +1,7 @@
 """Exactly resumable generation: identity, atomic saves, refusals, resume == uninterrupted."""
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from mlx_infer.generation.checkpoint import (
     identity,
     identity_fields,
     load_checkpoint,
+    read_checkpoint,
 )
 from mlx_infer.sampling import SamplingParams
 
@@ -163,10 +165,43 @@ def test_cli_ctrl_c_then_resume_equals_uninterrupted(llama_dir, tmp_path):
     out, err = p.communicate(timeout=300)
     assert p.returncode == 130, err
     assert b"--resume" in err
+    assert len(first + out) < len(full.stdout)  # it really was interrupted
+    alone = tmp_path / "alone"
+    shutil.copytree(d, alone)
     rest = subprocess.run(_cli(model_dir, "--resume", str(d)), capture_output=True, timeout=600)
     assert rest.returncode == 0, rest.stderr
     assert first + out + rest.stdout == full.stdout
-    assert len(first + out) < len(full.stdout)  # it really was interrupted
+    # what the interrupt message says to run: --resume DIR alone (the checkpoint holds prompt and settings)
+    rest = subprocess.run([sys.executable, "-m", "mlx_infer", "generate", "--resume", str(alone)],
+                          capture_output=True, timeout=600)
+    assert rest.returncode == 0, rest.stderr
+    assert first + out + rest.stdout == full.stdout
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--temp", "0.5"], "--temp (0.5 given, 0.8 saved) differs"),
+    (["--max-tokens", "7", "--seed", "4"], "--seed (4 given, 3 saved), --max-tokens (7 given, 30 saved) differ"),
+    (["--stop", "x"], "--stop (['x'] given, [] saved)"),
+    (["--chat"], "--chat (True given, False saved)"),
+    (["--prompt", "Goodbye"], "--prompt differs from the checkpoint's prompt"),
+])
+def test_cli_resume_refuses_flags_that_differ_from_the_checkpoint(llama_dir, tmp_path, flags, named):
+    from mlx_infer.cli import main
+
+    d = tmp_path / "ck"
+    gen = generate_checkpointed(load_model(llama_dir), prompt_ids_for(load_model(llama_dir), "Hello"), d,
+                                sampling=SAMPLING, max_tokens=30, every=64,
+                                execution={"chat": False, "cpu_kernels": False})
+    with gen:
+        next(iter(gen))
+    before = snapshot(tmp_path)
+    r = subprocess.run([sys.executable, "-m", "mlx_infer", "generate", "--resume", str(d), *flags],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and named in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert snapshot(tmp_path) == before
+    assert main(["generate", "--prompt", "Hello", "--temp", "0.8", "--resume", str(d), "--model", str(llama_dir),
+                 "--verbose", "0"]) == 0  # the same prompt and settings, given again, are fine
+    assert read_checkpoint(d).finished
 
 
 def test_cli_refuses_checkpoint_and_resume_together(llama_dir, tmp_path):
