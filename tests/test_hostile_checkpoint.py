@@ -411,6 +411,9 @@ def test_a_foreign_file_inside_our_directory_survives_saves(env, tmp_path):
     (d / "notes.txt").write_text("mine")
     (d / "v-000099-deadbeef").mkdir()
     (d / "v-000099-deadbeef" / "thesis.txt").write_text("also mine")
+    (tmp_path / ".ck.old").mkdir()  # the name the old format's save deleted without looking
+    (tmp_path / ".ck.old" / "keep.txt").write_text("the user's")
+    beside = snapshot(tmp_path, skip=())
     loaded = env.loaded["llama"]
     gen = generate_checkpointed(loaded, prompt_ids_for(loaded, "Hello"), d, sampling=SAMPLING,
                                 max_tokens=MAX_TOKENS, resume=True, every=5)
@@ -418,6 +421,9 @@ def test_a_foreign_file_inside_our_directory_survives_saves(env, tmp_path):
         assert len(list(gen)) == MAX_TOKENS - 7
     assert (d / "notes.txt").read_text() == "mine"
     assert (d / "v-000099-deadbeef" / "thesis.txt").read_text() == "also mine"
+    after = snapshot(tmp_path)
+    assert {k: v for k, v in after.items() if not k.startswith("ck/")} == \
+        {k: v for k, v in beside.items() if not k.startswith("ck/")}  # nothing beside the directory touched
 
 
 def test_rng_from_state_is_bounded():

@@ -133,8 +133,11 @@ def _convert(args: argparse.Namespace) -> int:
 
     if args.quantize not in (None, 4, 8):
         raise MlxInferError(f"--quantize takes 4 or 8 bits, got {args.quantize}.")
-    out = convert(Path(args.model), Path(args.mlx_path), quantize_bits=args.quantize,
-                  group_size=args.q_group_size, dtype=args.dtype, overwrite=args.overwrite)
+    try:
+        out = convert(Path(args.model), Path(args.mlx_path), quantize_bits=args.quantize,
+                      group_size=args.q_group_size, dtype=args.dtype, overwrite=args.overwrite)
+    except OSError as e:  # disk full, permissions: the partial output is already removed
+        raise MlxInferError(f"convert failed writing {args.mlx_path}: {e.strerror or e}.") from None
     print(f"wrote {out}", file=sys.stderr)
     return 0
 
