@@ -184,7 +184,7 @@ def save_checkpoint(directory: str | Path, *, fields: dict[str, Any], rng: Reque
 def _check_replaceable(store: CheckpointStore, ident: str) -> None:
     """A writer may replace only a checkpoint of its own run (or an empty store)."""
     try:
-        current = store.current()
+        current = store.current(verify_kv=False)  # its identity is all we need; loads verify every byte
     except CheckpointError as e:
         raise CheckpointError(f"{store.path} holds a damaged checkpoint ({e}); refusing to overwrite it. "
                               "Delete it or choose another directory.") from None
