@@ -305,8 +305,15 @@ def generate_checkpointed(
     text of the first run followed by the text of the resumed one equals the
     text of an uninterrupted run.
 
+    ``directory`` stays locked until the generation ends (or is closed), so a
+    second process on it is refused instead of interleaving saves.
+
     Returns:
         A :class:`~mlx_infer.generation.autoregressive.Generation` of text items.
+
+    Raises:
+        CheckpointError: ``directory`` is not ours, is in use, holds another
+            run's checkpoint, or (resuming) holds none or a damaged one.
     """
     from .autoregressive import Generation, GenerateStats, generate_tokens, newline_ids, stream_text
 
