@@ -439,3 +439,22 @@ def test_rng_from_state_is_bounded():
     for _ in range(3):
         a.next_key()
     assert a.next_key().tolist() == b.next_key().tolist()
+
+
+def test_two_processes_on_one_directory(env, tmp_path):
+    """A second CLI writer (new run or resume) on a directory a running one holds gets one line, exit 2."""
+    d = tmp_path / "ck"
+    base = [sys.executable, "-m", "mlx_infer", "generate", "--model", str(env.models["llama"]), "--verbose", "0"]
+    first = subprocess.Popen(base + ["--prompt", "Hello", "--temp", "0.8", "--seed", "3", "--max-tokens", "100000",
+                                     "--checkpoint", str(d)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        first.stdout.read(8)  # it is generating, and holds the lock
+        for argv in (base + ["--prompt", "Hello", "--checkpoint", str(d)], base + ["--resume", str(d)]):
+            r = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+            assert r.returncode == 2, r.stderr
+            assert len(r.stderr.strip().splitlines()) == 1 and "in use by another mlx-infer process" in r.stderr
+    finally:
+        first.send_signal(signal.SIGINT)
+        first.communicate(timeout=120)
+    assert first.returncode == 130  # interrupted and saved
+    assert not read_checkpoint(d).finished
