@@ -21,6 +21,8 @@ def _generate(args: argparse.Namespace) -> int:
 
     if args.checkpoint and args.resume:
         raise MlxInferError("give either --checkpoint DIR (a new run) or --resume DIR (continue one), not both.")
+    if args.resume and any(getattr(args, f) is not None for f in ("json_schema", "regex", "grammar")):
+        raise MlxInferError("--json-schema/--regex/--grammar do not work with --resume.")
     if args.resume:
         gen = _resumed(args)
     else:
@@ -33,6 +35,10 @@ def _generate(args: argparse.Namespace) -> int:
         cpu_kernels = False if args.stock_kernels else default_cpu_kernels()
         loaded = load_model(args.model, dtype=args.dtype, cpu_kernels=cpu_kernels)
         prompt = _prompt(args)
+        constraint = _constraint(args)
+        if constraint is not None and (args.checkpoint or loaded.model.declaration.method == "denoising"):
+            raise MlxInferError("--json-schema/--regex/--grammar work with plain autoregressive runs only "
+                                "(not with --checkpoint, nor with a denoising model).")
         if loaded.model.declaration.method == "denoising":
             from .generation import denoising
 
@@ -46,7 +52,7 @@ def _generate(args: argparse.Namespace) -> int:
                                 execution={"chat": bool(args.chat), "cpu_kernels": cpu_kernels})
         else:
             gen = generate(loaded, prompt, sampling=sampling, max_tokens=args.max_tokens, chat=args.chat,
-                           stop=args.stop or ())
+                           stop=args.stop or (), constraint=constraint, grammar_jump=not args.no_grammar_jump)
     with gen:
         for item in gen:
             if item.text:
@@ -63,6 +69,30 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"mlx-infer: interrupted; resume with --resume {args.checkpoint or args.resume}", file=sys.stderr)
         return 130
     return 0
+
+
+def _constraint(args: argparse.Namespace) -> object:
+    """The structured-output constraint of ``--json-schema FILE`` / ``--regex`` / ``--grammar FILE``, or None."""
+    given = [f for f in ("json_schema", "regex", "grammar") if getattr(args, f) is not None]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise MlxInferError(f"give one of --json-schema, --regex, --grammar, not {len(given)} of them.")
+    from .constraints import Constraint
+
+    if args.regex is not None:
+        return Constraint.regex(args.regex).validate()
+    flag, path = ("--json-schema", args.json_schema) if args.json_schema is not None else ("--grammar", args.grammar)
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise MlxInferError(f"{flag} {path}: cannot read the file ({getattr(e, 'strerror', None) or e}).") from None
+    try:
+        c = Constraint.json_schema(text) if flag == "--json-schema" else Constraint.grammar(text)
+        return c.validate()
+    except MlxInferError as e:
+        raise MlxInferError(f"{flag} {path}: {e}") from None
 
 
 def _prompt(args: argparse.Namespace) -> object:
@@ -217,6 +247,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--system-prompt", default=None, help="system message (with --chat)")
     g.add_argument("--seed", type=int, default=None, help="seed for sampling (default: fresh)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="constrain the output to JSON valid under this JSON Schema file")
+    g.add_argument("--regex", default=None, metavar="PATTERN", help="constrain the whole output to match a regex")
+    g.add_argument("--grammar", default=None, metavar="FILE",
+                   help="constrain the output to a grammar file (Lark, or llama.cpp GBNF)")
+    g.add_argument("--no-grammar-jump", action="store_true",
+                   help="feed tokens the constraint forces one decode step each (default: one forward per span)")
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="cast weights to this dtype")
     g.add_argument("--stock-kernels", action="store_true",

@@ -57,6 +57,7 @@ class GeneratedToken:
         logprob: log-probability of ``token`` under the processed distribution
             (only with ``SamplingParams(logprobs=True)``).
         top_logprobs: ``[(id, logprob), ...]`` most likely first (with ``top_logprobs=n``).
+        forced: the constraint forced this token (committed without sampling; logprob 0).
     """
 
     token: int
@@ -65,11 +66,16 @@ class GeneratedToken:
     finish_reason: str | None = None
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
+    forced: bool = False
 
 
 @dataclass
 class GenerateStats:
-    """What a generation cost; settled even when the caller breaks out early."""
+    """What a generation cost; settled even when the caller breaks out early.
+
+    ``forwards`` counts model forwards after prefill (decode steps, and grammar-jump spans);
+    ``forced_tokens`` counts tokens a constraint forced (see :mod:`.constrained`).
+    """
 
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -79,6 +85,8 @@ class GenerateStats:
     cache_tokens: int = 0
     peak_memory_gb: float = 0.0
     finish_reason: str | None = None
+    forwards: int = 0
+    forced_tokens: int = 0
 
     @property
     def prefill_tps(self) -> float:
@@ -169,6 +177,8 @@ def generate_tokens(
     prompt_cache: PromptCache | None = None,
     namespace: str = "",
     decode: Any | None = None,
+    constraint: Any | None = None,
+    grammar_jump: bool = True,
 ) -> Generation:
     """Generate token ids after ``prompt_ids``.
 
@@ -195,6 +205,9 @@ def generate_tokens(
         decode: a compiled decode step (``step(tokens, state) -> logits``,
             ``sync()``, ``close()``; see ``AutoregressiveBinding.create_decode``)
             for every step after the first; it is closed when the generation ends.
+        constraint: a :class:`~mlx_infer.constraints.ConstraintState` the output must satisfy
+            (see :mod:`.constrained`); the generation ends when its grammar is complete.
+        grammar_jump: feed tokens the constraint forces as one forward (else one step each).
 
     Returns:
         A :class:`Generation` (iterator of :class:`GeneratedToken` with ``stats`` and ``state``).
@@ -216,7 +229,14 @@ def generate_tokens(
     stats = GenerateStats(prompt_tokens=len(prompt_ids), cached_tokens=cached)
     limit = max_tokens if context_length is None else min(max_tokens, context_length - len(prompt_ids) + 1)
     pipeline = pipeline and not sampler.processors
-    run = _run(model, state, sampler, limit, eos, prefill_step_size, cancel, start_index, pipeline, stats, decode)
+    if constraint is not None:
+        from .constrained import run_constrained
+
+        run = run_constrained(model, state, sampler, limit, eos, prefill_step_size, cancel, start_index,
+                              stats, decode, constraint, grammar_jump)
+    else:
+        run = _run(model, state, sampler, limit, eos, prefill_step_size, cancel, start_index, pipeline,
+                   stats, decode)
     if prompt_cache is not None:
         run = _storing(run, state, prompt_cache, namespace)
     return Generation(run, stats, state)
@@ -233,6 +253,20 @@ def _storing(run: Iterator[GeneratedToken], state: RunState, prompt_cache: Promp
         prompt_cache.store(fed, state.cache, namespace)
 
 
+def prefill(model: Any, cache: list[Any], prompt: mx.array, done: int, step_size: int,
+            cancel: CancelToken | None) -> bool:
+    """Run ``prompt[done:-1]`` (L,) through the hidden phase in chunks; False when cancelled."""
+    total = prompt.shape[0] - 1
+    while total - done > 0:
+        n = min(step_size, total - done)
+        model.model(prompt[done:done + n][None], cache=cache)  # (1, n) -> hidden, fills the cache
+        mx.eval([c.state for c in cache])
+        done += n
+        if cancel is not None and cancel.cancelled:
+            return False
+    return True
+
+
 def _run(model: Any, state: RunState, sampler: Any, limit: int, eos: frozenset[int], prefill_step_size: int,
          cancel: CancelToken | None, start_index: int, pipeline: bool, stats: GenerateStats,
          decode: Any | None) -> Iterator[GeneratedToken]:
@@ -242,6 +276,7 @@ def _run(model: Any, state: RunState, sampler: Any, limit: int, eos: frozenset[i
     want_logprobs = sampler.params.logprobs
 
     def step(y: mx.array, first: bool = False) -> Any:
+        stats.forwards += 1
         if decode is not None and not first:
             logits = decode.step(y, cache)  # (1, vocab)
         else:
@@ -253,16 +288,10 @@ def _run(model: Any, state: RunState, sampler: Any, limit: int, eos: frozenset[i
         if limit <= 0:
             stats.finish_reason = "length"
             return
-        done = stats.cached_tokens
         prompt = mx.array(prompt_ids, dtype=mx.uint32)
-        while len(prompt_ids) - 1 - done > 0:
-            n = min(prefill_step_size, len(prompt_ids) - 1 - done)
-            model.model(prompt[done:done + n][None], cache=cache)
-            mx.eval([c.state for c in cache])
-            done += n
-            if cancel is not None and cancel.cancelled:
-                stats.finish_reason = "cancelled"
-                return
+        if not prefill(model, cache, prompt, stats.cached_tokens, prefill_step_size, cancel):
+            stats.finish_reason = "cancelled"
+            return
         out = step(prompt[-1:], first=True)
         mx.async_eval(out.token)
         n = 0
@@ -351,7 +380,7 @@ def stream_text(loaded: "LoadedModel", tokens: Generation, *, stop: Iterable[str
                 elif ending:
                     text += matcher.flush()
                 yield GeneratedToken(token=t.token, index=t.index, text=text, finish_reason=finish,
-                                     logprob=t.logprob, top_logprobs=t.top_logprobs)
+                                     logprob=t.logprob, top_logprobs=t.top_logprobs, forced=t.forced)
                 if stopped:
                     return
         finally:
@@ -382,6 +411,8 @@ def generate(
     cancel: CancelToken | None = None,
     prompt_cache: PromptCache | None = None,
     compiled: bool = True,
+    constraint: Any | None = None,
+    grammar_jump: bool = True,
 ) -> Generation:
     """Generate text after ``prompt`` (a string, or chat messages); items carry their text.
 
@@ -389,11 +420,19 @@ def generate(
     which is excluded from the text. ``compiled`` uses the graph's compiled
     decode step where it has one (same tokens; see ``tests/test_decode_step.py``).
     ``prefill_step_size`` ``None`` takes the binding's prefill policy (workspace-bounded).
+    ``constraint`` (a :class:`~mlx_infer.constraints.Constraint`) constrains the text to a JSON
+    schema, regex, choice or grammar; ``grammar_jump`` commits the tokens it forces in one forward.
     """
     from .bindings.autoregressive import bind_autoregressive
 
     ids = prompt_ids_for(loaded, prompt, chat=chat)
     binding = bind_autoregressive(loaded)
+    state = None
+    if constraint is not None:
+        from ..constraints import ConstraintState
+
+        state = ConstraintState.create(constraint, loaded.tokenizer, loaded.model.args.vocab_size,
+                                       loaded.eos_token_ids)
     if prefill_step_size is None:
         prefill_step_size = binding.prefill_policy.chunk_size(len(ids))
     inner = generate_tokens(
@@ -401,5 +440,6 @@ def generate(
         eos_token_ids=loaded.eos_token_ids, newline_token_ids=newline_ids(loaded),
         context_length=loaded.context_length, prefill_step_size=prefill_step_size, cancel=cancel,
         prompt_cache=prompt_cache, decode=binding.create_decode() if compiled else None,
+        constraint=state, grammar_jump=grammar_jump,
     )
     return stream_text(loaded, inner, stop=stop)

@@ -71,6 +71,10 @@ class Tokenizer:
         # The template writes BOS itself when the model wants one.
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def to_json(self) -> str:
+        """The ``tokenizers`` JSON of this tokenizer (what structured output's matcher reads)."""
+        return self._tok.to_str()
+
     def detokenizer(self) -> "StreamingDetokenizer":
         """A fresh incremental decoder for one generation."""
         return StreamingDetokenizer(self)

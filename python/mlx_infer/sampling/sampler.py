@@ -177,10 +177,21 @@ class Sampler:
             self.last = out
         return out.token
 
-    def step(self, logits: mx.array, history: History = (), rng: RequestRNG | None = None) -> SampleOutput:
-        """Like calling the sampler, but returns the whole :class:`SampleOutput`."""
+    def step(self, logits: mx.array, history: History = (), rng: RequestRNG | None = None, *,
+             bitmask: Any = None) -> SampleOutput:
+        """Like calling the sampler, but returns the whole :class:`SampleOutput`.
+
+        Args:
+            bitmask: the constraint stage: ``(B, words)`` int32 allowed-token bits (see
+                :mod:`mlx_infer.constraints`); disallowed tokens get -inf before the processors.
+        """
         squeeze = logits.ndim == 1
-        x = self._process(logits[None] if squeeze else logits, history)  # (B, V)
+        x = logits[None] if squeeze else logits  # (B, V)
+        if bitmask is not None:
+            from ..constraints.mask import apply_bitmask
+
+            x = apply_bitmask(x, bitmask)  # (B, V)
+        x = self._process(x, history)  # (B, V)
         if self._greedy:
             token = mx.argmax(x, axis=-1)  # (B,)
             lp = log_softmax(x) if self._logprobs else None

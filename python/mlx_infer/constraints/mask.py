@@ -1,0 +1,24 @@
+"""Apply an allowed-token bitmask to logits on the device (an MLX op; no host round trip of logits)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+_SHIFTS = mx.arange(32, dtype=mx.int32)  # (32,)
+
+
+def bitmask_to_allowed(bits: mx.array | np.ndarray, vocab_size: int) -> mx.array:
+    """``(B, words)`` int32 bits -> ``(B, vocab_size)`` bool (token ``t`` is bit ``t % 32`` of word ``t // 32``)."""
+    bits = mx.array(bits) if isinstance(bits, np.ndarray) else bits  # (B, W)
+    unpacked = mx.right_shift(bits[..., None], _SHIFTS) & 1  # (B, W, 32)
+    return unpacked.reshape(bits.shape[0], -1)[:, :vocab_size].astype(mx.bool_)  # (B, V)
+
+
+def apply_bitmask(logits: mx.array, bits: mx.array | np.ndarray) -> mx.array:
+    """``logits`` ``(B, V)`` (or ``(V,)``) with disallowed tokens set to -inf."""
+    squeeze = logits.ndim == 1
+    x = logits[None] if squeeze else logits  # (B, V)
+    allowed = bitmask_to_allowed(bits, x.shape[-1])  # (B, V)
+    out = mx.where(allowed, x, mx.array(-float("inf"), x.dtype))  # (B, V)
+    return out[0] if squeeze else out
