@@ -77,7 +77,8 @@ SCHEMAS: dict[str, dict] = {
     "oneof_tagged": {"oneOf": [obj({"kind": {"const": "a"}, "x": INT}),
                                obj({"kind": {"const": "b"}, "y": {"type": "boolean"}})]},
     "allof_merge": {"allOf": [{"type": "object", "properties": {"a": INT}, "required": ["a"]},
-                              {"type": "object", "properties": {"b": S8}, "required": ["b"]}]},
+                              {"type": "object", "properties": {"b": S8}, "required": ["b"]}],
+                    "properties": {"a": {}, "b": {}}, "additionalProperties": False},
     "type_union": {"type": ["integer", "boolean"], "minimum": 0, "maximum": 99},
     "defs_ref": {"$defs": {"pt": obj({"x": INT, "y": INT})},
                  **obj({"start": {"$ref": "#/$defs/pt"}, "end": {"$ref": "#/$defs/pt"}})},
@@ -128,7 +129,7 @@ REGEXES = [
     r"[0-9]{3}-[a-z]{2,5}",
     r"(yes|no)",
     r"[A-Z][a-z]{1,6}( [A-Z][a-z]{1,6}){0,2}",
-    r"\d{4}-\d{2}-\d{2}",
+    r"[0-9]{4}-[0-9]{2}-[0-9]{2}",  # (Rust's \d is Unicode digits, which Python's re may not know)
     r"(0|[1-9][0-9]{0,3})(\.[0-9]{1,2})?",
     r"[a-f0-9]{8}",
     r"(GET|POST|PUT) /[a-z]{1,8}",
