@@ -186,7 +186,7 @@ def _post(url: str, path: str, body, **kw) -> httpx.Response:
     ("/v1/chat/completions", {"model": "tiny", "messages": []}, 422, "messages"),
     ("/v1/chat/completions", {"model": "tiny"}, 422, "messages"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": "many"}, 422, "max_tokens"),
-    ("/v1/completions", b"{not json", 422, None),
+    ("/v1/completions", b"{not json", 400, None),
 ])
 def test_bad_input_gets_openai_errors(server, path, body, status, param):
     r = _post(server.url, path, body)
