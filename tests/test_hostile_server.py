@@ -1,120 +1,32 @@
 """Hostile HTTP input: every bad request is a 4xx in OpenAI's error shape, never a 5xx or a hang.
 
-Each case is one request to a real uvicorn on 127.0.0.1 (a free port, a thread of
-the test process) serving a tiny random model; every request has a timeout, and
-after each case the server must still answer. The CLI's ``serve`` errors (one
-line, exit 2) and the lifecycle cases (clients that time out, chunked oversize
-bodies, slow clients, shutdown) are at the end.
+Each case is one request to a real uvicorn (see http_helpers.py) serving a tiny random
+model; every request has a timeout, after each case the server must still answer,
+nothing may reach the server's last-resort 500 (which logs), and no file changes.
+The ``serve`` CLI's bad options are at the end (one line, exit 2, no traceback).
+Lifecycle cases (clients that time out, slow clients, shutdown): test_server_lifecycle.py.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import os
-import re
-import signal
 import socket
-import subprocess
-import sys
-import threading
 import time
-from types import SimpleNamespace
 
 import httpx
-import openai
 import pytest
 
+from http_helpers import (C, CH, KEY, MiB, TIMEOUT, assert_openai_error, assert_serves, chat, comp,  # noqa: F401
+                          keyed, msg, no_files_touched, no_server_errors, read_response, server, start, stop,
+                          tiny_dir, tiny_loaded)
 from mlx_infer.artifacts.loader import load_model
 from mlx_infer.engine import Engine, EngineConfig
-from mlx_infer.server import ServerThread, create_app
+from mlx_infer.server import create_app
 from mlx_infer.server.guard import GuardConfig
-from tiny import make_tiny_model_dir
-
-TIMEOUT = 30.0  # every request of this file: a hang fails, it does not block the suite
-KEY = "sekret-key"
-MiB = 2**20
-
-
-def start(loaded, *, config=EngineConfig(page_size=8), drain_timeout_s=2.0, header_timeout_s=10.0, **kw):
-    engine = Engine(loaded, config).start()
-    srv = ServerThread(create_app(engine, model_id="tiny", **kw), drain_timeout_s=drain_timeout_s,
-                       header_timeout_s=header_timeout_s).start()
-    return SimpleNamespace(url=srv.url, port=srv.port, engine=engine, srv=srv)
-
-
-def stop(s):
-    s.srv.stop()
-    s.engine.stop()
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    # A long context, so a runaway request would run for many seconds.
-    return make_tiny_model_dir(tmp_path_factory.mktemp("hostile"), "llama", max_position_embeddings=8192)
-
-
-@pytest.fixture(scope="module")
-def tiny_loaded(tiny_dir):
-    return load_model(tiny_dir)
-
-
-@pytest.fixture(scope="module")
-def server(tiny_loaded):
-    s = start(tiny_loaded, max_tokens_cap=4096)
-    yield s
-    stop(s)
-
-
-@pytest.fixture(scope="module")
-def keyed(tiny_loaded):
-    s = start(tiny_loaded, guard=GuardConfig(api_key=KEY))
-    yield s
-    stop(s)
-
-
-@pytest.fixture(autouse=True)
-def no_server_errors(caplog):
-    """No case may reach the last-resort 500 (it logs on mlx_infer.server)."""
-    caplog.set_level(logging.ERROR, logger="mlx_infer.server")
-    yield
-    assert not [r for r in caplog.records if r.name == "mlx_infer.server"], caplog.text
-
-
-def assert_openai_error(r: httpx.Response, status: int, param: str | None = None) -> dict:
-    assert r.status_code == status, (r.status_code, r.text[:500])
-    body = r.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
-    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
-    assert body["error"]["type"] == ("server_error" if status >= 500 else "invalid_request_error")
-    if param is not None:
-        assert body["error"]["param"] == param, body
-    return body["error"]
-
-
-def assert_serves(url: str) -> None:
-    r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 2},
-                   timeout=TIMEOUT)
-    assert r.status_code == 200, r.text
 
 
 # -- the table --------------------------------------------------------------------
-
-C, CH = "/v1/completions", "/v1/chat/completions"
-OK_MSG = [{"role": "user", "content": "hi"}]
-
-
-def comp(**kw):
-    return {"model": "tiny", "prompt": "Hello", "max_tokens": 2, **kw}
-
-
-def chat(**kw):
-    return {"model": "tiny", "messages": OK_MSG, "max_tokens": 2, **kw}
-
-
-def msg(**m):
-    return chat(messages=[{"role": "user", "content": "hi", **m}])
-
 
 # (id, path, body: dict -> JSON, bytes -> raw, status, param or None)
 CASES = [
@@ -287,7 +199,7 @@ def test_content_length_over_limit_refused_before_the_body(server):
     with socket.create_connection(("127.0.0.1", server.port), timeout=TIMEOUT) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   b"Content-Length: 100000000\r\n\r\n{")
-        status, body = _read_response(s)
+        status, body = read_response(s)
     assert status == 413 and json.loads(body)["error"]["code"] == "request_too_large"
 
 
@@ -307,31 +219,10 @@ def test_chunked_oversize_body_refused_while_reading(server):
                 piece = b"%x\r\n%s\r\n" % (len(chunk), chunk)
         except (BrokenPipeError, ConnectionResetError):
             pass  # the server answered and closed: what we want
-        status, body = _read_response(s)
+        status, body = read_response(s)
     assert status == 413 and json.loads(body)["error"]["code"] == "request_too_large"
     assert sent < 40 * MiB  # it stopped reading near the limit, far short of the 100 MB
     assert_serves(server.url)
-
-
-def _read_response(s: socket.socket) -> tuple[int, bytes]:
-    """Status and body of one HTTP/1.1 response (Content-Length framed) read from ``s``."""
-    data = b""
-    s.settimeout(TIMEOUT)
-    while b"\r\n\r\n" not in data:
-        got = s.recv(65536)
-        if not got:
-            break
-        data += got
-    head, _, body = data.partition(b"\r\n\r\n")
-    status = int(head.split(b" ", 2)[1])
-    m = re.search(rb"content-length: *(\d+)", head, re.I)
-    want = int(m.group(1)) if m else 0
-    while len(body) < want:
-        got = s.recv(65536)
-        if not got:
-            break
-        body += got
-    return status, body
 
 
 # -- auth -------------------------------------------------------------------------
@@ -451,183 +342,3 @@ def test_exposure_is_said_and_an_open_bind_warns():
     assert "/openapi.json" in docs and "/health" not in docs
 
 
-# -- lifecycle: clients that time out, slow clients, shutdown ---------------------------
-
-
-def metrics(url: str) -> dict[str, float]:
-    text = httpx.get(url + "/metrics", timeout=TIMEOUT).text
-    return {m[1] + (m[2] or ""): float(m[3])
-            for m in re.finditer(r"^mlx_infer_(\w+)(\{[^}]*\})? ([-\d.e+]+)$", text, re.M)}
-
-
-def wait_idle(url: str, within: float) -> dict[str, float]:
-    deadline = time.perf_counter() + within
-    while True:
-        m = metrics(url)
-        if (m["running"] == 0 and m["queue_depth"] == 0 and m["kv_pages_used"] == 0) \
-                or time.perf_counter() > deadline:
-            return m
-        time.sleep(0.05)
-
-
-LONG = 4000  # tokens: a runaway request at this length outlives every bound below
-
-
-def test_non_streaming_clients_that_time_out_are_cancelled(server):
-    """Six raw clients and one OpenAI SDK client with retries (3 attempts), all timing out on
-    non-streaming requests for 4000 tokens: within 3 s every request is cancelled and every
-    page is back, and far fewer tokens were made than were asked for."""
-    base = wait_idle(server.url, 10)
-    body = comp(prompt="Hello world", max_tokens=LONG, ignore_eos=True)
-    errors = []
-
-    def raw() -> None:
-        try:
-            httpx.post(server.url + C, json=body, timeout=0.5)
-            errors.append("no timeout")
-        except httpx.TimeoutException:
-            pass
-
-    def sdk() -> None:
-        c = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=2, timeout=0.5)
-        try:
-            c.chat.completions.create(model="tiny", messages=OK_MSG, max_tokens=LONG, extra_body={"ignore_eos": True})
-            errors.append("no timeout (sdk)")
-        except openai.APITimeoutError:
-            pass
-
-    threads = [threading.Thread(target=raw) for _ in range(6)] + [threading.Thread(target=sdk)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert not errors and not any(t.is_alive() for t in threads)
-    m = wait_idle(server.url, 3)
-    assert m["running"] == 0 and m["queue_depth"] == 0 and m["kv_pages_used"] == 0, m
-    assert m["kv_pages_free"] == m["kv_pages_total"]
-    cancelled = 'requests_total{finish_reason="cancelled"}'
-    assert m.get(cancelled, 0) - base.get(cancelled, 0) >= 9  # 6 raw + 3 SDK attempts, each cancelled
-    made = m["generation_tokens_total"] - base["generation_tokens_total"]
-    assert made < 9 * LONG / 4, made  # cut early, not run to max_tokens
-    time.sleep(0.5)
-    assert metrics(server.url)["generation_tokens_total"] == m["generation_tokens_total"]  # nothing runs on
-
-
-def test_slowloris_headers_are_cut(tiny_loaded):
-    """40 connections dribbling their headers: closed after the 1 s header timeout; others still served."""
-    s = start(tiny_loaded, header_timeout_s=1.0)
-    socks = []
-    try:
-        for _ in range(40):
-            c = socket.create_connection(("127.0.0.1", s.port), timeout=TIMEOUT)
-            c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: ")
-            socks.append(c)
-        assert_serves(s.url)
-        t0 = time.perf_counter()
-        for c in socks:
-            c.settimeout(5)
-            try:
-                assert c.recv(1024) == b""  # closed by the server
-            except ConnectionResetError:
-                pass
-        assert time.perf_counter() - t0 < 5
-        assert_serves(s.url)
-    finally:
-        for c in socks:
-            c.close()
-        stop(s)
-
-
-def test_slow_body_gets_408(tiny_loaded):
-    s = start(tiny_loaded, guard=GuardConfig(body_timeout_s=1.0))
-    try:
-        with socket.create_connection(("127.0.0.1", s.port), timeout=TIMEOUT) as c:
-            c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                      b"Content-Length: 100\r\n\r\n{\"model\":")
-            t0 = time.perf_counter()
-            status, body = _read_response(c)
-            assert status == 408 and json.loads(body)["error"]["code"] == "request_timeout"
-            assert 0.5 < time.perf_counter() - t0 < 5
-        assert_serves(s.url)
-    finally:
-        stop(s)
-
-
-def test_shutdown_is_bounded_and_says_what_it_cut(tiny_loaded):
-    """Shutdown with a long stream, a long non-streaming request and a half-sent body in flight:
-    done within drain (1 s) + grace; the stream ends with finish_reason "abort" and a
-    server_shutdown error event (never "stop"), the waiting request gets a 503."""
-    s = start(tiny_loaded, drain_timeout_s=1.0, max_tokens_cap=LONG)
-    lines, answers = [], []
-
-    def stream() -> None:
-        with httpx.stream("POST", s.url + C, json=comp(max_tokens=LONG, ignore_eos=True, stream=True),
-                          timeout=TIMEOUT) as r:
-            lines.extend(line for line in r.iter_lines() if line)
-
-    body = chat(max_tokens=LONG, ignore_eos=True)
-    threads = [threading.Thread(target=stream), threading.Thread(target=lambda: answers.append(
-        httpx.post(s.url + CH, json=body, timeout=TIMEOUT)))]
-    for t in threads:
-        t.start()
-    slow = socket.create_connection(("127.0.0.1", s.port), timeout=TIMEOUT)
-    slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{")
-    try:
-        deadline = time.perf_counter() + 10
-        while metrics(s.url)["running"] < 2 and time.perf_counter() < deadline:
-            time.sleep(0.05)
-        t0 = time.perf_counter()
-        s.srv.stop(timeout=20)
-        took = time.perf_counter() - t0
-        for t in threads:
-            t.join(timeout=20)
-        assert not s.srv.alive and took < 1.0 + 1.0 + 1.5, took
-        events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
-        reasons = [c["choices"][0]["finish_reason"] for c in events if c.get("choices")]
-        assert reasons[-1] == "abort" and "stop" not in reasons and "length" not in reasons
-        assert events[-1]["error"]["code"] == "server_shutdown" and lines[-1] == "data: [DONE]"
-        assert len(answers) == 1 and assert_openai_error(answers[0], 503)["code"] == "server_shutdown"
-        slow.settimeout(5)
-        got = slow.recv(4096)
-        assert got == b"" or got.startswith(b"HTTP/1.1 503")
-    finally:
-        slow.close()
-        s.engine.stop()
-
-
-def test_sigint_on_the_cli_server(tiny_dir):
-    """`mlx-infer serve` under SIGINT: the stream in flight ends as aborted, the process exits (130)."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "mlx_infer.cli", "serve", "--model", str(tiny_dir), "--port", "0",
-                             "--drain-timeout", "0.5", "--max-tokens", str(LONG), "--log-level", "warning"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        port = None
-        deadline = time.perf_counter() + 60
-        while port is None and time.perf_counter() < deadline:
-            line = proc.stdout.readline()
-            m = re.search(r"http://127\.0\.0\.1:(\d+)/v1", line)
-            port = int(m.group(1)) if m else None
-            assert line or proc.poll() is None
-        assert port, "no banner"
-        url = f"http://127.0.0.1:{port}"
-        lines = []
-        body = comp(model=tiny_dir.name, max_tokens=LONG, ignore_eos=True, stream=True)
-        with httpx.stream("POST", url + C, json=body, timeout=TIMEOUT) as r:
-            assert r.status_code == 200
-            for line in r.iter_lines():
-                if line:
-                    lines.append(line)
-                if len(lines) == 3:
-                    proc.send_signal(signal.SIGINT)
-        rc = proc.wait(timeout=20)
-        events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
-        reasons = [c["choices"][0]["finish_reason"] for c in events if c.get("choices")]
-        assert "stop" not in reasons and reasons[-1] == "abort"
-        assert events[-1]["error"]["code"] == "server_shutdown"
-        assert rc == 130
-        assert "Traceback" not in proc.stderr.read()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
