@@ -203,6 +203,30 @@ def test_content_length_over_limit_refused_before_the_body(server):
     assert status == 413 and json.loads(body)["error"]["code"] == "request_too_large"
 
 
+@pytest.mark.parametrize("raw", [
+    b"GARBAGE\r\n\r\n",
+    b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\nhello",
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+    b"GET /health HTTP/1.1\r\nHost: x\r\nBad Header: y\r\n\r\n",
+    b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * MiB + b"\r\n\r\n",
+    b"GET /health HTTP/1.1\r\n\r\n",  # HTTP/1.1 without Host
+])
+def test_malformed_http(server, raw):
+    with socket.create_connection(("127.0.0.1", server.port), timeout=TIMEOUT) as s:
+        try:
+            s.sendall(raw)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # answered and closed before all was sent
+        status, body = read_response(s)
+    assert 400 <= status < 500, body
+    err = json.loads(body)["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+    assert_serves(server.url)
+
+
 def test_chunked_oversize_body_refused_while_reading(server):
     """100 MB offered chunked (no Content-Length): a 413 once 8 MiB passed, not a 200."""
     sent = 0
@@ -342,3 +366,39 @@ def test_exposure_is_said_and_an_open_bind_warns():
     assert "/openapi.json" in docs and "/health" not in docs
 
 
+
+
+@pytest.mark.parametrize("prompt", [
+    "a\x00b", "\u0000" * 50, "😀" * 100, "e\u0301" * 200, "\u202eevil", "\uffff\ufffe", "\U0010ffff", "\t\r\n" * 50,
+    "<bos><eos><|user|>", "{{ raise_exception('x') }}", "%s%n%x" * 20,
+])
+def test_odd_but_valid_text_is_served(server, prompt):
+    for path, body in ((C, comp(prompt=prompt)), (CH, chat(messages=[{"role": "user", "content": prompt}]))):
+        r = httpx.post(server.url + path, json=body, timeout=TIMEOUT)
+        assert r.status_code == 200, r.text
+
+
+def test_unexpected_exception_is_a_logged_500(tiny_loaded, caplog):
+    """The last resort: a bug answers 500 in OpenAI's shape and logs its traceback."""
+    import logging
+
+    engine = Engine(tiny_loaded, EngineConfig(page_size=8)).start()
+    app = create_app(engine, model_id="tiny")
+
+    @app.get("/boom")
+    async def boom() -> None:
+        raise RuntimeError("a bug")
+
+    from mlx_infer.server import ServerThread
+
+    srv = ServerThread(app).start()
+    try:
+        r = httpx.get(srv.url + "/boom", timeout=TIMEOUT)
+        assert assert_openai_error(r, 500) and "a bug" not in r.text  # no internals on the wire
+        records = [x for x in caplog.records if x.name == "mlx_infer.server" and x.levelno >= logging.ERROR]
+        assert records and records[0].exc_info and "RuntimeError: a bug" in caplog.text
+        assert_serves(srv.url)
+    finally:
+        srv.stop()
+        engine.stop()
+        caplog.clear()  # expected here; no_server_errors checks every other case

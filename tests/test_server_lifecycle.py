@@ -18,6 +18,7 @@ import time
 
 import httpx
 import openai
+import pytest
 
 from http_helpers import (C, CH, LONG, OK_MSG, TIMEOUT, assert_openai_error, assert_serves, chat, comp,  # noqa: F401
                           metrics, no_files_touched, no_server_errors, read_response, server, start, stop, tiny_dir,
@@ -147,12 +148,16 @@ def test_shutdown_is_bounded_and_says_what_it_cut(tiny_loaded):
         s.engine.stop()
 
 
-def test_sigint_on_the_cli_server(tiny_dir):
-    """`mlx-infer serve` under SIGINT: the stream in flight ends as aborted, the process exits (130)."""
+@pytest.mark.parametrize("sig,want_rc", [(signal.SIGINT, 130), (signal.SIGTERM, -signal.SIGTERM)])
+def test_signal_on_the_cli_server(tiny_dir, sig, want_rc):
+    """`mlx-infer serve` under SIGINT or SIGTERM, with a stream in flight and a client holding a
+    half-sent body: the stream ends as aborted, and the process exits within the drain
+    (0.5 s) plus the grace (1 s) and a margin, however long the slow client waits."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-m", "mlx_infer.cli", "serve", "--model", str(tiny_dir), "--port", "0",
                              "--drain-timeout", "0.5", "--max-tokens", str(LONG), "--log-level", "warning"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    slow = None
     try:
         port = None
         deadline = time.perf_counter() + 60
@@ -163,7 +168,9 @@ def test_sigint_on_the_cli_server(tiny_dir):
             assert line or proc.poll() is None
         assert port, "no banner"
         url = f"http://127.0.0.1:{port}"
-        lines = []
+        slow = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
+        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{")
+        lines, t_signal = [], None
         body = comp(model=tiny_dir.name, max_tokens=LONG, ignore_eos=True, stream=True)
         with httpx.stream("POST", url + C, json=body, timeout=TIMEOUT) as r:
             assert r.status_code == 200
@@ -171,15 +178,19 @@ def test_sigint_on_the_cli_server(tiny_dir):
                 if line:
                     lines.append(line)
                 if len(lines) == 3:
-                    proc.send_signal(signal.SIGINT)
+                    proc.send_signal(sig)
+                    t_signal = time.perf_counter()
         rc = proc.wait(timeout=20)
+        assert time.perf_counter() - t_signal < 0.5 + 1.0 + 2.0
         events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
         reasons = [c["choices"][0]["finish_reason"] for c in events if c.get("choices")]
         assert "stop" not in reasons and reasons[-1] == "abort"
         assert events[-1]["error"]["code"] == "server_shutdown"
-        assert rc == 130
+        assert rc == want_rc
         assert "Traceback" not in proc.stderr.read()
     finally:
+        if slow is not None:
+            slow.close()
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)

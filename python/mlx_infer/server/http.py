@@ -4,7 +4,8 @@
   requests), so a client that sends headers a byte at a time holds its connection
   forever. :class:`TimedH11Protocol` closes a connection whose request line and
   headers are not complete ``header_timeout_s`` after it opened (or after its
-  previous response). The body's own limit is the guard's (:mod:`.guard`).
+  previous response). The body's own limit is the guard's (:mod:`.guard`). A
+  request h11 cannot parse gets its 400 in OpenAI's error shape too.
 - **Bounded drain**: :class:`DrainingServer` starts the app's :class:`~.guard.Drain`
   on shutdown (SIGINT, SIGTERM, ``should_exit``): requests in flight get
   ``drain_timeout_s`` to finish, then are aborted (they end saying so, never as a
@@ -22,7 +23,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..errors import MlxInferError
-from .guard import Drain
+from .guard import Drain, error_body
 
 HEADER_TIMEOUT_S = 10.0
 DRAIN_TIMEOUT_S = 5.0
@@ -48,6 +49,16 @@ class TimedH11Protocol(H11Protocol):
         if timer is not None:
             timer.cancel()
         super().connection_lost(exc)
+
+    def send_400_response(self, msg: str) -> None:
+        """A request h11 cannot parse: a 400 in OpenAI's error shape (uvicorn's is plain text)."""
+        body = error_body(400, f"Malformed HTTP request: {msg}", code="invalid_http")
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]
+        for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body),
+                      h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
 
     def _arm_header_timer(self) -> None:
         timer = getattr(self, "_header_timer", None)
@@ -95,7 +106,7 @@ def make_server(app: Any, *, log_level: str = "info", drain_timeout_s: float = D
 
 
 def bind(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on ``host:port``.
+    """A listening TCP socket on ``host:port`` (bound before the model loads, so a busy port fails fast).
 
     Raises:
         MlxInferError: a bad port, or the address cannot be bound (in use, not local).
@@ -109,6 +120,7 @@ def bind(host: str, port: int) -> socket.socket:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind(addr)
+            sock.listen(2048)  # clients may connect (queued) from here on, before uvicorn runs
         except OSError:
             sock.close()
             raise
