@@ -71,6 +71,25 @@ def check_generation_defaults(defaults: dict[str, Any]) -> None:
                             "Fix or remove that key in generation_config.json.") from None
 
 
+async def until(event: asyncio.Event, items: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """``items`` until they end or ``event`` is set, whichever comes first."""
+    stop = asyncio.ensure_future(event.wait())
+    try:
+        while True:
+            nxt = asyncio.ensure_future(items.__anext__())
+            await asyncio.wait({nxt, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if not nxt.done():
+                nxt.cancel()
+                return
+            try:
+                item = nxt.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        stop.cancel()
+
+
 def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
                default_max_tokens: int = DEFAULT_MAX_TOKENS, max_tokens_cap: int | None = None,
                aliases: tuple[str, ...] = (), guard: GuardConfig | None = None,
@@ -80,10 +99,11 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
     Args:
         engine: a started engine; the caller owns it (starts and stops it).
         model_id: the id clients pass as ``model``.
-        api_key: require ``Authorization: Bearer <key>`` (shorthand for ``guard``'s).
+        api_key: require ``Authorization: Bearer <key>`` (shorthand for ``GuardConfig(api_key=...)``;
+            give one or the other).
         default_max_tokens: a chat completion's ``max_tokens`` when the client gives none.
-        max_tokens_cap: the most ``max_tokens`` a client may ask (default: ``default_max_tokens``'s
-            larger of itself and the model's context).
+        max_tokens_cap: the most ``max_tokens`` a client may ask (default: the larger of
+            ``default_max_tokens`` and the model's context).
         aliases: more names for the model.
         guard: API key, public endpoints, body limits (see :mod:`.guard`).
         drain: shutdown state shared with the server (see :class:`~.guard.Drain`).
@@ -91,6 +111,8 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
     Raises:
         MlxInferError: bad settings, or a model whose generation defaults are invalid.
     """
+    if guard is not None and api_key is not None:
+        raise MlxInferError("give api_key or guard=GuardConfig(api_key=...), not both.")
     guard = guard or GuardConfig(api_key=api_key)
     drain = drain or Drain()
     defaults = dict(engine.loaded.generation_config or {})
@@ -119,21 +141,27 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
         errs = e.errors()
         first = errs[0] if errs else {}
         loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-        if first.get("type") == "extra_forbidden":  # OpenAI's words for an unknown field
-            top = str(first["loc"][1]) if len(first.get("loc", ())) > 1 else None
-            return error_response(P.OpenAIError(400, f"Unrecognized request argument supplied: {loc}",
+        extra = [".".join(str(x) for x in err["loc"][1:]) for err in errs if err.get("type") == "extra_forbidden"]
+        if extra:  # OpenAI's words for unknown fields
+            top = str(errs[0]["loc"][1]) if first.get("type") == "extra_forbidden" else extra[0].split(".")[0]
+            return error_response(P.OpenAIError(400, f"Unrecognized request argument supplied: {', '.join(extra)}",
                                                 param=top, code="unknown_parameter"))
         if first.get("type") == "json_invalid":
-            return error_response(P.OpenAIError(400, f"The body is not valid JSON: {first.get('msg')} "
-                                                f"(at {first.get('ctx', {}).get('error', '?')}).",
-                                                code="invalid_json"))
+            where = first["loc"][1] if len(first.get("loc", ())) > 1 else "?"
+            return error_response(P.OpenAIError(400, f"The body is not valid JSON: "
+                                                f"{first.get('ctx', {}).get('error', 'decode error')} "
+                                                f"(at character {where}).", code="invalid_json"))
         msg = f"{loc}: {first.get('msg', 'invalid request')}" if loc else first.get("msg", "invalid request body")
         return error_response(P.OpenAIError(422, msg, param=loc.split(".")[0] or None, code="invalid_type"))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, e: StarletteHTTPException) -> Response:
         code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
-        return error_response(P.OpenAIError(e.status_code, str(e.detail), code=code))
+        detail = str(e.detail)
+        if e.status_code == 400 and detail == "There was an error parsing the body":  # FastAPI's, cause dropped
+            detail, code = ("The body could not be parsed: send UTF-8 JSON with integers under 4300 digits "
+                            "and shallow nesting."), "invalid_json"
+        return error_response(P.OpenAIError(e.status_code, detail, code=code))
 
     def check_model(name: str) -> None:
         if name not in names:
@@ -165,8 +193,7 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
         drain.live.discard(handle)
 
     def shutdown_error(handle: RequestHandle) -> P.OpenAIError:
-        n = len(handle.result().token_ids) if handle.done else 0
-        return P.OpenAIError(503, f"The server is shutting down: this generation was cut after {n} tokens; "
+        return P.OpenAIError(503, "The server is shutting down: this generation was cut before its end; "
                                   "retry on another instance.", type="server_error", code="server_shutdown")
 
     def generation_failed(handle: RequestHandle, error: str | None) -> P.OpenAIError:
@@ -186,6 +213,8 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
                     if result.finish_reason == "cancelled" and drain.aborted(handle):
                         raise shutdown_error(handle)
                     return result
+                if drain.aborted(handle):  # shutdown: answer now, whatever the engine is doing
+                    raise shutdown_error(handle)
                 if await request.is_disconnected():
                     handle.cancel()
         finally:
@@ -195,17 +224,21 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
 
     Chunks = Callable[[RequestHandle], AsyncIterator[dict[str, Any]]]
 
-    def sse(handle: RequestHandle, chunks: Chunks) -> StreamingResponse:
+    def sse(handle: RequestHandle, chunks: Chunks, last: Callable[[str], dict[str, Any]]) -> StreamingResponse:
+        """The SSE response; ``last(reason)`` builds a final chunk for a stream cut by shutdown."""
         async def body() -> AsyncIterator[str]:
             try:
-                async for chunk in chunks(handle):
+                finished = False
+                async for chunk in until(drain.abort_event, chunks(handle)):
+                    finished = finished or any(c.get("finish_reason") for c in chunk.get("choices", ()))
                     yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
-                result = handle.result()
                 err = None
-                if result.finish_reason == "error":
-                    err = generation_failed(handle, result.error)
-                elif result.finish_reason == "cancelled" and drain.aborted(handle):
+                if drain.aborted(handle):  # cut by shutdown (the engine may not even have noticed yet)
+                    if not finished:
+                        yield f"data: {json.dumps(last('abort'), ensure_ascii=False)}\n\n"
                     err = shutdown_error(handle)
+                elif handle.result().finish_reason == "error":
+                    err = generation_failed(handle, handle.result().error)
                 if err is not None:
                     yield f"data: {json.dumps(err.body())}\n\n"
                 yield "data: [DONE]\n\n"
@@ -277,7 +310,8 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
                     r = h.result()
                     yield {"id": rid, "object": "text_completion", "created": t, "model": model_id, "choices": [],
                            "usage": P.usage(r.prompt_tokens, r.completion_tokens, r.cached_tokens)}
-            return sse(handle, chunks)
+            return sse(handle, chunks, lambda reason: {"id": rid, "object": "text_completion", "created": t,
+                                                       "model": model_id, "choices": [choice("", reason)]})
 
         r = await wait(handle, request)
         lp = fmt.completion(r.token_ids, r.logprobs, r.top_logprobs) if logprobs else None
@@ -322,7 +356,7 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
                     r = h.result()
                     yield {"id": rid, "object": "chat.completion.chunk", "created": t, "model": model_id,
                            "choices": [], "usage": P.usage(r.prompt_tokens, r.completion_tokens, r.cached_tokens)}
-            return sse(handle, chunks)
+            return sse(handle, chunks, lambda reason: chunk({}, reason))
 
         r = await wait(handle, request)
         lp = fmt.chat(r.token_ids, r.logprobs, r.top_logprobs) if logprobs else None

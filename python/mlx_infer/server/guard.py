@@ -92,8 +92,9 @@ class Drain:
         self.draining = True
         self.abort_event.set()
         for handle in list(self.live):
-            self._aborted.add(handle.request_id)
-            handle.cancel()
+            if not handle.done:  # one that just finished keeps its normal end
+                self._aborted.add(handle.request_id)
+                handle.cancel()
 
     def aborted(self, handle: Any) -> bool:
         """Whether ``handle`` was cut by shutdown (not by its client)."""

@@ -27,8 +27,9 @@ from .guard import Drain, error_body
 
 HEADER_TIMEOUT_S = 10.0
 DRAIN_TIMEOUT_S = 5.0
-#: After the drain, this long for aborted requests to send their last event.
-ABORT_GRACE_S = 1.0
+#: After the drain, at most this long for aborted requests to send their last event (they
+#: need no engine step for it, only the event loop: a loaded machine can starve it for a while).
+ABORT_GRACE_S = 3.0
 
 
 class TimedH11Protocol(H11Protocol):
