@@ -165,7 +165,8 @@ def check_text(value: Any, path: str) -> None:
             value.encode("utf-8")
         except UnicodeEncodeError as e:
             raise _bad(f"{path or 'body'}: the text holds a lone UTF-16 surrogate at character {e.start}; "
-                       "send valid Unicode (pair surrogates, or drop them).", re.split(r"[.\[]", path)[0] or None) from None
+                       "send valid Unicode (pair surrogates, or drop them).",
+                       re.split(r"[.\[]", path)[0] or None) from None
     elif isinstance(value, dict):
         for k, v in value.items():
             check_text(k, path)
