@@ -77,7 +77,10 @@ CASES = [
     ("max_completion_tokens-string", CH, chat(max_completion_tokens="5"), 422, "max_completion_tokens"),
     # unknown fields
     ("unknown-field", C, comp(foo=1), 400, "foo"),
-    ("unknown-field-chat", CH, chat(response_format={"type": "json_object"}), 400, "response_format"),
+    ("unknown-field-chat", CH, chat(parallel_tool_calls=True), 400, "parallel_tool_calls"),
+    ("response_format-json", CH, chat(response_format={"type": "json_object"}), 400, "response_format"),
+    ("response_format-string", CH, chat(response_format="json"), 422, "response_format"),
+    ("stream_options-without-stream", C, comp(stream_options={"include_usage": True}), 400, "stream_options"),
     ("unknown-message-field", CH, msg(bar=1), 400, "messages"),
     # logit_bias keys and values
     ("logit_bias-superscript-two", C, comp(logit_bias={"²": 1}), 400, "logit_bias"),
@@ -402,3 +405,19 @@ def test_unexpected_exception_is_a_logged_500(tiny_loaded, caplog):
         srv.stop()
         engine.stop()
         caplog.clear()  # expected here; no_server_errors checks every other case
+
+
+def test_strictness_still_takes_what_sdks_send(server):
+    """An SDK's own reply sent back as a message (null refusal/tool_calls/...), response_format text,
+    stream_options with stream, and the extensions (top_k, min_p, repetition_penalty, ignore_eos)."""
+    import openai
+
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=TIMEOUT)
+    r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                  response_format={"type": "text"},
+                                  extra_body={"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1, "ignore_eos": True})
+    msgs = [{"role": "user", "content": "hi"}, r.choices[0].message.model_dump(), {"role": "user", "content": "more"}]
+    assert c.chat.completions.create(model="tiny", messages=msgs, max_tokens=3).usage.completion_tokens == 3
+    chunks = list(c.completions.create(model="tiny", prompt="Hi", max_tokens=2, stream=True,
+                                       stream_options={"include_usage": True}))
+    assert chunks[-1].usage.completion_tokens >= 1

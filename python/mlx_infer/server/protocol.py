@@ -71,6 +71,7 @@ class _Sampling(BaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    response_format: dict[str, Any] | None = None
     ignore_eos: bool | None = False
 
 
@@ -149,6 +150,11 @@ def check_common(req: _Sampling) -> None:
             raise _bad(f"best_of must be 1, got {req.best_of}.", "best_of")
     if isinstance(req, ChatCompletionRequest) and req.tools:
         raise _bad("tools are not supported.", "tools")
+    if req.response_format not in (None, {"type": "text"}):
+        raise _bad("response_format: only {\"type\": \"text\"} is supported (no JSON mode or schemas).",
+                   "response_format")
+    if req.stream_options is not None and not req.stream:
+        raise _bad("stream_options is only allowed with stream: true.", "stream_options")
     for name, (lo, hi) in (("presence_penalty", PENALTY_RANGE), ("frequency_penalty", PENALTY_RANGE)):
         value = getattr(req, name)
         if value is not None and not (math.isfinite(value) and lo <= value <= hi):
