@@ -186,7 +186,7 @@ def _post(url: str, path: str, body, **kw) -> httpx.Response:
     ("/v1/chat/completions", {"model": "tiny", "messages": []}, 422, "messages"),
     ("/v1/chat/completions", {"model": "tiny"}, 422, "messages"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": "many"}, 422, "max_tokens"),
-    ("/v1/completions", b"{not json", 422, None),
+    ("/v1/completions", b"{not json", 400, None),
 ])
 def test_bad_input_gets_openai_errors(server, path, body, status, param):
     r = _post(server.url, path, body)
@@ -227,8 +227,9 @@ def test_api_key_requires_bearer_token(tiny_loaded):
 
 
 def test_load_with_disconnects_returns_every_page(server, tiny_loaded):
-    """32 concurrent clients, 320 streamed requests of mixed lengths, every fifth dropped mid-stream;
-    the whole load twice.
+    """32 concurrent clients, 320 requests of mixed lengths: streamed, every fifth dropped mid-stream,
+    and every seventh otherwise a non-streaming request whose client times out (it must be
+    cancelled like a dropped stream); the whole load twice.
 
     Memory: the engine's compiled decode step traces once per (batch size, bucketed context) shape
     it meets, and each trace keeps its small constants, so the first pass grows memory by a bounded
@@ -250,12 +251,20 @@ def test_load_with_disconnects_returns_every_page(server, tiny_loaded):
 
 def _load_pass(url: str, jobs: list) -> dict:
     """Run every job over 32 concurrent connections; check every page came back; return /metrics."""
-    failures, completed, dropped = [], [0], [0]
+    failures, completed, dropped, timed_out = [], [0], [0], [0]
 
     async def one(client: httpx.AsyncClient, job) -> None:
         i, prompt, max_tokens, drop = job
         body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "stream": True,
                 "temperature": 0.7 if i % 2 else 0, "seed": i, "ignore_eos": bool(i % 3)}
+        if i % 7 == 3 and not drop:  # non-streaming, as long as the context allows, the client gives up
+            body.update(stream=False, ignore_eos=True, max_tokens=255 - len(prompt))
+            try:
+                r = await client.post("/v1/completions", json=body, timeout=0.05)
+                failures.append((i, "no timeout", r.status_code))
+            except httpx.TimeoutException:
+                timed_out[0] += 1
+            return
         chunks, done = 0, False
         async with client.stream("POST", "/v1/completions", json=body) as resp:
             if resp.status_code != 200:
@@ -290,7 +299,7 @@ def _load_pass(url: str, jobs: list) -> dict:
     asyncio.run(main())
     elapsed = time.perf_counter() - t0
     assert not failures, failures[:5]
-    assert completed[0] + dropped[0] == 320 and dropped[0] > 0
+    assert completed[0] + dropped[0] + timed_out[0] == 320 and dropped[0] > 0 and timed_out[0] > 0
     for _ in range(100):  # the engine frees a dropped request's pages at its next iteration
         m = metrics(url)
         if m["kv_pages_used"] == 0 and m["running"] == 0:

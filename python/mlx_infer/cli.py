@@ -221,9 +221,12 @@ def _serve(args: argparse.Namespace) -> int:
     except ImportError:
         raise MlxInferError("serve needs the server extra: pip install 'mlx-infer[server]'.") from None
 
+    public = tuple(p.strip() for p in args.public.split(",") if p.strip()) if args.public is not None else None
     serve(ServeOptions(model=args.model, host=args.host, port=args.port, max_batch=args.max_batch,
                        memory_budget_gb=args.memory_budget, api_key=args.api_key, max_tokens=args.max_tokens,
-                       prefill_step_size=args.prefill_step_size, log_level=args.log_level))
+                       prefill_step_size=args.prefill_step_size, log_level=args.log_level,
+                       drain_timeout_s=args.drain_timeout, header_timeout_s=args.header_timeout,
+                       body_timeout_s=args.body_timeout, **({"public": public} if public is not None else {})))
     return 0
 
 
@@ -275,9 +278,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-batch", type=int, default=32, help="most requests running at once")
     s.add_argument("--memory-budget", type=float, default=1.0, metavar="GB",
                    help="memory for KV pages and activations, weights excluded")
-    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
-    s.add_argument("--max-tokens", type=int, default=512, help="default max tokens of a chat completion")
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every endpoint but the --public ones")
+    s.add_argument("--public", default=None, metavar="LIST",
+                   help="with --api-key, endpoints open without it: comma list of health, metrics, docs "
+                        "(default: health; '' for none)")
+    s.add_argument("--max-tokens", type=int, default=512,
+                   help="default max tokens of a chat completion, and the most any request may ask")
     s.add_argument("--prefill-step-size", type=int, default=512, help="prompt tokens per engine iteration")
+    s.add_argument("--drain-timeout", type=float, default=5.0, metavar="S",
+                   help="on Ctrl-C/SIGTERM, seconds requests in flight get to finish before they are aborted")
+    s.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
+                   help="seconds a client may take to send a request's headers")
+    s.add_argument("--body-timeout", type=float, default=30.0, metavar="S",
+                   help="seconds a client may take to send a request's body")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.set_defaults(func=_serve)
 

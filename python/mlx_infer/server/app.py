@@ -6,89 +6,162 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE with
 ``{"error": {message, type, param, code}}``:
 
 ====  =====================================================================
-400   a bad value (``top_p: 2``, ``n: 3``, a prompt longer than the context)
+400   a bad value (``top_p: 2``, ``n: 3``, a prompt longer than the context,
+      ``max_tokens`` over ``--max-tokens`` or the context), an unknown field,
+      text with a lone surrogate, a body that is not JSON
 401   a missing or wrong bearer token (when the server has ``--api-key``)
 404   an unknown model or route
+405   a known route with the wrong method
+408   a body that did not arrive in time
 413   a body over the size limit, or a prompt the KV pool cannot hold
 422   a body that is not the schema (wrong JSON types, missing fields)
 503   the queue is full, or the server is shutting down
 ====  =====================================================================
 
 A client that disconnects (mid-stream or while waiting) cancels its request,
-and the engine frees its pages at the next iteration.
+and the engine frees its pages at the next iteration. A request cut by shutdown
+(see :class:`~mlx_infer.server.guard.Drain`) never claims a normal end: a stream
+gets a last chunk with ``finish_reason: "abort"`` (vLLM's word) and an error
+event with ``code: "server_shutdown"`` before ``[DONE]``; a waiting request gets
+a 503 with that code. A 500 means a bug: it is logged with its traceback.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import secrets
+import logging
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine import Engine, EngineClosedError, EngineRequest, QueueFullError, RequestHandle, RequestTooLargeError
 from ..errors import MlxInferError, PromptTooLongError
+from ..sampling import SamplingParams
 from . import protocol as P
+from .guard import Drain, Guard, GuardConfig, error_body
 
 DEFAULT_MAX_TOKENS = 512
 #: Completions default to 16 tokens, as OpenAI's API does.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
-MAX_BODY_BYTES = 8 * 2**20
-_DISCONNECT_POLL_S = 0.25
+_DISCONNECT_POLL_S = 0.1
+logger = logging.getLogger("mlx_infer.server")
+
+
+def error_response(e: P.OpenAIError) -> Response:
+    """``e`` as OpenAI's error JSON (ASCII, so any message encodes)."""
+    return Response(error_body(e.status, e.message, type=e.type, code=e.code, param=e.param),
+                    status_code=e.status, media_type="application/json")
+
+
+def check_generation_defaults(defaults: dict[str, Any]) -> None:
+    """Refuse a model whose generation_config sampling defaults are invalid (every request would fail).
+
+    Raises:
+        MlxInferError: naming the bad key.
+    """
+    try:
+        SamplingParams.from_generation_config(defaults)
+    except MlxInferError as e:
+        raise MlxInferError(f"the model's generation_config.json has invalid sampling defaults: {e} "
+                            "Fix or remove that key in generation_config.json.") from None
+
+
+async def until(event: asyncio.Event, items: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """``items`` until they end or ``event`` is set, whichever comes first."""
+    stop = asyncio.ensure_future(event.wait())
+    try:
+        while True:
+            nxt = asyncio.ensure_future(items.__anext__())
+            await asyncio.wait({nxt, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if not nxt.done():
+                nxt.cancel()
+                return
+            try:
+                item = nxt.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        stop.cancel()
 
 
 def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
-               default_max_tokens: int = DEFAULT_MAX_TOKENS, aliases: tuple[str, ...] = ()) -> FastAPI:
+               default_max_tokens: int = DEFAULT_MAX_TOKENS, max_tokens_cap: int | None = None,
+               aliases: tuple[str, ...] = (), guard: GuardConfig | None = None,
+               drain: Drain | None = None) -> FastAPI:
     """An app serving ``engine``'s model under ``model_id`` (and ``aliases``).
 
-    The caller owns the engine (starts and stops it).
+    Args:
+        engine: a started engine; the caller owns it (starts and stops it).
+        model_id: the id clients pass as ``model``.
+        api_key: require ``Authorization: Bearer <key>`` (shorthand for ``GuardConfig(api_key=...)``;
+            give one or the other).
+        default_max_tokens: a chat completion's ``max_tokens`` when the client gives none.
+        max_tokens_cap: the most ``max_tokens`` a client may ask (default: the larger of
+            ``default_max_tokens`` and the model's context).
+        aliases: more names for the model.
+        guard: API key, public endpoints, body limits (see :mod:`.guard`).
+        drain: shutdown state shared with the server (see :class:`~.guard.Drain`).
+
+    Raises:
+        MlxInferError: bad settings, or a model whose generation defaults are invalid.
     """
+    if guard is not None and api_key is not None:
+        raise MlxInferError("give api_key or guard=GuardConfig(api_key=...), not both.")
+    guard = guard or GuardConfig(api_key=api_key)
+    drain = drain or Drain()
+    defaults = dict(engine.loaded.generation_config or {})
+    check_generation_defaults(defaults)
+    context = engine.context_length
+    cap = max_tokens_cap if max_tokens_cap is not None else max(default_max_tokens, context or 0)
+    if cap < 1 or default_max_tokens < 1:
+        raise MlxInferError(f"max tokens must be >= 1, got default {default_max_tokens}, cap {cap}.")
     app = FastAPI(title="mlx-infer", version="1", description="OpenAI-compatible API over mlx-infer's engine.")
+    app.state.drain = drain
+    app.add_middleware(Guard, config=guard, drain=drain)
     names = {model_id, *aliases}
     tokenizer = engine.tokenizer
     fmt = P.LogprobFormatter(tokenizer)
-    defaults = dict(engine.loaded.generation_config or {})
+    vocab_size = engine.vocab_size
     created = P.now()
 
     # -- errors -----------------------------------------------------------------
 
     @app.exception_handler(P.OpenAIError)
-    async def _openai_error(_: Request, e: P.OpenAIError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+    async def _openai_error(_: Request, e: P.OpenAIError) -> Response:
+        return error_response(e)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+    async def _validation_error(_: Request, e: RequestValidationError) -> Response:
         errs = e.errors()
         first = errs[0] if errs else {}
         loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        extra = [".".join(str(x) for x in err["loc"][1:]) for err in errs if err.get("type") == "extra_forbidden"]
+        if extra:  # OpenAI's words for unknown fields
+            top = str(errs[0]["loc"][1]) if first.get("type") == "extra_forbidden" else extra[0].split(".")[0]
+            return error_response(P.OpenAIError(400, f"Unrecognized request argument supplied: {', '.join(extra)}",
+                                                param=top, code="unknown_parameter"))
+        if first.get("type") == "json_invalid":
+            where = first["loc"][1] if len(first.get("loc", ())) > 1 else "?"
+            return error_response(P.OpenAIError(400, f"The body is not valid JSON: "
+                                                f"{first.get('ctx', {}).get('error', 'decode error')} "
+                                                f"(at character {where}).", code="invalid_json"))
         msg = f"{loc}: {first.get('msg', 'invalid request')}" if loc else first.get("msg", "invalid request body")
-        return JSONResponse(P.OpenAIError(422, msg, param=loc or None, code="invalid_type").body(), status_code=422)
+        return error_response(P.OpenAIError(422, msg, param=loc.split(".")[0] or None, code="invalid_type"))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(_: Request, e: StarletteHTTPException) -> Response:
         code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
-        return JSONResponse(P.OpenAIError(e.status_code, str(e.detail), code=code).body(), status_code=e.status_code)
-
-    @app.middleware("http")
-    async def _guard(request: Request, call_next: Callable) -> Any:
-        if api_key and request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "")
-            if not (given.startswith("Bearer ") and secrets.compare_digest(given[7:].encode(), api_key.encode())):
-                return JSONResponse(P.OpenAIError(401, "Invalid or missing API key: send 'Authorization: Bearer "
-                                                       "<key>'.", code="invalid_api_key").body(), status_code=401)
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
-            return JSONResponse(P.OpenAIError(413, f"The request body is larger than {MAX_BODY_BYTES} bytes.",
-                                              code="request_too_large").body(), status_code=413)
-        try:
-            return await call_next(request)
-        except Exception:  # never a bare 500 page: answer in the OpenAI shape
-            return JSONResponse(P.OpenAIError(500, "Internal server error.", type="server_error").body(),
-                                status_code=500)
+        detail = str(e.detail)
+        if e.status_code == 400 and detail == "There was an error parsing the body":  # FastAPI's, cause dropped
+            detail, code = ("The body could not be parsed: send UTF-8 JSON with integers under 4300 digits "
+                            "and shallow nesting."), "invalid_json"
+        return error_response(P.OpenAIError(e.status_code, detail, code=code))
 
     def check_model(name: str) -> None:
         if name not in names:
@@ -96,10 +169,13 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
                                 param="model", code="model_not_found")
 
     def submit(prompt_ids: list[int], req: P._Sampling, sampling: Any, max_tokens: int) -> RequestHandle:
+        if drain.draining:
+            raise P.OpenAIError(503, "The server is shutting down; retry on another instance.", type="server_error",
+                                code="server_shutdown")
         try:
-            return engine.submit(EngineRequest(prompt_ids=prompt_ids, sampling=sampling, max_tokens=max_tokens,
-                                               stop=P.stop_strings(req.stop), ignore_eos=bool(req.ignore_eos),
-                                               namespace=model_id))
+            handle = engine.submit(EngineRequest(prompt_ids=prompt_ids, sampling=sampling, max_tokens=max_tokens,
+                                                 stop=P.stop_strings(req.stop), ignore_eos=bool(req.ignore_eos),
+                                                 namespace=model_id))
         except PromptTooLongError as e:
             raise P.OpenAIError(400, str(e), param="messages" if hasattr(req, "messages") else "prompt",
                                 code="context_length_exceeded") from None
@@ -109,9 +185,23 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
             raise P.OpenAIError(503, str(e), type="server_error", code="overloaded") from None
         except MlxInferError as e:
             raise P.OpenAIError(400, str(e), code="invalid_value") from None
+        drain.live.add(handle)
+        return handle
+
+    def release(handle: RequestHandle) -> None:
+        handle.cancel()
+        drain.live.discard(handle)
+
+    def shutdown_error(handle: RequestHandle) -> P.OpenAIError:
+        return P.OpenAIError(503, "The server is shutting down: this generation was cut before its end; "
+                                  "retry on another instance.", type="server_error", code="server_shutdown")
+
+    def generation_failed(handle: RequestHandle, error: str | None) -> P.OpenAIError:
+        logger.error("request %s failed in the engine: %s", handle.request_id, error)
+        return P.OpenAIError(500, f"Generation failed: {error}", type="server_error")
 
     async def wait(handle: RequestHandle, request: Request) -> Any:
-        """The result, cancelling the request if the client goes away first."""
+        """The result, cancelling the request as soon as the client goes away."""
         task = asyncio.ensure_future(handle.aresult())
         try:
             while True:
@@ -119,30 +209,43 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
                 if done:
                     result = task.result()
                     if result.finish_reason == "error":
-                        raise P.OpenAIError(500, f"Generation failed: {result.error}", type="server_error")
+                        raise generation_failed(handle, result.error)
+                    if result.finish_reason == "cancelled" and drain.aborted(handle):
+                        raise shutdown_error(handle)
                     return result
+                if drain.aborted(handle):  # shutdown: answer now, whatever the engine is doing
+                    raise shutdown_error(handle)
                 if await request.is_disconnected():
                     handle.cancel()
         finally:
             if not task.done():
-                handle.cancel()
                 task.cancel()
+            release(handle)
 
     Chunks = Callable[[RequestHandle], AsyncIterator[dict[str, Any]]]
 
-    def sse(handle: RequestHandle, chunks: Chunks) -> StreamingResponse:
+    def sse(handle: RequestHandle, chunks: Chunks, last: Callable[[str], dict[str, Any]]) -> StreamingResponse:
+        """The SSE response; ``last(reason)`` builds a final chunk for a stream cut by shutdown."""
         async def body() -> AsyncIterator[str]:
             try:
-                async for chunk in chunks(handle):
+                finished = False
+                async for chunk in until(drain.abort_event, chunks(handle)):
+                    finished = finished or any(c.get("finish_reason") for c in chunk.get("choices", ()))
                     yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
-                result = handle.result()
-                if result.finish_reason == "error":
-                    err = P.OpenAIError(500, f"Generation failed: {result.error}", type="server_error")
+                err = None
+                if drain.aborted(handle):  # cut by shutdown (the engine may not even have noticed yet)
+                    if not finished:
+                        yield f"data: {json.dumps(last('abort'), ensure_ascii=False)}\n\n"
+                    err = shutdown_error(handle)
+                elif handle.result().finish_reason == "error":
+                    err = generation_failed(handle, handle.result().error)
+                if err is not None:
                     yield f"data: {json.dumps(err.body())}\n\n"
                 yield "data: [DONE]\n\n"
             finally:  # client gone (the task is cancelled) or stream ended: release the request
-                handle.cancel()
-        return StreamingResponse(body(), media_type="text/event-stream",
+                release(handle)
+        # The background task also releases a request whose client left before the body started.
+        return StreamingResponse(body(), media_type="text/event-stream", background=BackgroundTask(release, handle),
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     # -- routes -------------------------------------------------------------------
@@ -167,8 +270,8 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
 
     @app.post("/v1/completions")
     async def completions(req: P.CompletionRequest, request: Request) -> Any:
+        P.check_common(req)  # first: it also rejects unencodable text, the model name's included
         check_model(req.model)
-        P.check_common(req)
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) != 1:
@@ -182,8 +285,9 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
         if not ids:
             raise P.OpenAIError(400, "prompt is empty.", param="prompt", code="invalid_value")
         logprobs, top = P.completion_logprobs(req)
-        sampling = P.sampling_from(req, defaults, logprobs=logprobs, top_logprobs=top)
-        handle = submit(ids, req, sampling, P.max_tokens_of(req, COMPLETIONS_DEFAULT_MAX_TOKENS))
+        sampling = P.sampling_from(req, defaults, logprobs=logprobs, top_logprobs=top, vocab_size=vocab_size)
+        limit = P.max_tokens_of(req, COMPLETIONS_DEFAULT_MAX_TOKENS, cap=cap, prompt_tokens=len(ids), context=context)
+        handle = submit(ids, req, sampling, limit)
         rid, t = P.new_id("cmpl"), P.now()
 
         def choice(text: str, reason: str | None, lp: Any = None) -> dict[str, Any]:
@@ -206,7 +310,8 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
                     r = h.result()
                     yield {"id": rid, "object": "text_completion", "created": t, "model": model_id, "choices": [],
                            "usage": P.usage(r.prompt_tokens, r.completion_tokens, r.cached_tokens)}
-            return sse(handle, chunks)
+            return sse(handle, chunks, lambda reason: {"id": rid, "object": "text_completion", "created": t,
+                                                       "model": model_id, "choices": [choice("", reason)]})
 
         r = await wait(handle, request)
         lp = fmt.completion(r.token_ids, r.logprobs, r.top_logprobs) if logprobs else None
@@ -216,8 +321,8 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
 
     @app.post("/v1/chat/completions")
     async def chat(req: P.ChatCompletionRequest, request: Request) -> Any:
+        P.check_common(req)  # first: it also rejects unencodable text, the model name's included
         check_model(req.model)
-        P.check_common(req)
         messages = P.chat_messages(req.messages)
         try:
             ids = await asyncio.to_thread(tokenizer.apply_chat_template, messages, add_generation_prompt=True)
@@ -227,8 +332,9 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
             raise P.OpenAIError(400, f"The chat template rejected these messages: {e}", param="messages",
                                 code="invalid_value") from None
         logprobs, top = P.chat_logprobs(req)
-        sampling = P.sampling_from(req, defaults, logprobs=logprobs, top_logprobs=top)
-        handle = submit(ids, req, sampling, P.max_tokens_of(req, default_max_tokens))
+        sampling = P.sampling_from(req, defaults, logprobs=logprobs, top_logprobs=top, vocab_size=vocab_size)
+        limit = P.max_tokens_of(req, default_max_tokens, cap=cap, prompt_tokens=len(ids), context=context)
+        handle = submit(ids, req, sampling, limit)
         rid, t = P.new_id("chatcmpl"), P.now()
 
         if req.stream:
@@ -250,7 +356,7 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
                     r = h.result()
                     yield {"id": rid, "object": "chat.completion.chunk", "created": t, "model": model_id,
                            "choices": [], "usage": P.usage(r.prompt_tokens, r.completion_tokens, r.cached_tokens)}
-            return sse(handle, chunks)
+            return sse(handle, chunks, lambda reason: chunk({}, reason))
 
         r = await wait(handle, request)
         lp = fmt.chat(r.token_ids, r.logprobs, r.top_logprobs) if logprobs else None

@@ -1,14 +1,18 @@
 """The OpenAI wire format: request bodies (pydantic), errors, and response objects.
 
-Request models check types only (a wrong type is a 422); value rules live in
-:class:`~mlx_infer.sampling.SamplingParams` and :func:`sampling_from`, whose
-errors become 400s, so every bad value gets the same message the library
-gives. Extensions beyond the OpenAI fields (as mlx_lm.server and vLLM accept
-them): ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``.
+Request models check types strictly (a wrong type is a 422: ``"max_tokens": "10"``
+or ``true`` are not coerced) and reject unknown fields (400, in OpenAI's words:
+"Unrecognized request argument supplied"); value rules live in
+:class:`~mlx_infer.sampling.SamplingParams`, :func:`sampling_from` and the
+checks here, whose errors become 400s. Extensions beyond the OpenAI fields (as
+mlx_lm.server and vLLM accept them): ``top_k``, ``min_p``,
+``repetition_penalty``, ``ignore_eos``.
 """
 
 from __future__ import annotations
 
+import math
+import re
 import time
 import uuid
 from typing import Any, Literal, Sequence
@@ -19,6 +23,14 @@ from ..errors import MlxInferError
 from ..sampling import SamplingParams
 
 MAX_STOP_STRINGS = 16
+#: Most ``logit_bias`` entries a request may carry (OpenAI documents none; 1024 covers real use).
+MAX_LOGIT_BIAS = 1024
+#: ``logit_bias`` values, as OpenAI bounds them.
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+#: ``presence_penalty`` / ``frequency_penalty``, as OpenAI bounds them.
+PENALTY_RANGE = (-2.0, 2.0)
+_TOKEN_ID = re.compile(r"[0-9]{1,10}")  # ASCII digits only ("²".isdigit() is true, int("²") fails)
+_STRICT = ConfigDict(strict=True, extra="forbid")
 
 
 class OpenAIError(Exception):
@@ -34,14 +46,14 @@ class OpenAIError(Exception):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(strict=True, extra="allow")
     include_usage: bool | None = False
 
 
 class _Sampling(BaseModel):
     """Fields both endpoints share."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = _STRICT
 
     model: str
     max_tokens: int | None = None
@@ -59,6 +71,7 @@ class _Sampling(BaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    response_format: dict[str, Any] | None = None
     ignore_eos: bool | None = False
 
 
@@ -73,16 +86,25 @@ class CompletionRequest(_Sampling):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(strict=True, extra="allow")  # image parts carry more keys: rejected by type
     type: str
     text: str | None = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    """One message. The keys an SDK's own response objects carry (``refusal``,
+    ``tool_calls``...) are accepted as ``null`` so a reply can be sent back as is."""
+
+    model_config = _STRICT
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: Any = None
+    function_call: Any = None
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(_Sampling):
@@ -116,6 +138,7 @@ def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
 
 def check_common(req: _Sampling) -> None:
     """Reject what this server does not do (n > 1, ...) with a 400 naming the field."""
+    check_text(req.model_dump(), "")
     if req.n is not None and req.n != 1:
         raise _bad(f"n must be 1 (this server returns one choice per request), got {req.n}.", "n")
     if isinstance(req, CompletionRequest):
@@ -127,22 +150,94 @@ def check_common(req: _Sampling) -> None:
             raise _bad(f"best_of must be 1, got {req.best_of}.", "best_of")
     if isinstance(req, ChatCompletionRequest) and req.tools:
         raise _bad("tools are not supported.", "tools")
+    if req.response_format not in (None, {"type": "text"}):
+        raise _bad("response_format: only {\"type\": \"text\"} is supported (no JSON mode or schemas).",
+                   "response_format")
+    if req.stream_options is not None and not req.stream:
+        raise _bad("stream_options is only allowed with stream: true.", "stream_options")
+    for name, (lo, hi) in (("presence_penalty", PENALTY_RANGE), ("frequency_penalty", PENALTY_RANGE)):
+        value = getattr(req, name)
+        if value is not None and not (math.isfinite(value) and lo <= value <= hi):
+            raise _bad(f"{name} must be in [{lo}, {hi}], got {value}.", name)
+    if req.top_k is not None and not 0 <= req.top_k < 2**31:
+        raise _bad(f"top_k must be in 0..{2**31 - 1} (0 disables), got {req.top_k}.", "top_k")
 
 
-def max_tokens_of(req: _Sampling, default: int) -> int:
-    """``max_completion_tokens`` (chat) or ``max_tokens``, else ``default``; must be >= 1."""
+def check_text(value: Any, path: str) -> None:
+    """Every string in a parsed body must be encodable as UTF-8 (JSON can escape a lone
+    surrogate, ``"\\ud800"``, that no tokenizer takes): 400 naming where it is."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise _bad(f"{path or 'body'}: the text holds a lone UTF-16 surrogate at character {e.start}; "
+                       "send valid Unicode (pair surrogates, or drop them).",
+                       re.split(r"[.\[]", path)[0] or None) from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            check_text(k, path)
+            check_text(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(value, list):
+        if all(type(v) is int for v in value):  # token ids: nothing to check (the common long case)
+            return
+        for i, v in enumerate(value):
+            check_text(v, f"{path}[{i}]")
+
+
+def logit_bias_of(bias: dict[str, float] | None, vocab_size: int | None) -> dict[int, float] | None:
+    """``logit_bias`` keys as token ids: ASCII digits, within the vocabulary; values in [-100, 100]."""
+    if not bias:
+        return None
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise _bad(f"logit_bias takes at most {MAX_LOGIT_BIAS} entries, got {len(bias)}.", "logit_bias")
+    out: dict[int, float] = {}
+    lo, hi = LOGIT_BIAS_RANGE
+    for key, value in bias.items():
+        if not _TOKEN_ID.fullmatch(key):
+            raise _bad(f"logit_bias keys must be token ids written in ASCII digits (at most 10), got {key[:40]!r}.",
+                       "logit_bias")
+        tok = int(key)
+        if vocab_size is not None and tok >= vocab_size:
+            raise _bad(f"logit_bias token id {tok} is outside this model's vocabulary [0, {vocab_size}).",
+                       "logit_bias")
+        if tok in out:
+            raise _bad(f"logit_bias lists token id {tok} twice; give each id once.", "logit_bias")
+        if not (math.isfinite(value) and lo <= value <= hi):
+            raise _bad(f"logit_bias values must be in [{lo:g}, {hi:g}], got {value} for token {tok}.", "logit_bias")
+        out[tok] = value
+    return out
+
+
+def max_tokens_of(req: _Sampling, default: int, *, cap: int, prompt_tokens: int, context: int | None) -> int:
+    """``max_completion_tokens`` (chat) or ``max_tokens``, else ``default``.
+
+    A given value must be in ``1..cap`` (the server's ``--max-tokens``) and, with
+    the prompt, fit the model's context (400 otherwise, as vLLM and OpenAI
+    answer). The default is cut to what the context leaves.
+    """
     value = getattr(req, "max_completion_tokens", None)
     name = "max_completion_tokens"
     if value is None:
         value, name = req.max_tokens, "max_tokens"
+    room = None if context is None else context - prompt_tokens
+    if room is not None and room < 1:
+        return 1  # the prompt alone does not fit: the engine's PromptTooLongError says so
     if value is None:
-        return default
+        return max(1, min(default, cap, room if room is not None else default))
     if value < 1:
         raise _bad(f"{name} must be >= 1, got {value}.", name)
+    if value > cap:
+        raise _bad(f"{name} must be <= {cap} (this server's --max-tokens), got {value}.", name)
+    if room is not None and value > room:
+        raise OpenAIError(400, f"This model's maximum context length is {context} tokens. However, you requested "
+                               f"{prompt_tokens + value} tokens ({prompt_tokens} in the prompt, {value} in the "
+                               f"completion); lower {name} to at most {max(room, 0)} or shorten the prompt.",
+                          param=name, code="context_length_exceeded")
     return value
 
 
-def sampling_from(req: _Sampling, defaults: dict[str, Any], *, logprobs: bool, top_logprobs: int) -> SamplingParams:
+def sampling_from(req: _Sampling, defaults: dict[str, Any], *, logprobs: bool, top_logprobs: int,
+                  vocab_size: int | None = None) -> SamplingParams:
     """:class:`SamplingParams` from the request over the model's generation-config defaults.
 
     Raises:
@@ -151,7 +246,8 @@ def sampling_from(req: _Sampling, defaults: dict[str, Any], *, logprobs: bool, t
     fields = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "min_p": req.min_p,
               "seed": req.seed, "repetition_penalty": req.repetition_penalty,
               "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
-              "logit_bias": req.logit_bias, "logprobs": logprobs, "top_logprobs": top_logprobs}
+              "logit_bias": logit_bias_of(req.logit_bias, vocab_size), "logprobs": logprobs,
+              "top_logprobs": top_logprobs}
     try:
         return SamplingParams.from_generation_config(defaults, **fields)
     except MlxInferError as e:
@@ -176,10 +272,20 @@ def chat_logprobs(req: ChatCompletionRequest) -> tuple[bool, int]:
     return bool(req.logprobs), top
 
 
+_ROLES = frozenset({"system", "developer", "user", "assistant"})
+
+
 def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
     """Messages as the chat template takes them (text parts joined; ``developer`` -> ``system``)."""
     out = []
     for i, m in enumerate(messages):
+        if m.role not in _ROLES:
+            raise _bad(f"messages[{i}].role must be one of {sorted(_ROLES)}, got {m.role[:40]!r}"
+                       + (" (tool calls are not supported)." if m.role in ("tool", "function") else "."), "messages")
+        for key in ("tool_calls", "function_call", "audio", "tool_call_id"):
+            if getattr(m, key) is not None:
+                raise _bad(f"messages[{i}].{key} is not supported (this server does no tool calls or audio).",
+                           "messages")
         content = m.content
         if isinstance(content, list):
             if any(p.type != "text" for p in content):
@@ -240,8 +346,9 @@ class LogprobFormatter:
 
 
 def finish_reason(reason: str | None) -> str | None:
-    """Engine finish reasons in OpenAI's words (a cancelled or failed stream ends as ``stop``)."""
-    return {"stop": "stop", "length": "length"}.get(reason or "", "stop" if reason else None)
+    """Engine finish reasons in OpenAI's words; a request cut short (cancelled, failed)
+    is ``abort`` (vLLM's word), never ``stop``, which claims a normal end."""
+    return {"stop": "stop", "length": "length"}.get(reason or "", "abort" if reason else None)
 
 
 ChunkKind = Literal["text_completion", "chat.completion.chunk"]

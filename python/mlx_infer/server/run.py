@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-import socket
+import math
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..errors import MlxInferError
+from .guard import BODY_TIMEOUT_S, DEFAULT_PUBLIC, PUBLIC_CHOICES, GuardConfig
+from .http import DRAIN_TIMEOUT_S, HEADER_TIMEOUT_S, bind, make_server
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
@@ -21,14 +24,18 @@ class ServeOptions:
     Attributes:
         model: model directory or .gguf (``None``: the embedded default model).
         host: bind address (loopback unless asked otherwise).
-        port: TCP port.
+        port: TCP port (1..65535; 0 picks a free one).
         max_batch: most requests running at once.
         memory_budget_gb: KV pages + activations budget (see EngineConfig).
-        api_key: require ``Authorization: Bearer <key>`` on /v1 routes.
-        max_tokens: default generation limit for chat completions.
+        api_key: require ``Authorization: Bearer <key>`` on every endpoint but ``public``.
+        public: endpoints open without the key (``health``, ``metrics``, ``docs``).
+        max_tokens: a chat completion's default ``max_tokens`` and every request's upper bound.
         prefill_step_size: prompt tokens per engine iteration.
         page_size: tokens per KV page.
         log_level: uvicorn's log level.
+        drain_timeout_s: on shutdown, how long requests in flight may finish before they are aborted.
+        header_timeout_s: how long a connection may take to send a request's headers.
+        body_timeout_s: how long a request's body may take to arrive.
     """
 
     model: str | None = None
@@ -37,10 +44,30 @@ class ServeOptions:
     max_batch: int = 32
     memory_budget_gb: float = 1.0
     api_key: str | None = None
+    public: tuple[str, ...] = DEFAULT_PUBLIC
     max_tokens: int = 512
     prefill_step_size: int = 512
     page_size: int = 16
     log_level: str = "info"
+    drain_timeout_s: float = DRAIN_TIMEOUT_S
+    header_timeout_s: float = HEADER_TIMEOUT_S
+    body_timeout_s: float = BODY_TIMEOUT_S
+
+    def check(self) -> None:
+        """Raise :class:`MlxInferError` naming the first bad option (before any model loads)."""
+        for flag, value in (("--max-batch", self.max_batch), ("--max-tokens", self.max_tokens),
+                            ("--prefill-step-size", self.prefill_step_size), ("--page-size", self.page_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise MlxInferError(f"{flag} must be a positive integer, got {value!r}.")
+        for flag, value in (("--memory-budget", self.memory_budget_gb), ("--drain-timeout", self.drain_timeout_s),
+                            ("--header-timeout", self.header_timeout_s), ("--body-timeout", self.body_timeout_s)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise MlxInferError(f"{flag} must be a positive finite number, got {value!r}.")
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise MlxInferError(f"--port must be in 1..65535 (0: any free port), got {self.port!r}.")
+        if not self.host:
+            raise MlxInferError("--host must not be empty (127.0.0.1: this machine only; 0.0.0.0: every interface).")
+        GuardConfig(api_key=self.api_key, public=self.public)  # raises on a bad key or endpoint name
 
 
 def model_name(loaded: Any, requested: str | None) -> str:
@@ -54,31 +81,66 @@ def build(options: ServeOptions) -> tuple[Any, Any, str]:
     """Load the model, start an engine and build the app: ``(app, engine, model_id)``."""
     from ..artifacts.loader import load_model
     from ..engine import Engine, EngineConfig
-    from .app import create_app
+    from .app import check_generation_defaults, create_app
 
+    options.check()
     loaded = load_model(options.model)
+    check_generation_defaults(dict(loaded.generation_config or {}))  # before an engine takes memory
     config = EngineConfig(max_batch=options.max_batch, memory_budget_gb=options.memory_budget_gb,
                           prefill_step_size=options.prefill_step_size, page_size=options.page_size)
     engine = Engine(loaded, config).start()
-    model_id = model_name(loaded, options.model)
-    aliases = tuple({options.model} - {None}) if options.model else ()
-    app = create_app(engine, model_id=model_id, api_key=options.api_key, default_max_tokens=options.max_tokens,
-                     aliases=aliases)
+    try:
+        model_id = model_name(loaded, options.model)
+        aliases = tuple({options.model} - {None}) if options.model else ()
+        guard = GuardConfig(api_key=options.api_key, public=options.public, body_timeout_s=options.body_timeout_s)
+        app = create_app(engine, model_id=model_id, default_max_tokens=options.max_tokens,
+                         max_tokens_cap=options.max_tokens, aliases=aliases, guard=guard)
+    except BaseException:
+        engine.stop()
+        raise
     return app, engine, model_id
 
 
-def serve(options: ServeOptions) -> None:
-    """Run until interrupted (Ctrl-C stops uvicorn, then the engine)."""
-    import uvicorn
+def exposure_lines(options: ServeOptions) -> list[str]:
+    """What the startup banner says about who can reach what (and the warning for an open bind)."""
+    lines = []
+    loopback = options.host in ("127.0.0.1", "localhost", "::1")
+    if options.api_key is None:
+        lines.append("no --api-key: every endpoint is open to whoever reaches the address")
+        if not loopback:
+            lines.append(f"WARNING: listening on {options.host} without --api-key: anyone on the network can use "
+                         "this server; pass --api-key KEY or --host 127.0.0.1")
+    else:
+        public = sorted(p for n in options.public for p in PUBLIC_CHOICES[n])
+        lines.append(f"--api-key set: public (no key): {', '.join(public) or 'none'}; every other endpoint "
+                     "needs the key (open more with --public metrics,docs)")
+    return lines
 
-    if options.max_tokens < 1:
-        raise MlxInferError(f"--max-tokens must be >= 1, got {options.max_tokens}.")
-    app, engine, model_id = build(options)
+
+def serve(options: ServeOptions) -> None:
+    """Run until interrupted: Ctrl-C or SIGTERM drains for ``drain_timeout_s``, then stops the engine.
+
+    Raises:
+        MlxInferError: a bad option, a model that cannot load, an address that cannot be bound.
+    """
+    options.check()
+    sock = bind(options.host, options.port)  # before loading: a busy port fails in a second
     try:
-        print(f"mlx-infer: serving '{model_id}' on http://{options.host}:{options.port}/v1 "
+        app, engine, model_id = build(options)
+    except BaseException:
+        sock.close()
+        raise
+    try:
+        port = sock.getsockname()[1]
+        for line in exposure_lines(options):
+            print(f"mlx-infer: {line}", file=sys.stderr, flush=True)
+        print(f"mlx-infer: serving '{model_id}' on http://{options.host}:{port}/v1 "
               f"(KV pages of {engine.store.page_size} tokens: {_pages_summary(engine.store)})", flush=True)
-        uvicorn.run(app, host=options.host, port=options.port, log_level=options.log_level)
+        server = make_server(app, log_level=options.log_level, drain_timeout_s=options.drain_timeout_s,
+                             header_timeout_s=options.header_timeout_s)
+        server.run(sockets=[sock])
     finally:
+        sock.close()
         engine.stop()
 
 
@@ -91,16 +153,13 @@ class ServerThread:
             openai.OpenAI(base_url=server.url + "/v1", api_key="x")
     """
 
-    def __init__(self, app: Any, *, host: str = DEFAULT_HOST, log_level: str = "warning"):
-        import uvicorn
-
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((host, 0))
+    def __init__(self, app: Any, *, host: str = DEFAULT_HOST, log_level: str = "warning",
+                 drain_timeout_s: float = 2.0, header_timeout_s: float = HEADER_TIMEOUT_S):
+        self.sock = bind(host, 0)
         self.port = self.sock.getsockname()[1]
         self.url = f"http://{host}:{self.port}"
-        config = uvicorn.Config(app, log_level=log_level, lifespan="off", timeout_graceful_shutdown=2)
-        self.server = uvicorn.Server(config)
+        self.server = make_server(app, log_level=log_level, lifespan="off", drain_timeout_s=drain_timeout_s,
+                                  header_timeout_s=header_timeout_s)
         self.server.install_signal_handlers = lambda: None  # type: ignore[method-assign]  # not the main thread
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                         name="mlx-infer-server", daemon=True)
@@ -115,10 +174,15 @@ class ServerThread:
             threading.Event().wait(0.02)
         raise RuntimeError("the server did not start")
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 30.0) -> None:
+        """Shut down (drain, then abort what is left) and wait up to ``timeout`` s for the thread."""
         self.server.should_exit = True
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=timeout)
         self.sock.close()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
 
     def __enter__(self) -> "ServerThread":
         return self.start()
