@@ -78,7 +78,7 @@ CASES = [
     # unknown fields
     ("unknown-field", C, comp(foo=1), 400, "foo"),
     ("unknown-field-chat", CH, chat(parallel_tool_calls=True), 400, "parallel_tool_calls"),
-    ("response_format-json", CH, chat(response_format={"type": "json_object"}), 400, "response_format"),
+    ("response_format-yaml", CH, chat(response_format={"type": "yaml"}), 400, "response_format"),
     ("response_format-string", CH, chat(response_format="json"), 422, "response_format"),
     ("stream_options-without-stream", C, comp(stream_options={"include_usage": True}), 400, "stream_options"),
     ("unknown-message-field", CH, msg(bar=1), 400, "messages"),

@@ -5,13 +5,12 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-_SHIFTS = mx.arange(32, dtype=mx.int32)  # (32,)
-
 
 def bitmask_to_allowed(bits: mx.array | np.ndarray, vocab_size: int) -> mx.array:
     """``(B, words)`` int32 bits -> ``(B, vocab_size)`` bool (token ``t`` is bit ``t % 32`` of word ``t // 32``)."""
     bits = mx.array(bits) if isinstance(bits, np.ndarray) else bits  # (B, W)
-    unpacked = mx.right_shift(bits[..., None], _SHIFTS) & 1  # (B, W, 32)
+    shifts = mx.arange(32, dtype=mx.int32)  # (32,); built per call: MLX streams are per thread
+    unpacked = mx.right_shift(bits[..., None], shifts) & 1  # (B, W, 32)
     return unpacked.reshape(bits.shape[0], -1)[:, :vocab_size].astype(mx.bool_)  # (B, V)
 
 

@@ -198,6 +198,12 @@ class Engine:
             request.sampling.validate(self.vocab_size)
         if request.sampling.seed is not None and request.sampling.seed >= 2**64:
             raise MlxInferError(f"seed must be < 2**64, got {request.sampling.seed}.")
+        constraint = None
+        if request.constraint is not None:  # compiled here: a bad schema fails the submit, not the engine
+            from ..constraints import ConstraintState
+
+            constraint = ConstraintState.create(request.constraint, self.tokenizer, self.vocab_size,
+                                                tuple(self.eos))
         limit = request.max_tokens
         if self.context_length is not None:
             limit = min(limit, self.context_length - n + 1)
@@ -210,6 +216,7 @@ class Engine:
                 raise QueueFullError(f"The queue holds {self.config.max_queue} waiting requests; retry later.")
             self._order += 1
             live = LiveRequest(request, handle, self._order, limit)
+            live.constraint = constraint
             live.t_submit = time.perf_counter()
             self._live[request.request_id] = live
             self._inbox.append(live)
@@ -332,7 +339,7 @@ class Engine:
             live.detok = self.tokenizer.detokenizer()
             live.matcher = StopMatcher(live.request.stop)
             live.needs_history = bool(live.sampler.processors)
-            live.simple = p.greedy and not live.needs_history and not p.logprobs
+            live.simple = p.greedy and not live.needs_history and not p.logprobs and live.constraint is None
             self.scheduler.enqueue(live)
         for rid in cancels:
             live = self._live.get(rid)
@@ -401,8 +408,9 @@ class Engine:
         rows = [r for r in self.scheduler.running if r.state == DECODE]
         if not rows:
             return None
-        if self._inflight is not None and (not self.config.pipeline or any(r.needs_history for r in rows)):
-            self._sync()  # penalties read the history, in-flight token included
+        if self._inflight is not None and (not self.config.pipeline
+                                           or any(r.needs_history or r.constraint is not None for r in rows)):
+            self._sync()  # penalties read the history and constraints advance on it, in-flight token included
             rows = [r for r in self.scheduler.running if r.state == DECODE]
         batch = None
         while rows:
@@ -498,13 +506,20 @@ class Engine:
         if all(r.simple for r in rows):
             return mx.argmax(logits, axis=-1), None  # (B,) uint32
         greedy = mx.argmax(logits, axis=-1) if any(r.simple for r in rows) else None
+        bits = None
+        if any(r.constraint is not None for r in rows):  # the batch's masks, in parallel, while the forward runs
+            from ..constraints import fill_bitmasks
+
+            mx.async_eval(logits)
+            bits = fill_bitmasks([r.constraint for r in rows])  # (B, words)
         pieces, outs = [], []
         for i, r in enumerate(rows):
             if r.simple:
                 pieces.append(greedy[i:i + 1])
                 outs.append(None)
                 continue
-            out = r.sampler.step(logits[i:i + 1], r.all_ids if r.needs_history else (), r.rng)
+            out = r.sampler.step(logits[i:i + 1], r.all_ids if r.needs_history else (), r.rng,
+                                 bitmask=bits[i:i + 1] if r.constraint is not None else None)
             pieces.append(out.token if out.token.dtype == mx.uint32 else out.token.astype(mx.uint32))
             outs.append(out)
         return mx.concatenate(pieces), outs
@@ -552,7 +567,11 @@ class Engine:
         r.all_ids.append(token)
         index = r.generated - 1
         eos = token in self.eos and not r.request.ignore_eos
-        finish = "stop" if eos else ("length" if r.generated >= r.limit else None)
+        done = False
+        if r.constraint is not None:
+            r.constraint.advance(token)
+            done = r.constraint.done  # the grammar is complete: nothing may follow
+        finish = "stop" if eos or done else ("length" if r.generated >= r.limit else None)
         text = ""
         if r.request.detokenize:
             piece = r.detok.flush() if eos else r.detok.add(token)

@@ -16,7 +16,7 @@ import asyncio
 import threading
 import uuid
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable, Iterator, Sequence
+from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 
 from ..errors import MlxInferError
 from ..sampling import SamplingParams
@@ -41,6 +41,8 @@ class EngineRequest:
         ignore_eos: keep generating past EOS (benchmarks: every request makes ``max_tokens``).
         detokenize: produce text (``False``: token ids only, for clients that decode
             themselves; no stop strings then).
+        constraint: a :class:`~mlx_infer.constraints.Constraint` the output must satisfy
+            (JSON schema, regex, choice, grammar); the request ends when it is complete.
     """
 
     prompt_ids: Sequence[int]
@@ -51,6 +53,7 @@ class EngineRequest:
     namespace: str = ""
     ignore_eos: bool = False
     detokenize: bool = True
+    constraint: Any = None
 
     def __post_init__(self) -> None:
         ids = list(self.prompt_ids)

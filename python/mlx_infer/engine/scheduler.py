@@ -67,6 +67,7 @@ class LiveRequest:
         self.matcher: Any = None
         self.simple = False  # greedy, no processors, no logprobs: one batched argmax
         self.needs_history = False
+        self.constraint: Any = None  # the request's ConstraintState (compiled at submit)
         self.text: list[str] = []
         self.logprobs: list[float] = []
         self.top_logprobs: list[list[tuple[int, float]]] = []

@@ -42,6 +42,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..engine import Engine, EngineClosedError, EngineRequest, QueueFullError, RequestHandle, RequestTooLargeError
 from ..errors import MlxInferError, PromptTooLongError
 from ..sampling import SamplingParams
+from .structured import constraint_of
 from . import protocol as P
 from .guard import Drain, Guard, GuardConfig, error_body
 
@@ -172,10 +173,11 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
         if drain.draining:
             raise P.OpenAIError(503, "The server is shutting down; retry on another instance.", type="server_error",
                                 code="server_shutdown")
+        constraint = constraint_of(req)
         try:
             handle = engine.submit(EngineRequest(prompt_ids=prompt_ids, sampling=sampling, max_tokens=max_tokens,
                                                  stop=P.stop_strings(req.stop), ignore_eos=bool(req.ignore_eos),
-                                                 namespace=model_id))
+                                                 namespace=model_id, constraint=constraint))
         except PromptTooLongError as e:
             raise P.OpenAIError(400, str(e), param="messages" if hasattr(req, "messages") else "prompt",
                                 code="context_length_exceeded") from None

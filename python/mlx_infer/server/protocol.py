@@ -6,7 +6,8 @@ or ``true`` are not coerced) and reject unknown fields (400, in OpenAI's words:
 :class:`~mlx_infer.sampling.SamplingParams`, :func:`sampling_from` and the
 checks here, whose errors become 400s. Extensions beyond the OpenAI fields (as
 mlx_lm.server and vLLM accept them): ``top_k``, ``min_p``,
-``repetition_penalty``, ``ignore_eos``.
+``repetition_penalty``, ``ignore_eos``, and the structured-output fields
+(``structured_outputs``, ``guided_*``, ``grammar``, ``json_schema``: server/structured.py).
 """
 
 from __future__ import annotations
@@ -73,6 +74,14 @@ class _Sampling(BaseModel):
     user: str | None = None
     response_format: dict[str, Any] | None = None
     ignore_eos: bool | None = False
+    # structured output (see server/structured.py): vLLM's and llama.cpp's fields
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    grammar: str | None = None
+    json_schema: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -150,9 +159,6 @@ def check_common(req: _Sampling) -> None:
             raise _bad(f"best_of must be 1, got {req.best_of}.", "best_of")
     if isinstance(req, ChatCompletionRequest) and req.tools:
         raise _bad("tools are not supported.", "tools")
-    if req.response_format not in (None, {"type": "text"}):
-        raise _bad("response_format: only {\"type\": \"text\"} is supported (no JSON mode or schemas).",
-                   "response_format")
     if req.stream_options is not None and not req.stream:
         raise _bad("stream_options is only allowed with stream: true.", "stream_options")
     for name, (lo, hi) in (("presence_penalty", PENALTY_RANGE), ("frequency_penalty", PENALTY_RANGE)):
