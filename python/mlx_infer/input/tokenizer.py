@@ -59,15 +59,18 @@ class Tokenizer:
         """Text of ``ids``."""
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of ``messages`` rendered by the model's chat template."""
+    def apply_chat_template(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+                            **template_vars: Any) -> list[int]:
+        """Token ids of ``messages`` rendered by the model's chat template; ``template_vars``
+        (``tools``, ``chat_template_kwargs``...) are visible to it (``None`` values are left out)."""
         if not self.chat_template:
             raise ChatTemplateError(
                 "This model has no chat template (tokenizer_config.json has no chat_template); "
                 "drop --chat and pass the raw prompt."
             )
+        extra = {k: v for k, v in template_vars.items() if v is not None}
         text = render_chat(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
-                           bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+                           **{"bos_token": self.bos_token or "", "eos_token": self.eos_token or "", **extra})
         # The template writes BOS itself when the model wants one.
         return self._tok.encode(text, add_special_tokens=False).ids
 

@@ -43,6 +43,7 @@ from ..engine import Engine, EngineClosedError, EngineRequest, QueueFullError, R
 from ..errors import MlxInferError, PromptTooLongError
 from ..sampling import SamplingParams
 from .structured import constraint_of
+from .tools import ToolPlan, template_messages
 from . import protocol as P
 from .guard import Drain, Guard, GuardConfig, error_body
 
@@ -169,11 +170,12 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
             raise P.OpenAIError(404, f"The model '{name}' does not exist; this server serves '{model_id}'.",
                                 param="model", code="model_not_found")
 
-    def submit(prompt_ids: list[int], req: P._Sampling, sampling: Any, max_tokens: int) -> RequestHandle:
+    def submit(prompt_ids: list[int], req: P._Sampling, sampling: Any, max_tokens: int,
+               constraint: Any = None) -> RequestHandle:
         if drain.draining:
             raise P.OpenAIError(503, "The server is shutting down; retry on another instance.", type="server_error",
                                 code="server_shutdown")
-        constraint = constraint_of(req)
+        constraint = constraint or constraint_of(req)
         try:
             handle = engine.submit(EngineRequest(prompt_ids=prompt_ids, sampling=sampling, max_tokens=max_tokens,
                                                  stop=P.stop_strings(req.stop), ignore_eos=bool(req.ignore_eos),
@@ -327,7 +329,16 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
         check_model(req.model)
         messages = P.chat_messages(req.messages)
         try:
-            ids = await asyncio.to_thread(tokenizer.apply_chat_template, messages, add_generation_prompt=True)
+            plan = ToolPlan(req.tools, req.tool_choice, req.parallel_tool_calls, tokenizer.chat_template)
+        except ValueError as e:
+            raise P.OpenAIError(400, str(e), param="tool_choice" if "tool_choice" in str(e) else "tools",
+                                code="invalid_value") from None
+        if plan.constraint is not None and constraint_of(req) is not None:
+            raise P.OpenAIError(400, f'tool_choice "{plan.mode}" constrains the output itself; drop response_format '
+                                "(or the other structured-output field).", param="tool_choice", code="invalid_value")
+        try:
+            ids = await asyncio.to_thread(tokenizer.apply_chat_template, template_messages(messages),
+                                          add_generation_prompt=True, tools=plan.template_tools)
         except MlxInferError as e:
             raise P.OpenAIError(400, str(e), param="messages", code="invalid_value") from None
         except Exception as e:  # a template that raises on these messages (e.g. role order)
@@ -336,7 +347,7 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
         logprobs, top = P.chat_logprobs(req)
         sampling = P.sampling_from(req, defaults, logprobs=logprobs, top_logprobs=top, vocab_size=vocab_size)
         limit = P.max_tokens_of(req, default_max_tokens, cap=cap, prompt_tokens=len(ids), context=context)
-        handle = submit(ids, req, sampling, limit)
+        handle = submit(ids, req, sampling, limit, plan.constraint)
         rid, t = P.new_id("chatcmpl"), P.now()
 
         if req.stream:
@@ -352,8 +363,15 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
                     lp = None
                     if logprobs and ev.token is not None:
                         lp = fmt.chat([ev.token], [ev.logprob], [ev.top_logprobs] if top else None)
-                    if ev.text or ev.finish_reason or lp:
-                        yield chunk({"content": ev.text} if ev.text else {}, P.finish_reason(ev.finish_reason), lp)
+                    deltas = plan.feed(ev.text)  # content, or tool-call pieces (markup held back)
+                    reason = P.finish_reason(ev.finish_reason)
+                    if ev.finish_reason is not None:
+                        last, reason = plan.end(reason)
+                        deltas += last
+                    for d in deltas[:-1]:
+                        yield chunk(d, None)
+                    if deltas or reason or lp:
+                        yield chunk(deltas[-1] if deltas else {}, reason, lp)
                 if include_usage:
                     r = h.result()
                     yield {"id": rid, "object": "chat.completion.chunk", "created": t, "model": model_id,
@@ -362,9 +380,14 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
 
         r = await wait(handle, request)
         lp = fmt.chat(r.token_ids, r.logprobs, r.top_logprobs) if logprobs else None
+        finish = P.finish_reason(r.finish_reason)
+        content, calls = plan.parse(r.text, finish)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [c.openai() for c in calls]
+            finish = "tool_calls"
         return {"id": rid, "object": "chat.completion", "created": t, "model": model_id,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": r.text},
-                             "logprobs": lp, "finish_reason": P.finish_reason(r.finish_reason)}],
+                "choices": [{"index": 0, "message": message, "logprobs": lp, "finish_reason": finish}],
                 "usage": P.usage(r.prompt_tokens, r.completion_tokens, r.cached_tokens)}
 
     return app

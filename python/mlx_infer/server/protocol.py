@@ -124,6 +124,8 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 # -- request -> engine ------------------------------------------------------------
@@ -157,8 +159,6 @@ def check_common(req: _Sampling) -> None:
             raise _bad("suffix is not supported.", "suffix")
         if req.best_of not in (None, 1):
             raise _bad(f"best_of must be 1, got {req.best_of}.", "best_of")
-    if isinstance(req, ChatCompletionRequest) and req.tools:
-        raise _bad("tools are not supported.", "tools")
     if req.stream_options is not None and not req.stream:
         raise _bad("stream_options is only allowed with stream: true.", "stream_options")
     for name, (lo, hi) in (("presence_penalty", PENALTY_RANGE), ("frequency_penalty", PENALTY_RANGE)):
@@ -278,27 +278,42 @@ def chat_logprobs(req: ChatCompletionRequest) -> tuple[bool, int]:
     return bool(req.logprobs), top
 
 
-_ROLES = frozenset({"system", "developer", "user", "assistant"})
+_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 
-def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
-    """Messages as the chat template takes them (text parts joined; ``developer`` -> ``system``)."""
+def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template takes them (text parts joined; ``developer`` -> ``system``;
+    an assistant's ``tool_calls`` and a tool message's ``tool_call_id`` kept)."""
     out = []
     for i, m in enumerate(messages):
         if m.role not in _ROLES:
-            raise _bad(f"messages[{i}].role must be one of {sorted(_ROLES)}, got {m.role[:40]!r}"
-                       + (" (tool calls are not supported)." if m.role in ("tool", "function") else "."), "messages")
-        for key in ("tool_calls", "function_call", "audio", "tool_call_id"):
+            raise _bad(f"messages[{i}].role must be one of {sorted(_ROLES)}, got {m.role[:40]!r}.", "messages")
+        for key in ("function_call", "audio"):
             if getattr(m, key) is not None:
-                raise _bad(f"messages[{i}].{key} is not supported (this server does no tool calls or audio).",
-                           "messages")
+                raise _bad(f"messages[{i}].{key} is not supported (use tool_calls; no audio).", "messages")
+        if m.tool_calls is not None and m.role != "assistant":
+            raise _bad(f"messages[{i}].tool_calls belongs on an assistant message, not {m.role!r}.", "messages")
+        for j, call in enumerate(m.tool_calls or ()):
+            fn = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise _bad(f"messages[{i}].tool_calls[{j}] must be {{\"id\", \"type\": \"function\", "
+                           "\"function\": {\"name\", \"arguments\"}}.", "messages")
+        if m.tool_call_id is not None and m.role != "tool":
+            raise _bad(f"messages[{i}].tool_call_id belongs on a tool message, not {m.role!r}.", "messages")
         content = m.content
         if isinstance(content, list):
             if any(p.type != "text" for p in content):
                 raise _bad(f"messages[{i}]: only text content parts are supported.", "messages")
             content = "".join(p.text or "" for p in content)
         role = "system" if m.role == "developer" else m.role
-        out.append({"role": role, "content": content or ""})
+        entry: dict[str, Any] = {"role": role, "content": content or ""}
+        if m.tool_calls:
+            entry["tool_calls"] = list(m.tool_calls)
+        if m.tool_call_id is not None:
+            entry["tool_call_id"] = m.tool_call_id
+        if m.name is not None and role == "tool":
+            entry["name"] = m.name
+        out.append(entry)
     return out
 
 
