@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
@@ -75,11 +76,15 @@ def overhead(loaded, trials: int) -> dict:
     vocab = loaded.model.args.vocab_size
     names = sorted(SCHEMAS)
     states = []
-    for i in range(32):  # each state a few tokens into its output: masks mid-string, mid-object
+    rng = np.random.default_rng(0)
+    for i in range(32):  # each state 0-11 random allowed tokens into its output: mid-string, mid-object
         st = ConstraintState.create(Constraint.json_schema(SCHEMAS[names[i % len(names)]]), loaded.tokenizer, vocab,
                                     loaded.eos_token_ids)
-        for tok in st.forced()[:3]:
-            st.advance(tok, forced=True)
+        for _ in range(int(rng.integers(0, 12))):
+            if st.done:
+                break
+            allowed = np.flatnonzero(np.unpackbits(st.bitmask().view(np.uint8), bitorder="little")[:vocab])
+            st.advance(int(rng.choice(allowed)))
         states.append(st)
     one_ms = _median_ms(lambda: fill_bitmasks(states[:1]), trials * 20)
     batch_ms = _median_ms(lambda: fill_bitmasks(states), trials * 20)

@@ -226,7 +226,9 @@ def _serve(args: argparse.Namespace) -> int:
                        memory_budget_gb=args.memory_budget, api_key=args.api_key, max_tokens=args.max_tokens,
                        prefill_step_size=args.prefill_step_size, log_level=args.log_level,
                        drain_timeout_s=args.drain_timeout, header_timeout_s=args.header_timeout,
-                       body_timeout_s=args.body_timeout, **({"public": public} if public is not None else {})))
+                       body_timeout_s=args.body_timeout, served_model_name=args.served_model_name,
+                       allowed_origins=tuple(o.strip() for o in (args.allowed_origins or "").split(",") if o.strip()),
+                       **({"public": public} if public is not None else {})))
     return 0
 
 
@@ -293,6 +295,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--body-timeout", type=float, default=30.0, metavar="S",
                    help="seconds a client may take to send a request's body")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model id clients pass (default: the model's directory or file name)")
+    s.add_argument("--allowed-origins", default=None, metavar="LIST",
+                   help="CORS: comma-separated origins to answer ('*' for any; default: CORS off)")
     s.set_defaults(func=_serve)
 
     c = sub.add_parser("convert", help="write a GGUF or HF model as an MLX directory")

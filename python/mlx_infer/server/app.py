@@ -43,6 +43,7 @@ from ..engine import Engine, EngineClosedError, EngineRequest, QueueFullError, R
 from ..errors import MlxInferError, PromptTooLongError
 from ..sampling import SamplingParams
 from .structured import constraint_of
+from .extras import add_cors, add_token_routes, template_kwargs
 from .tools import ToolPlan, template_messages
 from . import protocol as P
 from .guard import Drain, Guard, GuardConfig, error_body
@@ -95,7 +96,7 @@ async def until(event: asyncio.Event, items: AsyncIterator[Any]) -> AsyncIterato
 def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
                default_max_tokens: int = DEFAULT_MAX_TOKENS, max_tokens_cap: int | None = None,
                aliases: tuple[str, ...] = (), guard: GuardConfig | None = None,
-               drain: Drain | None = None) -> FastAPI:
+               drain: Drain | None = None, allowed_origins: tuple[str, ...] = ()) -> FastAPI:
     """An app serving ``engine``'s model under ``model_id`` (and ``aliases``).
 
     Args:
@@ -109,6 +110,7 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
         aliases: more names for the model.
         guard: API key, public endpoints, body limits (see :mod:`.guard`).
         drain: shutdown state shared with the server (see :class:`~.guard.Drain`).
+        allowed_origins: CORS origins to answer (``("*",)``: any; empty: CORS off).
 
     Raises:
         MlxInferError: bad settings, or a model whose generation defaults are invalid.
@@ -126,6 +128,7 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
     app = FastAPI(title="mlx-infer", version="1", description="OpenAI-compatible API over mlx-infer's engine.")
     app.state.drain = drain
     app.add_middleware(Guard, config=guard, drain=drain)
+    add_cors(app, tuple(allowed_origins))  # outermost: preflights are answered before the key check
     names = {model_id, *aliases}
     tokenizer = engine.tokenizer
     fmt = P.LogprobFormatter(tokenizer)
@@ -265,12 +268,15 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created,
-                                            "owned_by": "mlx-infer"}]}
+                                            "owned_by": "mlx-infer", "max_model_len": context}]}
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str) -> dict[str, Any]:
         check_model(name)
-        return {"id": model_id, "object": "model", "created": created, "owned_by": "mlx-infer"}
+        return {"id": model_id, "object": "model", "created": created, "owned_by": "mlx-infer",
+                "max_model_len": context}
+
+    add_token_routes(app, engine, check_model)
 
     @app.post("/v1/completions")
     async def completions(req: P.CompletionRequest, request: Request) -> Any:
@@ -338,7 +344,10 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
                                 "(or the other structured-output field).", param="tool_choice", code="invalid_value")
         try:
             ids = await asyncio.to_thread(tokenizer.apply_chat_template, template_messages(messages),
-                                          add_generation_prompt=True, tools=plan.template_tools)
+                                          add_generation_prompt=True, tools=plan.template_tools,
+                                          **template_kwargs(req.chat_template_kwargs))
+        except P.OpenAIError:
+            raise
         except MlxInferError as e:
             raise P.OpenAIError(400, str(e), param="messages", code="invalid_value") from None
         except Exception as e:  # a template that raises on these messages (e.g. role order)

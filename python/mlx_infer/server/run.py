@@ -36,6 +36,8 @@ class ServeOptions:
         drain_timeout_s: on shutdown, how long requests in flight may finish before they are aborted.
         header_timeout_s: how long a connection may take to send a request's headers.
         body_timeout_s: how long a request's body may take to arrive.
+        served_model_name: the id clients pass as ``model`` (default: the model's file name).
+        allowed_origins: CORS origins to answer (``*``: any; empty: CORS off, the default).
     """
 
     model: str | None = None
@@ -52,6 +54,8 @@ class ServeOptions:
     drain_timeout_s: float = DRAIN_TIMEOUT_S
     header_timeout_s: float = HEADER_TIMEOUT_S
     body_timeout_s: float = BODY_TIMEOUT_S
+    served_model_name: str | None = None
+    allowed_origins: tuple[str, ...] = ()
 
     def check(self) -> None:
         """Raise :class:`MlxInferError` naming the first bad option (before any model loads)."""
@@ -90,11 +94,12 @@ def build(options: ServeOptions) -> tuple[Any, Any, str]:
                           prefill_step_size=options.prefill_step_size, page_size=options.page_size)
     engine = Engine(loaded, config).start()
     try:
-        model_id = model_name(loaded, options.model)
-        aliases = tuple({options.model} - {None}) if options.model else ()
+        model_id = options.served_model_name or model_name(loaded, options.model)
+        aliases = tuple({options.model} - {None}) if options.model and not options.served_model_name else ()
         guard = GuardConfig(api_key=options.api_key, public=options.public, body_timeout_s=options.body_timeout_s)
         app = create_app(engine, model_id=model_id, default_max_tokens=options.max_tokens,
-                         max_tokens_cap=options.max_tokens, aliases=aliases, guard=guard)
+                         max_tokens_cap=options.max_tokens, aliases=aliases, guard=guard,
+                         allowed_origins=options.allowed_origins)
     except BaseException:
         engine.stop()
         raise
