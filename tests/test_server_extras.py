@@ -101,3 +101,34 @@ def test_served_model_name(server):
                                                               "max_tokens": 1}).status_code == 404
     finally:
         engine.stop()
+
+
+def test_n_choices_and_prompt_batches(server):
+    import openai
+
+    from mlx_infer.generation.autoregressive import generate
+    from mlx_infer.sampling import SamplingParams
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], n=3, seed=7,
+                                       temperature=1.0, max_tokens=6)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    texts = [c.message.content for c in r.choices]
+    assert len(set(texts)) > 1  # seeds 7, 8, 9: distinct draws
+    one = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], seed=8,
+                                         temperature=1.0, max_tokens=6)
+    assert one.choices[0].message.content == texts[1]  # choice i draws with seed + i
+    assert r.usage.prompt_tokens == one.usage.prompt_tokens  # the prompt counted once
+    assert 3 <= r.usage.completion_tokens <= 18
+
+    prompts = ["The capital of", "Hello"]
+    c = client.completions.create(model="tiny", prompt=prompts, n=2, max_tokens=5, temperature=0)
+    assert [ch.index for ch in c.choices] == [0, 1, 2, 3]
+    for k, prompt in enumerate(prompts):  # greedy: each prompt's two choices are its generate() text
+        with generate(server.loaded, prompt, sampling=SamplingParams(), max_tokens=5) as g:
+            want = "".join(t.text for t in g)
+        assert c.choices[2 * k].text == c.choices[2 * k + 1].text == want
+    ids = [server.loaded.tokenizer.encode(p) for p in prompts]
+    c2 = client.completions.create(model="tiny", prompt=ids, max_tokens=5, temperature=0)
+    assert [ch.text for ch in c2.choices] == [c.choices[0].text, c.choices[2].text]
+    assert c2.usage.prompt_tokens == sum(map(len, ids))

@@ -29,6 +29,7 @@ a 503 with that code. A 500 means a bug: it is logged with its traceback.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 from typing import Any, AsyncIterator, Callable
@@ -59,6 +60,21 @@ def error_response(e: P.OpenAIError) -> Response:
     """``e`` as OpenAI's error JSON (ASCII, so any message encodes)."""
     return Response(error_body(e.status, e.message, type=e.type, code=e.code, param=e.param),
                     status_code=e.status, media_type="application/json")
+
+
+def choice_samplings(sampling: SamplingParams, n: int | None) -> list[SamplingParams]:
+    """One sampling per choice: with a seed, choice ``i`` draws with ``seed + i`` (reproducible and distinct)."""
+    n = n or 1
+    if sampling.seed is None or n == 1:
+        return [sampling] * n
+    return [dataclasses.replace(sampling, seed=(sampling.seed + i) % 2**63) for i in range(n)]
+
+
+def total_usage(results: list[Any], n: int | None) -> dict[str, Any]:
+    """Usage over the choices: each prompt counted once (not once per of its ``n`` choices), as vLLM does."""
+    firsts = results[::n or 1]
+    return P.usage(sum(r.prompt_tokens for r in firsts), sum(r.completion_tokens for r in results),
+                   sum(r.cached_tokens for r in firsts))
 
 
 def check_generation_defaults(defaults: dict[str, Any]) -> None:
@@ -229,6 +245,18 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
                 task.cancel()
             release(handle)
 
+    async def wait_all(jobs: list[tuple], request: Request) -> list[Any]:
+        """Submit every ``(prompt_ids, req, sampling, limit[, constraint])`` job; their results in order."""
+        handles = []
+        try:
+            for job in jobs:
+                handles.append(submit(*job))
+            return list(await asyncio.gather(*(wait(h, request) for h in handles)))
+        except BaseException:
+            for h in handles:  # one failed (or the client left): the others stop too
+                release(h)
+            raise
+
     Chunks = Callable[[RequestHandle], AsyncIterator[dict[str, Any]]]
 
     def sse(handle: RequestHandle, chunks: Chunks, last: Callable[[str], dict[str, Any]]) -> StreamingResponse:
@@ -282,26 +310,41 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
     async def completions(req: P.CompletionRequest, request: Request) -> Any:
         P.check_common(req)  # first: it also rejects unencodable text, the model name's included
         check_model(req.model)
-        prompt = req.prompt
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            if len(prompt) != 1:
-                raise P.OpenAIError(400, "prompt: give one prompt (batched prompts are not supported).",
+        prompts: list[Any] = [req.prompt]
+        if isinstance(req.prompt, list) and req.prompt and not isinstance(req.prompt[0], int):
+            prompts = list(req.prompt)  # a batch: one choice (n choices) per prompt, in order
+            if len(prompts) > P.MAX_N:
+                raise P.OpenAIError(400, f"prompt: give at most {P.MAX_N} prompts, got {len(prompts)}.",
                                     param="prompt", code="invalid_value")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            ids = await asyncio.to_thread(tokenizer.encode, prompt) if prompt else []
-        else:
-            ids = list(prompt)
-        if not ids:
-            raise P.OpenAIError(400, "prompt is empty.", param="prompt", code="invalid_value")
+            if req.stream and len(prompts) > 1:
+                raise P.OpenAIError(400, "a batch of prompts is not supported with stream: true.", param="prompt",
+                                    code="invalid_value")
+        all_ids = []
+        for prompt in prompts:
+            ids = (await asyncio.to_thread(tokenizer.encode, prompt) if prompt else []) if isinstance(prompt, str) \
+                else list(prompt)
+            if not ids:
+                raise P.OpenAIError(400, "prompt is empty.", param="prompt", code="invalid_value")
+            all_ids.append(ids)
         logprobs, top = P.completion_logprobs(req)
         sampling = P.sampling_from(req, defaults, logprobs=logprobs, top_logprobs=top, vocab_size=vocab_size)
-        limit = P.max_tokens_of(req, COMPLETIONS_DEFAULT_MAX_TOKENS, cap=cap, prompt_tokens=len(ids), context=context)
-        handle = submit(ids, req, sampling, limit)
+        jobs = [(ids, P.max_tokens_of(req, COMPLETIONS_DEFAULT_MAX_TOKENS, cap=cap, prompt_tokens=len(ids),
+                                      context=context)) for ids in all_ids]
         rid, t = P.new_id("cmpl"), P.now()
 
-        def choice(text: str, reason: str | None, lp: Any = None) -> dict[str, Any]:
-            return {"index": 0, "text": text, "logprobs": lp, "finish_reason": reason}
+        def choice(text: str, reason: str | None, lp: Any = None, index: int = 0) -> dict[str, Any]:
+            return {"index": index, "text": text, "logprobs": lp, "finish_reason": reason}
+
+        if len(jobs) > 1 or (req.n or 1) > 1:
+            samplings = choice_samplings(sampling, req.n)
+            results = await wait_all([(ids, req, s, limit) for ids, limit in jobs for s in samplings], request)
+            return {"id": rid, "object": "text_completion", "created": t, "model": model_id,
+                    "choices": [choice(r.text, P.finish_reason(r.finish_reason),
+                                       fmt.completion(r.token_ids, r.logprobs, r.top_logprobs) if logprobs else None, i)
+                                for i, r in enumerate(results)],
+                    "usage": total_usage(results, req.n)}
+        ids, limit = jobs[0]
+        handle = submit(ids, req, sampling, limit)
 
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -356,8 +399,25 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
         logprobs, top = P.chat_logprobs(req)
         sampling = P.sampling_from(req, defaults, logprobs=logprobs, top_logprobs=top, vocab_size=vocab_size)
         limit = P.max_tokens_of(req, default_max_tokens, cap=cap, prompt_tokens=len(ids), context=context)
-        handle = submit(ids, req, sampling, limit, plan.constraint)
         rid, t = P.new_id("chatcmpl"), P.now()
+
+        def chat_choice(r: Any, index: int) -> dict[str, Any]:
+            lp = fmt.chat(r.token_ids, r.logprobs, r.top_logprobs) if logprobs else None
+            finish = P.finish_reason(r.finish_reason)
+            content, calls = plan.parse(r.text, finish)
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = [c.openai() for c in calls]
+                finish = "tool_calls"
+            return {"index": index, "message": message, "logprobs": lp, "finish_reason": finish}
+
+        if (req.n or 1) > 1:
+            samplings = choice_samplings(sampling, req.n)
+            results = await wait_all([(ids, req, s, limit, plan.constraint) for s in samplings], request)
+            return {"id": rid, "object": "chat.completion", "created": t, "model": model_id,
+                    "choices": [chat_choice(r, i) for i, r in enumerate(results)],
+                    "usage": total_usage(results, req.n)}
+        handle = submit(ids, req, sampling, limit, plan.constraint)
 
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -388,15 +448,8 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
             return sse(handle, chunks, lambda reason: chunk({}, reason))
 
         r = await wait(handle, request)
-        lp = fmt.chat(r.token_ids, r.logprobs, r.top_logprobs) if logprobs else None
-        finish = P.finish_reason(r.finish_reason)
-        content, calls = plan.parse(r.text, finish)
-        message: dict[str, Any] = {"role": "assistant", "content": content}
-        if calls:
-            message["tool_calls"] = [c.openai() for c in calls]
-            finish = "tool_calls"
         return {"id": rid, "object": "chat.completion", "created": t, "model": model_id,
-                "choices": [{"index": 0, "message": message, "logprobs": lp, "finish_reason": finish}],
+                "choices": [chat_choice(r, 0)],
                 "usage": P.usage(r.prompt_tokens, r.completion_tokens, r.cached_tokens)}
 
     return app

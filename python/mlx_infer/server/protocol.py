@@ -24,6 +24,8 @@ from ..errors import MlxInferError
 from ..sampling import SamplingParams
 
 MAX_STOP_STRINGS = 16
+#: Most choices (``n``) a request may ask for, and most prompts a completion may batch.
+MAX_N = 16
 #: Most ``logit_bias`` entries a request may carry (OpenAI documents none; 1024 covers real use).
 MAX_LOGIT_BIAS = 1024
 #: ``logit_bias`` values, as OpenAI bounds them.
@@ -151,8 +153,10 @@ def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
 def check_common(req: _Sampling) -> None:
     """Reject what this server does not do (n > 1, ...) with a 400 naming the field."""
     check_text(req.model_dump(), "")
-    if req.n is not None and req.n != 1:
-        raise _bad(f"n must be 1 (this server returns one choice per request), got {req.n}.", "n")
+    if req.n is not None and not 1 <= req.n <= MAX_N:
+        raise _bad(f"n must be in 1..{MAX_N}, got {req.n}.", "n")
+    if req.stream and (req.n or 1) > 1:
+        raise _bad("n > 1 is not supported with stream: true (ask without streaming, or send n requests).", "n")
     if isinstance(req, CompletionRequest):
         if req.echo:
             raise _bad("echo is not supported.", "echo")
