@@ -53,7 +53,10 @@ def run_constrained(model: Any, state: "RunState", sampler: Any, limit: int, eos
         if step_ahead:  # hand the step's KV back before the span extends the plain caches
             decode.sync()
             step_ahead = False
-        return model(y[None], cache=cache)[:, -1, :]  # (1, vocab)
+        if len(feed) == 1:
+            return model(y[None], cache=cache)[:, -1, :]  # (1, vocab)
+        hidden = model.model(y[None], cache=cache)  # (1, L, hidden): the LM head only for the span's last position
+        return model.logits_from_hidden(hidden[:, -1:, :])[:, -1, :]  # (1, vocab)
 
     tic = time.perf_counter()
     decode_tic = tic
