@@ -3,6 +3,8 @@
 :func:`make_sampler` builds, once per request, the list of active steps of its
 :class:`SamplingParams`; inactive ones cost nothing. A step runs, in order:
 
+0. **Constraint** (when the request has one, see :mod:`mlx_infer.constraints`) — tokens the
+   grammar does not allow get -inf (``Sampler.step(..., bitmask=...)``).
 1. **Logit bias** — add ``logit_bias[id]`` to each listed token's logit.
 2. **Repetition penalty** — tokens in the last ``repetition_context_size``
    history tokens: negative logits times the penalty, others divided by it.
