@@ -130,7 +130,7 @@ CASES = [
     ("logprobs-negative", C, comp(logprobs=-1), 400, "logprobs"),
     ("top_logprobs-21", CH, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
     ("top_logprobs-without-logprobs", CH, chat(top_logprobs=3), 400, "top_logprobs"),
-    ("echo", C, comp(echo=True), 400, "echo"),
+    ("echo-with-logprobs", C, comp(echo=True, logprobs=1), 400, "echo"),
     ("suffix", C, comp(suffix="x"), 400, "suffix"),
     ("best_of", C, comp(best_of=3), 400, "best_of"),
     ("tools-bad-name", CH, chat(tools=[{"type": "function", "function": {"name": "no spaces"}}]), 400, "tools"),

@@ -132,3 +132,28 @@ def test_n_choices_and_prompt_batches(server):
     c2 = client.completions.create(model="tiny", prompt=ids, max_tokens=5, temperature=0)
     assert [ch.text for ch in c2.choices] == [c.choices[0].text, c.choices[2].text]
     assert c2.usage.prompt_tokens == sum(map(len, ids))
+
+
+def test_echo_and_continue_final_message(server):
+    tok = server.loaded.tokenizer
+    base = {"model": "tiny", "max_tokens": 4, "temperature": 0}
+    plain = httpx.post(server.url + "/v1/completions", json={**base, "prompt": "Hello"}).json()["choices"][0]["text"]
+    echoed = httpx.post(server.url + "/v1/completions", json={**base, "prompt": "Hello", "echo": True}).json()
+    assert echoed["choices"][0]["text"] == "Hello" + plain
+    ids = tok.encode("Hello")
+    by_ids = httpx.post(server.url + "/v1/completions", json={**base, "prompt": ids, "echo": True}).json()
+    assert by_ids["choices"][0]["text"] == tok.decode(ids) + plain
+    with httpx.stream("POST", server.url + "/v1/completions",
+                      json={**base, "prompt": "Hello", "echo": True, "stream": True}) as r:
+        texts = [json.loads(line[6:])["choices"][0]["text"] for line in r.iter_lines()
+                 if line.startswith("data: {") and json.loads(line[6:])["choices"]]
+    assert texts[0] == "Hello" and "".join(texts) == "Hello" + plain
+
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "The capital"}]
+    body = {**base, "messages": msgs, "add_generation_prompt": False, "continue_final_message": True}
+    n = httpx.post(server.url + "/v1/chat/completions", json=body).json()["usage"]["prompt_tokens"]
+    want = tok.encode(tok.decode(tok.apply_chat_template(msgs, add_generation_prompt=False))
+                      .rsplit("<eos>", 1)[0].removeprefix("<bos>"))
+    assert n == len(want)
+    r = httpx.post(server.url + "/v1/chat/completions", json={**body, "add_generation_prompt": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"

@@ -60,9 +60,11 @@ class Tokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
-                            **template_vars: Any) -> list[int]:
+                            continue_final_message: bool = False, **template_vars: Any) -> list[int]:
         """Token ids of ``messages`` rendered by the model's chat template; ``template_vars``
-        (``tools``, ``chat_template_kwargs``...) are visible to it (``None`` values are left out)."""
+        (``tools``, ``chat_template_kwargs``...) are visible to it (``None`` values are left out).
+        ``continue_final_message`` ends the text right after the last message's content (what
+        follows it, the end-of-turn, is cut) so generation continues that message, as transformers does."""
         if not self.chat_template:
             raise ChatTemplateError(
                 "This model has no chat template (tokenizer_config.json has no chat_template); "
@@ -71,6 +73,13 @@ class Tokenizer:
         extra = {k: v for k, v in template_vars.items() if v is not None}
         text = render_chat(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
                            **{"bos_token": self.bos_token or "", "eos_token": self.eos_token or "", **extra})
+        if continue_final_message:
+            final = messages[-1].get("content") if messages else None
+            cut = text.rfind(final) if isinstance(final, str) and final.strip() else -1
+            if cut < 0:
+                raise ChatTemplateError("continue_final_message: the final message's content does not appear in "
+                                        "the rendered template; give the final message non-empty text content.")
+            text = text[: cut + len(final)]
         # The template writes BOS itself when the model wants one.
         return self._tok.encode(text, add_special_tokens=False).ids
 

@@ -326,6 +326,9 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
             if not ids:
                 raise P.OpenAIError(400, "prompt is empty.", param="prompt", code="invalid_value")
             all_ids.append(ids)
+        # echo: the choice's text starts with its prompt (as given; token-id prompts decoded)
+        echoes = [(p if isinstance(p, str) else tokenizer.decode(ids)) if req.echo else ""
+                  for p, ids in zip(prompts, all_ids)]
         logprobs, top = P.completion_logprobs(req)
         sampling = P.sampling_from(req, defaults, logprobs=logprobs, top_logprobs=top, vocab_size=vocab_size)
         jobs = [(ids, P.max_tokens_of(req, COMPLETIONS_DEFAULT_MAX_TOKENS, cap=cap, prompt_tokens=len(ids),
@@ -339,7 +342,7 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
             samplings = choice_samplings(sampling, req.n)
             results = await wait_all([(ids, req, s, limit) for ids, limit in jobs for s in samplings], request)
             return {"id": rid, "object": "text_completion", "created": t, "model": model_id,
-                    "choices": [choice(r.text, P.finish_reason(r.finish_reason),
+                    "choices": [choice(echoes[i // (req.n or 1)] + r.text, P.finish_reason(r.finish_reason),
                                        fmt.completion(r.token_ids, r.logprobs, r.top_logprobs) if logprobs else None, i)
                                 for i, r in enumerate(results)],
                     "usage": total_usage(results, req.n)}
@@ -351,6 +354,9 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
 
             async def chunks(h: RequestHandle) -> AsyncIterator[dict[str, Any]]:
                 offset = 0
+                if echoes[0]:
+                    yield {"id": rid, "object": "text_completion", "created": t, "model": model_id,
+                           "choices": [choice(echoes[0], None)]}
                 async for ev in h:
                     lp = None
                     if logprobs and ev.token is not None:
@@ -369,7 +375,7 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
         r = await wait(handle, request)
         lp = fmt.completion(r.token_ids, r.logprobs, r.top_logprobs) if logprobs else None
         return {"id": rid, "object": "text_completion", "created": t, "model": model_id,
-                "choices": [choice(r.text, P.finish_reason(r.finish_reason), lp)],
+                "choices": [choice(echoes[0] + r.text, P.finish_reason(r.finish_reason), lp)],
                 "usage": P.usage(r.prompt_tokens, r.completion_tokens, r.cached_tokens)}
 
     @app.post("/v1/chat/completions")
@@ -386,8 +392,14 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
             raise P.OpenAIError(400, f'tool_choice "{plan.mode}" constrains the output itself; drop response_format '
                                 "(or the other structured-output field).", param="tool_choice", code="invalid_value")
         try:
+            if req.continue_final_message and (req.add_generation_prompt is not False
+                                               or messages[-1]["role"] != "assistant"):
+                raise P.OpenAIError(400, "continue_final_message needs add_generation_prompt: false and an assistant "
+                                         "message last.", param="continue_final_message", code="invalid_value")
             ids = await asyncio.to_thread(tokenizer.apply_chat_template, template_messages(messages),
-                                          add_generation_prompt=True, tools=plan.template_tools,
+                                          add_generation_prompt=req.add_generation_prompt is not False,
+                                          continue_final_message=bool(req.continue_final_message),
+                                          tools=plan.template_tools,
                                           **template_kwargs(req.chat_template_kwargs))
         except P.OpenAIError:
             raise

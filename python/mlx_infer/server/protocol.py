@@ -129,6 +129,8 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
 
 
 # -- request -> engine ------------------------------------------------------------
@@ -158,8 +160,9 @@ def check_common(req: _Sampling) -> None:
     if req.stream and (req.n or 1) > 1:
         raise _bad("n > 1 is not supported with stream: true (ask without streaming, or send n requests).", "n")
     if isinstance(req, CompletionRequest):
-        if req.echo:
-            raise _bad("echo is not supported.", "echo")
+        if req.echo and req.logprobs is not None:
+            raise _bad("echo with logprobs is not supported (prompt logprobs are not computed); drop one of them.",
+                       "echo")
         if req.suffix:
             raise _bad("suffix is not supported.", "suffix")
         if req.best_of not in (None, 1):
