@@ -95,6 +95,11 @@ class ModelArgs:
         """Bias on q/k/v: Qwen 2 always has it; others follow ``attention_bias``."""
         return self.attention_bias or self.model_type == "qwen2"
 
+    @property
+    def o_proj_bias(self) -> bool:
+        """Bias on o_proj: never in Qwen 2 (HF's Qwen2Attention ignores attention_bias there)."""
+        return self.attention_bias and self.model_type != "qwen2"
+
     def _default_layer_type(self, i: int) -> str:
         if self.sliding_window is None:
             return FULL
@@ -123,7 +128,7 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(dim, self.n_heads * head_dim, bias=qkv_bias)
         self.k_proj = nn.Linear(dim, self.n_kv_heads * head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(dim, self.n_kv_heads * head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.n_heads * head_dim, dim, bias=args.attention_bias)
+        self.o_proj = nn.Linear(self.n_heads * head_dim, dim, bias=args.o_proj_bias)
         self.qk_norm = qk_norm
         if qk_norm:
             self.q_norm = nn.RMSNorm(head_dim, eps=args.rms_norm_eps)
