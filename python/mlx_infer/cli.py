@@ -152,14 +152,17 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _check_output_file(flag: str, value: str | None) -> None:
-    """An output file flag must name a file whose directory exists (checked before the slow run)."""
+    """An output file flag must name a file that can be created (checked before the slow run)."""
     if value is None:
         return
     path = Path(value).expanduser()
     if not value.strip() or path.is_dir():
         raise MlxInferError(f"{flag} {value!r} is a directory (or empty); give a file path.")
-    if not path.parent.is_dir():
-        raise MlxInferError(f"{flag} {value!r}: the directory {str(path.parent)!r} does not exist.")
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise MlxInferError(f"{flag} {value!r}: {str(parent)!r} is a file, so the output cannot be created there.")
 
 
 def _bench(args: argparse.Namespace) -> int:
