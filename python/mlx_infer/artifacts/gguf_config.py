@@ -130,7 +130,7 @@ class Meta:
             if not isinstance(x, of) or (numeric and bool not in of and isinstance(x, bool)):
                 raise self._error(key, f"an array of {names} (found an element {x!r})", type(x).__name__)
         if length is not None and len(v) != length:
-            raise self._error(key, f"an array of {length} entries (one per token)", f"{len(v)} entries")
+            raise self._error(key, f"an array of {length} entries", f"{len(v)} entries")
         return v
 
 
@@ -187,10 +187,10 @@ def _f32(x: Any) -> float:
     return float(str(np.float32(x)))
 
 
-def llama3_rope_scaling(factors: np.ndarray, base: float, dims: int) -> dict[str, Any]:
+def llama3_rope_scaling(factors: np.ndarray, base: float, dims: int, path: Any = "The GGUF") -> dict[str, Any]:
     """Recover llama3 rope_scaling from llama.cpp's `rope_freqs` tensor (it writes factors, not params)."""
     if factors.size == 0 or not np.all(np.isfinite(factors)) or factors.min() <= 0:
-        raise ModelLoadError("The GGUF's rope_freqs tensor holds non-positive or non-finite factors; "
+        raise ModelLoadError(f"{path}: the rope_freqs tensor holds non-positive or non-finite factors; "
                              "re-export the file with llama.cpp.")
     factor = float(factors.max())
     freqs = 1.0 / (base ** (np.arange(0, dims, 2, dtype=np.float64) / dims))
@@ -207,7 +207,7 @@ def llama3_rope_scaling(factors: np.ndarray, base: float, dims: int) -> dict[str
                 return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
                         "high_freq_factor": high, "original_max_position_embeddings": original}
     raise UnsupportedModelError(
-        "The GGUF has a rope_freqs tensor (llama3-style RoPE scaling) whose factors match no known "
+        f"{path}: the rope_freqs tensor (llama3-style RoPE scaling) has factors that match no known "
         "llama3 rope_scaling; convert the original HF checkpoint instead."
     )
 
@@ -227,7 +227,7 @@ def _rope_scaling(m: Meta) -> dict[str, Any] | None:
             out["original_max_position_embeddings"] = orig
         return out
     raise UnsupportedModelError(
-        f"The GGUF uses RoPE scaling {kind!r}, which is not supported; supported: linear, yarn, llama3."
+        f"{m.header.path} uses RoPE scaling {kind!r}, which is not supported; supported: linear, yarn, llama3."
     )
 
 
@@ -288,7 +288,8 @@ def build_config(header: "GGUFHeader", tensors: dict[str, "GGUFTensorInfo"], n_v
         if arch == "llama":
             config["mlp_bias"] = False
         if rope_freqs is not None:
-            config["rope_scaling"] = llama3_rope_scaling(rope_freqs, config["rope_theta"], config["head_dim"])
+            config["rope_scaling"] = llama3_rope_scaling(rope_freqs, config["rope_theta"], config["head_dim"],
+                                                         header.path)
         if mt == "mistral":
             window = m.integer(a + "attention.sliding_window", lo=0, hi=_MAX_CONTEXT, default=None)
             config["sliding_window"] = window or None

@@ -294,8 +294,8 @@ def build_model(config: dict[str, Any], cfg_path: Path) -> nn.Module:
     """
     from ..models import get_model_classes
 
-    model_cls, args_cls = get_model_classes(config["model_type"])
     try:
+        model_cls, args_cls = get_model_classes(config["model_type"])
         args = args_cls.from_dict(config)
         check_quantization(config)
         return model_cls(args)
