@@ -215,6 +215,13 @@ FILE_CASES: list[tuple[str, str, bytes, str]] = [
     ("chat_template_jinja_not_utf8", "chat_template.jinja", b"{{ bos_token }}\xff", r"chat_template.jinja is not UTF-8"),
     ("chat_template_json_list", "chat_template.json", b"[1]", r"chat_template.json must hold a JSON object"),
     ("generation_config_bad_json", "generation_config.json", b"{eos", r"generation_config.json is not valid JSON"),
+    ("generation_config_list", "generation_config.json", b"[1]", r"generation_config.json must hold a JSON object"),
+    ("generation_config_temperature_str", "generation_config.json", b'{"temperature": "hot"}',
+     r"generation_config.json: SamplingParams.temperature must be a number"),
+    ("generation_config_top_p_2", "generation_config.json", b'{"top_p": 2.0}',
+     r"generation_config.json: SamplingParams.top_p must be in \(0, 1\]"),
+    ("generation_config_rep_penalty_zero", "generation_config.json", b'{"repetition_penalty": 0}',
+     r"generation_config.json: SamplingParams.repetition_penalty must be > 0"),
     ("index_not_json", "model.safetensors.index.json", b"{", r"index.json is malformed"),
     ("index_map_list", "model.safetensors.index.json", b'{"weight_map": ["model.safetensors"]}',
      r'"weight_map" must be a non-empty object'),
@@ -247,6 +254,10 @@ def test_index_shard_outside_the_model_dir_is_refused(tiny_models, tmp_path):
     names = list(mx.load(str(tmp_path / "outside.safetensors")))
     (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": dict.fromkeys(names, "../outside.safetensors")}))
     assert_refused(lambda: load_model(d), r"'\.\./outside\.safetensors', which lies outside", tmp_path)
+
+
+def test_model_path_with_nul_refused():
+    assert_refused(lambda: load_model("model\x00dir"), r"contains a NUL byte")
 
 
 def _edit_weights(d: Path, edit: Callable[[dict[str, mx.array]], None]) -> None:
@@ -348,7 +359,7 @@ GGUF_META_CASES: list[tuple[str, str, str, dict[str, Any], str]] = [
     ("head_count_string", "llama", "spm", {"kv": {"llama.attention.head_count": _str("four")}},
      r"'llama.attention.head_count' must be an integer"),
     ("head_count_kv_not_divisor", "llama", "spm", {"kv": {"llama.attention.head_count_kv": _u32(3)}},
-     r'multiple of "num_key_value_heads"'),
+     r"'llama.attention.head_count_kv' must be a divisor of llama.attention.head_count \(4\)"),
     ("head_count_kv_per_layer_unequal", "llama", "spm",
      {"kv": {"llama.attention.head_count_kv": _arr([2, 4], VT.UINT32)}}, r"different llama.attention.head_count_kv per layer"),
     ("head_count_mismatches_tensors", "llama", "spm", {"kv": {"llama.attention.head_count": _u32(8),

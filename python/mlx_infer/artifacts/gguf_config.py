@@ -242,6 +242,8 @@ def build_config(header: "GGUFHeader", tensors: dict[str, "GGUFTensorInfo"], n_v
     hidden = m.integer(a + "embedding_length", lo=1, hi=_MAX_DIM)
     heads = m.uniform_int(a + "attention.head_count", lo=1, hi=_MAX_HEADS)
     kv_heads = m.uniform_int(a + "attention.head_count_kv", lo=1, hi=_MAX_HEADS, default=heads)
+    if heads % kv_heads:
+        raise m._error(a + "attention.head_count_kv", f"a divisor of {a}attention.head_count ({heads})", kv_heads)
     head_dim = m.integer(a + "attention.key_length", lo=1, hi=_MAX_HEAD_DIM, default=None)
     if head_dim is None and arch == "llama":
         head_dim = m.integer(a + "rope.dimension_count", lo=1, hi=_MAX_HEAD_DIM, default=None)

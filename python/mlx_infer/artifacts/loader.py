@@ -87,6 +87,8 @@ def load_model(path: str | Path | None = None, *, dtype: str | None = None,
         raise ModelLoadError(f"Unknown dtype {dtype!r}; choose one of {', '.join(_DTYPES)}.")
     source = "default" if path is None else str(path)
     p = default_model_gguf() if path is None else Path(path).expanduser()
+    if "\x00" in str(p):
+        raise ModelLoadError(f"Model path {str(p)!r} contains a NUL byte; pass a real path.")
     if not p.exists():
         raise ModelLoadError(
             f"Model path {str(p)!r} does not exist. Pass a model directory (config.json + "
@@ -284,6 +286,17 @@ def default_cpu_kernels() -> bool:
     return value != "0"
 
 
+def _check_sampling_defaults(generation_config: dict[str, Any], path: Path) -> None:
+    """The sampling defaults of generation_config.json must be valid SamplingParams: every request
+    starts from them, so a bad one is refused at load, not on each request."""
+    from ..sampling import SamplingParams
+
+    try:
+        SamplingParams.from_generation_config(generation_config)
+    except MlxInferError as e:
+        raise ModelLoadError(f"{path}: {e}") from None
+
+
 def build_model(config: dict[str, Any], cfg_path: Path) -> nn.Module:
     """The (unloaded) graph a config describes; every field is checked first (:mod:`mlx_infer.models.schema`).
 
@@ -343,6 +356,7 @@ def load_model_dir(model_dir: Path, *, source: str | None = None, dtype: str | N
 
     tokenizer = load_tokenizer(model_dir)
     generation_config = read_json_object(model_dir / "generation_config.json") or {}
+    _check_sampling_defaults(generation_config, model_dir / "generation_config.json")
     eos = set(tokenizer.eos_token_ids)
     for source_cfg in (config, generation_config):
         ids = source_cfg.get("eos_token_id")
