@@ -106,6 +106,57 @@ def test_config_field_refused(tiny_models, tmp_path, family, overrides, match):
     assert "config.json" in msg  # the file is named
 
 
+# Gemma 4 and Diffusion Gemma, through the registry's ModelArgs.from_dict (their tiny checkpoints
+# are built in test_gemma4.py / test_denoising.py against transformers; the fields are what matters here).
+_S, _F = "sliding_attention", "full_attention"
+_GEMMA4 = dict(
+    model_type="gemma4_text", vocab_size=256, vocab_size_per_layer_input=256, hidden_size=64, intermediate_size=128,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32, sliding_window=8,
+    hidden_size_per_layer_input=0, num_hidden_layers=3, layer_types=[_S, _S, _F],
+    rope_parameters={_S: {"rope_type": "default", "rope_theta": 10_000.0},
+                     _F: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}},
+)
+ARGS_CASES: list[tuple[str, str, dict[str, Any], str]] = [
+    ("g4_per_layer_key_out_of_range", "gemma4_text", {"per_layer_config": {"7": {"head_dim": 16}}},
+     r'"per_layer_config" key \'7\' must be full_attention, sliding_attention or a layer index below 3'),
+    ("g4_per_layer_value_str", "gemma4_text", {"per_layer_config": {_F: "wide"}}, r'"per_layer_config"\[.full_attention.\] must be an object'),
+    ("g4_per_layer_head_dim_zero", "gemma4_text", {"per_layer_config": {_F: {"head_dim": 0}}},
+     r'"head_dim of layer 2" must be >= 1'),
+    ("g4_per_layer_kv_not_divisor", "gemma4_text", {"per_layer_config": {_F: {"num_key_value_heads": 3}}},
+     r'multiple of "num_key_value_heads of layer 2"'),
+    ("g4_rope_unknown_type", "gemma4_text", {"rope_parameters": {_S: {"rope_type": "ntk"}, _F: {"rope_type": "default"}}},
+     r'"rope_parameters.sliding_attention" names RoPE type \'ntk\''),
+    ("g4_partial_rotary_zero", "gemma4_text",
+     {"rope_parameters": {_S: {"rope_type": "default"}, _F: {"rope_type": "proportional", "partial_rotary_factor": 0}}},
+     r'"rope_parameters.full_attention.partial_rotary_factor" must be > 0'),
+    ("g4_layer_types_unknown", "gemma4_text", {"layer_types": [_S, "local", _F]}, r"\"layer_types\"\[1\] is 'local'"),
+    ("g4_experts_zero", "gemma4_text", {"enable_moe_block": True, "num_experts": 0, "top_k_experts": 1,
+                                        "moe_intermediate_size": 8}, r'"num_experts" must be >= 1'),
+    ("g4_shared_layers_negative", "gemma4_text", {"num_kv_shared_layers": -1}, r'"num_kv_shared_layers" must be >= 0'),
+    ("g4_ple_width_str", "gemma4_text", {"hidden_size_per_layer_input": "8"}, r'"hidden_size_per_layer_input" must be an integer'),
+    ("dg_text_config_bad", "diffusion_gemma", {"text_config": {**_GEMMA4, "head_dim": -16}}, r'"head_dim" must be >= 1'),
+    ("dg_canvas_str", "diffusion_gemma", {"canvas_length": "256", "text_config": _GEMMA4},
+     r"\"canvas_length\" must be an integer"),
+]
+
+
+@pytest.mark.parametrize("model_type, overrides, match", [c[1:] for c in ARGS_CASES], ids=[c[0] for c in ARGS_CASES])
+def test_model_args_refused(model_type, overrides, match):
+    from mlx_infer.artifacts.loader import build_model
+
+    config = {**_GEMMA4, **overrides, "model_type": model_type}
+    msg = assert_refused(lambda: build_model(config, Path("/models/x/config.json")), match)
+    assert "/models/x/config.json" in msg
+
+
+def test_model_args_control_builds():
+    """The base config of the cases above is valid (each case fails only by its override)."""
+    from mlx_infer.artifacts.loader import build_model
+
+    assert build_model(dict(_GEMMA4), Path("config.json")) is not None
+    assert build_model({"model_type": "diffusion_gemma", "text_config": dict(_GEMMA4)}, Path("config.json")) is not None
+
+
 # Whole-file damage: config.json and the tokenizer files.
 FILE_CASES: list[tuple[str, str, bytes, str]] = [
     ("config_list", "config.json", b"[1, 2]", r"must hold a JSON object, found list"),
