@@ -73,6 +73,7 @@ CLI_CASES: list[tuple[str, list[str], str]] = [
     ("convert_onto_file", ["convert", "--model", "{model}", "--mlx-path", "{file}"], r"exists and is not a directory"),
     ("convert_bad_config", ["convert", "--model", "{badmodel}", "--mlx-path", "out"], r'"hidden_size" must be an integer'),
     ("convert_corrupt_gguf", ["convert", "--model", "{badgguf}", "--mlx-path", "out"], r"truncated"),
+    ("convert_under_a_file", ["convert", "--model", "{model}", "--mlx-path", "{file}/sub"], r"notes.txt"),
     ("convert_dtype_bad", ["convert", "--model", "{model}", "--mlx-path", "out", "--dtype", "fp8"], r"invalid choice"),
     ("bench_prompt_tokens_zero", ["bench", "--model", "{model}", "-p", "0"], r"--prompt-tokens must be >= 1"),
     ("bench_trials_zero", ["bench", "--model", "{model}", "-n", "0"], r"--num-trials must be >= 1"),

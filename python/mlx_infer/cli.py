@@ -305,6 +305,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = " ".join(str(e).split())  # one line, whatever the message held
         print(f"mlx-infer: error: {message}", file=sys.stderr)
         return 2
+    except OSError as e:  # a path given on the command line that cannot be read or written
+        where = f": {e.filename}" if e.filename else ""
+        print(f"mlx-infer: error: {e.strerror or e}{where}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("mlx-infer: interrupted", file=sys.stderr)
         return 130
