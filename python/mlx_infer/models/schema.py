@@ -96,7 +96,12 @@ _ARTICLES = {"int": "an integer", "float": "a number", "bool": "true or false", 
 def _kinds(annotation: Any) -> tuple[set[str], bool]:
     """``({"int"}, True)`` for ``"int | None"``: the base kinds a field annotation allows."""
     text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
-    parts = [p.strip() for p in text.split("|")]
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text + "|"):  # split on the top-level "|" only (not inside list[int | None])
+        depth += (ch == "[") - (ch == "]")
+        if ch == "|" and depth == 0:
+            parts.append(text[start:i].strip())
+            start = i + 1
     optional = "None" in parts
     kinds = {p.split("[", 1)[0] for p in parts if p != "None"}
     return kinds, optional
