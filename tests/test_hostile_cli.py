@@ -44,9 +44,10 @@ CLI_CASES: list[tuple[str, list[str], str]] = [
     ("checkpoint_dot", _generate("--checkpoint", "."), r"--checkpoint '\.' is the current directory or one above it"),
     ("checkpoint_dotdot", _generate("--checkpoint", ".."), r"--checkpoint '\.\.' is the current directory or one above"),
     ("checkpoint_empty", _generate("--checkpoint", " "), r"--checkpoint needs a directory path"),
-    ("checkpoint_file", _generate("--checkpoint", "{file}"), r"is an existing file, not a checkpoint directory"),
+    ("checkpoint_file", _generate("--checkpoint", "{file}"), r"not a (checkpoint )?directory"),
     ("checkpoint_model_dir", _generate("--checkpoint", "{model}"), r"is \(or holds\) the model"),
     ("resume_dot", _generate("--resume", "."), r"--resume '\.' is the current directory"),
+    ("checkpoint_symlink_loop", _generate("--checkpoint", "{loop}"), r"symbolic link loop|[Nn]ot a directory"),
     ("checkpoint_and_resume", _generate("--checkpoint", "a", "--resume", "b"), r"not both"),
     ("checkpoint_every_zero", _generate("--checkpoint", "run", "--checkpoint-every", "0"), r"--checkpoint-every must be >= 1"),
     ("dtype_int8", _generate("--dtype", "int8"), r"argument --dtype: invalid choice: 'int8'"),
@@ -97,8 +98,9 @@ def cli_case(tiny_models, tmp_path, mlx_infer_cache) -> dict[str, str]:
     (bad / "config.json").write_text(json.dumps(cfg))
     (tmp_path / "notes.txt").write_text("not a model")
     (tmp_path / "bad.gguf").write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 1, 1))
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
     return {"model": str(model), "file": str(tmp_path / "notes.txt"), "missing": str(tmp_path / "nope"),
-            "badmodel": str(bad), "badgguf": str(tmp_path / "bad.gguf"), "case": str(tmp_path),
+            "badmodel": str(bad), "badgguf": str(tmp_path / "bad.gguf"), "case": str(tmp_path), "loop": str(tmp_path / "loop"),
             "src": str(tiny_models["llama"])}  # a model outside the working directory
 
 

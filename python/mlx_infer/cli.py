@@ -43,20 +43,20 @@ def _read_stdin_prompt() -> str:
 
 def _check_run_dir(flag: str, value: str | None, model: str | None) -> None:
     """A --checkpoint/--resume DIR must name a directory of its own: not the current directory, one
-    above it, an existing file, or the model."""
+    above it, or the model (what else a checkpoint directory may be is the checkpoint module's call)."""
+    import os
+
     if value is None:
         return
     if not value.strip():
         raise MlxInferError(f"{flag} needs a directory path, got an empty string.")
-    path = Path(value).expanduser().resolve()
-    here = Path.cwd().resolve()
+    path = Path(os.path.realpath(Path(value).expanduser()))  # realpath never raises on symlink loops
+    here = Path(os.path.realpath(Path.cwd()))
     if path == here or path in here.parents:
         raise MlxInferError(f"{flag} {value!r} is the current directory or one above it; name a directory "
                             f"of its own for the checkpoint, e.g. {flag} run1.")
-    if path.exists() and not path.is_dir():
-        raise MlxInferError(f"{flag} {value!r} is an existing file, not a checkpoint directory.")
     if model is not None:
-        m = Path(model).expanduser().resolve()
+        m = Path(os.path.realpath(Path(model).expanduser()))
         if path == m or path in m.parents:
             raise MlxInferError(f"{flag} {value!r} is (or holds) the model; choose a separate checkpoint directory.")
 
