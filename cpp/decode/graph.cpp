@@ -218,6 +218,13 @@ mx::array decode_layers(
   const int L = cfg.num_layers;
   const int B = tokens.shape(0);
   const int H = cfg.num_heads, KVH = cfg.num_kv_heads, D = cfg.head_dim;
+  // The llama/gemma3 forward reads g.layers; gemma4 loads its own weights (g.gemma4) and
+  // leaves g.layers empty, so a caller that routes it here gets an error, never a stray read.
+  if (g.gemma4 || static_cast<int>(g.layers.size()) != L) {
+    throw std::invalid_argument("[DecodeStep] the llama/gemma3 forward has weights for " +
+                                std::to_string(g.layers.size()) + " of " + std::to_string(L) +
+                                " layers (family '" + cfg.family + "' has its own forward).");
+  }
 
   auto h = embed_lookup(g.embed, mx::reshape(tokens, {B, 1}));  // (B, 1, E)
   if (cfg.embed_scale != 0.0f) {

@@ -126,6 +126,11 @@ PagedDecodeStep::PagedDecodeStep(
     const std::unordered_map<std::string, QuantSpec>& quantization)
     : paged_(std::move(paged)) {
   validate_decode_config(config);
+  if (config.family == "gemma4") {
+    // paged_forward runs decode_layers (llama/gemma3); gemma4's forward (per-layer KV geometry,
+    // KV-shared layers without storage) has no paged form.
+    fail("family 'gemma4' has no paged step; decode it on the eager graph.");
+  }
   if (static_cast<int>(paged_.layer_groups.size()) != config.num_layers) {
     fail("layer_groups needs one entry per layer, got " + std::to_string(paged_.layer_groups.size()) +
          " for " + std::to_string(config.num_layers) + " layers.");

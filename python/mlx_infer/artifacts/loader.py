@@ -211,7 +211,7 @@ def default_cpu_kernels() -> bool:
 def load_model_dir(model_dir: Path, *, source: str | None = None, dtype: str | None = None,
                    cpu_kernels: bool | None = None) -> LoadedModel:
     """Load an HF or MLX-quantized model directory (``cpu_kernels``: see :func:`load_model`)."""
-    from ..models import get_model_classes
+    from ..models import get_model_classes, materialize_graph_constants
 
     if not model_dir.is_dir():
         raise ModelLoadError(f"{model_dir} is not a directory.")
@@ -247,6 +247,8 @@ def load_model_dir(model_dir: Path, *, source: str | None = None, dtype: str | N
         from ..layers.linear import swap_in_cpu_kernels
 
         swap_in_cpu_kernels(model)
+    # Any thread (the engine's, the server's) may run the graph: nothing lazy may stay behind.
+    materialize_graph_constants(model)
 
     tokenizer = load_tokenizer(model_dir)
     generation_config = _read_json(model_dir / "generation_config.json")

@@ -44,6 +44,7 @@ import mlx.nn as nn
 
 from ... import _fast
 from ...layers.rope import Llama3RoPE, YarnRoPE
+from ...models import materialize_graph_constants
 from ...models.gemma4 import FULL, SLIDING, ProportionalRoPE, QuantizedSwitchLinear, SwitchLinear
 from ...state.kv import KVCache, RotatingKVCache
 
@@ -152,6 +153,7 @@ def graph_spec(model: Any, *, kv_scheme: str | None = None,
     family = family_of_graph(model)
     if kv_scheme is not None and kv_scheme not in KV_DTYPES:
         raise ValueError(f"kv_scheme must be one of {', '.join(KV_DTYPES)} or None, got {kv_scheme!r}.")
+    materialize_graph_constants(model)  # the RoPE tables the specs hand over; the step may run on another thread
     if family == "gemma4":
         return _gemma4_spec(model, kv_scheme, policy)
     args = model.args
