@@ -5,6 +5,8 @@
 // the same step; only KV-owning layers have buffers (see decode.h).
 #include "gemma4.h"
 
+#include "mlx_infer/matmul.h"
+
 #include <algorithm>
 #include <cmath>
 #include <functional>
@@ -16,22 +18,26 @@ namespace mlx_infer {
 
 namespace {
 
-// Attention over one layer's buffers after this step's write (see AttentionRead).
+// Attention over one layer's buffers after this step's write (see AttentionRead); on
+// mlx-infer's CPU kernel when the model's attention modules run there (``fast``).
 mx::array attend(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
-                 const AttentionRead& read, const std::function<mx::array(int)>& mask_for) {
+                 const AttentionRead& read, const std::function<mx::array(int)>& mask_for, bool fast) {
+  auto sdpa = [&](const mx::array& keys, const mx::array& values, const std::string& mode,
+                  const std::optional<mx::array>& mask) {
+    return fast ? fast_sdpa(q, keys, values, scale, mode, mask)
+                : mx::fast::scaled_dot_product_attention(q, keys, values, scale, mode, mask);
+  };
   const int slots = k.shape(2);
   if (!read.uniform_length) {
-    return mx::fast::scaled_dot_product_attention(q, k, v, scale, "array", mask_for(slots));
+    return sdpa(k, v, "array", mask_for(slots));
   }
   const int n = std::min(*read.uniform_length, slots);  // a full ring is read whole
   if (n == slots) {
-    return mx::fast::scaled_dot_product_attention(q, k, v, scale, "", std::nullopt);
+    return sdpa(k, v, "", std::nullopt);
   }
   auto stop = k.shape();
   stop[2] = n;
-  return mx::fast::scaled_dot_product_attention(q, mx::slice(k, {0, 0, 0, 0}, stop),
-                                                mx::slice(v, {0, 0, 0, 0}, stop), scale, "",
-                                                std::nullopt);
+  return sdpa(mx::slice(k, {0, 0, 0, 0}, stop), mx::slice(v, {0, 0, 0, 0}, stop), "", std::nullopt);
 }
 
 // Router.__call__: (indices, weights), each (B, 1, k).
@@ -170,12 +176,14 @@ std::vector<mx::array> gemma4_forward(
       vbuf = write_slot(vbuf, v, slot, static_slot);
     }
     q = rope(mx::transpose(q, {0, 2, 1, 3}), lw.rope, positions);  // (B, H, 1, D)
-    auto attn = attend(q, kbuf, vbuf, cfg.attn_scale, read, mask_for);
+    auto attn = attend(q, kbuf, vbuf, cfg.attn_scale, read, mask_for, g.fast_attention);
     attn = mx::reshape(mx::transpose(attn, {0, 2, 1, 3}), {B, 1, H * D});  // (B, 1, H*D)
     h = mx::add(h, rms(apply_linear(lw.o, attn), lw.post_attn_norm, eps));
 
-    auto mlp = [&](const mx::array& in) {
-      return apply_linear(lw.down, gated(cfg, apply_linear(lw.gate, in), apply_linear(lw.up, in)));
+    auto mlp = [&](const mx::array& in) {  // the dense MLP (the experts' GeGLU stays stock, as eagerly)
+      auto gate = apply_linear(lw.gate, in), up = apply_linear(lw.up, in);
+      return apply_linear(lw.down, g.fast_gated ? fast_gated_activation(gate, up, "gelu_approx")
+                                                : gated(cfg, gate, up));
     };
     mx::array r = mlp(rms(h, lw.mlp_norm, eps));
     if (cfg.num_experts > 0) {

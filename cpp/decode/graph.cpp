@@ -395,14 +395,14 @@ void load_graph_weights(
     DecodeStep::Graph& g,
     const std::unordered_map<std::string, mx::array>& weights,
     const std::unordered_map<std::string, QuantSpec>& quantization) {
-  if (g.cfg.family == "gemma4") {
-    load_gemma4_weights(g, weights, quantization);
-    return;
-  }
   const auto& cfg = g.cfg;
   const auto& fast = cfg.cpu_kernel_linears;
   g.fast_attention = std::find(fast.begin(), fast.end(), "attention") != fast.end();
   g.fast_gated = std::find(fast.begin(), fast.end(), "gated_activation") != fast.end();
+  if (cfg.family == "gemma4") {
+    load_gemma4_weights(g, weights, quantization);
+    return;
+  }
   g.embed = read_linear(weights, quantization, fast, "embed");
   g.lm_head = read_linear(weights, quantization, fast, "lm_head", /*required=*/false);
   g.norm = require_weight(weights, "norm.weight");

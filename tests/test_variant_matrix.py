@@ -1,0 +1,271 @@
+"""Every model variant through every path: the same greedy tokens, or a stated refusal.
+
+Variants (:data:`VARIANTS`): every family and every config switch the loader
+reads — llama with default / llama3 / yarn / linear RoPE, tied and untied
+heads; mistral (every layer sliding); qwen2 (q/k/v bias); qwen3 (q/k norms);
+gemma3; gemma4 dense, MoE, KV-shared and per-layer inputs — in float32, and a
+spread of them in bfloat16 and 4- and 8-bit weights (quantized by
+:func:`mlx_infer.artifacts.convert.convert`, as ``mlx-infer convert`` does).
+Each is a tiny random model directory (tests/tiny.py) loaded by the loader,
+with its linear layers on MLX's stock kernels and (on a CPU) on mlx-infer's CPU
+kernels, the CPU default (:data:`KERNELS`).
+
+Paths (:data:`PATHS`), each on a fresh load of the directory (so nothing a
+previous path evaluated can hide a lazy array, see ``test_graph_constants_*``):
+
+- ``eager``     ``generate_tokens`` on the eager graph: the reference;
+- ``compiled``  ``generate_tokens`` with the binding's compiled C++ decode step;
+- ``engine``    ``Engine`` (paged KV, compiled paged step), two requests batched;
+- ``server``    one ``/v1/completions`` request through uvicorn on 127.0.0.1.
+
+Oracle: the eager tokens, exactly (greedy, EOS ignored, :data:`N` tokens). The
+server returns text: it must equal the reference tokens' text as the engine's
+streaming detokenizer renders it. A refused cell (:data:`REFUSALS`: Gemma 4 has
+no compiled paged step) asserts the refusal's reason and that the fallback
+gives the same tokens.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import httpx
+import mlx.core as mx
+import pytest
+
+from mlx_infer.artifacts.convert import convert
+from mlx_infer.artifacts.loader import load_model
+from mlx_infer.engine import Engine, EngineConfig, EngineRequest
+from mlx_infer.generation.autoregressive import generate_tokens
+from mlx_infer.generation.bindings.autoregressive import bind_autoregressive
+from mlx_infer.models import get_model_classes, graph_constants, materialize_graph_constants
+from mlx_infer.server import ServerThread, create_app
+from mlx_infer.state.paged.store import model_geometry
+from tiny import CONFIGS, GEMMA4_SWITCHES, make_tiny_model_dir
+
+N = 10  # greedy tokens per request
+PROMPT = [5, 17, 33, 2, 100, 7, 9, 11, 40, 41, 42, 43]  # 12 tokens > the sliding window of 8
+PROMPT_2 = PROMPT[3:12]  # a second, shorter row for the engine's batch
+PROMPTS = (PROMPT, PROMPT_2)
+
+LLAMA3 = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8192}
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+LINEAR = {"type": "linear", "factor": 2.0}
+
+#: name -> (tiny.py family, config overrides, weights: "f32", "bf16", "q4" or "q8").
+VARIANTS: dict[str, tuple[str, dict, str]] = {
+    "llama": ("llama", {}, "f32"),
+    "llama-tied": ("llama", {"tie_word_embeddings": True}, "f32"),
+    "llama-llama3": ("llama", {"rope_scaling": LLAMA3}, "f32"),
+    "llama-yarn": ("llama", {"rope_scaling": YARN}, "f32"),
+    "llama-linear": ("llama", {"rope_scaling": LINEAR}, "f32"),
+    "mistral": ("mistral", {}, "f32"),
+    "qwen2": ("qwen2", {}, "f32"),
+    "qwen3": ("qwen3", {}, "f32"),
+    "gemma3": ("gemma3", {}, "f32"),
+    **{f"gemma4-{k}": ("gemma4", v, "f32") for k, v in GEMMA4_SWITCHES.items()},
+    "llama-llama3-bf16": ("llama", {"rope_scaling": LLAMA3}, "bf16"),
+    "gemma3-bf16": ("gemma3", {}, "bf16"),
+    "gemma4-ple-bf16": ("gemma4", GEMMA4_SWITCHES["ple"], "bf16"),
+    "llama-q4": ("llama", {}, "q4"),
+    "llama-yarn-q8": ("llama", {"rope_scaling": YARN}, "q8"),
+    "qwen3-q4": ("qwen3", {}, "q4"),
+    "mistral-q8": ("mistral", {}, "q8"),
+    "gemma3-q4": ("gemma3", {}, "q4"),
+    "gemma4-moe-q4": ("gemma4", GEMMA4_SWITCHES["moe"], "q4"),
+    "gemma4-kv_shared-q8": ("gemma4", GEMMA4_SWITCHES["kv_shared"], "q8"),
+}
+PATHS = ("compiled", "engine", "server")
+F32 = [v for v, (_, _, w) in VARIANTS.items() if w == "f32"]
+#: Linear layers on MLX's kernels, and on mlx-infer's CPU kernels where MLX runs on the CPU.
+KERNELS = ("stock", "cpu") if mx.default_device() == mx.cpu else ("stock",)
+
+#: (family, path) -> the reason the path states when it refuses the variant and falls back.
+REFUSALS = {
+    ("gemma4", "engine"): "no compiled paged decode step for the 'gemma4' graph family",
+}
+
+_DIRS: dict[str, Path] = {}
+_REFERENCE: dict[tuple[str, str], list[list[int]]] = {}
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("matrix")
+
+
+def model_dir(root: Path, variant: str) -> Path:
+    """The variant's model directory (written once per test module)."""
+    if variant not in _DIRS:
+        family, overrides, weights = VARIANTS[variant]
+        dtype = mx.bfloat16 if weights == "bf16" else mx.float32
+        path = make_tiny_model_dir(root / f"{variant}-src", family, dtype=dtype, **overrides)
+        if weights in ("q4", "q8"):
+            path = convert(path, root / variant, quantize_bits=int(weights[1]), group_size=32, progress=False)
+        _DIRS[variant] = path
+    return _DIRS[variant]
+
+
+def fresh(root: Path, variant: str, kernels: str = "stock"):
+    """A new load of the variant (no array evaluated by an earlier path) on MLX's stock
+    kernels or on mlx-infer's CPU kernels (the default on a CPU, off in the rest of the suite)."""
+    return load_model(model_dir(root, variant), cpu_kernels=kernels == "cpu")
+
+
+def eager_tokens(loaded, prompt: list[int], decode=None) -> list[int]:
+    return [t.token for t in generate_tokens(loaded.model, prompt, max_tokens=N, decode=decode)]
+
+
+def reference(root: Path, variant: str, kernels: str) -> list[list[int]]:
+    """The eager graph's greedy tokens for each of :data:`PROMPTS`."""
+    if (variant, kernels) not in _REFERENCE:
+        loaded = fresh(root, variant, kernels)
+        _REFERENCE[variant, kernels] = [eager_tokens(loaded, p) for p in PROMPTS]
+    return _REFERENCE[variant, kernels]
+
+
+def reference_text(loaded, tokens: list[int]) -> str:
+    """``tokens`` as the engine renders a generation that ends by length (streaming detokenizer)."""
+    detok = loaded.tokenizer.detokenizer()
+    return "".join(detok.add(t) for t in tokens) + detok.flush()
+
+
+def refusal(variant: str, path: str) -> str | None:
+    return REFUSALS.get((VARIANTS[variant][0], path))
+
+
+def requests() -> list[EngineRequest]:
+    return [EngineRequest(prompt_ids=p, max_tokens=N, ignore_eos=True, detokenize=False) for p in PROMPTS]
+
+
+def check_paged_step(engine: Engine, variant: str) -> None:
+    """The compiled paged step ran every decode step after the first, or its refusal is the stated one."""
+    why = refusal(variant, "engine")
+    if why is not None:
+        assert engine.paged_decode is None
+        assert why in engine.paged_decode_reason
+        return
+    step = engine.paged_decode
+    assert step is not None, engine.paged_decode_reason
+    assert not step.failed, step.last_error
+    assert step.eager_steps <= 1  # the first step allocates the pages' storage eagerly
+
+
+# -- the matrix ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_same_greedy_tokens(root, variant, kernels, path):
+    """One cell: ``path`` on ``variant`` gives the eager graph's greedy tokens."""
+    want = reference(root, variant, kernels)
+    loaded = fresh(root, variant, kernels)
+    if path == "compiled":
+        binding = bind_autoregressive(loaded)
+        step = binding.create_decode()
+        assert step is not None, binding.decode_unavailable_reason()
+        native, calls, step_fn = step.native, [], step.step
+        step.step = lambda *a: calls.append(1) or step_fn(*a)  # count the steps the loop hands it
+        assert eager_tokens(loaded, PROMPT, decode=step) == want[0]
+        assert not step.failed, step.last_error  # so each of them ran the C++ step
+        assert len(calls) == N - 1 and native.traces >= 1
+    elif path == "engine":
+        with Engine(loaded, EngineConfig(page_size=4)) as engine:
+            results = engine.generate(requests(), timeout=120)
+            assert [r.error for r in results] == [None, None]
+            assert [r.token_ids for r in results] == want
+            check_paged_step(engine, variant)
+    else:
+        engine = Engine(loaded, EngineConfig(page_size=4)).start()
+        server = ServerThread(create_app(engine, model_id="tiny")).start()
+        try:
+            r = httpx.post(server.url + "/v1/completions", timeout=120, json={
+                "model": "tiny", "prompt": PROMPT, "max_tokens": N, "temperature": 0, "ignore_eos": True})
+        finally:
+            server.stop()
+            engine.stop()
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["usage"]["completion_tokens"] == N
+        assert body["choices"][0]["text"] == reference_text(loaded, want[0])
+        check_paged_step(engine, variant)
+
+
+def test_matrix_covers_every_family_and_switch():
+    """Each tiny family, Gemma 4 switch, RoPE type and weight format has a row."""
+    families = {f for f, _, _ in VARIANTS.values()}
+    assert families == set(CONFIGS)
+    assert {name.removeprefix("gemma4-") for name in VARIANTS if name.startswith("gemma4-")} >= set(GEMMA4_SWITCHES)
+    ropes = {(o.get("rope_scaling") or {}).get("rope_type") or (o.get("rope_scaling") or {}).get("type")
+             for f, o, _ in VARIANTS.values() if f == "llama"}
+    assert ropes == {None, "llama3", "yarn", "linear"}
+    assert {w for _, _, w in VARIANTS.values()} == {"f32", "bf16", "q4", "q8"}
+
+
+# -- constants are materialized at load ------------------------------------------------
+
+
+def _in_thread(fn) -> BaseException | None:
+    """Run ``fn`` on a new thread (its own MLX streams); the exception it raised, or None."""
+    out: list[BaseException | None] = [None]
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - reported to the test
+            out[0] = e
+        finally:
+            mx.clear_streams()
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    return out[0]
+
+
+@pytest.mark.parametrize("variant", F32)
+def test_graph_constants_are_materialized_at_load(root, variant):
+    """After load, another thread can evaluate every non-parameter array and run a whole forward."""
+    loaded = fresh(root, variant)
+    model = loaded.model
+    constants = graph_constants(model)
+    family, overrides, _ = VARIANTS[variant]
+    if family == "gemma4" or (overrides.get("rope_scaling") or {}).get("rope_type") in ("llama3", "yarn"):
+        assert constants, "the RoPE frequency tables are arrays the walk must find"
+
+    def forward() -> None:
+        mx.eval(constants)
+        mx.eval(model(mx.array([PROMPT]), cache=model.make_cache()))
+
+    assert _in_thread(forward) is None
+
+
+def test_lazy_constants_fail_on_another_thread_until_materialized():
+    """The bug the loader prevents: a graph built here, run on another thread, fails until materialized."""
+    model_cls, args_cls = get_model_classes("llama")
+    model = model_cls(args_cls.from_dict({**CONFIGS["llama"], "rope_scaling": LLAMA3}))
+    mx.eval(model.parameters())
+    tokens = mx.array([PROMPT])
+
+    def forward() -> None:
+        mx.eval(model(tokens))
+
+    err = _in_thread(forward)
+    assert err is not None and "Stream" in str(err)
+    materialize_graph_constants(model)
+    assert _in_thread(forward) is None
+
+
+@pytest.mark.parametrize("variant", F32)
+def test_paged_windows_follow_the_layers(root, variant):
+    """The paged store has one layer per KV-owning layer, windowed exactly where the layer slides."""
+    family = VARIANTS[variant][0]
+    model = fresh(root, variant).model
+    windows, _, _ = model_geometry(model)
+    donors = getattr(model.args, "kv_donors", None) or [None] * len(model.layers)
+    owners = [layer for layer, donor in zip(model.layers, donors) if donor is None]
+    assert windows == [model.args.sliding_window if layer.use_sliding else None for layer in owners]
+    assert any(w is not None for w in windows) == (family in ("mistral", "gemma3", "gemma4"))
