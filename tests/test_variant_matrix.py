@@ -2,7 +2,8 @@
 
 Variants (:data:`VARIANTS`): every family and every config switch the loader
 reads — llama with default / llama3 / yarn / linear RoPE, tied and untied
-heads; mistral (every layer sliding); qwen2 (q/k/v bias); qwen3 (q/k norms);
+heads, attention and MLP biases; mistral (every layer sliding); qwen2 (q/k/v
+bias; and sliding from layer 1 on); qwen3 (q/k norms);
 gemma3; gemma4 dense, MoE, KV-shared and per-layer inputs — in float32, and a
 spread of them in bfloat16 and 4- and 8-bit weights (quantized by
 :func:`mlx_infer.artifacts.convert.convert`, as ``mlx-infer convert`` does).
@@ -34,13 +35,20 @@ import httpx
 import mlx.core as mx
 import pytest
 
+from mlx_infer import _fast
 from mlx_infer.artifacts.convert import convert
 from mlx_infer.artifacts.loader import load_model
 from mlx_infer.engine import Engine, EngineConfig, EngineRequest
+from mlx_infer.engine.batch import DecodeBatch
 from mlx_infer.generation.autoregressive import generate_tokens
 from mlx_infer.generation.bindings.autoregressive import bind_autoregressive
-from mlx_infer.models import get_model_classes, graph_constants, materialize_graph_constants
+from mlx_infer.generation.bindings.decode_step import DecodePolicy, DecodeStepUnsupported, graph_spec
+from mlx_infer.generation.bindings.paged_decode_step import CompiledPagedDecodeStep
+from mlx_infer.models import (SUPPORTED_MODEL_TYPES, family_of, get_model_classes, graph_constants,
+                              materialize_graph_constants)
 from mlx_infer.server import ServerThread, create_app
+from mlx_infer.state.kv import RotatingKVCache
+from mlx_infer.state.paged import PagedKVStore
 from mlx_infer.state.paged.store import model_geometry
 from tiny import CONFIGS, GEMMA4_SWITCHES, make_tiny_model_dir
 
@@ -62,7 +70,9 @@ VARIANTS: dict[str, tuple[str, dict, str]] = {
     "llama-yarn": ("llama", {"rope_scaling": YARN}, "f32"),
     "llama-linear": ("llama", {"rope_scaling": LINEAR}, "f32"),
     "mistral": ("mistral", {}, "f32"),
+    "llama-bias": ("llama", {"attention_bias": True, "mlp_bias": True}, "f32"),
     "qwen2": ("qwen2", {}, "f32"),
+    "qwen2-swa": ("qwen2", {"use_sliding_window": True, "max_window_layers": 1}, "f32"),  # full, then sliding
     "qwen3": ("qwen3", {}, "f32"),
     "gemma3": ("gemma3", {}, "f32"),
     **{f"gemma4-{k}": ("gemma4", v, "f32") for k, v in GEMMA4_SWITCHES.items()},
@@ -195,9 +205,13 @@ def test_same_greedy_tokens(root, variant, kernels, path):
 
 
 def test_matrix_covers_every_family_and_switch():
-    """Each tiny family, Gemma 4 switch, RoPE type and weight format has a row."""
+    """Each autoregressive graph family, tiny config, Gemma 4 switch, RoPE type and weight format has a row."""
     families = {f for f, _, _ in VARIANTS.values()}
     assert families == set(CONFIGS)
+    served = {family_of(CONFIGS[f]["model_type"]) for f in families}
+    for model_type in SUPPORTED_MODEL_TYPES:  # a new family must join the matrix (denoising graphs have no paths here)
+        if get_model_classes(model_type)[0].declaration.method == "autoregressive":
+            assert family_of(model_type) in served, model_type
     assert {name.removeprefix("gemma4-") for name in VARIANTS if name.startswith("gemma4-")} >= set(GEMMA4_SWITCHES)
     ropes = {(o.get("rope_scaling") or {}).get("rope_type") or (o.get("rope_scaling") or {}).get("type")
              for f, o, _ in VARIANTS.values() if f == "llama"}
@@ -267,5 +281,29 @@ def test_paged_windows_follow_the_layers(root, variant):
     windows, _, _ = model_geometry(model)
     donors = getattr(model.args, "kv_donors", None) or [None] * len(model.layers)
     owners = [layer for layer, donor in zip(model.layers, donors) if donor is None]
-    assert windows == [model.args.sliding_window if layer.use_sliding else None for layer in owners]
-    assert any(w is not None for w in windows) == (family in ("mistral", "gemma3", "gemma4"))
+    caches = model.make_cache()
+    assert len(windows) == len(owners) == len(caches)
+    for window, layer, cache in zip(windows, owners, caches):
+        assert (window is not None) == layer.use_sliding == isinstance(cache, RotatingKVCache)
+        assert window in (None, model.args.sliding_window)
+    assert any(w is not None for w in windows) == (family in ("mistral", "gemma3", "gemma4")
+                                                    or variant == "qwen2-swa")
+
+
+# -- refusals are guarded on both sides ----------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", [v for v in F32 if v.startswith("gemma4-")])
+def test_paged_step_refuses_gemma4_before_and_in_cpp(root, variant):
+    """Gemma 4 never reaches the llama/gemma3 paged forward (it reads weights gemma4 does not load):
+    the binding refuses it with the stated reason, and so does the C++ step if called directly."""
+    model = fresh(root, variant).model
+    store = PagedKVStore.for_model(model, num_pages=16, page_size=4)
+    windows = DecodeBatch.windows_of(store)
+    with pytest.raises(DecodeStepUnsupported, match=REFUSALS["gemma4", "engine"]):
+        CompiledPagedDecodeStep(model, store, windows)
+    cfg, weights, quant = graph_spec(model, policy=DecodePolicy(compile=False))
+    paged = _fast.PagedDecodeConfig()
+    paged.layer_groups = [0] * cfg.num_layers  # a valid grouping: only the family is wrong
+    with pytest.raises(ValueError, match="family 'gemma4' has no paged step"):
+        _fast.PagedDecodeStep(cfg, paged, weights, quant)
