@@ -110,21 +110,31 @@ def make_tokenizer_json(vocab_size: int = 300) -> str:
 
 
 def make_tiny_model_dir(path: Path, family: str = "llama", *, seed: int = 0, dtype=mx.float32,
-                        **overrides) -> Path:
-    """Write a random tiny model of ``family`` into ``path`` and return ``path``."""
+                        vector_noise: bool | None = None, weight_scale: float | None = None,
+                        embed_scale: float = 1.0, **overrides) -> Path:
+    """Write a random tiny model of ``family`` into ``path`` and return ``path``.
+
+    ``vector_noise``: add N(0, 1) to every 1-D weight (default: the families in
+    :data:`VECTOR_NOISE`); ``weight_scale``: the multiplier of every other
+    non-norm weight (default: :data:`WEIGHT_SCALE`); ``embed_scale``: a further
+    multiplier of the embedding tables (below 1 keeps a tied head from echoing the
+    last token); ``overrides`` replace config keys.
+    """
+    if vector_noise is None:
+        vector_noise = family in VECTOR_NOISE
     from mlx_infer.models import get_model_classes
 
     config = dict(CONFIGS[family], **overrides)
     model_cls, args_cls = get_model_classes(config["model_type"])
     mx.random.seed(seed)
     model = model_cls(args_cls.from_dict(config))
-    scale = WEIGHT_SCALE[family]
+    scale = WEIGHT_SCALE[family] if weight_scale is None else weight_scale
     weights = {}
     for k, v in tree_flatten(model.parameters()):
-        if family in VECTOR_NOISE and v.ndim <= 1:
+        if vector_noise and v.ndim <= 1:
             v = v + mx.random.normal(v.shape)
         elif "norm" not in k:
-            v = v * scale
+            v = v * scale * (embed_scale if "embed_tokens" in k else 1.0)
         weights[k] = v.astype(dtype)
     path.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
