@@ -21,9 +21,9 @@ previous path evaluated can hide a lazy array, see ``test_graph_constants_*``):
 
 Oracle: the eager tokens, exactly (greedy, EOS ignored, :data:`N` tokens). The
 server returns text: it must equal the reference tokens' text as the engine's
-streaming detokenizer renders it. A refused cell (:data:`REFUSALS`: Gemma 4 has
-no compiled paged step) asserts the refusal's reason and that the fallback
-gives the same tokens.
+streaming detokenizer renders it. A refused cell (:data:`REFUSALS`, none
+today) asserts the refusal's reason and that the fallback gives the same
+tokens; every other cell asserts the compiled step ran (no silent fallback).
 """
 
 from __future__ import annotations
@@ -35,20 +35,15 @@ import httpx
 import mlx.core as mx
 import pytest
 
-from mlx_infer import _fast
 from mlx_infer.artifacts.convert import convert
 from mlx_infer.artifacts.loader import load_model
 from mlx_infer.engine import Engine, EngineConfig, EngineRequest
-from mlx_infer.engine.batch import DecodeBatch
 from mlx_infer.generation.autoregressive import generate_tokens
 from mlx_infer.generation.bindings.autoregressive import bind_autoregressive
-from mlx_infer.generation.bindings.decode_step import DecodePolicy, DecodeStepUnsupported, graph_spec
-from mlx_infer.generation.bindings.paged_decode_step import CompiledPagedDecodeStep
 from mlx_infer.models import (SUPPORTED_MODEL_TYPES, family_of, get_model_classes, graph_constants,
                               materialize_graph_constants)
 from mlx_infer.server import ServerThread, create_app
 from mlx_infer.state.kv import RotatingKVCache
-from mlx_infer.state.paged import PagedKVStore
 from mlx_infer.state.paged.store import model_geometry
 from tiny import CONFIGS, GEMMA4_SWITCHES, make_tiny_model_dir
 
@@ -93,9 +88,8 @@ F32 = [v for v, (_, _, w) in VARIANTS.items() if w == "f32"]
 KERNELS = ("stock", "cpu") if mx.default_device() == mx.cpu else ("stock",)
 
 #: (family, path) -> the reason the path states when it refuses the variant and falls back.
-REFUSALS = {
-    ("gemma4", "engine"): "no compiled paged decode step for the 'gemma4' graph family",
-}
+#: None today: Gemma 4, once refused by the paged step, runs it (KV-shared layers included).
+REFUSALS: dict[tuple[str, str], str] = {}
 
 #: tiny.py weight spread per family: the gemmas' tied, sqrt(hidden)-scaled embeddings otherwise
 #: make a random model echo one token, and a constant stream would hide a diverging path.
@@ -296,22 +290,3 @@ def test_paged_windows_follow_the_layers(root, variant):
         assert window in (None, model.args.sliding_window)
     assert any(w is not None for w in windows) == (family in ("mistral", "gemma3", "gemma4")
                                                     or variant == "qwen2-swa")
-
-
-# -- refusals are guarded on both sides ----------------------------------------------------
-
-
-@pytest.mark.parametrize("variant", [v for v in F32 if v.startswith("gemma4-")])
-def test_paged_step_refuses_gemma4_before_and_in_cpp(root, variant):
-    """Gemma 4 never reaches the llama/gemma3 paged forward (it reads weights gemma4 does not load):
-    the binding refuses it with the stated reason, and so does the C++ step if called directly."""
-    model = fresh(root, variant).model
-    store = PagedKVStore.for_model(model, num_pages=16, page_size=4)
-    windows = DecodeBatch.windows_of(store)
-    with pytest.raises(DecodeStepUnsupported, match=REFUSALS["gemma4", "engine"]):
-        CompiledPagedDecodeStep(model, store, windows)
-    cfg, weights, quant = graph_spec(model, policy=DecodePolicy(compile=False))
-    paged = _fast.PagedDecodeConfig()
-    paged.layer_groups = [0] * cfg.num_layers  # a valid grouping: only the family is wrong
-    with pytest.raises(ValueError, match="family 'gemma4' has no paged step"):
-        _fast.PagedDecodeStep(cfg, paged, weights, quant)

@@ -19,10 +19,11 @@ store as it was; the failure is reported once (``warnings.warn`` and the
 old storage arrays are referenced only by the new graph after the commit, so
 MLX writes the new rows in place (no per-step copy of the cache).
 
-Quantized KV storage and the Gemma 4 family have no compiled paged step
-(the C++ paged forward is the llama/gemma3 one; Gemma 4's per-layer KV
-geometry and KV-shared layers have no paged form): :func:`paged_unsupported_reason`
-and :class:`CompiledPagedDecodeStep` say so and the engine decodes eagerly.
+Gemma 4's KV-shared layers have no storage of their own (the store pages the
+KV-owning layers only): they attend over their donor's gather of the same step.
+
+Quantized KV storage has no compiled paged step: :func:`paged_unsupported_reason`
+says so and the engine decodes eagerly.
 """
 
 from __future__ import annotations
@@ -35,12 +36,9 @@ from typing import Any, Protocol, Sequence
 import mlx.core as mx
 
 from ... import _fast
-from .decode_step import DecodePolicy, DecodeStepUnsupported, family_of_graph, graph_spec
+from .decode_step import DecodePolicy, graph_spec
 
 log = logging.getLogger("mlx_infer.engine")
-
-#: Graph families the C++ paged step's forward covers (``cpp/decode/paged_step.cpp``).
-PAGED_FAMILIES = ("llama", "gemma3")
 
 #: Default rounding of the gathered length S in compiled mode (see PagedDecodePolicy).
 DEFAULT_S_BUCKET = 32
@@ -115,25 +113,19 @@ class CompiledPagedDecodeStep:
     """``step(tokens, batch) -> logits`` over the C++ paged step, with an eager fallback.
 
     Args:
-        model: a llama- or gemma3-family graph (:data:`PAGED_FAMILIES`).
+        model: a llama-, gemma3- or gemma4-family graph.
         store: the :class:`~mlx_infer.state.paged.PagedKVStore` the batches read.
         group_windows: the window of each layer group, in the order the
             batch's ``paged_inputs`` lists them.
         policy: compile choices.
 
     Raises:
-        DecodeStepUnsupported: no C++ paged step for this graph family
-            (:data:`PAGED_FAMILIES`) or module.
+        DecodeStepUnsupported: no C++ step for this graph family or module.
         ValueError: quantized KV storage (see :func:`paged_unsupported_reason`).
     """
 
     def __init__(self, model: Any, store: Any, group_windows: Sequence[int | None], *,
                  policy: PagedDecodePolicy = PagedDecodePolicy()):
-        family = family_of_graph(model)
-        if family not in PAGED_FAMILIES:
-            raise DecodeStepUnsupported(
-                f"no compiled paged decode step for the {family!r} graph family (the C++ paged forward "
-                f"covers {', '.join(PAGED_FAMILIES)}); the engine decodes it on the eager graph")
         reason = paged_unsupported_reason(store)
         if reason is not None:
             raise ValueError(reason)
