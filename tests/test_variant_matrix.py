@@ -95,7 +95,7 @@ KERNELS = ("stock", "cpu") if mx.default_device() == mx.cpu else ("stock",)
 SPREAD = {"gemma3": {"vector_noise": True, "embed_scale": 0.5}, "gemma4": {"vector_noise": True, "embed_scale": 0.5}}
 MIN_DISTINCT = 6  # distinct tokens over the reference streams of PROMPTS
 
-_DIRS: dict[str, Path] = {}
+_DIRS: dict[tuple[Path, str], Path] = {}
 _REFERENCE: dict[tuple[str, str], list[list[int]]] = {}
 
 
@@ -106,15 +106,15 @@ def root(tmp_path_factory) -> Path:
 
 def model_dir(root: Path, variant: str) -> Path:
     """The variant's model directory (written once per test module)."""
-    if variant not in _DIRS:
+    if (root, variant) not in _DIRS:
         family, overrides, weights = VARIANTS[variant]
         dtype = mx.bfloat16 if weights == "bf16" else mx.float32
         path = make_tiny_model_dir(root / f"{variant}-src", family, dtype=dtype, **SPREAD.get(family, {}),
                                    **overrides)
         if weights in ("q4", "q8"):
             path = convert(path, root / variant, quantize_bits=int(weights[1]), group_size=32, progress=False)
-        _DIRS[variant] = path
-    return _DIRS[variant]
+        _DIRS[root, variant] = path
+    return _DIRS[root, variant]
 
 
 def fresh(root: Path, variant: str, kernels: str = "stock"):
