@@ -321,6 +321,8 @@ def build_model(config: dict[str, Any], cfg_path: Path) -> nn.Module:
 def load_model_dir(model_dir: Path, *, source: str | None = None, dtype: str | None = None,
                    cpu_kernels: bool | None = None) -> LoadedModel:
     """Load an HF or MLX-quantized model directory (``cpu_kernels``: see :func:`load_model`)."""
+    from ..models import materialize_graph_constants
+
     if not model_dir.is_dir():
         raise ModelLoadError(f"{model_dir} is not a directory.")
     config = read_config(model_dir)
@@ -353,6 +355,8 @@ def load_model_dir(model_dir: Path, *, source: str | None = None, dtype: str | N
         from ..layers.linear import swap_in_cpu_kernels
 
         swap_in_cpu_kernels(model)
+    # Any thread (the engine's, the server's) may run the graph: nothing lazy may stay behind.
+    materialize_graph_constants(model)
 
     tokenizer = load_tokenizer(model_dir)
     generation_config = read_json_object(model_dir / "generation_config.json") or {}

@@ -391,6 +391,9 @@ class DecoderLayer(nn.Module):
         super().__init__()
         d, eps = args.hidden_size, args.rms_norm_eps
         self.layer_type = args.layer_types[idx]
+        # Read by the paged KV store and the prefill policy, as on the other families' layers:
+        # without it every layer would be paged as global (attending past its window).
+        self.use_sliding = self.layer_type == SLIDING
         self.self_attn = Attention(args, idx)
         wide = args.use_double_wide_mlp and args.kv_donors[idx] is not None
         self.mlp = MLP(d, args.intermediate_size * (2 if wide else 1))
