@@ -32,16 +32,18 @@ from mlx_infer.generation.autoregressive import generate_tokens, newline_ids
 from mlx_infer.generation.bindings.autoregressive import Composition
 from mlx_infer.generation.bindings.paged_decode_step import CompiledPagedDecodeStep, PagedDecodePolicy
 from mlx_infer.state.paged import LayerKV, PagedKVStore
-from tiny import make_tiny_model_dir
+from tiny import GEMMA4_SWITCHES, make_tiny_model_dir
 
 # Tiny float32 / 4-bit models; measured max |compiled - eager| over 64 teacher-forced steps, B=8
-# (CPU, mlx 0.32.4): 0.0 (bit-identical) for llama, gemma3, llama-q4, gemma3-q4, compiled with S
+# (CPU, mlx 0.32.4): 0.0 (bit-identical) for llama, gemma3, llama-q4, gemma3-q4, gemma4-kv_shared, compiled with S
 # buckets of 32 and op by op. The bound leaves room for backends whose attention sums the bucket's
 # masked padding in another order.
 LOGITS_ATOL = 1e-4
 STEPS = 64
 CONFIGS = {"llama": ("llama", None), "gemma3": ("gemma3", None), "llama-q4": ("llama", 4),
-           "gemma3-q4": ("gemma3", 4)}
+           "gemma3-q4": ("gemma3", 4),
+           # Gemma 4 (per-layer KV geometry; KV-shared layers attend over their donor's gather, MoE).
+           "gemma4-kv_shared": ("gemma4", None), "gemma4-moe-q4": ("gemma4", 4)}
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +53,8 @@ def tiny(tmp_path_factory):
     def get(name: str):
         if name not in cache:
             family, bits = CONFIGS[name]
-            loaded = load_model(make_tiny_model_dir(tmp_path_factory.mktemp(name), family))
+            extra = {"embed_scale": 0.5, **GEMMA4_SWITCHES[name.split("-")[1]]} if family == "gemma4" else {}
+            loaded = load_model(make_tiny_model_dir(tmp_path_factory.mktemp(name), family, **extra))
             if bits is not None:
                 nn.quantize(loaded.model, group_size=32, bits=bits)
                 mx.eval(loaded.model.parameters())
@@ -124,7 +127,7 @@ def _prefilled_store(loaded, ps: list[list[int]]) -> tuple[PagedKVStore, list]:
     return store, seqs
 
 
-@pytest.mark.parametrize("name", ["gemma3", "llama-q4"])
+@pytest.mark.parametrize("name", ["gemma3", "llama-q4", "gemma4-kv_shared"])
 @pytest.mark.parametrize("compile", [True, False])
 def test_forced_logits_close_and_no_retrace_in_steady_state(tiny, name, compile):
     loaded = tiny(name)

@@ -2,8 +2,11 @@
 // ops, in the same order, as python/mlx_infer/models/gemma4.py (itself mlx-lm's
 // gemma4_text), so the compiled step's logits stay within rounding of the
 // eager graph's. KV-shared layers read the buffers their donor wrote earlier in
-// the same step; only KV-owning layers have buffers (see decode.h).
+// the same step; only KV-owning layers have buffers (see decode.h). The K/V storage is
+// a KVAccess: DecodeStep's buffers or a paged store's pages (paged_step.cpp).
 #include "gemma4.h"
+
+#include "mlx_infer/matmul.h"
 
 #include <algorithm>
 #include <cmath>
@@ -16,22 +19,12 @@ namespace mlx_infer {
 
 namespace {
 
-// Attention over one layer's buffers after this step's write (see AttentionRead).
-mx::array attend(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
-                 const AttentionRead& read, const std::function<mx::array(int)>& mask_for) {
-  const int slots = k.shape(2);
-  if (!read.uniform_length) {
-    return mx::fast::scaled_dot_product_attention(q, k, v, scale, "array", mask_for(slots));
-  }
-  const int n = std::min(*read.uniform_length, slots);  // a full ring is read whole
-  if (n == slots) {
-    return mx::fast::scaled_dot_product_attention(q, k, v, scale, "", std::nullopt);
-  }
-  auto stop = k.shape();
-  stop[2] = n;
-  return mx::fast::scaled_dot_product_attention(q, mx::slice(k, {0, 0, 0, 0}, stop),
-                                                mx::slice(v, {0, 0, 0, 0}, stop), scale, "",
-                                                std::nullopt);
+// Attention over what the layer's K/V access returned; on mlx-infer's CPU kernel when the
+// model's attention modules run there (``fast``), as decode_layers does.
+mx::array attend(const mx::array& q, const AttentionInputs& in, float scale, bool fast) {
+  const std::string mode = in.mask ? "array" : "";
+  return fast ? fast_sdpa(q, in.keys, in.values, scale, mode, in.mask)
+              : mx::fast::scaled_dot_product_attention(q, in.keys, in.values, scale, mode, in.mask);
 }
 
 // Router.__call__: (indices, weights), each (B, 1, k).
@@ -98,20 +91,15 @@ mx::array gelu_approx(const mx::array& x) {
 
 }  // namespace
 
-std::vector<mx::array> gemma4_forward(
+mx::array gemma4_layers(
     const DecodeStep::Graph& g,
-    const std::vector<mx::array>& inputs,
-    const AttentionRead& read) {
+    const mx::array& tokens,
+    const mx::array& positions,  // (B,) int32
+    KVAccess& kv) {
   const auto& cfg = g.cfg;
   const auto& w = *g.gemma4;
   const int L = cfg.num_layers, H = cfg.num_heads, P = cfg.per_layer_width;
   const float eps = cfg.rms_norm_eps;
-  if (static_cast<int>(inputs.size()) != 2 + 2 * w.buffers) {
-    throw std::invalid_argument(
-        "[decode_forward] expected tokens, positions and 2 KV buffers per KV-owning layer.");
-  }
-  const auto& tokens = inputs[0];
-  const auto& positions = inputs[1];  // (B,) int32
   const int B = tokens.shape(0);
   auto ids = mx::reshape(tokens, {B, 1});
 
@@ -129,53 +117,32 @@ std::vector<mx::array> gemma4_forward(
     pli = mx::multiply(sum, scalar(std::pow(2.0, -0.5), sum.dtype()));
   }
 
-  std::unordered_map<int, mx::array> masks;  // slot s of row b is visible iff s <= positions[b]
-  auto pos_col = mx::reshape(positions, {B, 1, 1, 1});
-  std::function<mx::array(int)> mask_for = [&](int slots) -> mx::array {
-    auto it = masks.find(slots);
-    if (it != masks.end()) {
-      return it->second;
-    }
-    auto m = mx::less_equal(mx::reshape(mx::arange(0, slots, 1, mx::int32), {1, 1, 1, slots}), pos_col);
-    masks.emplace(slots, m);
-    return m;  // (B, 1, 1, slots)
-  };
-
-  std::vector<mx::array> outputs(inputs.begin(), inputs.end());  // buffers replaced as written
-  outputs[0] = mx::array(0);
-  outputs[1] = mx::add(positions, mx::array(1, mx::int32));
-
+  std::vector<std::optional<AttentionInputs>> reads(w.buffers);  // per buffer, after its owner's write
   for (int i = 0; i < L; ++i) {
     const auto& lw = w.layers[i];
     const int KVH = lw.kv_heads, D = lw.head_dim;
     auto x = rms(h, lw.attn_norm, eps);
     auto q = rms(mx::reshape(apply_linear(lw.q, x), {B, 1, H, D}), lw.q_norm, eps);  // (B, 1, H, D)
-    auto& kbuf = outputs[2 + 2 * lw.buffer];
-    auto& vbuf = outputs[3 + 2 * lw.buffer];
     if (lw.owns_kv) {
       auto k = mx::reshape(apply_linear(lw.k, x), {B, 1, KVH, D});
       auto v = lw.v.present() ? mx::reshape(apply_linear(lw.v, x), {B, 1, KVH, D}) : k;
       k = rope(mx::transpose(rms(k, lw.k_norm, eps), {0, 2, 1, 3}), lw.rope, positions);  // (B, KVH, 1, D)
       v = mx::transpose(rms(v, std::nullopt, eps), {0, 2, 1, 3});                       // (B, KVH, 1, D)
-      const int slots = kbuf.shape(2);
-      std::optional<int> static_slot;
-      mx::array slot = positions;
-      if (read.uniform_length) {
-        const int p = *read.uniform_length - 1;
-        static_slot = lw.window > 0 ? p % slots : p;
-      } else if (lw.window > 0) {
-        slot = mx::remainder(positions, mx::array(slots, mx::int32));
-      }
-      kbuf = write_slot(kbuf, k, slot, static_slot);
-      vbuf = write_slot(vbuf, v, slot, static_slot);
+      reads[lw.buffer] = kv.write_read(lw.buffer, k, v);
+    }
+    if (!reads[lw.buffer]) {
+      throw std::invalid_argument("[DecodeStep] gemma4 layer " + std::to_string(i) +
+                                  " reads K/V no earlier layer wrote in this step.");
     }
     q = rope(mx::transpose(q, {0, 2, 1, 3}), lw.rope, positions);  // (B, H, 1, D)
-    auto attn = attend(q, kbuf, vbuf, cfg.attn_scale, read, mask_for);
+    auto attn = attend(q, *reads[lw.buffer], cfg.attn_scale, g.fast_attention);
     attn = mx::reshape(mx::transpose(attn, {0, 2, 1, 3}), {B, 1, H * D});  // (B, 1, H*D)
     h = mx::add(h, rms(apply_linear(lw.o, attn), lw.post_attn_norm, eps));
 
-    auto mlp = [&](const mx::array& in) {
-      return apply_linear(lw.down, gated(cfg, apply_linear(lw.gate, in), apply_linear(lw.up, in)));
+    auto mlp = [&](const mx::array& in) {  // the dense MLP (the experts' GeGLU stays stock, as eagerly)
+      auto gate = apply_linear(lw.gate, in), up = apply_linear(lw.up, in);
+      return apply_linear(lw.down, g.fast_gated ? fast_gated_activation(gate, up, "gelu_approx")
+                                                : gated(cfg, gate, up));
     };
     mx::array r = mlp(rms(h, lw.mlp_norm, eps));
     if (cfg.num_experts > 0) {
@@ -199,8 +166,7 @@ std::vector<mx::array> gemma4_forward(
     auto cap = scalar(*cfg.final_logit_softcap, logits.dtype());
     logits = mx::multiply(mx::tanh(mx::divide(logits, cap)), cap);
   }
-  outputs[0] = mx::reshape(logits, {B, logits.shape(-1)});  // (B, vocab)
-  return outputs;
+  return mx::reshape(logits, {B, logits.shape(-1)});  // (B, vocab)
 }
 
 void load_gemma4_weights(

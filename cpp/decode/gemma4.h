@@ -55,10 +55,13 @@ void load_gemma4_weights(
     const std::unordered_map<std::string, mx::array>& weights,
     const std::unordered_map<std::string, QuantSpec>& quantization);
 
-/// The gemma4 one-token forward; inputs and outputs as decode_forward (one buffer pair per KV-owning layer).
-std::vector<mx::array> gemma4_forward(
+/// The gemma4 one-token forward over any KV storage: logits (B, vocab), lazily. ``kv`` is
+/// indexed by buffer (KV-owning layer, in order); a KV-shared layer attends over what its
+/// donor's ``write_read`` returned in the same forward.
+mx::array gemma4_layers(
     const DecodeStep::Graph& g,
-    const std::vector<mx::array>& inputs,
-    const AttentionRead& read);
+    const mx::array& tokens,
+    const mx::array& positions,
+    KVAccess& kv);
 
 }  // namespace mlx_infer

@@ -152,14 +152,14 @@ class BufferKV final : public KVAccess {
  public:
   BufferKV(const DecodeStep::Graph& g, const std::vector<mx::array>& inputs, const AttentionRead& read,
            std::vector<mx::array>& outputs)
-      : g_(g), inputs_(inputs), read_(read), outputs_(outputs),
+      : windows_(buffer_windows(g)), inputs_(inputs), read_(read), outputs_(outputs),
         pos_col_(mx::reshape(inputs[1], {inputs[0].shape(0), 1, 1, 1})) {}
 
   AttentionInputs write_read(int i, const mx::array& k, const mx::array& v) override {
     const auto& positions = inputs_[1];
     const auto& kbuf = inputs_[2 + 2 * i];
     const auto& vbuf = inputs_[3 + 2 * i];
-    const int window = g_.layers[i].window;
+    const int window = windows_[i];
     const int B = kbuf.shape(0), KVH = kbuf.shape(1), slots = kbuf.shape(2), D = kbuf.shape(3);
 
     // Write slot: the position itself, or its ring slot on a sliding layer.
@@ -199,7 +199,7 @@ class BufferKV final : public KVAccess {
     return m;  // (B, 1, 1, slots)
   }
 
-  const DecodeStep::Graph& g_;
+  const std::vector<int> windows_;  // per buffer
   const std::vector<mx::array>& inputs_;
   const AttentionRead& read_;
   std::vector<mx::array>& outputs_;
@@ -218,6 +218,13 @@ mx::array decode_layers(
   const int L = cfg.num_layers;
   const int B = tokens.shape(0);
   const int H = cfg.num_heads, KVH = cfg.num_kv_heads, D = cfg.head_dim;
+  // The llama/gemma3 forward reads g.layers; gemma4 loads its own weights (g.gemma4) and
+  // leaves g.layers empty, so a caller that routes it here gets an error, never a stray read.
+  if (g.gemma4 || static_cast<int>(g.layers.size()) != L) {
+    throw std::invalid_argument("[DecodeStep] the llama/gemma3 forward has weights for " +
+                                std::to_string(g.layers.size()) + " of " + std::to_string(L) +
+                                " layers (family '" + cfg.family + "' has its own forward).");
+  }
 
   auto h = embed_lookup(g.embed, mx::reshape(tokens, {B, 1}));  // (B, 1, E)
   if (cfg.embed_scale != 0.0f) {
@@ -302,19 +309,46 @@ std::vector<mx::array> decode_forward(
     const DecodeStep::Graph& g,
     const std::vector<mx::array>& inputs,
     const AttentionRead& read) {
-  if (g.gemma4) {
-    return gemma4_forward(g, inputs, read);
-  }
-  if (static_cast<int>(inputs.size()) != 2 + 2 * g.cfg.num_layers) {
-    throw std::invalid_argument("[decode_forward] expected tokens, positions and 2 KV buffers per layer.");
+  if (static_cast<int>(inputs.size()) != 2 + 2 * num_buffers(g)) {
+    throw std::invalid_argument(
+        "[decode_forward] expected tokens, positions and 2 KV buffers per KV-owning layer.");
   }
   std::vector<mx::array> outputs;
   outputs.reserve(inputs.size());
   outputs.push_back(mx::array(0));  // logits, set below
   outputs.push_back(mx::add(inputs[1], mx::array(1, mx::int32)));
   BufferKV kv(g, inputs, read, outputs);
-  outputs[0] = decode_layers(g, inputs[0], inputs[1], kv);
+  outputs[0] = layers_forward(g, inputs[0], inputs[1], kv);
   return outputs;
+}
+
+mx::array layers_forward(const DecodeStep::Graph& g, const mx::array& tokens, const mx::array& positions,
+                         KVAccess& kv) {
+  return g.gemma4 ? gemma4_layers(g, tokens, positions, kv) : decode_layers(g, tokens, positions, kv);
+}
+
+int num_buffers(const DecodeStep::Graph& g) {
+  return g.gemma4 ? g.gemma4->buffers : g.cfg.num_layers;
+}
+
+std::vector<BufferGeometry> buffer_geometry(const DecodeStep::Graph& g) {
+  std::vector<BufferGeometry> out;
+  if (g.gemma4) {
+    for (const auto& lw : g.gemma4->layers) {
+      if (lw.owns_kv) out.push_back({lw.kv_heads, lw.head_dim, lw.window});
+    }
+    return out;
+  }
+  for (const auto& lw : g.layers) {
+    out.push_back({g.cfg.num_kv_heads, g.cfg.head_dim, lw.window});
+  }
+  return out;
+}
+
+std::vector<int> buffer_windows(const DecodeStep::Graph& g) {
+  std::vector<int> out;
+  for (const auto& b : buffer_geometry(g)) out.push_back(b.window);
+  return out;
 }
 
 std::optional<mx::array> find_weight(const std::unordered_map<std::string, mx::array>& w,
@@ -388,14 +422,14 @@ void load_graph_weights(
     DecodeStep::Graph& g,
     const std::unordered_map<std::string, mx::array>& weights,
     const std::unordered_map<std::string, QuantSpec>& quantization) {
-  if (g.cfg.family == "gemma4") {
-    load_gemma4_weights(g, weights, quantization);
-    return;
-  }
   const auto& cfg = g.cfg;
   const auto& fast = cfg.cpu_kernel_linears;
   g.fast_attention = std::find(fast.begin(), fast.end(), "attention") != fast.end();
   g.fast_gated = std::find(fast.begin(), fast.end(), "gated_activation") != fast.end();
+  if (cfg.family == "gemma4") {
+    load_gemma4_weights(g, weights, quantization);
+    return;
+  }
   g.embed = read_linear(weights, quantization, fast, "embed");
   g.lm_head = read_linear(weights, quantization, fast, "lm_head", /*required=*/false);
   g.norm = require_weight(weights, "norm.weight");

@@ -82,6 +82,27 @@ mx::array decode_layers(
     const mx::array& positions,
     KVAccess& kv);
 
+/// The family's one-token forward over any KV storage (decode_layers or gemma4_layers);
+/// ``kv`` is indexed by buffer (KV-owning layer, in order).
+mx::array layers_forward(
+    const DecodeStep::Graph& g,
+    const mx::array& tokens,
+    const mx::array& positions,
+    KVAccess& kv);
+
+/// One K/V buffer (KV-owning layer): its heads, head dim and window (0 = global).
+struct BufferGeometry {
+  int kv_heads;
+  int head_dim;
+  int window;
+};
+
+/// K/V buffer pairs the forward writes (the KV-owning layers; all layers but gemma4's KV-shared ones).
+int num_buffers(const DecodeStep::Graph& g);
+/// Per buffer, in order (needs the graph's weights loaded).
+std::vector<BufferGeometry> buffer_geometry(const DecodeStep::Graph& g);
+std::vector<int> buffer_windows(const DecodeStep::Graph& g);
+
 /// The one-token forward over DecodeStep's buffers.
 ///
 /// inputs:  tokens (B,), positions (B,) int32, then K and V of each KV-owning

@@ -87,10 +87,10 @@ class PagedKV final : public KVAccess {
 std::vector<mx::array> paged_forward(const DecodeStep::Graph& g, const std::vector<int>& layer_groups,
                                      int num_groups, const std::vector<mx::array>& inputs) {
   std::vector<mx::array> outputs;
-  outputs.reserve(1 + 2 * g.cfg.num_layers);
+  outputs.reserve(1 + 2 * num_buffers(g));
   outputs.push_back(mx::array(0));  // logits, set below
   PagedKV kv(layer_groups, num_groups, inputs, outputs);
-  outputs[0] = decode_layers(g, inputs[0], inputs[1], kv);
+  outputs[0] = layers_forward(g, inputs[0], inputs[1], kv);
   return outputs;
 }
 
@@ -126,9 +126,10 @@ PagedDecodeStep::PagedDecodeStep(
     const std::unordered_map<std::string, QuantSpec>& quantization)
     : paged_(std::move(paged)) {
   validate_decode_config(config);
-  if (static_cast<int>(paged_.layer_groups.size()) != config.num_layers) {
-    fail("layer_groups needs one entry per layer, got " + std::to_string(paged_.layer_groups.size()) +
-         " for " + std::to_string(config.num_layers) + " layers.");
+  const int buffers = static_cast<int>(kv_layers(config).size());  // KV-shared layers have no storage
+  if (static_cast<int>(paged_.layer_groups.size()) != buffers) {
+    fail("layer_groups needs one entry per KV-owning layer, got " + std::to_string(paged_.layer_groups.size()) +
+         " for " + std::to_string(buffers) + " layers.");
   }
   for (int g : paged_.layer_groups) {
     if (g < 0) fail("layer_groups entries must be >= 0.");
@@ -175,8 +176,8 @@ PagedStepOutput PagedDecodeStep::step(
     const std::vector<PagedGroupInputs>& groups,
     const std::vector<mx::array>& keys,
     const std::vector<mx::array>& values) {
-  const auto& cfg = graph_->cfg;
-  const int L = cfg.num_layers;
+  const auto geometry = buffer_geometry(*graph_);  // per KV-owning layer
+  const int L = static_cast<int>(geometry.size());
   if (tokens.ndim() > 2 || tokens.size() < 1 || !mx::issubdtype(tokens.dtype(), mx::integer)) {
     fail("tokens must be (B,) integer ids, got shape " + shape_str(tokens) + ".");
   }
@@ -186,7 +187,7 @@ PagedStepOutput PagedDecodeStep::step(
          std::to_string(groups.size()) + ".");
   }
   if (static_cast<int>(keys.size()) != L || static_cast<int>(values.size()) != L) {
-    fail("expected " + std::to_string(L) + " key and value storage arrays (one per layer), got " +
+    fail("expected " + std::to_string(L) + " key and value storage arrays (one per layer, KV-shared layers excepted), got " +
          std::to_string(keys.size()) + " and " + std::to_string(values.size()) + ".");
   }
 
@@ -234,10 +235,11 @@ PagedStepOutput PagedDecodeStep::step(
         fail("layer " + std::to_string(i) + ": storage must be float16, bfloat16 or float32; quantized "
              "KV storage has no compiled paged step (decode it eagerly).");
       }
-      if (a->ndim() != 4 || a->shape(1) != cfg.num_kv_heads || a->shape(3) != cfg.head_dim) {
+      const auto& b = geometry[i];
+      if (a->ndim() != 4 || a->shape(1) != b.kv_heads || a->shape(3) != b.head_dim) {
         std::ostringstream msg;
-        msg << "layer " << i << ": storage must be (pages, " << cfg.num_kv_heads << ", page_size, "
-            << cfg.head_dim << "), got " << a->shape() << ".";
+        msg << "layer " << i << ": storage must be (pages, " << b.kv_heads << ", page_size, "
+            << b.head_dim << "), got " << a->shape() << ".";
         fail(msg.str());
       }
     }

@@ -9,9 +9,76 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Sequence
+from pathlib import Path
+from typing import NoReturn, Sequence
 
 from .errors import MlxInferError
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (``prog: error: ... (see prog --help)``), exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _utf8(flag: str, text: str | None) -> str | None:
+    """``text`` unless it holds bytes that were not UTF-8 (Python maps them to lone surrogates)."""
+    if text is not None:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise MlxInferError(f"{flag} is not valid UTF-8 text; pass it UTF-8 encoded.") from None
+    return text
+
+
+def _read_stdin_prompt() -> str:
+    data = sys.stdin.buffer.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise MlxInferError(f"the prompt on stdin is not UTF-8 text (byte {e.start}: {data[e.start:e.start + 1]!r}); "
+                            "convert it first, e.g. with iconv -t utf-8.") from None
+
+
+def _check_run_dir(flag: str, value: str | None, model: str | None) -> None:
+    """A --checkpoint/--resume DIR must name a directory of its own: not the current directory, one
+    above it, or the model (what else a checkpoint directory may be is the checkpoint module's call)."""
+    import os
+
+    if value is None:
+        return
+    if not value.strip():
+        raise MlxInferError(f"{flag} needs a directory path, got an empty string.")
+    path = Path(os.path.realpath(Path(value).expanduser()))  # realpath never raises on symlink loops
+    here = Path(os.path.realpath(Path.cwd()))
+    if path == here or path in here.parents:
+        raise MlxInferError(f"{flag} {value!r} is the current directory or one above it; name a directory "
+                            f"of its own for the checkpoint, e.g. {flag} run1.")
+    if model is not None:
+        m = Path(os.path.realpath(Path(model).expanduser()))
+        if path == m or path in m.parents:
+            raise MlxInferError(f"{flag} {value!r} is (or holds) the model; choose a separate checkpoint directory.")
+
+
+def _check_generate_args(args: argparse.Namespace) -> None:
+    """The flags of ``generate`` that no library call checks before the model loads."""
+    if args.prompt == "-":
+        args.prompt = _read_stdin_prompt()
+    _utf8("--prompt", args.prompt)
+    _utf8("--system-prompt", args.system_prompt)
+    for stop in args.stop or ():
+        _utf8("--stop", stop)
+        if not stop:
+            raise MlxInferError("--stop needs a non-empty string.")
+    if args.max_tokens < 0:
+        raise MlxInferError(f"--max-tokens must be >= 0, got {args.max_tokens}.")
+    if args.checkpoint_every < 1:
+        raise MlxInferError(f"--checkpoint-every must be >= 1 token, got {args.checkpoint_every}.")
+    if args.checkpoint and args.resume:
+        raise MlxInferError("give either --checkpoint DIR (a new run) or --resume DIR (continue one), not both.")
+    _check_run_dir("--checkpoint", args.checkpoint, args.model)
+    _check_run_dir("--resume", args.resume, args.model)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -19,8 +86,7 @@ def _generate(args: argparse.Namespace) -> int:
     from .generation.autoregressive import generate, prompt_ids_for
     from .sampling import SamplingParams
 
-    if args.checkpoint and args.resume:
-        raise MlxInferError("give either --checkpoint DIR (a new run) or --resume DIR (continue one), not both.")
+    _check_generate_args(args)  # also refuses --checkpoint with --resume
     if args.resume and any(getattr(args, f) is not None for f in ("json_schema", "regex", "grammar")):
         raise MlxInferError("--json-schema/--regex/--grammar do not work with --resume.")
     if args.resume:
@@ -28,8 +94,9 @@ def _generate(args: argparse.Namespace) -> int:
     else:
         if args.prompt is None:
             raise MlxInferError("--prompt is required (only --resume DIR takes it from the checkpoint).")
+        rep = 1.0 if args.repetition_penalty is None else args.repetition_penalty  # 0 is refused, not "off"
         sampling = SamplingParams(temperature=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                                  repetition_penalty=args.repetition_penalty or 1.0, seed=args.seed)
+                                  repetition_penalty=rep, seed=args.seed)
         from .artifacts.loader import default_cpu_kernels
 
         cpu_kernels = False if args.stock_kernels else default_cpu_kernels()
@@ -157,8 +224,6 @@ def _checkpointed(args: argparse.Namespace, loaded: object, prompt_ids: list[int
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from .artifacts.convert import convert
 
     if args.quantize not in (None, 4, 8):
@@ -172,12 +237,25 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench(args: argparse.Namespace) -> int:
-    from pathlib import Path
+def _check_output_file(flag: str, value: str | None) -> None:
+    """An output file flag must name a file that can be created (checked before the slow run)."""
+    if value is None:
+        return
+    path = Path(value).expanduser()
+    if not value.strip() or path.is_dir():
+        raise MlxInferError(f"{flag} {value!r} is a directory (or empty); give a file path.")
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise MlxInferError(f"{flag} {value!r}: {str(parent)!r} is a file, so the output cannot be created there.")
 
+
+def _bench(args: argparse.Namespace) -> int:
     from .artifacts.default_model import default_model_gguf
     from .artifacts.loader import converted_gguf_dir, is_gguf
     from .bench import BenchConfig, make_engine, results_document, run_bench, write_markdown, write_plot
+    from .bench.engines import ENGINES
     from .bench.report import write_json
     from .bench.runner import model_facts
 
@@ -188,6 +266,11 @@ def _bench(args: argparse.Namespace) -> int:
              *[c.strip() for c in (args.compare or "").split(",") if c.strip()]]
     if len(set(names)) != len(names):
         raise MlxInferError(f"--compare names an engine twice: {args.compare}")
+    unknown = [n for n in names if n not in ENGINES]
+    if unknown:
+        raise MlxInferError(f"--compare: unknown engine {unknown[0]!r}; choose from {', '.join(ENGINES)}.")
+    for flag, value in (("--json", args.json), ("--markdown", args.markdown), ("--plot", args.plot)):
+        _check_output_file(flag, value)
     source = Path(args.model).expanduser() if args.model else default_model_gguf()
     if not source.exists():
         raise MlxInferError(f"Model path {str(source)!r} does not exist.")
@@ -234,7 +317,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The CLI's argument parser."""
-    p = argparse.ArgumentParser(prog="mlx-infer", description="Run language models on MLX.")
+    p = _Parser(prog="mlx-infer", description="Run language models on MLX.")
     sub = p.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text from a prompt")
@@ -331,12 +414,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``mlx-infer`` console script."""
     args = build_parser().parse_args(argv)
-    if getattr(args, "prompt", None) == "-":
-        args.prompt = sys.stdin.read()
     try:
         return args.func(args)
-    except MlxInferError as e:
-        print(f"mlx-infer: error: {e}", file=sys.stderr)
+    except ValueError as e:  # MlxInferError and the library's other ValueError subclasses: bad input
+        message = " ".join(str(e).split())  # one line, whatever the message held
+        print(f"mlx-infer: error: {message}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a path given on the command line that cannot be read or written
+        where = f": {e.filename}" if e.filename else ""
+        print(f"mlx-infer: error: {e.strerror or e}{where}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("mlx-infer: interrupted", file=sys.stderr)

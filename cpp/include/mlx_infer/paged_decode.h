@@ -3,9 +3,12 @@
 // reading and writing the pages of a paged store instead of owning buffers.
 //
 // The step owns no KV. Each call gets the store's page arrays, one K and one V
-// per layer, and returns their updated versions:
+// per KV-owning layer (every layer but gemma4's KV-shared ones, which attend
+// over their donor's gather; "layer" below means KV-owning layer), and returns
+// their updated versions:
 //
-//   storage  (pages, kv_heads, page_size, head_dim)   per layer, K and V
+//   storage  (pages, kv_heads, page_size, head_dim)   per layer, K and V (gemma4:
+//            each layer's own kv_heads and head_dim)
 //            page 0 is the null page: padding reads it, nothing writes it
 //
 //   per layer group g (layers sharing one gather: one window, one page table)
@@ -46,7 +49,7 @@ namespace mlx_infer {
 
 /// Shape-independent choices of a PagedDecodeStep.
 struct PagedDecodeConfig {
-  /// Per layer: index of its layer group (the gather it reads). Groups are 0..G-1.
+  /// Per KV-owning layer: index of its layer group (the gather it reads). Groups are 0..G-1.
   std::vector<int> layer_groups;
   /// mx::compile the step (else build op by op each step).
   bool compile = true;

@@ -207,37 +207,11 @@ def write_mlx_dir(
 
 
 def _read_hf_dir(src: Path) -> tuple[dict[str, Any], dict[str, mx.array], dict[str, Path]]:
-    cfg_path = src / "config.json"
-    if not cfg_path.is_file():
-        raise ModelLoadError(
-            f"{src} has no config.json. Pass a Hugging Face model directory (config.json + *.safetensors) "
-            "or a .gguf file."
-        )
-    try:
-        config = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelLoadError(f"{cfg_path} is not valid JSON ({e}). Restore it from the original checkpoint.") from None
-    if not isinstance(config, dict) or "model_type" not in config:
-        raise ModelLoadError(f"{cfg_path} has no \"model_type\"; it is not a Hugging Face model config.")
-    # The index names the checkpoint's shards; without one prefer model*.safetensors, since some
-    # repos also ship the same weights under another layout (Mistral's consolidated.safetensors).
-    index = src / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            files = sorted({src / f for f in json.loads(index.read_text())["weight_map"].values()})
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
-            raise ModelLoadError(f"{index} is malformed ({e}); restore it from the checkpoint.") from None
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise ModelLoadError(f"{src} lacks shards listed in its index: {', '.join(missing)}. "
-                                 "Download the complete checkpoint.")
-    else:
-        files = sorted(src.glob("model*.safetensors")) or sorted(src.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(
-            f"{src} has no *.safetensors files. PyTorch .bin checkpoints are not read; re-save the model "
-            "with safetensors (save_pretrained(..., safe_serialization=True))."
-        )
+    from .config import read_config
+    from .loader import safetensors_files
+
+    config = read_config(src)
+    files = safetensors_files(src, prefer_model_prefix=True)
     weights: dict[str, mx.array] = {}
     for f in files:
         try:
@@ -298,6 +272,10 @@ def convert(
             dtype=dtype, overwrite=overwrite, progress=progress, source=src,
         )
     config, weights, copied = _read_hf_dir(src)
+    from .loader import build_model, check_weights
+
+    build_model(config, src / "config.json")  # a config we could not load is refused before writing
+    check_weights(weights, src)
     return write_mlx_dir(
         config, weights, out, quantize_bits=quantize_bits, group_size=group_size, dtype=dtype,
         overwrite=overwrite, progress=progress, extra_files={name: str(p) for name, p in copied.items()},

@@ -33,28 +33,23 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import ModelLoadError, UnsupportedModelError
+from .gguf_config import SUPPORTED_ARCHITECTURES, build_config, check_tokenizer_metadata, model_type
 from .gguf_tokenizer import build_tokenizer, generation_config
+
+__all__ = ["SUPPORTED_ARCHITECTURES", "GGUFArtifact", "GGUFHeader", "GGUFTensorInfo", "read_gguf", "read_gguf_header"]
 
 
 GGUF_MAGIC = b"GGUF"
 _GGUF_VERSIONS = (2, 3)
 _DEFAULT_ALIGNMENT = 32
 _MAX_DIMS = 4  # GGML_MAX_DIMS
+_MAX_ARRAY_DEPTH = 4  # arrays of arrays: llama.cpp writes none; bounded so a hostile file cannot recurse deep
 
 # GGUF metadata value types: fixed-width scalars as struct formats; 8 = string, 9 = array.
 _SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _NUMPY_DTYPES = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?",
                  10: "<u8", 11: "<i8", 12: "<f8"}
 _STRING, _ARRAY = 8, 9
-
-# GGUF `general.architecture` -> HF model_type / architectures entry.
-_ARCHITECTURES = {
-    "llama": ("llama", "LlamaForCausalLM"),
-    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
-    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
-    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
-}
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(sorted(_ARCHITECTURES))
 
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
@@ -140,7 +135,7 @@ class _Cursor:
         except UnicodeDecodeError:
             return raw.decode("utf-8", errors="replace")
 
-    def value(self, vtype: int, key: str) -> Any:
+    def value(self, vtype: int, key: str, depth: int = 0) -> Any:
         if vtype in _SCALAR_FORMATS:
             return self.scalar(_SCALAR_FORMATS[vtype], f"the value of {key!r}")
         if vtype == _STRING:
@@ -159,7 +154,13 @@ class _Cursor:
                     self._need(count, f"the array {key!r}")
                 return [self.string(f"element of {key!r}") for _ in range(count)]
             if etype == _ARRAY:
-                return [self.value(_ARRAY, key) for _ in range(count)]
+                if depth >= _MAX_ARRAY_DEPTH:
+                    raise ModelLoadError(
+                        f"{self.path} is corrupt: metadata key {key!r} nests arrays more than {_MAX_ARRAY_DEPTH} "
+                        "deep (GGUF files from llama.cpp nest none). Re-download or re-export the GGUF file.")
+                if count > self.size:  # each array takes at least 12 bytes
+                    self._need(count, f"the array {key!r}")
+                return [self.value(_ARRAY, key, depth + 1) for _ in range(count)]
         raise ModelLoadError(
             f"{self.path} is corrupt: metadata key {key!r} has unknown value type {vtype}. "
             "Re-download or re-export the GGUF file."
@@ -232,6 +233,10 @@ def _parse_header(p: Path, size: int, buf: Any) -> GGUFHeader:
                 f"{p} is corrupt: tensor {name!r} claims {n_dims} dimensions (ggml allows {_MAX_DIMS})."
             )
         dims = [cur.scalar("Q", f"the shape of {name!r}") for _ in range(n_dims)]
+        if any(d == 0 or d >= 1 << 31 for d in dims):
+            raise ModelLoadError(
+                f"{p} is corrupt: tensor {name!r} has shape {dims[::-1]}; every dimension must be in "
+                "[1, 2**31). Re-download or re-export the GGUF file.")
         ggml_type = cur.scalar("I", f"the type of {name!r}")
         offset = cur.scalar("Q", f"the offset of {name!r}")
         raw_tensors.append((name, dims, ggml_type, offset))
@@ -288,168 +293,6 @@ def read_gguf_header(path: str | os.PathLike) -> GGUFHeader:
                 mm.close()
             except BufferError:  # a traceback still holds a view into it; the GC closes it later
                 pass
-
-
-# --------------------------------------------------------------------------------------------
-# Config
-
-
-def _f32(x: Any) -> float:
-    """The shortest decimal that is the same float32 (GGUF stores f32: 1e-6, not 9.99999997e-07)."""
-    return float(str(np.float32(x)))
-
-
-def _model_type(header: GGUFHeader) -> tuple[str, str]:
-    arch = header.architecture
-    if arch not in _ARCHITECTURES:
-        raise UnsupportedModelError(
-            f"{header.path} holds a GGUF of architecture {arch!r}, which mlx-infer cannot run. "
-            f"Supported GGUF architectures: {', '.join(SUPPORTED_ARCHITECTURES)} (Mistral files use 'llama'). "
-            "Use a supported model, or an HF/MLX directory of a supported family."
-        )
-    model_type, hf_arch = _ARCHITECTURES[arch]
-    name = str(header.metadata.get("general.name", "")).lower()
-    if arch == "llama" and "mistral" in name:
-        model_type, hf_arch = "mistral", "MistralForCausalLM"
-    return model_type, hf_arch
-
-
-def _llama3_rope_scaling(factors: np.ndarray, base: float, dims: int) -> dict[str, Any]:
-    """Recover llama3 rope_scaling from llama.cpp's `rope_freqs` tensor (it writes factors, not params)."""
-    factor = float(factors.max())
-    freqs = 1.0 / (base ** (np.arange(0, dims, 2, dtype=np.float64) / dims))
-    wavelen = 2 * math.pi / freqs
-    for original in (8192, 4096, 16384, 2048, 32768):
-        for low, high in ((1.0, 4.0), (1.0, 2.0), (1.0, 8.0), (2.0, 4.0)):
-            low_wl, high_wl = original / low, original / high
-            smooth = (original / wavelen - low) / (high - low)
-            expect = np.where(
-                wavelen < high_wl, 1.0,
-                np.where(wavelen > low_wl, factor, 1.0 / ((1 - smooth) / factor + smooth)),
-            )
-            if expect.shape == factors.shape and np.allclose(expect, factors, rtol=1e-4, atol=1e-4):
-                return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
-                        "high_freq_factor": high, "original_max_position_embeddings": original}
-    raise UnsupportedModelError(
-        "The GGUF has a rope_freqs tensor (llama3-style RoPE scaling) whose factors match no known "
-        "llama3 rope_scaling; convert the original HF checkpoint instead."
-    )
-
-
-def _rope_scaling(meta: dict[str, Any], arch: str) -> dict[str, Any] | None:
-    kind = meta.get(f"{arch}.rope.scaling.type")
-    factor = meta.get(f"{arch}.rope.scaling.factor")
-    if kind in (None, "none") or not factor or (kind == "linear" and factor == 1.0):
-        return None
-    if kind == "linear":
-        return {"rope_type": "linear", "factor": _f32(factor)}
-    if kind == "yarn":
-        out: dict[str, Any] = {"rope_type": "yarn", "factor": _f32(factor)}
-        orig = meta.get(f"{arch}.rope.scaling.original_context_length")
-        if orig:
-            out["original_max_position_embeddings"] = int(orig)
-        return out
-    raise UnsupportedModelError(
-        f"The GGUF uses RoPE scaling {kind!r}, which is not supported; supported: linear, yarn, llama3."
-    )
-
-
-def _build_config(header: GGUFHeader, tensors: dict[str, GGUFTensorInfo], n_vocab: int | None,
-                  rope_freqs: np.ndarray | None) -> dict[str, Any]:
-    meta = header.metadata
-    arch = header.architecture
-    model_type, hf_arch = _model_type(header)
-
-    def key(name: str, default: Any = None, *, required: bool = True) -> Any:
-        full = f"{arch}.{name}"
-        if full in meta:
-            return meta[full]
-        if required and default is None:
-            raise ModelLoadError(
-                f"{header.path} lacks the metadata key {full!r}, which every {arch} GGUF has. "
-                "The file is damaged or was written by an incompatible tool; re-export it with llama.cpp."
-            )
-        return default
-
-    hidden = int(key("embedding_length"))
-    heads = int(key("attention.head_count"))
-    kv_heads = key("attention.head_count_kv", heads)
-    if isinstance(kv_heads, list):
-        if len(set(kv_heads)) != 1:
-            raise UnsupportedModelError(
-                f"{header.path} has a different KV head count per layer ({kv_heads}); not supported."
-            )
-        kv_heads = kv_heads[0]
-    head_dim = key("attention.key_length", required=False)
-    if head_dim is None and arch == "llama":
-        head_dim = key("rope.dimension_count", required=False)
-    if head_dim is None:
-        head_dim = hidden // heads
-
-    embed = tensors.get("token_embd.weight")
-    vocab_size = embed.shape[0] if embed is not None else (key("vocab_size", required=False) or n_vocab)
-    config: dict[str, Any] = {
-        "architectures": [hf_arch],
-        "model_type": model_type,
-        "hidden_size": hidden,
-        "intermediate_size": int(key("feed_forward_length")),
-        "num_hidden_layers": int(key("block_count")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(kv_heads),
-        "head_dim": int(head_dim),
-        "rms_norm_eps": _f32(key("attention.layer_norm_rms_epsilon")),
-        "rope_theta": _f32(key("rope.freq_base", 10000.0)),
-        "vocab_size": int(vocab_size),
-        "max_position_embeddings": int(key("context_length", 4096)),
-        "tie_word_embeddings": "output.weight" not in tensors,
-        "rope_scaling": _rope_scaling(meta, arch),
-    }
-    for name, gguf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
-                           ("pad_token_id", "padding_token_id")):
-        if f"tokenizer.ggml.{gguf_key}" in meta:
-            config[name] = int(meta[f"tokenizer.ggml.{gguf_key}"])
-
-    if arch in ("llama", "qwen2", "qwen3"):
-        config["hidden_act"] = "silu"
-        config["attention_bias"] = "blk.0.attn_q.bias" in tensors
-        if arch == "llama":
-            config["mlp_bias"] = False
-        if rope_freqs is not None:
-            config["rope_scaling"] = _llama3_rope_scaling(rope_freqs, config["rope_theta"], config["head_dim"])
-        if model_type == "mistral":
-            window = key("attention.sliding_window", required=False)
-            config["sliding_window"] = int(window) if window else None
-    if arch == "qwen2":
-        config["use_sliding_window"] = False
-    if arch == "gemma3":
-        n_layers = config["num_hidden_layers"]
-        pattern = key("attention.sliding_window_pattern", required=False)
-        if isinstance(pattern, list):  # one bool per layer: True = sliding
-            layer_types = ["sliding_attention" if s else "full_attention" for s in pattern]
-            full = [i for i, s in enumerate(pattern) if not s]
-            period = full[0] + 1 if full else n_layers + 1
-        else:
-            period = int(pattern) if pattern else 6  # llama.cpp hard-codes Gemma 3's 5 local : 1 global
-            layer_types = ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(n_layers)]
-        scale = key("attention.scale", required=False)
-        if scale:
-            query_pre_attn_scalar = _f32(1.0 / (float(scale) ** 2))
-        elif n_layers == 62:  # Gemma 3 27B scales by hidden/heads (llama.cpp does the same)
-            query_pre_attn_scalar = hidden // heads
-        else:
-            query_pre_attn_scalar = int(head_dim)
-        config.update({
-            "hidden_activation": "gelu_pytorch_tanh",
-            "query_pre_attn_scalar": query_pre_attn_scalar,
-            "sliding_window": int(key("attention.sliding_window", 512)),
-            "sliding_window_pattern": period,
-            "layer_types": layer_types,
-            "rope_local_base_freq": _f32(key("rope.freq_base_swa", 10000.0)),
-            "final_logit_softcapping": key("final_logit_softcapping", required=False),
-            "attn_logit_softcapping": key("attn_logit_softcapping", required=False),
-            "attention_bias": False,
-        })
-    return config
 
 
 # --------------------------------------------------------------------------------------------
@@ -558,6 +401,30 @@ class GGUFArtifact:
     metadata: dict[str, Any] = field(default_factory=dict)
 
 
+def _check_tensor_shapes(header: GGUFHeader, config: dict[str, Any], tensors: dict[str, GGUFTensorInfo]) -> None:
+    """Every tensor the graph of ``config`` needs is there with the shape it needs, before any is dequantized.
+
+    Raises:
+        ModelLoadError: the config is invalid (a field named), a tensor is missing, or has another shape.
+    """
+    from mlx.utils import tree_flatten
+
+    from .loader import build_model
+
+    model = build_model(config, header.path)  # lazy: no parameter is materialized
+    expected = {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        raise ModelLoadError(f"{header.path} lacks tensors a {config['model_type']} model with its metadata needs: "
+                             f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}. Re-export the GGUF file.")
+    for name, info in tensors.items():
+        if name in expected and info.shape != expected[name]:
+            raise ModelLoadError(
+                f"{header.path}: tensor {info.name!r} has shape {list(info.shape)}, but the metadata "
+                f"describes a model whose {name} is {list(expected[name])}. The file is damaged or its "
+                "metadata does not match its tensors; re-export it with llama.cpp.")
+
+
 def _resolve_dtype(dtype: Any) -> mx.Dtype:
     if isinstance(dtype, str):
         if dtype not in _DTYPES:
@@ -587,7 +454,8 @@ def read_gguf(path: str | os.PathLike, *, dtype: mx.Dtype | str = mx.float32, pr
     """
     target = _resolve_dtype(dtype)
     header = read_gguf_header(path)
-    _model_type(header)  # fail on the architecture before the slow parts
+    model_type(header)  # fail on the architecture before the slow parts
+    check_tokenizer_metadata(header)
     arch = header.architecture
     infos = {t.name: t for t in header.tensors}
     mapped = {name: _hf_name(arch, name, header.path) for name in infos if name not in _IGNORED_TENSORS}
@@ -598,7 +466,8 @@ def read_gguf(path: str | os.PathLike, *, dtype: mx.Dtype | str = mx.float32, pr
         if "rope_freqs.weight" in infos:
             rope_freqs = _dequantize(f, infos["rope_freqs.weight"]).astype(np.float64)
         n_vocab = len(header.metadata.get("tokenizer.ggml.tokens") or []) or None
-        config = _build_config(header, infos, n_vocab, rope_freqs)
+        config = build_config(header, infos, n_vocab, rope_freqs)
+        _check_tensor_shapes(header, config, {hf: infos[g] for g, hf in mapped.items()})
         config["torch_dtype"] = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}[target]
         tokenizer_json, tokenizer_config = build_tokenizer(header)
 

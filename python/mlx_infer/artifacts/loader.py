@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,8 @@ from mlx.utils import tree_flatten
 
 from ..errors import MlxInferError, ModelLoadError
 from ..input.tokenizer import Tokenizer, load_tokenizer
-from .config import context_length, read_config
+from ..models.schema import check_quantization
+from .config import context_length, read_config, read_json_object, read_text
 from .default_model import cache_dir, default_model_gguf
 
 GGUF_MAGIC = b"GGUF"
@@ -85,6 +87,8 @@ def load_model(path: str | Path | None = None, *, dtype: str | None = None,
         raise ModelLoadError(f"Unknown dtype {dtype!r}; choose one of {', '.join(_DTYPES)}.")
     source = "default" if path is None else str(path)
     p = default_model_gguf() if path is None else Path(path).expanduser()
+    if "\x00" in str(p):
+        raise ModelLoadError(f"Model path {str(p)!r} contains a NUL byte; pass a real path.")
     if not p.exists():
         raise ModelLoadError(
             f"Model path {str(p)!r} does not exist. Pass a model directory (config.json + "
@@ -126,34 +130,110 @@ def converted_gguf_dir(gguf_path: Path) -> Path:
     return out
 
 
-def _weight_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def _shard_path(model_dir: Path, index: Path, name: Any) -> Path:
+    """The shard ``name`` of an index, refused unless it names a file inside ``model_dir``.
+
+    The check is on the name (no absolute paths, no ``..``), not on where symlinks
+    lead: Hugging Face's cache links every snapshot file into a blob store.
+    """
+    if not isinstance(name, str) or not name or "\x00" in name:
+        raise ModelLoadError(f"{index} names a weight shard {name!r}, which is not a file name; "
+                             "restore the index from the checkpoint.")
+    norm = os.path.normpath(name)
+    if os.path.isabs(norm) or norm == ".." or norm.startswith(".." + os.sep) or norm == ".":
+        raise ModelLoadError(
+            f"{index} names the weight shard {name!r}, which lies outside {model_dir}; shards must be "
+            "files inside the model directory. Restore the index from the checkpoint.")
+    return model_dir / norm
+
+
+def safetensors_files(model_dir: Path, *, prefer_model_prefix: bool = False) -> list[Path]:
+    """The ``*.safetensors`` shards of a model directory, as its index names them (if it has one).
+
+    Without an index every ``*.safetensors`` file is a shard; with
+    ``prefer_model_prefix`` only ``model*.safetensors`` when there are such files
+    (some repos also ship the weights under another layout, as Mistral's
+    ``consolidated.safetensors``).
+
+    Raises:
+        ModelLoadError: a malformed index, a shard named outside the directory, a
+            missing shard, or no weights at all.
+    """
+    index = model_dir / INDEX_FILE
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            weight_map = json.loads(read_text(index))["weight_map"]
+        except (json.JSONDecodeError, RecursionError, KeyError, TypeError) as e:
             raise ModelLoadError(f"{index} is malformed ({e}); restore it from the checkpoint.") from None
-        files = sorted({model_dir / name for name in weight_map.values()})
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ModelLoadError(f"{index}: \"weight_map\" must be a non-empty object of tensor name -> "
+                                 "shard file; restore it from the checkpoint.")
+        files = sorted({_shard_path(model_dir, index, name) for name in weight_map.values()})
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise ModelLoadError(
-                f"{model_dir} is missing weight shards listed in model.safetensors.index.json: "
+                f"{model_dir} is missing weight shards listed in {INDEX_FILE}: "
                 f"{', '.join(missing)}. Download the complete checkpoint."
             )
         return files
-    files = sorted(model_dir.glob("*.safetensors"))
+    files = (sorted(model_dir.glob("model*.safetensors")) if prefer_model_prefix else []) \
+        or sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(
             f"{model_dir} has config.json but no *.safetensors weights. PyTorch .bin "
-            "checkpoints are not read; convert them to safetensors first."
+            "checkpoints are not read; convert them to safetensors first (save_pretrained(..., "
+            "safe_serialization=True))."
         )
     return files
+
+
+def check_weights(weights: dict[str, mx.array], model_dir: Path) -> None:
+    """Refuse weights that would run but compute garbage: non-float tensors where floats are
+    expected, and NaN or infinite values.
+
+    Integer tensors are allowed only as the packed ``.weight`` of a quantized layer (one
+    with ``.scales`` beside it) and as the uint8 ``.scales`` of the scale-only (mxfp)
+    modes, as MLX's quantized formats store them. The finiteness test is a max and a min
+    per float tensor (~0.3 s on the real model's 1.1 GB of float32 weights, 2-core CPU).
+
+    Raises:
+        ModelLoadError: naming the first offending tensors and the directory.
+    """
+    floats: list[tuple[str, mx.array]] = []
+    for name, v in weights.items():
+        if mx.issubdtype(v.dtype, mx.floating):
+            floats.append((name, v))
+            continue
+        base = name.rsplit(".", 1)[0]
+        packed = name.endswith(".weight") and f"{base}.scales" in weights and v.dtype in (mx.uint32, mx.uint8)
+        # mxfp4/mxfp8 store scales as uint8 (E8M0) and have no .biases
+        fp_scales = name.endswith(".scales") and v.dtype == mx.uint8 and f"{base}.biases" not in weights
+        if not (packed or fp_scales):
+            raise ModelLoadError(
+                f"{model_dir}: tensor {name!r} has dtype {v.dtype}, but the model needs floating-point "
+                "weights there (integer tensors are only read as the packed weights of a quantized layer, "
+                "beside its .scales). Convert the checkpoint again.")
+    # max and min propagate NaN and reach +-inf: two plain reductions, no temporary the size of
+    # the tensor (mx.isfinite(v).all() allocates one and is ~4x slower on the real model).
+    extremes = mx.stack([mx.stack([mx.max(v), mx.min(v)]).astype(mx.float32) for _, v in floats]) \
+        if floats else mx.zeros((0, 2))  # (T, 2)
+    finite = mx.all(mx.isfinite(extremes), axis=1).tolist()  # T bools
+    bad = [name for (name, _), ok in zip(floats, finite) if not ok]
+    if bad:
+        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        raise ModelLoadError(
+            f"{model_dir}: weights {', '.join(map(repr, bad[:3]))}{more} hold NaN or infinite values; "
+            "the checkpoint is corrupt (or was saved after a diverged training step). Download or convert "
+            "it again.")
 
 
 def load_weights(model_dir: Path) -> dict[str, mx.array]:
     """Read every safetensors file of a model directory (memory-mapped by MLX)."""
     weights: dict[str, mx.array] = {}
-    for f in _weight_files(model_dir):
+    for f in safetensors_files(model_dir):
         try:
             weights.update(mx.load(str(f)))
         except (RuntimeError, ValueError, OSError) as e:
@@ -165,8 +245,8 @@ def load_weights(model_dir: Path) -> dict[str, mx.array]:
 
 
 def _quantize_if_needed(model: nn.Module, config: dict[str, Any], weights: dict[str, mx.array]) -> None:
-    qconfig = config.get("quantization") or config.get("quantization_config")
-    if not qconfig or "bits" not in qconfig:
+    qconfig = check_quantization(config)
+    if qconfig is None:
         return
 
     def predicate(path: str, module: nn.Module) -> Any:
@@ -197,8 +277,6 @@ def default_cpu_kernels() -> bool:
     does ``load_model(..., cpu_kernels=False)`` or the CLI's ``--stock-kernels``.
     On a GPU the stock kernels always run.
     """
-    import os
-
     if mx.default_device() != mx.cpu:
         return False
     value = os.environ.get(CPU_KERNELS_ENV, "").strip()
@@ -208,24 +286,54 @@ def default_cpu_kernels() -> bool:
     return value != "0"
 
 
+def _check_sampling_defaults(generation_config: dict[str, Any], path: Path) -> None:
+    """The sampling defaults of generation_config.json must be valid SamplingParams: every request
+    starts from them, so a bad one is refused at load, not on each request."""
+    from ..sampling import SamplingParams
+
+    try:
+        SamplingParams.from_generation_config(generation_config)
+    except MlxInferError as e:
+        raise ModelLoadError(f"{path}: {e}") from None
+
+
+def build_model(config: dict[str, Any], cfg_path: Path) -> nn.Module:
+    """The (unloaded) graph a config describes; every field is checked first (:mod:`mlx_infer.models.schema`).
+
+    Raises:
+        UnsupportedModelError: a ``model_type`` or variant without a graph here.
+        ModelLoadError: a field of the wrong type or range; the message names the
+            field and ``cfg_path``.
+    """
+    from ..models import get_model_classes
+
+    try:
+        model_cls, args_cls = get_model_classes(config["model_type"])
+        args = args_cls.from_dict(config)
+        check_quantization(config)
+        return model_cls(args)
+    except MlxInferError as e:
+        raise type(e)(f"{cfg_path}: {e}") from None
+    except (TypeError, ValueError, KeyError, ArithmeticError) as e:
+        raise ModelLoadError(f"{cfg_path} does not describe a valid {config['model_type']} model: {e}") from None
+
+
 def load_model_dir(model_dir: Path, *, source: str | None = None, dtype: str | None = None,
                    cpu_kernels: bool | None = None) -> LoadedModel:
     """Load an HF or MLX-quantized model directory (``cpu_kernels``: see :func:`load_model`)."""
-    from ..models import get_model_classes
+    from ..models import materialize_graph_constants
 
     if not model_dir.is_dir():
         raise ModelLoadError(f"{model_dir} is not a directory.")
     config = read_config(model_dir)
-    model_cls, args_cls = get_model_classes(config["model_type"])
-    try:
-        args = args_cls.from_dict(config)
-    except (TypeError, ValueError, KeyError) as e:
-        raise ModelLoadError(
-            f"{model_dir / 'config.json'} does not describe a valid {config['model_type']} model: {e}"
-        ) from None
-    model = model_cls(args)
+    cfg_path = model_dir / "config.json"
+    model = build_model(config, cfg_path)
     weights = model.sanitize(load_weights(model_dir))
-    _quantize_if_needed(model, config, weights)
+    check_weights(weights, model_dir)
+    try:
+        _quantize_if_needed(model, config, weights)
+    except (TypeError, ValueError, KeyError) as e:
+        raise ModelLoadError(f"{cfg_path}: the quantization settings do not fit this model: {e}") from None
     if dtype is not None:
         target = _DTYPES[dtype]
         weights = {
@@ -247,9 +355,12 @@ def load_model_dir(model_dir: Path, *, source: str | None = None, dtype: str | N
         from ..layers.linear import swap_in_cpu_kernels
 
         swap_in_cpu_kernels(model)
+    # Any thread (the engine's, the server's) may run the graph: nothing lazy may stay behind.
+    materialize_graph_constants(model)
 
     tokenizer = load_tokenizer(model_dir)
-    generation_config = _read_json(model_dir / "generation_config.json")
+    generation_config = read_json_object(model_dir / "generation_config.json") or {}
+    _check_sampling_defaults(generation_config, model_dir / "generation_config.json")
     eos = set(tokenizer.eos_token_ids)
     for source_cfg in (config, generation_config):
         ids = source_cfg.get("eos_token_id")
@@ -267,13 +378,3 @@ def load_model_dir(model_dir: Path, *, source: str | None = None, dtype: str | N
         context_length=context_length(config),
         generation_config=generation_config,
     )
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelLoadError(f"{path} is not valid JSON ({e}).") from None
-    return data if isinstance(data, dict) else {}

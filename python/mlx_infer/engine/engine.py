@@ -49,6 +49,7 @@ from ..generation.bindings.decode_step import DecodeStepUnsupported
 from ..generation.bindings.paged_decode_step import (CompiledPagedDecodeStep, PagedDecodePolicy,
                                                      paged_unsupported_reason)
 from ..generation.stopping import StopMatcher
+from ..models import materialize_graph_constants
 from ..sampling import RequestRNG, SampleOutput, make_sampler
 from ..state.paged import PagedKVStore
 from .batch import DecodeBatch
@@ -111,6 +112,7 @@ class Engine:
         self.eos = frozenset(loaded.eos_token_ids)
         self.newlines = newline_ids(loaded)
         self.vocab_size = int(getattr(self.model.args, "vocab_size", 0)) or None
+        materialize_graph_constants(self.model)  # a graph not from the loader: the engine thread evaluates it
         self.store = PagedKVStore.for_model(
             self.model, num_pages=pool_pages(self.model, config, self.context_length),
             page_size=config.page_size, dtype=config.kv_dtype, kv_scheme=config.kv_scheme)
@@ -273,20 +275,25 @@ class Engine:
     # -- the engine thread -----------------------------------------------------
 
     def _run(self) -> None:
+        # MLX streams belong to the thread that made them: the engine thread owns one
+        # explicitly and runs every step on it. What it reads from other threads must be
+        # evaluated already (the loader materializes a graph's constants; see __init__).
+        stream = mx.new_stream(mx.default_device())
         try:
-            while not self._stopping.is_set():
-                try:
-                    busy = self.step()
-                except Exception as e:  # a bug or an MLX failure: fail the requests, keep serving
-                    log.exception("engine iteration failed")
-                    self._fail_all(f"{type(e).__name__}: {e}")
-                    busy = False
-                if not busy:
-                    self._wake.wait(0.05)
-                    self._wake.clear()
+            with mx.stream(stream):
+                while not self._stopping.is_set():
+                    try:
+                        busy = self.step()
+                    except Exception as e:  # a bug or an MLX failure: fail the requests, keep serving
+                        log.exception("engine iteration failed")
+                        self._fail_all(f"{type(e).__name__}: {e}")
+                        busy = False
+                    if not busy:
+                        self._wake.wait(0.05)
+                        self._wake.clear()
         finally:
             self._inflight = None
-            mx.synchronize()
+            mx.synchronize(stream)
             # MLX keeps per-thread stream state; a thread that used MLX must clear it
             # before it ends, or interpreter exit may abort (ml-explore/mlx#3126).
             mx.clear_streams()

@@ -5,10 +5,10 @@ Loading uses the ``tokenizers`` library only (no transformers on this path).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Iterable
 
+from ..artifacts.config import read_json_object, read_text
 from ..errors import ModelLoadError
 from .chat_template import ChatTemplateError, render_chat
 
@@ -140,19 +140,25 @@ def load_tokenizer(model_dir: Path) -> Tokenizer:
         tok = HFTokenizer.from_file(str(path))
     except Exception as e:  # the tokenizers library raises its own Exception type
         raise ModelLoadError(f"{path} could not be parsed as a tokenizer: {e}") from None
-    config: dict[str, Any] = {}
-    cfg_path = model_dir / "tokenizer_config.json"
-    if cfg_path.is_file():
-        try:
-            config = json.loads(cfg_path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise ModelLoadError(f"{cfg_path} is not valid JSON ({e}).") from None
-    for name in ("chat_template.jinja",):
-        if (model_dir / name).is_file() and not config.get("chat_template"):
-            config["chat_template"] = (model_dir / name).read_text(encoding="utf-8")
-    if (model_dir / "chat_template.json").is_file() and not config.get("chat_template"):
-        config["chat_template"] = json.loads((model_dir / "chat_template.json").read_text()).get("chat_template")
-    if isinstance(config.get("chat_template"), list):  # named templates: take "default"
-        named = {t.get("name"): t.get("template") for t in config["chat_template"] if isinstance(t, dict)}
+    config = read_json_object(model_dir / "tokenizer_config.json") or {}
+    jinja = model_dir / "chat_template.jinja"
+    if jinja.is_file() and not config.get("chat_template"):
+        config["chat_template"] = read_text(jinja)
+    extra = read_json_object(model_dir / "chat_template.json")
+    if extra is not None and not config.get("chat_template"):
+        config["chat_template"] = extra.get("chat_template")
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: take "default"
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         config["chat_template"] = named.get("default") or next(iter(named.values()), None)
+    if config.get("chat_template") is not None and not isinstance(config["chat_template"], str):
+        raise ModelLoadError(f"{model_dir}: chat_template must be a string (a Jinja template), got "
+                             f"{type(config['chat_template']).__name__}; fix tokenizer_config.json.")
+    for key in ("bos_token", "eos_token"):
+        if config.get(key) is not None and _token_text(config[key]) is None:
+            raise ModelLoadError(f"{model_dir / 'tokenizer_config.json'}: \"{key}\" must be a token string "
+                                 f"(or {{\"content\": ...}}), got {config[key]!r}.")
+    if not isinstance(config.get("add_bos_token", False), bool):
+        raise ModelLoadError(f"{model_dir / 'tokenizer_config.json'}: \"add_bos_token\" must be true or false, "
+                             f"got {config['add_bos_token']!r}.")
     return Tokenizer(tok, config)

@@ -7,6 +7,11 @@ keys) and ``Model`` (an ``nn.Module`` satisfying :class:`mlx_infer.contracts.Gra
 from __future__ import annotations
 
 import importlib
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from ..errors import UnsupportedModelError
 
@@ -60,4 +65,52 @@ def get_model_classes(model_type: str) -> tuple[type, type]:
     return module.Model, module.ModelArgs
 
 
-__all__ = ["MODEL_TYPE_ALIASES", "SUPPORTED_MODEL_TYPES", "family_of", "get_model_classes"]
+def graph_constants(model: nn.Module) -> list[mx.array]:
+    """Every array a graph's modules hold that is not a parameter (RoPE frequency tables, ...).
+
+    Walks every module, its entries (``_freqs`` and other private keys that
+    ``parameters()`` leaves out) and its plain attributes, looking inside lists,
+    tuples and dicts; each array is listed once.
+    """
+    params = {id(v) for _, v in tree_flatten(model.parameters())}
+    seen: set[int] = set()
+    found: list[mx.array] = []
+
+    def collect(value: Any) -> None:
+        if isinstance(value, nn.Module):
+            return  # walked on its own
+        if isinstance(value, mx.array):
+            if id(value) not in params and id(value) not in seen:
+                seen.add(id(value))
+                found.append(value)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                collect(v)
+        elif isinstance(value, dict):
+            for v in value.values():
+                collect(v)
+
+    for _, module in model.named_modules():
+        for v in module.values():
+            collect(v)
+        for v in vars(module).values():
+            collect(v)
+    return found
+
+
+def materialize_graph_constants(model: nn.Module) -> None:
+    """Evaluate the graph's non-parameter arrays now, on the loading thread.
+
+    MLX streams belong to the thread that made them: an array left lazy here
+    (a RoPE table built by a module's ``__init__``) cannot be evaluated by
+    another thread (the engine's), which fails with ``There is no Stream(cpu, 0)
+    in current thread``. Evaluated arrays carry no stream and any thread can
+    read them. Every graph the loader builds goes through this.
+    """
+    constants = graph_constants(model)
+    if constants:
+        mx.eval(constants)
+
+
+__all__ = ["MODEL_TYPE_ALIASES", "SUPPORTED_MODEL_TYPES", "family_of", "get_model_classes", "graph_constants",
+           "materialize_graph_constants"]

@@ -32,7 +32,6 @@ the vision tower and ``lm_head`` (tied) are dropped by :meth:`Model.sanitize`.
 
 from __future__ import annotations
 
-import inspect
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +43,7 @@ from ..contracts import GraphDeclaration
 from ..errors import UnsupportedModelError
 from ..state.kv import KVCache, RotatingKVCache
 from . import gemma4
+from .schema import config_fields
 from .gemma4 import MLP, SLIDING, Gemma4Model, logit_softcap
 
 #: Prompt tokens per encoder chunk when the caller does not choose.
@@ -76,8 +76,7 @@ class ModelArgs:
         params = dict(params)
         if not isinstance(params.get("text_config"), dict):
             params["text_config"] = {k: v for k, v in params.items() if k != "text_config"}
-        fields = inspect.signature(cls).parameters
-        return cls(**{k: v for k, v in params.items() if k in fields})
+        return cls(**config_fields(cls, params))
 
     def __post_init__(self) -> None:
         c = self.canvas_length

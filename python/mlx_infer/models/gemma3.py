@@ -18,7 +18,6 @@ flattened by :meth:`ModelArgs.from_dict`, and :meth:`Model.sanitize` maps its
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -29,8 +28,9 @@ import mlx.nn as nn
 from ..contracts import GraphDeclaration
 from ..errors import UnsupportedModelError
 from ..layers.attention import create_attention_mask, scaled_dot_product_attention
-from ..layers.rope import initialize_rope, rope_type_of
+from ..layers.rope import SUPPORTED_ROPE_TYPES, initialize_rope, rope_type_of
 from ..state.kv import KVCache, RotatingKVCache
+from .schema import check_heads, check_layer_types, check_nested_rope, check_number, check_rope_dict, config_fields
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 
@@ -87,10 +87,12 @@ class ModelArgs:
                 params["tie_word_embeddings"] = top["tie_word_embeddings"]
         if "sliding_window_pattern" not in params and "_sliding_window_pattern" in params:
             params["sliding_window_pattern"] = params["_sliding_window_pattern"]
-        fields = inspect.signature(cls).parameters
-        return cls(**{k: v for k, v in params.items() if k in fields})
+        return cls(**config_fields(cls, params))
 
     def __post_init__(self) -> None:
+        check_heads(self.num_attention_heads, self.num_key_value_heads)
+        check_nested_rope("rope_parameters", self.rope_parameters, SUPPORTED_ROPE_TYPES)
+        check_rope_dict("rope_scaling", self.rope_scaling, SUPPORTED_ROPE_TYPES)
         if self.attn_logit_softcapping is not None:
             raise UnsupportedModelError(
                 "Gemma 3 configs with attn_logit_softcapping are not supported (the fast attention "
@@ -109,11 +111,9 @@ class ModelArgs:
         if self.layer_types is None:
             p = self.sliding_window_pattern
             self.layer_types = [FULL if (i + 1) % p == 0 else SLIDING for i in range(self.num_hidden_layers)]
-        if len(self.layer_types) != self.num_hidden_layers:
-            raise ValueError(
-                f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is "
-                f"{self.num_hidden_layers}; fix one of them in config.json."
-            )
+        self.layer_types = check_layer_types(self.layer_types, self.num_hidden_layers)
+        for name in ("rope_theta", "rope_local_base_freq"):
+            setattr(self, name, check_number(name, getattr(self, name), integer=False, lo=0.0, hi=3.4e38, lo_open=True))
 
 
 class RMSNorm(nn.Module):

@@ -31,7 +31,6 @@ quantization of MLX-quantized checkpoints from the weight shapes.
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -43,8 +42,9 @@ from mlx.utils import tree_unflatten
 from ..contracts import GraphDeclaration
 from ..errors import UnsupportedModelError
 from ..layers.attention import create_attention_mask, scaled_dot_product_attention
-from ..layers.rope import initialize_rope, rope_type_of
+from ..layers.rope import SUPPORTED_ROPE_TYPES, initialize_rope, rope_type_of
 from ..state.kv import KVCache, RotatingKVCache
+from .schema import check_heads, check_layer_types, check_nested_rope, check_value, config_fields, per_layer_indices
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 
@@ -62,6 +62,7 @@ _SHARED_SKIP = ("self_attn.k_proj.", "self_attn.v_proj.", "self_attn.k_norm.", "
 # (group_size, bits) defaults per quantization mode; the scale-only modes are told apart by them.
 _MODE_DEFAULTS = {"affine": (64, 4), "mxfp4": (32, 4), "nvfp4": (16, 4), "mxfp8": (32, 8)}
 _FP_MODES = {gb: m for m, gb in _MODE_DEFAULTS.items() if m != "affine"}
+_ROPE_TYPES = (*SUPPORTED_ROPE_TYPES, "proportional")
 
 
 @dataclass
@@ -120,10 +121,11 @@ class ModelArgs:
                 if key in top and key not in text:
                     params[key] = top[key]
             params.setdefault("model_type", "gemma4_text")
-        fields = inspect.signature(cls).parameters
-        return cls(**{k: v for k, v in params.items() if k in fields})
+        return cls(**config_fields(cls, params))
 
     def __post_init__(self) -> None:
+        check_heads(self.num_attention_heads, self.num_key_value_heads)
+        check_nested_rope("rope_parameters", self.rope_parameters, _ROPE_TYPES)
         unsupported = [what for what, bad in (
             ("use_bidirectional_attention='all' (a non-causal encoder)", self.use_bidirectional_attention == "all"),
             ("attention_bias=true", self.attention_bias),
@@ -137,10 +139,7 @@ class ModelArgs:
         if self.layer_types is None:
             p = self.sliding_window_pattern
             self.layer_types = [FULL if (i + 1) % p == 0 else SLIDING for i in range(n)]
-        self.layer_types = list(self.layer_types)
-        if len(self.layer_types) != n:
-            raise ValueError(f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is {n}; "
-                             "fix one of them in config.json.")
+        self.layer_types = check_layer_types(self.layer_types, n)
         self.layer_types[-1] = FULL  # as transformers forces it
         if self.enable_moe_block and not (self.num_experts and self.top_k_experts and self.moe_intermediate_size):
             raise ValueError("enable_moe_block needs num_experts, top_k_experts and moe_intermediate_size in config.json.")
@@ -149,7 +148,7 @@ class ModelArgs:
         overrides: dict[int, dict[str, Any]] = {}
         if self.per_layer_config:
             for key, o in self.per_layer_config.items():
-                idxs = [i for i, t in enumerate(self.layer_types) if t == key] if key in (FULL, SLIDING) else [int(key)]
+                idxs = per_layer_indices(key, o, self.layer_types)
                 for i in idxs:
                     overrides.setdefault(i, {}).update(o)
         else:
@@ -160,6 +159,10 @@ class ModelArgs:
         self.layer_head_dims = [overrides.get(i, {}).get("head_dim", self.head_dim) for i in range(n)]
         self.layer_kv_heads = [overrides.get(i, {}).get("num_key_value_heads", self.num_key_value_heads)
                                for i in range(n)]
+        for i, (hd, kv) in enumerate(zip(self.layer_head_dims, self.layer_kv_heads)):
+            check_value(f"head_dim of layer {i}", "int", hd, range_of="head_dim")
+            check_value(f"num_key_value_heads of layer {i}", "int", kv, range_of="num_key_value_heads")
+            check_heads(self.num_attention_heads, kv, f"num_key_value_heads of layer {i}")
 
         shared = self.num_kv_shared_layers
         if not 0 <= shared < n:
@@ -388,6 +391,9 @@ class DecoderLayer(nn.Module):
         super().__init__()
         d, eps = args.hidden_size, args.rms_norm_eps
         self.layer_type = args.layer_types[idx]
+        # Read by the paged KV store and the prefill policy, as on the other families' layers:
+        # without it every layer would be paged as global (attending past its window).
+        self.use_sliding = self.layer_type == SLIDING
         self.self_attn = Attention(args, idx)
         wide = args.use_double_wide_mlp and args.kv_donors[idx] is not None
         self.mlp = MLP(d, args.intermediate_size * (2 if wide else 1))

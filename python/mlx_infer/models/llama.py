@@ -14,7 +14,6 @@ One graph covers them; the differences are config switches:
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -24,8 +23,10 @@ import mlx.nn as nn
 
 from ..contracts import GraphDeclaration
 from ..layers.attention import create_attention_mask, scaled_dot_product_attention
-from ..layers.rope import initialize_rope
+from ..errors import ModelLoadError
+from ..layers.rope import SUPPORTED_ROPE_TYPES, initialize_rope
 from ..state.kv import KVCache, RotatingKVCache
+from .schema import check_heads, check_layer_types, check_number, check_rope_dict, config_fields
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 
@@ -59,13 +60,17 @@ class ModelArgs:
     @classmethod
     def from_dict(cls, params: dict[str, Any]) -> "ModelArgs":
         """Build from a config dict, ignoring keys this family does not use."""
-        fields = inspect.signature(cls).parameters
-        return cls(**{k: v for k, v in params.items() if k in fields})
+        return cls(**config_fields(cls, params))
 
     def __post_init__(self) -> None:
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
+        check_heads(self.num_attention_heads, self.num_key_value_heads)
         if self.head_dim is None:
+            if self.hidden_size < self.num_attention_heads:
+                raise ModelLoadError(
+                    f"\"hidden_size\" ({self.hidden_size}) is smaller than \"num_attention_heads\" "
+                    f"({self.num_attention_heads}), so the head dim would be 0; set head_dim in config.json.")
             self.head_dim = self.hidden_size // self.num_attention_heads
         # transformers >= 5 nests theta and scaling under rope_parameters.
         if self.rope_parameters:
@@ -75,15 +80,13 @@ class ModelArgs:
                 self.rope_scaling = self.rope_parameters
         if self.rope_theta is None:
             self.rope_theta = 10000.0
+        self.rope_theta = check_number("rope_theta", self.rope_theta, integer=False, lo=0.0, hi=3.4e38, lo_open=True)
+        check_rope_dict("rope_scaling", self.rope_scaling, SUPPORTED_ROPE_TYPES)
         if self.use_sliding_window is False:  # Qwen configs carry a window they do not use
             self.sliding_window = None
         if self.layer_types is None:
             self.layer_types = [self._default_layer_type(i) for i in range(self.num_hidden_layers)]
-        if len(self.layer_types) != self.num_hidden_layers:
-            raise ValueError(
-                f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is "
-                f"{self.num_hidden_layers}; fix one of them in config.json."
-            )
+        self.layer_types = check_layer_types(self.layer_types, self.num_hidden_layers)
         if self.sliding_window is None:
             self.layer_types = [FULL] * self.num_hidden_layers
 
@@ -91,6 +94,11 @@ class ModelArgs:
     def qkv_bias(self) -> bool:
         """Bias on q/k/v: Qwen 2 always has it; others follow ``attention_bias``."""
         return self.attention_bias or self.model_type == "qwen2"
+
+    @property
+    def o_proj_bias(self) -> bool:
+        """Bias on o_proj: never in Qwen 2 (HF's Qwen2Attention ignores attention_bias there)."""
+        return self.attention_bias and self.model_type != "qwen2"
 
     def _default_layer_type(self, i: int) -> str:
         if self.sliding_window is None:
@@ -120,7 +128,7 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(dim, self.n_heads * head_dim, bias=qkv_bias)
         self.k_proj = nn.Linear(dim, self.n_kv_heads * head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(dim, self.n_kv_heads * head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.n_heads * head_dim, dim, bias=args.attention_bias)
+        self.o_proj = nn.Linear(self.n_heads * head_dim, dim, bias=args.o_proj_bias)
         self.qk_norm = qk_norm
         if qk_norm:
             self.q_norm = nn.RMSNorm(head_dim, eps=args.rms_norm_eps)

@@ -15,9 +15,11 @@
    (History is prompt + generated tokens; a context size of 0 means all of it.)
 5. **Log-softmax** of the processed logits. With ``logprobs=True`` this is the
    distribution reported (and its ``top_logprobs`` most likely ids).
-6. **Temperature 0 stops here**: the token is the argmax of the processed
-   logits; steps 7–10 are skipped.
-7. **top_p** — keep the smallest most-likely set with mass >= top_p.
+6. **Temperature 0 stops here** (as does any temperature below
+   :data:`MIN_TEMPERATURE`, stored as 0): the token is the argmax of the
+   processed logits; steps 7–10 are skipped.
+7. **top_p** — keep the smallest most-likely set with mass >= top_p (at least
+   the most likely token, even when top_p rounds to 0 in float32).
 8. **min_p** — drop tokens with p < min_p · p_max, keeping at least
    ``min_tokens_to_keep``.
 9. **XTC** — with chance ``xtc_probability``, drop every token with
@@ -28,12 +30,13 @@
     with the request's own :class:`RequestRNG` key for this step (XTC's coin,
     when 0 < xtc_probability < 1, uses a split of that key).
 
-The order and arithmetic are mlx-lm 0.32.2's (``make_logits_processors`` then
+Every value is checked in the float32 terms these steps compute in (see
+:class:`SamplingParams`). The order and arithmetic are mlx-lm 0.32.2's (``make_logits_processors`` then
 ``make_sampler``), so each stage matches it on the same input.
 """
 
 from .filters import apply_min_p, apply_top_k, apply_top_p, apply_xtc, log_softmax, make_filters
-from .params import DEFAULT_CONTEXT_SIZE, MAX_TOP_LOGPROBS, SamplingParams
+from .params import DEFAULT_CONTEXT_SIZE, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, MIN_TEMPERATURE, SamplingParams
 from .processors import (
     apply_frequency_penalty,
     apply_logit_bias,
@@ -45,7 +48,9 @@ from .sampler import RequestRNG, RNGState, SampleOutput, Sampler, make_sampler, 
 
 __all__ = [
     "DEFAULT_CONTEXT_SIZE",
+    "MAX_LOGIT_BIAS",
     "MAX_TOP_LOGPROBS",
+    "MIN_TEMPERATURE",
     "RNGState",
     "RequestRNG",
     "SampleOutput",

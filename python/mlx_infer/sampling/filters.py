@@ -33,6 +33,8 @@ def apply_top_p(logprobs: mx.array, top_p: float) -> mx.array:
     mass_above = mx.cumsum(sorted_p, axis=-1, reverse=True, inclusive=False)
     total = mass_above[..., :1] + sorted_p[..., :1]  # (B, 1)
     n_dropped = (mass_above >= top_p * total).sum(axis=-1, keepdims=True)  # (B, 1)
+    # A top_p that rounds to 0 in float32 drops every token; keep the most likely one (top_p -> 0).
+    n_dropped = mx.minimum(n_dropped, logprobs.shape[-1] - 1)  # (B, 1)
     threshold = mx.take_along_axis(sorted_lp, n_dropped, axis=-1)  # (B, 1)
     return mx.where(logprobs < threshold, _NEG_INF, logprobs)
 

@@ -16,14 +16,12 @@ import mlx.core as mx
 
 from ..errors import MlxInferError
 from .filters import LogitsFilter, log_softmax, make_filters
-from .params import SamplingParams
+from .params import MAX_SEED, MIN_TEMPERATURE, SamplingParams
 from .processors import History, LogitsProcessor, make_logits_processors
 
 _EVAL_EVERY = 512  # bounds the lazy graph while fast-forwarding a key sequence
 #: The most steps :meth:`RequestRNG.from_state` fast-forwards by default (about 10 s of splits on a CPU).
 MAX_RNG_STEPS = 1 << 20
-#: The largest seed ``mx.random.key`` accepts.
-MAX_SEED = (1 << 64) - 1
 
 
 class RNGState(NamedTuple):
@@ -42,8 +40,8 @@ class RequestRNG:
     """
 
     def __init__(self, seed: int | None = None):
-        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
-            raise MlxInferError(f"seed must be a non-negative integer, got {seed!r}.")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= MAX_SEED):
+            raise MlxInferError(f"seed must be a non-negative integer below 2**64, got {seed!r}.")
         self.explicit = seed is not None
         self.seed = seed if seed is not None else secrets.randbits(63)
         self._key = mx.random.key(self.seed)
@@ -106,13 +104,13 @@ def sample(logits: mx.array, *, temperature: float, rng: RequestRNG | None = Non
     """Pick next tokens from ``logits`` ``(B, vocab)``; returns ``(B,)`` uint32.
 
     Args:
-        temperature: 0 means argmax; positive values scale logits before a
-            categorical draw.
+        temperature: 0 (or below :data:`~.params.MIN_TEMPERATURE`) means argmax;
+            positive values scale logits before a categorical draw.
         rng: the request's key sequence (needed when ``temperature > 0``).
     """
-    if temperature < 0:
+    if not temperature >= 0:  # also refuses NaN
         raise MlxInferError(f"temperature must be >= 0 (0 = greedy), got {temperature}.")
-    if temperature == 0:
+    if temperature < MIN_TEMPERATURE:
         return mx.argmax(logits, axis=-1)
     if rng is None:
         raise MlxInferError("sampling with temperature > 0 needs a RequestRNG.")

@@ -44,6 +44,7 @@ import mlx.nn as nn
 
 from ... import _fast
 from ...layers.rope import Llama3RoPE, YarnRoPE
+from ...models import materialize_graph_constants
 from ...models.gemma4 import FULL, SLIDING, ProportionalRoPE, QuantizedSwitchLinear, SwitchLinear
 from ...state.kv import KVCache, RotatingKVCache
 
@@ -152,6 +153,7 @@ def graph_spec(model: Any, *, kv_scheme: str | None = None,
     family = family_of_graph(model)
     if kv_scheme is not None and kv_scheme not in KV_DTYPES:
         raise ValueError(f"kv_scheme must be one of {', '.join(KV_DTYPES)} or None, got {kv_scheme!r}.")
+    materialize_graph_constants(model)  # the RoPE tables the specs hand over; the step may run on another thread
     if family == "gemma4":
         return _gemma4_spec(model, kv_scheme, policy)
     args = model.args
@@ -205,15 +207,19 @@ def graph_spec(model: Any, *, kv_scheme: str | None = None,
         if gemma or getattr(attn, "qk_norm", False):
             norm(f"{p}.q_norm", attn.q_norm)
             norm(f"{p}.k_norm", attn.k_norm)
-    # Attention and the gated activation on the CPU kernels too, as the swapped modules run them
-    # (layers.linear swaps every layer's modules alike: the last layer's classes say it).
-    if inner.layers and getattr(type(attn), "_mlx_infer_stock_class", None) is not None:
-        fast.append("attention")
-    if inner.layers and getattr(type(mlp), "_mlx_infer_stock_class", None) is not None:
-        fast.append("gated_activation")
+    _mirror_cpu_kernels(inner.layers, fast)
     cfg.cpu_kernel_linears = fast
     mx.eval(list(weights.values()))
     return cfg, weights, quant
+
+
+def _mirror_cpu_kernels(layers: Sequence[nn.Module], fast: list[str]) -> None:
+    """Attention and the gated activation on the CPU kernels too, as the swapped modules run them
+    (layers.linear swaps every layer's modules alike: the last layer's classes say it)."""
+    if layers and getattr(type(layers[-1].self_attn), "_mlx_infer_stock_class", None) is not None:
+        fast.append("attention")
+    if layers and getattr(type(layers[-1].mlp), "_mlx_infer_stock_class", None) is not None:
+        fast.append("gated_activation")
 
 
 def _apply_policy(cfg: Any, kv_scheme: str | None, policy: DecodePolicy) -> None:
@@ -324,6 +330,7 @@ def _gemma4_spec(model: Any, kv_scheme: str | None,
             norm(f"{p}.mlp_norm_2", layer.pre_feedforward_layernorm_2)
             norm(f"{p}.post_mlp_norm_1", layer.post_feedforward_layernorm_1)
             norm(f"{p}.post_mlp_norm_2", layer.post_feedforward_layernorm_2)
+    _mirror_cpu_kernels(layers, fast)
     cfg.cpu_kernel_linears = fast
     mx.eval(list(weights.values()))
     return cfg, weights, quant

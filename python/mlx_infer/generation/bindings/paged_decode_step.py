@@ -19,6 +19,9 @@ store as it was; the failure is reported once (``warnings.warn`` and the
 old storage arrays are referenced only by the new graph after the commit, so
 MLX writes the new rows in place (no per-step copy of the cache).
 
+Gemma 4's KV-shared layers have no storage of their own (the store pages the
+KV-owning layers only): they attend over their donor's gather of the same step.
+
 Quantized KV storage has no compiled paged step: :func:`paged_unsupported_reason`
 says so and the engine decodes eagerly.
 """
@@ -110,7 +113,7 @@ class CompiledPagedDecodeStep:
     """``step(tokens, batch) -> logits`` over the C++ paged step, with an eager fallback.
 
     Args:
-        model: a llama- or gemma3-family graph.
+        model: a llama-, gemma3- or gemma4-family graph.
         store: the :class:`~mlx_infer.state.paged.PagedKVStore` the batches read.
         group_windows: the window of each layer group, in the order the
             batch's ``paged_inputs`` lists them.

@@ -10,6 +10,7 @@ import mlx.core as mx
 
 from ... import _fast
 from ...errors import MlxInferError
+from ..kv import RotatingKVCache
 from .batch import PagedBatch
 from .scheme import LayerKV, load_kv_config, uniform_scheme
 from .sequence import PagedLayerCache, PagedSequence
@@ -19,10 +20,14 @@ DEFAULT_PAGE_SIZE = 16
 
 
 def model_geometry(model: Any) -> tuple[list[int | None], int, int]:
-    """``(layer windows, kv_heads, head_dim)`` of a graph (``None`` = global layer)."""
-    args = model.args
-    window = getattr(args, "sliding_window", None)
-    windows = [window if getattr(layer, "use_sliding", False) else None for layer in model.layers]
+    """``(layer windows, kv_heads, head_dim)`` of a graph (``None`` = global layer).
+
+    One window per cache the graph makes (``model.make_cache()``): a layer is
+    paged in a window exactly when its own cache rotates, and a KV-shared layer
+    (Gemma 4: it reads its donor's K/V and is given no cache) gets no pages; the
+    graphs pass their caches to the KV-owning layers, which come first.
+    """
+    windows = [c.max_size if isinstance(c, RotatingKVCache) else None for c in model.make_cache()]
     attn = model.layers[0].self_attn
     return windows, attn.n_kv_heads, attn.head_dim
 
