@@ -6,25 +6,27 @@ An iteration of the engine thread::
                   (their pages go back to the pool before anything else runs)
     2. admit      scheduler: pages, batch room, memory (see scheduler.py)
     3. prefill    up to ``prefill_step_size`` prompt tokens, in chunks of
-                  the admitted requests, through the graph's hidden phase
-                  only (no LM head); the last prompt token is left out
-    4. decode     one forward of every decoding request, B rows of one token:
-                  a request whose prefill just ended joins here with its
-                  last prompt token, so joining costs no extra forward.
+                  the admitted requests, through the graph's hidden phase;
+                  a request whose prompt ends in this chunk gets its first
+                  token from the chunk's last position (the LM head on that
+                  row only), so time to first token is the prefill's time
+    4. decode     one forward of every decoding request, R rows of one token,
+                  planned by the C++ page groups in one call (engine/batch.py).
                   The forward is the compiled C++ paged step where the
                   binding allows it (see ``Engine.paged_decode``), else the
                   eager graph; a failing step falls back to eager for good
     5. read       step n-1's tokens are read while step n runs (pipelined);
                   text, stop strings, logprobs, finish; finished requests
-                  free their pages at once
+                  free their pages at once; first tokens of step 3 are read
+                  after this iteration's decode step is queued
 
-Why prefill chunks and decode steps alternate rather than share a forward:
-the graphs take ``(B, L)`` tokens with one position offset per row and a
-``(B, 1, L, S)`` mask, so a chunk of L prompt tokens and B single-token rows
-could only share a forward by padding every decode row to L (L - 1 wasted
-positions each, and pad K/V written into pages) or through a packed
-variable-length attention the model files do not have. Feeding the last
-prompt token through the decode step is the part of mixing the graph allows.
+Prefill chunks and decode rows are separate forwards here: the plan and the
+eager paged graph take prefill-chunk rows beside decode rows in one forward
+(``DecodeBatch(store, seqs, counts)``, tested in tests/test_step_plan.py),
+but the eager graph gathers every row's keys, O(chunk x context) memory for
+a long chunk; one mixed forward waits for the paged-attention step that reads
+K/V through the block tables. The token budget per iteration
+(``prefill_step_size``) bounds how long decode rows wait behind a prompt.
 
 Preemption recomputes (see :mod:`.scheduler`): on unified memory a swap to
 "host" memory frees nothing, and registering the victim's pages in the
@@ -137,6 +139,9 @@ class Engine:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._closed = False
+        # The prefill samples each prompt's first token from its own last position when the
+        # graph exposes its head; otherwise the decode step feeds the last prompt token.
+        self._head = callable(getattr(self.model, "logits_from_hidden", None))
         self._gauges: dict[str, Any] = {}
         self._update_gauges()
 
@@ -295,12 +300,17 @@ class Engine:
         admitted, unfit = self.scheduler.admit()
         for r in unfit:
             self._finish(r, "length")
-        busy = self._prefill()
+        busy, first = self._prefill()
+        if first is not None and (not self.config.pipeline or any(r.needs_history for r in first.rows)):
+            self._consume(first)  # penalties read the history: the first token must be in it
+            first = None
         launched = self._decode()
         if self._inflight is not None:
             self._consume(self._inflight)
             self._inflight = None
             busy = True
+        if first is not None:  # queued before this iteration's decode step: ready first
+            self._consume(first)
         if launched is not None:
             busy = True
             if self.config.pipeline and not any(r.needs_history for r in launched.rows):
@@ -341,23 +351,32 @@ class Engine:
 
     # -- prefill ----------------------------------------------------------------
 
-    def _prefill(self) -> bool:
+    def _prefill(self) -> tuple[bool, _Step | None]:
         """Up to ``prefill_step_size`` prompt tokens: rows with prompts left advance together by
-        the same chunk (one ``(B, n)`` forward), so equal-length prompts prefill as one batch."""
+        the same chunk (one ``(B, n)`` forward), so equal-length prompts prefill as one batch.
+
+        Returns whether it ran anything, and the first tokens of the rows whose prompt ended:
+        sampled from the last prompt position of the prefill forward itself (the LM head on
+        those rows only), so the first token waits for no decode step.
+        """
         budget = self.config.prefill_step_size
         did = False
+        ended: list[tuple[LiveRequest, mx.array]] = []  # rows whose prompt ended, last hidden (hidden,)
+        done: set[int] = set()
+        head = self._head
         while budget > 0:
-            rows = [r for r in self.scheduler.running if r.state == PREFILL][:budget]
+            rows = [r for r in self.scheduler.running if r.state == PREFILL and id(r) not in done][:budget]
             if not rows:
                 break
-            n = min(min(len(r.all_ids) - 1 - r.prefilled for r in rows), max(1, budget // len(rows)))
+            end = {id(r): len(r.all_ids) - (0 if head else 1) for r in rows}  # tokens the prefill feeds
+            n = min(min(end[id(r)] - r.prefilled for r in rows), max(1, budget // len(rows)))
             if len(rows) > 1:
                 batch = self.store.batch([r.seq for r in rows])
                 if not batch.reserve(n):
                     rows = rows[:1]  # short of pages: the oldest alone (it may preempt younger ones)
             if len(rows) == 1:
                 r = rows[0]
-                n = min(budget, len(r.all_ids) - 1 - r.prefilled)
+                n = min(budget, end[id(r)] - r.prefilled)
                 if not self._reserve_prefill(r, n):
                     break
                 caches = r.caches
@@ -370,17 +389,30 @@ class Engine:
             did = True
             self.metrics.prefilled(n * len(rows))
             windowed = any(g.window is not None for g in self.store.groups)
-            for r in rows:
+            for i, r in enumerate(rows):
                 r.prefilled += n
-                target = len(r.all_ids) - 1
+                target = end[id(r)]
                 if r.prefilled == target or windowed:
                     # Windowed layer groups release pages as the prompt grows: index them
                     # chunk by chunk, so released ones stay cached for a shorter shared prefix.
                     self.scheduler.register_prompt(r, r.prefilled)
                 if r.prefilled == target:
-                    r.state = DECODE
-                    r.next_input = r.all_ids[-1]
-        return did
+                    if head:
+                        ended.append((r, h[i, -1]))
+                        done.add(id(r))
+                    else:  # no separate head: the decode step feeds the last prompt token
+                        r.state = DECODE
+                        r.next_input = r.all_ids[-1]
+        if not ended:
+            return did, None
+        rows = [r for r, _ in ended]
+        logits = self.model.logits_from_hidden(mx.stack([x for _, x in ended])[:, None])[:, 0]  # (M, vocab)
+        tokens, outs = self._sample(rows, logits)
+        self._queue(tokens, outs)
+        for i, r in enumerate(rows):
+            r.state = DECODE
+            r.next_input = (tokens, i)
+        return did, _Step(rows, tokens, outs)
 
     def _reserve_prefill(self, r: LiveRequest, n: int) -> bool:
         """Reserve ``n`` tokens for ``r``, preempting younger requests if pages are short."""
@@ -427,14 +459,19 @@ class Engine:
             logits = self.model(inputs[:, None], cache=batch.caches)[:, -1, :]  # (B, vocab)
         batch.commit()
         tokens, outs = self._sample(rows, logits)
+        self._queue(tokens, outs)
+        for i, r in enumerate(rows):
+            r.next_input = (tokens, i)
+        return _Step(rows, tokens, outs)
+
+    @staticmethod
+    def _queue(tokens: mx.array, outs: list[SampleOutput | None] | None) -> None:
+        """Start evaluating a step's tokens (and logprobs) without waiting."""
         pending = [tokens]
         for o in outs or ():
             if o is not None and o.token_logprob is not None:
                 pending += [o.token_logprob] + ([o.top_ids, o.top_logprobs] if o.top_ids is not None else [])
         mx.async_eval(pending)
-        for i, r in enumerate(rows):
-            r.next_input = (tokens, i)
-        return _Step(rows, tokens, outs)
 
     def _paged_decode(self, composition: Composition,
                       policy: PagedDecodePolicy) -> tuple[CompiledPagedDecodeStep | None, str | None]:
