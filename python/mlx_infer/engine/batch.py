@@ -13,8 +13,8 @@ rows and layers together::
                 per window kind: (pages, offsets) (B, S) and mask (B, 1, 1, S)
     forward     every layer: its group's copies (rare), write its group's B slots, gather (B, S):
                 the eager graph through ``caches``, or the compiled C++ paged
-                step through ``paged_inputs()`` (the same indices as arrays, S
-                rounded up to its bucket; see generation/bindings/paged_decode_step.py)
+                step through ``paged_inputs()`` (per group the block tables, lengths and
+                write slots; see generation/bindings/paged_decode_step.py)
     commit()    every layer's offset of every row moves to the new length
 
 Rows are right-padded to the longest; padding reads slot 0 of the null page
@@ -94,6 +94,8 @@ class DecodeBatch:
             for b, t in enumerate(self._tables[g]):
                 tab[b, :len(t)] = t
             tabs.append(tab)
+        self._tabs_np = tabs  # per group (B, max_pages): the paged step reads through these
+        self._starts_np = starts
         self._gather_np = {w: _index_np(starts, w, tabs[self._group_of[w]], P) for w in self._windows}
         self._masks = {}
         for w, (_, _, valid) in self._gather_np.items():
@@ -105,27 +107,27 @@ class DecodeBatch:
         """The windows of the gathers, in the order :meth:`paged_inputs` lists them."""
         return list(self._windows)
 
-    def paged_inputs(self, bucket: int = 1) -> list[tuple[mx.array, ...]]:
-        """Per window, what the compiled paged step reads (one tuple each)::
+    def paged_inputs(self, bucket: int = 1) -> list[tuple[mx.array, mx.array, mx.array]]:
+        """Per window (in :meth:`group_windows` order), what the compiled paged step reads::
 
-            pages, offsets  (B, S) int32   into the window's group's storage, S rounded up
-                                           to a multiple of ``bucket``
-            mask            (B, S) bool    padding reads slot 0 of the null page, masked
-            write_pages,
-            write_offsets   (B,) int32     where each row's new token goes in that storage
+            block_tables (B, T) int32   each row's pages in the window's group's storage, by
+                                        logical page (0 = the null page past its end); T
+                                        rounded up to a multiple of ``bucket``
+            lengths      (B,)   int32   position + 1: the row attends to the keys at
+                                        [max(0, length - window), length), its new one included
+            write_slots  (B,)   int32   page * page_size + offset of the row's new token
         """
         key = ("paged", bucket)
         if key not in self._gather:
-            P = self.store.page_size
+            lengths = mx.array(self._starts_np + 1, mx.int32)
             out = []
             for w in self._windows:
-                slots = self._slots_np[self._group_of[w]]
-                pages, offs, valid = self._gather_np[w]
-                pad = -pages.shape[1] % bucket
+                g = self._group_of[w]
+                tab = self._tabs_np[g]
+                pad = -tab.shape[1] % bucket
                 if pad:
-                    pages, offs, valid = (np.pad(a, ((0, 0), (0, pad))) for a in (pages, offs, valid))
-                out.append((mx.array(pages, mx.int32), mx.array(offs, mx.int32), mx.array(valid),
-                            mx.array(slots // P, mx.int32), mx.array(slots % P, mx.int32)))
+                    tab = np.pad(tab, ((0, 0), (0, pad)))
+                out.append((mx.array(tab, mx.int32), lengths, mx.array(self._slots_np[g], mx.int32)))
             self._gather[key] = tuple(out)
         return list(self._gather[key])
 
