@@ -8,8 +8,10 @@ copies come back as int32 arrays. No per-row Python runs here::
     reserve()   pages.append_batch(ids, counts)     (C++, all rows or none)
                 -> positions (R,), lengths (R,), per layer group g:
                    block_tables (R, T), write_slots (R,), copies (c_g,)
-    forward     the compiled C++ paged step reads the plan's arrays
-                (``paged_inputs()``), or the eager graph through ``caches``:
+    forward     the compiled C++ paged step reads the plan's arrays as they are
+                (``paged_inputs()``: block tables, lengths, write slots per group;
+                see generation/bindings/paged_decode_step.py), or the eager graph
+                through ``caches``:
                 per window kind, the gather index (R, S) is a few lazy MLX
                 ops on the plan's arrays, shared by every layer of that kind
                 every layer: its group's copies (rare), write its R slots, gather
@@ -98,21 +100,27 @@ class DecodeBatch:
             self._gather[key] = (pages, offs, valid, fewest < pages.shape[1])
         return self._gather[key]
 
-    def paged_inputs(self, bucket: int = 1) -> list[tuple[mx.array, ...]]:
-        """Per window, what the compiled paged step reads (one tuple each)::
+    def paged_inputs(self, bucket: int = 1) -> list[tuple[mx.array, mx.array, mx.array]]:
+        """Per window (in :meth:`group_windows` order), what the compiled paged step reads::
 
-            pages, offsets  (R, S) int32   into the window's group's storage, S rounded up
-                                           to a multiple of ``bucket``
-            mask            (R, S) bool    padding reads slot 0 of the null page, masked
-            write_pages,
-            write_offsets   (R,) int32     where each row's new token goes in that storage
+            block_tables (R, T) int32   each row's pages in the window's group's storage, by
+                                        logical page (0 = the null page past its end); T
+                                        a multiple of ``bucket``
+            lengths      (R,)   int32   position + 1: the row attends to the keys at
+                                        [max(0, length - window), length), its new one included
+            write_slots  (R,)   int32   page * page_size + offset of the row's new token
+
+        The plan's tables are already ``table_bucket`` wide; another ``bucket`` pads them.
         """
-        P = self.store.page_size
+        plan = self.plan
         out = []
         for w in self._windows:
-            pages, offs, valid, _ = self._index(w, bucket)
-            slots = self.plan.write_slots[self._group_of[w]]
-            out.append((pages, offs, valid, slots // P, slots % P))
+            g = self._group_of[w]
+            tab = plan.block_tables[g]  # (R, T)
+            pad = -tab.shape[1] % bucket
+            if pad:
+                tab = mx.pad(tab, [(0, 0), (0, pad)])
+            out.append((tab, plan.lengths, plan.write_slots[g]))
         return out
 
     def mask(self, window: int | None) -> mx.array | None:

@@ -54,7 +54,7 @@ from ..generation.stopping import StopMatcher
 from ..sampling import RequestRNG, SampleOutput, make_sampler
 from ..state.paged import PagedKVStore
 from .batch import DecodeBatch
-from .config import EngineConfig, pool_pages
+from .config import EngineConfig, kv_budget, pool_pages
 from .metrics import EngineMetrics, prometheus_text
 from .request import EngineRequest, RequestHandle, RequestResult, TokenEvent, wake
 from .scheduler import DECODE, DONE, PREFILL, LiveRequest, Scheduler
@@ -97,6 +97,7 @@ class Engine:
 
     Attributes:
         store: the :class:`PagedKVStore` every request's pages live in.
+        kv_budget: the bytes its pool was sized from and why (``None``: ``num_pages`` was given).
         scheduler: queue and running set.
         metrics: counters (see :meth:`stats`).
         paged_decode: the compiled paged decode step, or ``None`` (eager decode;
@@ -113,8 +114,9 @@ class Engine:
         self.eos = frozenset(loaded.eos_token_ids)
         self.newlines = newline_ids(loaded)
         self.vocab_size = int(getattr(self.model.args, "vocab_size", 0)) or None
+        self.kv_budget = None if config.num_pages is not None else kv_budget(self.model, config)
         self.store = PagedKVStore.for_model(
-            self.model, num_pages=pool_pages(self.model, config, self.context_length),
+            self.model, num_pages=pool_pages(self.model, config, self.context_length, self.kv_budget),
             page_size=config.page_size, dtype=config.kv_dtype, kv_scheme=config.kv_scheme)
         self.paged_decode, self.paged_decode_reason = self._paged_decode(
             composition or Composition(), decode_policy or PagedDecodePolicy())
@@ -494,7 +496,8 @@ class Engine:
     def _batch_for(self, rows: list[LiveRequest]) -> DecodeBatch:
         key = tuple(r.seq.seq_id for r in rows)
         if key != self._batch_key or self._batch is None:
-            self._batch = DecodeBatch(self.store, [r.seq for r in rows])
+            bucket = self.paged_decode.policy.bucket if self.paged_decode is not None else 1
+            self._batch = DecodeBatch(self.store, [r.seq for r in rows], table_bucket=bucket)
             self._batch_key = key
         return self._batch
 

@@ -23,7 +23,8 @@ class ServeOptions:
         host: bind address (loopback unless asked otherwise).
         port: TCP port.
         max_batch: most requests running at once.
-        memory_budget_gb: KV pages + activations budget (see EngineConfig).
+        memory_budget_gb: KV pages + activations budget (see EngineConfig); ``None``: sized
+            from the device's memory.
         api_key: require ``Authorization: Bearer <key>`` on /v1 routes.
         max_tokens: default generation limit for chat completions.
         prefill_step_size: prompt tokens per engine iteration.
@@ -35,7 +36,7 @@ class ServeOptions:
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
     max_batch: int = 32
-    memory_budget_gb: float = 1.0
+    memory_budget_gb: float | None = None
     api_key: str | None = None
     max_tokens: int = 512
     prefill_step_size: int = 512
@@ -76,7 +77,7 @@ def serve(options: ServeOptions) -> None:
     app, engine, model_id = build(options)
     try:
         print(f"mlx-infer: serving '{model_id}' on http://{options.host}:{options.port}/v1 "
-              f"(KV pages of {engine.store.page_size} tokens: {_pages_summary(engine.store)})", flush=True)
+              f"({_pool_summary(engine)})", flush=True)
         uvicorn.run(app, host=options.host, port=options.port, log_level=options.log_level)
     finally:
         engine.stop()
@@ -131,3 +132,14 @@ def _pages_summary(store: Any) -> str:
     """``"4095 global, 1023 window 512"``: each layer group's usable pages."""
     return ", ".join(f"{g.num_pages - 1} {'global' if g.window is None else f'window {g.window}'}"
                      for g in store.groups)
+
+
+def _pool_summary(engine: Any) -> str:
+    """The KV pool on the startup line: pages per group, the tokens the global pool holds, and
+    what it was sized from."""
+    store = engine.store
+    tokens = (store.groups[0].num_pages - 1) * store.page_size
+    out = f"KV pages of {store.page_size} tokens: {_pages_summary(store)}; {tokens:,} tokens"
+    if engine.kv_budget is not None:
+        out += f"; {engine.kv_budget.bytes / 2**30:.2f} GiB from {engine.kv_budget.source}"
+    return out
