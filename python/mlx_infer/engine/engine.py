@@ -39,7 +39,6 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import mlx.core as mx
@@ -51,12 +50,13 @@ from ..generation.bindings.decode_step import DecodeStepUnsupported
 from ..generation.bindings.paged_decode_step import (CompiledPagedDecodeStep, PagedDecodePolicy,
                                                      paged_unsupported_reason)
 from ..generation.stopping import StopMatcher
-from ..sampling import RequestRNG, SampleOutput, make_sampler
+from ..sampling import RequestRNG, make_sampler
 from ..state.paged import PagedKVStore
 from .batch import DecodeBatch
 from .config import EngineConfig, kv_budget, pool_pages
 from .metrics import EngineMetrics, prometheus_text
 from .request import EngineRequest, RequestHandle, RequestResult, TokenEvent, wake
+from .rows import Step, queue_outputs, sample_rows, step_inputs
 from .scheduler import DECODE, DONE, PREFILL, LiveRequest, Scheduler
 
 log = logging.getLogger("mlx_infer.engine")
@@ -72,13 +72,6 @@ class QueueFullError(MlxInferError):
 
 class EngineClosedError(MlxInferError):
     """The engine was stopped."""
-
-
-@dataclass
-class _Step:
-    rows: list[LiveRequest]
-    tokens: mx.array  # (B,) uint32
-    outs: list[SampleOutput | None] | None
 
 
 class Engine:
@@ -133,7 +126,7 @@ class Engine:
         self._cancels: set[str] = set()
         self._live: dict[str, LiveRequest] = {}
         self._order = 0
-        self._inflight: _Step | None = None
+        self._inflight: Step | None = None
         self._wakeups: dict | None = None  # set while a step's tokens are handed out
         self._batch: DecodeBatch | None = None
         self._batch_key: tuple[int, ...] = ()
@@ -353,7 +346,7 @@ class Engine:
 
     # -- prefill ----------------------------------------------------------------
 
-    def _prefill(self) -> tuple[bool, _Step | None]:
+    def _prefill(self) -> tuple[bool, Step | None]:
         """Up to ``prefill_step_size`` prompt tokens: rows with prompts left advance together by
         the same chunk (one ``(B, n)`` forward), so equal-length prompts prefill as one batch.
 
@@ -409,12 +402,12 @@ class Engine:
             return did, None
         rows = [r for r, _ in ended]
         logits = self.model.logits_from_hidden(mx.stack([x for _, x in ended])[:, None])[:, 0]  # (M, vocab)
-        tokens, outs = self._sample(rows, logits)
-        self._queue(tokens, outs)
+        tokens, outs = sample_rows(rows, logits)
+        queue_outputs(tokens, outs)
         for i, r in enumerate(rows):
             r.state = DECODE
             r.next_input = (tokens, i)
-        return did, _Step(rows, tokens, outs)
+        return did, Step(rows, tokens, outs)
 
     def _reserve_prefill(self, r: LiveRequest, n: int) -> bool:
         """Reserve ``n`` tokens for ``r``, preempting younger requests if pages are short."""
@@ -431,7 +424,7 @@ class Engine:
 
     # -- decode -----------------------------------------------------------------
 
-    def _decode(self) -> _Step | None:
+    def _decode(self) -> Step | None:
         rows = [r for r in self.scheduler.running if r.state == DECODE]
         if not rows:
             return None
@@ -454,26 +447,17 @@ class Engine:
             rows = [r for r in self.scheduler.running if r.state == DECODE]
         if not rows:
             return None
-        inputs = self._inputs(rows)  # (B,)
+        inputs = step_inputs(rows)  # (B,)
         if self.paged_decode is not None:
             logits = self.paged_decode.step(inputs, batch)  # (B, vocab); eager fallback inside
         else:
             logits = self.model(inputs[:, None], cache=batch.caches)[:, -1, :]  # (B, vocab)
         batch.commit()
-        tokens, outs = self._sample(rows, logits)
-        self._queue(tokens, outs)
+        tokens, outs = sample_rows(rows, logits)
+        queue_outputs(tokens, outs)
         for i, r in enumerate(rows):
             r.next_input = (tokens, i)
-        return _Step(rows, tokens, outs)
-
-    @staticmethod
-    def _queue(tokens: mx.array, outs: list[SampleOutput | None] | None) -> None:
-        """Start evaluating a step's tokens (and logprobs) without waiting."""
-        pending = [tokens]
-        for o in outs or ():
-            if o is not None and o.token_logprob is not None:
-                pending += [o.token_logprob] + ([o.top_ids, o.top_logprobs] if o.top_ids is not None else [])
-        mx.async_eval(pending)
+        return Step(rows, tokens, outs)
 
     def _paged_decode(self, composition: Composition,
                       policy: PagedDecodePolicy) -> tuple[CompiledPagedDecodeStep | None, str | None]:
@@ -501,54 +485,6 @@ class Engine:
             self._batch_key = key
         return self._batch
 
-    @staticmethod
-    def _inputs(rows: list[LiveRequest]) -> mx.array:
-        """The rows' next tokens: slices of earlier steps' lazy outputs, or host ints."""
-        first = rows[0].next_input
-        if isinstance(first, tuple) and first[0].shape[0] == len(rows) and all(
-                isinstance(r.next_input, tuple) and r.next_input[0] is first[0] and r.next_input[1] == i
-                for i, r in enumerate(rows)):
-            return first[0]  # the same rows as last step: feed its output as is
-        pieces: list[mx.array] = []
-        host: list[int] = []
-        run: list[Any] = []  # [array, start, stop] of consecutive rows of one array
-        for r in rows:
-            ni = r.next_input
-            if isinstance(ni, tuple) and run and run[0] is ni[0] and run[2] == ni[1]:
-                run[2] += 1
-                continue
-            if run:
-                pieces.append(run[0][run[1]:run[2]])
-                run = []
-            if isinstance(ni, tuple):
-                if host:
-                    pieces.append(mx.array(host, mx.uint32))
-                    host = []
-                run = [ni[0], ni[1], ni[1] + 1]
-            else:
-                host.append(int(ni))
-        if run:
-            pieces.append(run[0][run[1]:run[2]])
-        if host:
-            pieces.append(mx.array(host, mx.uint32))
-        return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces)
-
-    def _sample(self, rows: list[LiveRequest], logits: mx.array) -> tuple[mx.array, list | None]:
-        """Each row with its own sampler and key sequence; greedy rows share one argmax."""
-        if all(r.simple for r in rows):
-            return mx.argmax(logits, axis=-1), None  # (B,) uint32
-        greedy = mx.argmax(logits, axis=-1) if any(r.simple for r in rows) else None
-        pieces, outs = [], []
-        for i, r in enumerate(rows):
-            if r.simple:
-                pieces.append(greedy[i:i + 1])
-                outs.append(None)
-                continue
-            out = r.sampler.step(logits[i:i + 1], r.all_ids if r.needs_history else (), r.rng)
-            pieces.append(out.token if out.token.dtype == mx.uint32 else out.token.astype(mx.uint32))
-            outs.append(out)
-        return mx.concatenate(pieces), outs
-
     # -- reading tokens ----------------------------------------------------------
 
     def _sync(self) -> None:
@@ -556,7 +492,7 @@ class Engine:
             step, self._inflight = self._inflight, None
             self._consume(step)
 
-    def _consume(self, step: _Step) -> None:
+    def _consume(self, step: Step) -> None:
         tokens = step.tokens.tolist()
         now = time.perf_counter()
         n = 0
