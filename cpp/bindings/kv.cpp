@@ -159,7 +159,8 @@ layer of the group (copy-on-write), then write row r's K/V at
       .def_ro("copy_src", &StepPlan::copy_src, "Per group, (c,) pages to copy from (c may be 0).")
       .def_ro("copy_dst", &StepPlan::copy_dst, "Per group, (c,) pages to copy to.")
       .def_ro("num_copies", &StepPlan::num_copies, "Per group, the number of page copies.")
-      .def_ro("rows", &StepPlan::rows, "R, the rows of the step.")
+      .def_ro("rows", &StepPlan::rows, "R, the rows of the step (padding rows included).")
+      .def_ro("real_rows", &StepPlan::real_rows, "sum(counts): the rows before padding (they come first).")
       .def_ro("min_length", &StepPlan::min_length, "Smallest of lengths (known without a sync).")
       .def_ro("max_length", &StepPlan::max_length, "Largest of lengths.")
       .def("gather_index", &StepPlan::gather_index, "group"_a, "window"_a, "bucket"_a = 1,
@@ -224,7 +225,7 @@ Returns:
     One ``AppendResult`` per group, or ``None`` when some group has too few
     pages (nothing is appended).)")
       .def("append_batch", &PageGroups::append_batch, "seq_ids"_a, "counts"_a, nb::kw_only(),
-           "table_bucket"_a = 1,
+           "table_bucket"_a = 1, "row_bucket"_a = 1,
            R"(Appends ``counts[i]`` tokens to sequence ``seq_ids[i]`` for every i,
 all or nothing: one call per batched step.
 
@@ -232,6 +233,10 @@ Args:
     seq_ids: distinct live sequence ids, in row order.
     counts: tokens each gets (>= 1; 1 for a decode row, n for a prefill chunk).
     table_bucket: round the block tables' width T up to a multiple of this.
+    row_bucket: round R up to a multiple of this with padding rows after the
+        real ones (position 0, length 1, an all-null table, written at slot 0
+        of the null page, which only padding reads), so the compiled step
+        sees few distinct R.
 
 Returns:
     The step's ``StepPlan``, or ``None`` when some group has too few pages

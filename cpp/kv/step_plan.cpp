@@ -20,15 +20,16 @@ mx::array ints(const std::vector<int32_t>& v, mx::Shape shape) {
 }  // namespace
 
 std::optional<StepPlan> PageGroups::append_batch(
-    const std::vector<int64_t>& seq_ids, const std::vector<int64_t>& counts, int table_bucket) {
+    const std::vector<int64_t>& seq_ids, const std::vector<int64_t>& counts, int table_bucket,
+    int row_bucket) {
   if (seq_ids.empty() || seq_ids.size() != counts.size()) {
     throw std::invalid_argument(
         "[PageGroups.append_batch] need one count per sequence (at least one sequence); got " +
         std::to_string(seq_ids.size()) + " ids and " + std::to_string(counts.size()) + " counts.");
   }
-  if (table_bucket < 1) {
-    throw std::invalid_argument("[PageGroups.append_batch] table_bucket must be >= 1, got " +
-                                std::to_string(table_bucket) + ".");
+  if (table_bucket < 1 || row_bucket < 1) {
+    throw std::invalid_argument("[PageGroups.append_batch] table_bucket and row_bucket must be >= 1, got " +
+                                std::to_string(table_bucket) + " and " + std::to_string(row_bucket) + ".");
   }
   std::unordered_set<int64_t> seen;
   int64_t R = 0;
@@ -62,8 +63,12 @@ std::optional<StepPlan> PageGroups::append_batch(
     if (need > pools_[g].num_free_pages()) return std::nullopt;
   }
 
-  std::vector<int32_t> positions(R), lengths(R);
-  std::vector<std::vector<int32_t>> slots(G, std::vector<int32_t>(R));
+  // Padding rows (R rounded up to row_bucket): position 0, length 1, an all-null
+  // table, written at slot 0 of the null page; they read only that slot.
+  const int64_t real_rows = R;
+  R = (R + row_bucket - 1) / row_bucket * row_bucket;
+  std::vector<int32_t> positions(R, 0), lengths(R, 1);
+  std::vector<std::vector<int32_t>> slots(G, std::vector<int32_t>(R, 0));
   std::vector<std::vector<int32_t>> src(G), dst(G);
   std::vector<std::vector<std::vector<int32_t>>> tables(G, std::vector<std::vector<int32_t>>(seq_ids.size()));
   size_t width = 0;
@@ -91,6 +96,7 @@ std::optional<StepPlan> PageGroups::append_batch(
   const int T = static_cast<int>((width + table_bucket - 1) / table_bucket * table_bucket);
   StepPlan plan{ints(positions, {static_cast<int>(R)}), ints(lengths, {static_cast<int>(R)}),
                 {}, {}, {}, {}, {}, static_cast<int>(R), 0, 0};
+  plan.real_rows = static_cast<int>(real_rows);
   plan.min_length = *std::min_element(lengths.begin(), lengths.end());
   plan.max_length = *std::max_element(lengths.begin(), lengths.end());
   plan.page_size = page_size_;

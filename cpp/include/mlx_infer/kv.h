@@ -124,7 +124,8 @@ struct StepPlan {
   std::vector<mx::array> copy_src;      // per group (c_g,) int32 (c_g may be 0)
   std::vector<mx::array> copy_dst;      // per group (c_g,) int32
   std::vector<int> num_copies;          // per group c_g
-  int rows = 0;
+  int rows = 0;       // R, padding rows included
+  int real_rows = 0;  // sum(counts): the rows before padding
   int min_length = 0;  // smallest and largest length: the host knows S without a sync
   int max_length = 0;
 
@@ -356,10 +357,12 @@ class PageGroups {
   /// Appends counts[i] tokens to seq_ids[i] for every i, all or nothing, and
   /// returns the step plan of the R = sum(counts) new tokens (see StepPlan);
   /// nullopt when some group is out of pages (no sequence grew; window
-  /// releases may have happened). Ids must be distinct, counts >= 1.
+  /// releases may have happened). Ids must be distinct, counts >= 1. R is
+  /// rounded up to a multiple of `row_bucket` with padding rows (position 0,
+  /// length 1, null table, written at slot 0 of the null page).
   std::optional<StepPlan> append_batch(const std::vector<int64_t>& seq_ids,
                                        const std::vector<int64_t>& counts,
-                                       int table_bucket = 1);
+                                       int table_bucket = 1, int row_bucket = 1);
   void fork(int64_t src, int64_t dst);
   void free(int64_t seq_id);
   void truncate(int64_t seq_id, int64_t n_tokens);

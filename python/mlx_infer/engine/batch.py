@@ -44,15 +44,24 @@ class DecodeBatch:
         seqs: the rows' sequences, in row order.
         counts: tokens each sequence gets per step (default 1: decode rows).
         table_bucket: the plan's block-table width is rounded up to a multiple of this.
+        row_bucket: R is rounded up to a multiple of this with padding rows after the real
+            ones (they write and read only the null page; feed them any token).
+
+    Attributes:
+        logit_rows: ``(M,)`` int32 rows that get logits in the compiled step, or ``None``
+            (every row): a mixed step sets it to its decode rows and the last row of each
+            prefill chunk that ends its prompt.
     """
 
     def __init__(self, store: PagedKVStore, seqs: list[PagedSequence], counts: list[int] | None = None,
-                 *, table_bucket: int = 1):
+                 *, table_bucket: int = 1, row_bucket: int = 1):
         self.store = store
         self.seqs = list(seqs)
         self.ids = [s.seq_id for s in self.seqs]
         self.counts = list(counts) if counts is not None else [1] * len(self.seqs)
         self.table_bucket = table_bucket
+        self.row_bucket = row_bucket
+        self.logit_rows: mx.array | None = None
         self.caches = [_DecodeLayerCache(self, i) for i in range(store.num_layers)]
         self.plan: Any = None  # the last reserve()'s _fast.StepPlan
         self.offset: mx.array | None = None  # (R,) int32 positions of the new tokens
@@ -74,7 +83,8 @@ class DecodeBatch:
 
     def reserve(self) -> bool:
         """Reserve every sequence's tokens; all or nothing (``False``: out of pages)."""
-        plan = self.store.pages.append_batch(self.ids, self.counts, table_bucket=self.table_bucket)
+        plan = self.store.pages.append_batch(self.ids, self.counts, table_bucket=self.table_bucket,
+                                             row_bucket=self.row_bucket)
         if plan is None:
             return False
         self.plan = plan

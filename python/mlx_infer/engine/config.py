@@ -63,6 +63,9 @@ class EngineConfig:
         max_queue: waiting requests beyond which ``submit`` refuses new ones.
         prefix_cache: index finished prompts' full pages for reuse.
         pipeline: queue decode step n+1 before reading step n's tokens.
+        mixed_steps: while requests decode, prompt chunks of joining requests ride in the
+            decode step's forward (one token budget per step: ``prefill_step_size``; see
+            engine/mixed.py) where the compiled step's attention reads the block tables.
         kv_scheme: per-layer KV storage (see :class:`~mlx_infer.state.paged.PagedKVStore`).
         kv_dtype: element type of plain KV storage (default: the model's).
     """
@@ -77,6 +80,7 @@ class EngineConfig:
     max_queue: int = DEFAULT_MAX_QUEUE
     prefix_cache: bool = True
     pipeline: bool = True
+    mixed_steps: bool = True
     kv_scheme: Any = None
     kv_dtype: mx.Dtype | None = None
 

@@ -56,6 +56,7 @@ from .batch import DecodeBatch
 from .config import EngineConfig, kv_budget, pool_pages
 from .metrics import EngineMetrics, prometheus_text
 from .request import EngineRequest, RequestHandle, RequestResult, TokenEvent, wake
+from .mixed import Chunk, mixed_batch, mixed_inputs, pick_chunks
 from .rows import Step, queue_outputs, sample_rows, step_inputs
 from .scheduler import DECODE, DONE, PREFILL, LiveRequest, Scheduler
 
@@ -137,6 +138,11 @@ class Engine:
         # The prefill samples each prompt's first token from its own last position when the
         # graph exposes its head; otherwise the decode step feeds the last prompt token.
         self._head = callable(getattr(self.model, "logits_from_hidden", None))
+        self._bucket = self.paged_decode.policy.bucket if self.paged_decode is not None else 1
+        # Prefill chunks ride in the decode step where attention reads K/V through the tables.
+        self._mixing = (config.mixed_steps and self.paged_decode is not None
+                        and self.paged_decode.policy.attention == "kernel")
+        self.mixed_steps = 0  # steps that carried prefill chunks
         self._gauges: dict[str, Any] = {}
         self._update_gauges()
 
@@ -295,7 +301,9 @@ class Engine:
         admitted, unfit = self.scheduler.admit()
         for r in unfit:
             self._finish(r, "length")
-        busy, first = self._prefill()
+        busy, first = False, None
+        if not (self._mixing and any(r.state == DECODE for r in self.scheduler.running)):
+            busy, first = self._prefill()  # else the decode step carries the prompt chunks
         if first is not None and (not self.config.pipeline or any(r.needs_history for r in first.rows)):
             self._consume(first)  # penalties read the history: the first token must be in it
             first = None
@@ -432,10 +440,14 @@ class Engine:
             self._sync()  # penalties read the history, in-flight token included
             rows = [r for r in self.scheduler.running if r.state == DECODE]
         batch = None
+        chunks = pick_chunks(self.scheduler.running, len(rows), self.config.prefill_step_size) if self._mixing else []
         while rows:
-            batch = self._batch_for(rows)
+            batch = mixed_batch(self.store, rows, chunks, self._bucket) if chunks else self._batch_for(rows)
             if batch.reserve():
                 break
+            if chunks:  # short of pages: decode alone this step (and preempt below if still short)
+                chunks = []
+                continue
             if self._inflight is not None:  # settle pending tokens first: finishes free pages
                 self._sync()
             else:
@@ -448,11 +460,18 @@ class Engine:
         if not rows:
             return None
         inputs = step_inputs(rows)  # (B,)
+        ended: list[LiveRequest] = []
+        if chunks:
+            inputs, ended = mixed_inputs(inputs, batch, chunks)  # (R,): decode rows, chunk rows, padding
         if self.paged_decode is not None:
-            logits = self.paged_decode.step(inputs, batch)  # (B, vocab); eager fallback inside
+            logits = self.paged_decode.step(inputs, batch)  # (M, vocab); eager fallback inside
         else:
             logits = self.model(inputs[:, None], cache=batch.caches)[:, -1, :]  # (B, vocab)
         batch.commit()
+        if chunks:
+            self._advance(chunks)
+            rows = rows + ended
+            logits = logits[:len(rows)]  # (B + ended, vocab): the logit rows' padding dropped
         tokens, outs = sample_rows(rows, logits)
         queue_outputs(tokens, outs)
         for i, r in enumerate(rows):
@@ -477,11 +496,22 @@ class Engine:
             log.warning("compiled paged decode unavailable (%s: %s); decoding eagerly", type(exc).__name__, exc)
             return None, f"{type(exc).__name__}: {exc}"
 
+    def _advance(self, chunks: list[Chunk]) -> None:
+        """After a mixed step: the chunks' prompt tokens are in the pages."""
+        windowed = any(g.window is not None for g in self.store.groups)
+        for c in chunks:
+            c.r.prefilled += c.n
+            if c.ends or windowed:
+                self.scheduler.register_prompt(c.r, c.r.prefilled)
+            if c.ends:
+                c.r.state = DECODE
+        self.metrics.prefilled(sum(c.n for c in chunks))
+        self.mixed_steps += 1
+
     def _batch_for(self, rows: list[LiveRequest]) -> DecodeBatch:
         key = tuple(r.seq.seq_id for r in rows)
         if key != self._batch_key or self._batch is None:
-            bucket = self.paged_decode.policy.bucket if self.paged_decode is not None else 1
-            self._batch = DecodeBatch(self.store, [r.seq for r in rows], table_bucket=bucket)
+            self._batch = DecodeBatch(self.store, [r.seq for r in rows], table_bucket=self._bucket)
             self._batch_key = key
         return self._batch
 

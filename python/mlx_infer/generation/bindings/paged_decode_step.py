@@ -184,7 +184,9 @@ class CompiledPagedDecodeStep:
                 if c is not None:
                     s.copy_pages(*c)
             groups = batch.paged_inputs(self.policy.bucket)
-            rows = self._logit_rows(tokens.shape[0])
+            rows = getattr(batch, "logit_rows", None)  # a mixed step: only some rows get logits
+            if rows is None:
+                rows = self._logit_rows(tokens.shape[0])
             logits, keys, values = self.native.step(
                 tokens, batch.offset, rows, groups, [s.keys[0] for s in storages], [s.values[0] for s in storages])
         except Exception as exc:  # noqa: BLE001 - any failure falls back, reported once
@@ -213,4 +215,6 @@ class CompiledPagedDecodeStep:
 
     def _eager(self, tokens: mx.array, batch: PagedDecodeBatch) -> mx.array:
         self.eager_steps += 1
-        return self.model(tokens[:, None], cache=batch.caches)[:, -1, :]  # (B, vocab)
+        logits = self.model(tokens[:, None], cache=batch.caches)[:, -1, :]  # (R, vocab)
+        rows = getattr(batch, "logit_rows", None)
+        return logits if rows is None else logits[rows]  # (M, vocab)

@@ -1,0 +1,60 @@
+"""Mixed steps: prompt chunks of joining requests ride in the decode step (engine/mixed.py).
+The greedy tokens equal the separate-prefill engine's and the plain model's."""
+
+import mlx.core as mx
+import pytest
+from tiny import make_tiny_model_dir
+
+from mlx_infer.artifacts.loader import load_model
+from mlx_infer.engine import Engine, EngineConfig, EngineRequest
+from mlx_infer.engine.mixed import LOGIT_BUCKET, ROW_BUCKET, Chunk, pick_chunks
+from mlx_infer.engine.scheduler import DECODE, PREFILL
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def tiny(request, tmp_path_factory):
+    return load_model(make_tiny_model_dir(tmp_path_factory.mktemp("mixed") / request.param, request.param))
+
+
+def greedy(model, prompt, n):
+    ids = list(prompt)
+    for _ in range(n):  # the plain model over the whole sequence each time: the reference
+        ids.append(int(mx.argmax(model(mx.array([ids]))[0, -1]).item()))
+    return ids[len(prompt):]
+
+
+PROMPTS = [[(11 * i + 5 * j) % 290 + 5 for j in range(n)] for i, n in enumerate((10, 41, 23, 6))]
+
+
+def run(loaded, mixed: bool) -> tuple[list[list[int]], Engine]:
+    engine = Engine(loaded, EngineConfig(page_size=4, prefill_step_size=16, mixed_steps=mixed))
+    first = engine.submit(EngineRequest(prompt_ids=PROMPTS[0], max_tokens=24, detokenize=False, ignore_eos=True))
+    for _ in range(3):
+        engine.step()  # the first request decodes ...
+    later = [engine.submit(EngineRequest(prompt_ids=p, max_tokens=12, detokenize=False, ignore_eos=True))
+             for p in PROMPTS[1:]]  # ... while these join (41 tokens: three chunks of a 16-token budget)
+    engine.run_until_idle()
+    return [h.result(1).token_ids for h in [first] + later], engine
+
+
+def test_mixed_steps_give_the_separate_prefill_tokens(tiny):
+    mixed, engine = run(tiny, True)
+    assert engine.paged_decode is not None and engine.mixed_steps >= 3
+    separate, other = run(tiny, False)
+    assert other.mixed_steps == 0
+    assert mixed == separate
+    assert mixed[1] == greedy(tiny.model, PROMPTS[1], 12)
+    assert engine.paged_decode.failures == 0
+
+
+def test_pick_chunks_spends_the_budget_after_the_decode_rows():
+    class R:
+        def __init__(self, state, n, done):
+            self.state, self.all_ids, self.prefilled, self.seq = state, [0] * n, done, object()
+
+    running = [R(DECODE, 5, 5), R(PREFILL, 40, 0), R(PREFILL, 10, 4), R(PREFILL, 30, 0)]
+    chunks = pick_chunks(running, decode_rows=1, budget=16)
+    assert [(c.r, c.n, c.ends) for c in chunks] == [(running[1], 15, False)]
+    chunks = pick_chunks(running, decode_rows=1, budget=64)
+    assert [(c.n, c.ends) for c in chunks] == [(40, True), (6, True), (17, False)]
+    assert ROW_BUCKET % LOGIT_BUCKET == 0 and isinstance(chunks[0], Chunk)
