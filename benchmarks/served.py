@@ -106,12 +106,23 @@ class Ours:
 
     name = "mlx-infer"
 
+    policy: dict[str, Any] = {}  # PagedDecodePolicy fields of this column (default: the engine's)
+
     def __init__(self, path: Path, max_batch: int):
         from mlx_infer.artifacts.loader import load_model
         from mlx_infer.engine import Engine, EngineConfig
+        from mlx_infer.generation.bindings.paged_decode_step import PagedDecodePolicy
 
         self.loaded = load_model(path, **KERNELS)
-        self.engine = Engine(self.loaded, EngineConfig(max_batch=max_batch, memory_budget_gb=BUDGET_GB)).start()
+        # Materialize the lazy arrays here (weights, and non-parameter ones such as llama3 RoPE's
+        # _freqs): their ops belong to this thread's stream, which the engine thread cannot
+        # evaluate ("There is no Stream(gpu, 0) in current thread").
+        model = self.loaded.model
+        mx.eval(model.parameters(), [v for m in model.modules() for v in m.values() if isinstance(v, mx.array)])
+        self.engine = Engine(self.loaded, EngineConfig(max_batch=max_batch, memory_budget_gb=BUDGET_GB),
+                             decode_policy=PagedDecodePolicy(**self.policy)).start()
+        print(f"{self.name}: compiled paged step {self.engine.paged_decode is not None} "
+              f"({self.engine.paged_decode_reason or PagedDecodePolicy(**self.policy)})", file=sys.stderr)
         self.detokenize = True
 
     def run(self, streams: int, prompts: list[list[int]], gen: int) -> int:
@@ -163,6 +174,13 @@ class OursIds(Ours):
     def __init__(self, path: Path, max_batch: int):
         super().__init__(path, max_batch)
         self.detokenize = False
+
+
+class OursIdsGather(OursIds):
+    """Token ids, the compiled paged step on its gather path (the reference the kernel replaces)."""
+
+    name = "mlx-infer-ids-gather"
+    policy = {"attention": "gather"}
 
 
 class OursHTTP:
@@ -324,6 +342,10 @@ def main() -> None:
     p.add_argument("--num-trials", "-n", type=int, default=3)
     p.add_argument("--http", action="store_true", help="also run mlx-infer behind the HTTP server")
     p.add_argument("--no-ids", action="store_true", help="skip the token-ids-only mlx-infer column")
+    p.add_argument("--gather", action="store_true",
+                   help="add a token-ids column whose paged step gathers K/V (attention='gather')")
+    p.add_argument("--no-text", action="store_true",
+                   help="skip the detokenizing mlx-infer column (random-weight models: benchmarks/gpu_served.py)")
     p.add_argument("--stock-kernels", action="store_true",
                    help="load mlx-infer's model on MLX's stock kernels (as mlx-lm runs): the engine alone compared")
     p.add_argument("--json", default=None, help="write the results document here")
@@ -343,7 +365,8 @@ def main() -> None:
     kernels = "stock" if args.stock_kernels else "default"
     path = model_dir(args)
     streams = [int(s) for s in args.streams.split(",")]
-    kinds: list[type] = [Ours] + ([] if args.no_ids else [OursIds]) + [MlxLm] + ([OursHTTP] if args.http else [])
+    kinds: list[type] = (([] if args.no_text else [Ours]) + ([] if args.no_ids else [OursIds])
+                         + ([OursIdsGather] if args.gather else [])) + [MlxLm] + ([OursHTTP] if args.http else [])
     engines = [k(path, max(streams)) for k in kinds]
     vocab = int(json.loads((path / "config.json").read_text()).get("vocab_size", 320))
     rows: list[dict[str, Any]] = []
