@@ -114,3 +114,14 @@ def test_one_forward_of_decode_rows_and_a_prefill_chunk_matches_the_plain_model(
     tol = 1e-4  # float32 both ways; the gather order of keys differs from the plain cache
     assert mx.allclose(logits[0], ref_a, atol=tol, rtol=tol).item()
     assert mx.allclose(logits[1:], ref_b, atol=tol, rtol=tol).item()
+
+
+def test_row_bucket_pads_with_null_page_rows_after_the_real_ones():
+    g = groups()
+    g.add_sequence(1)
+    plan = g.append_batch([1], [3], row_bucket=8)
+    assert (plan.rows, plan.real_rows) == (8, 3)
+    assert ints(plan.positions) == [0, 1, 2] + [0] * 5 and ints(plan.lengths) == [1, 2, 3] + [1] * 5
+    assert ints(plan.write_slots[0])[3:] == [0] * 5 and ints(plan.block_tables[0])[3:] == [[0]] * 5
+    assert g.length(1) == 3  # padding grows no sequence
+    g.check()
