@@ -46,10 +46,13 @@ def main() -> None:
     p.add_argument("--streams", type=int, default=31)
     p.add_argument("--num-trials", "-n", type=int, default=3)
     p.add_argument("--memory-budget", type=float, default=None)
+    p.add_argument("--no-mixed", action="store_true", help="prefill in its own forward (EngineConfig.mixed_steps off)")
     args = p.parse_args()
     loaded = load_model(shape_dir(args.shape, args.toy, Path(tempfile.mkdtemp(prefix="join-"))))
     vocab = loaded.model.args.vocab_size
-    engine = Engine(loaded, EngineConfig(max_batch=args.streams + 1, memory_budget_gb=args.memory_budget)).start()
+    mixed = {} if not args.no_mixed else {"mixed_steps": False}
+    engine = Engine(loaded, EngineConfig(max_batch=args.streams + 1, memory_budget_gb=args.memory_budget,
+                                         **mixed)).start()
     prompt = lambda i: [(31 * i + 7 * j + 3) % (vocab - 10) + 5 for j in range(args.prompt_tokens)]  # noqa: E731
     alone, loaded_ttft = [], []
     for trial in range(args.num_trials + 1):

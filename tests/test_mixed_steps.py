@@ -47,14 +47,14 @@ def test_mixed_steps_give_the_separate_prefill_tokens(tiny):
     assert engine.paged_decode.failures == 0
 
 
-def test_pick_chunks_spends_the_budget_after_the_decode_rows():
+def test_pick_chunks_spends_the_prompt_budget_in_admission_order():
     class R:
         def __init__(self, state, n, done):
             self.state, self.all_ids, self.prefilled, self.seq = state, [0] * n, done, object()
 
     running = [R(DECODE, 5, 5), R(PREFILL, 40, 0), R(PREFILL, 10, 4), R(PREFILL, 30, 0)]
-    chunks = pick_chunks(running, decode_rows=1, budget=16)
-    assert [(c.r, c.n, c.ends) for c in chunks] == [(running[1], 15, False)]
-    chunks = pick_chunks(running, decode_rows=1, budget=64)
-    assert [(c.n, c.ends) for c in chunks] == [(40, True), (6, True), (17, False)]
+    chunks = pick_chunks(running, budget=16)
+    assert [(c.r, c.n, c.ends) for c in chunks] == [(running[1], 16, False)]
+    chunks = pick_chunks(running, budget=64)
+    assert [(c.n, c.ends) for c in chunks] == [(40, True), (6, True), (18, False)]
     assert ROW_BUCKET % LOGIT_BUCKET == 0 and isinstance(chunks[0], Chunk)

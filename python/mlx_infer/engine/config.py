@@ -64,8 +64,12 @@ class EngineConfig:
         prefix_cache: index finished prompts' full pages for reuse.
         pipeline: queue decode step n+1 before reading step n's tokens.
         mixed_steps: while requests decode, prompt chunks of joining requests ride in the
-            decode step's forward (one token budget per step: ``prefill_step_size``; see
-            engine/mixed.py) where the compiled step's attention reads the block tables.
+            decode step's forward (one prompt-token budget per step: ``prefill_step_size``;
+            see engine/mixed.py) where the compiled step's attention reads the block tables.
+            ``None`` (default): on a GPU only. On this project's 2-core CPU a joining
+            512-token prompt's first token came later mixed (79-122 ms) than prefilled in
+            its own forward (44-45 ms; toy gemma3-270m shape, benchmarks/join_ttft.py): the
+            CPU kernel attends row by row where the separate prefill uses MLX's SDPA.
         kv_scheme: per-layer KV storage (see :class:`~mlx_infer.state.paged.PagedKVStore`).
         kv_dtype: element type of plain KV storage (default: the model's).
     """
@@ -80,7 +84,7 @@ class EngineConfig:
     max_queue: int = DEFAULT_MAX_QUEUE
     prefix_cache: bool = True
     pipeline: bool = True
-    mixed_steps: bool = True
+    mixed_steps: bool | None = None
     kv_scheme: Any = None
     kv_dtype: mx.Dtype | None = None
 

@@ -20,13 +20,11 @@ An iteration of the engine thread::
                   free their pages at once; first tokens of step 3 are read
                   after this iteration's decode step is queued
 
-Prefill chunks and decode rows are separate forwards here: the plan and the
-eager paged graph take prefill-chunk rows beside decode rows in one forward
-(``DecodeBatch(store, seqs, counts)``, tested in tests/test_step_plan.py),
-but the eager graph gathers every row's keys, O(chunk x context) memory for
-a long chunk; one mixed forward waits for the paged-attention step that reads
-K/V through the block tables. The token budget per iteration
-(``prefill_step_size``) bounds how long decode rows wait behind a prompt.
+Mixed steps (``EngineConfig.mixed_steps``, engine/mixed.py): while requests
+decode, step 3 is skipped and the decode step of 4 carries the prompt chunks
+of joining requests as extra rows of its plan, so decode never waits for a
+separate prefill forward; the first token then comes from the step that ends
+the prompt.
 
 Preemption recomputes (see :mod:`.scheduler`): on unified memory a swap to
 "host" memory frees nothing, and registering the victim's pages in the
@@ -56,7 +54,7 @@ from .batch import DecodeBatch
 from .config import EngineConfig, kv_budget, pool_pages
 from .metrics import EngineMetrics, prometheus_text
 from .request import EngineRequest, RequestHandle, RequestResult, TokenEvent, wake
-from .mixed import Chunk, mixed_batch, mixed_inputs, pick_chunks
+from .mixed import advance, mixed_batch, mixed_inputs, pick_chunks
 from .rows import Step, queue_outputs, sample_rows, step_inputs
 from .scheduler import DECODE, DONE, PREFILL, LiveRequest, Scheduler
 
@@ -140,8 +138,8 @@ class Engine:
         self._head = callable(getattr(self.model, "logits_from_hidden", None))
         self._bucket = self.paged_decode.policy.bucket if self.paged_decode is not None else 1
         # Prefill chunks ride in the decode step where attention reads K/V through the tables.
-        self._mixing = (config.mixed_steps and self.paged_decode is not None
-                        and self.paged_decode.policy.attention == "kernel")
+        mixed = config.mixed_steps if config.mixed_steps is not None else mx.default_device().type == mx.DeviceType.gpu
+        self._mixing = mixed and self.paged_decode is not None and self.paged_decode.policy.attention == "kernel"
         self.mixed_steps = 0  # steps that carried prefill chunks
         self._gauges: dict[str, Any] = {}
         self._update_gauges()
@@ -440,7 +438,7 @@ class Engine:
             self._sync()  # penalties read the history, in-flight token included
             rows = [r for r in self.scheduler.running if r.state == DECODE]
         batch = None
-        chunks = pick_chunks(self.scheduler.running, len(rows), self.config.prefill_step_size) if self._mixing else []
+        chunks = pick_chunks(self.scheduler.running, self.config.prefill_step_size) if self._mixing else []
         while rows:
             batch = mixed_batch(self.store, rows, chunks, self._bucket) if chunks else self._batch_for(rows)
             if batch.reserve():
@@ -469,7 +467,8 @@ class Engine:
             logits = self.model(inputs[:, None], cache=batch.caches)[:, -1, :]  # (B, vocab)
         batch.commit()
         if chunks:
-            self._advance(chunks)
+            advance(chunks, self.scheduler, self.metrics)
+            self.mixed_steps += 1
             rows = rows + ended
             logits = logits[:len(rows)]  # (B + ended, vocab): the logit rows' padding dropped
         tokens, outs = sample_rows(rows, logits)
@@ -495,18 +494,6 @@ class Engine:
         except (ValueError, RuntimeError) as exc:  # the C++ step refused the graph
             log.warning("compiled paged decode unavailable (%s: %s); decoding eagerly", type(exc).__name__, exc)
             return None, f"{type(exc).__name__}: {exc}"
-
-    def _advance(self, chunks: list[Chunk]) -> None:
-        """After a mixed step: the chunks' prompt tokens are in the pages."""
-        windowed = any(g.window is not None for g in self.store.groups)
-        for c in chunks:
-            c.r.prefilled += c.n
-            if c.ends or windowed:
-                self.scheduler.register_prompt(c.r, c.r.prefilled)
-            if c.ends:
-                c.r.state = DECODE
-        self.metrics.prefilled(sum(c.n for c in chunks))
-        self.mixed_steps += 1
 
     def _batch_for(self, rows: list[LiveRequest]) -> DecodeBatch:
         key = tuple(r.seq.seq_id for r in rows)

@@ -1,13 +1,13 @@
 """Mixed steps: prefill chunks of joining requests ride in the decode step's forward.
 
-One token budget per step (``EngineConfig.prefill_step_size``), spent as vLLM
-v1 schedules it: every decoding request's one token first, then prompt tokens
-of the prefilling requests in admission order, each a chunk of as many as
-the budget has left::
+One prompt-token budget per step (``EngineConfig.prefill_step_size``, the
+same bound on prompt work per iteration as the separate prefill), spent in
+admission order after every decoding request's one token, each prefilling
+request a chunk of as many tokens as the budget has left (vLLM v1's order)::
 
     budget 512, 31 decoding rows, a 700-token prompt joining
-      step 1   rows 0..30 decode | rows 31..511  prompt tokens 0..480    (481 of 700)
-      step 2   rows 0..30 decode | rows 31..249  prompt tokens 481..699  -> its first token
+      step 1   rows 0..30 decode | rows 31..542  prompt tokens 0..511
+      step 2   rows 0..30 decode | rows 31..218  prompt tokens 512..699  -> its first token
                                                   (the chunk's last row gets logits)
 
 A chunk of n tokens is n rows of the step plan (same block table, consecutive
@@ -31,7 +31,8 @@ import mlx.core as mx
 
 from ..state.paged import PagedKVStore
 from .batch import DecodeBatch
-from .scheduler import PREFILL, LiveRequest
+from .metrics import EngineMetrics
+from .scheduler import DECODE, PREFILL, LiveRequest, Scheduler
 
 #: A mixed step's rows are rounded up to a multiple of this (padding rows).
 ROW_BUCKET = 64
@@ -48,9 +49,9 @@ class Chunk:
     ends: bool  # the chunk ends the prompt: its last row gets logits (the first token)
 
 
-def pick_chunks(running: list[LiveRequest], decode_rows: int, budget: int) -> list[Chunk]:
-    """Prompt chunks for the budget left after ``decode_rows`` decode rows, in admission order."""
-    left = budget - decode_rows
+def pick_chunks(running: list[LiveRequest], budget: int) -> list[Chunk]:
+    """Prompt chunks of at most ``budget`` tokens in all, in admission order."""
+    left = budget
     out: list[Chunk] = []
     for r in running:
         if left <= 0:
@@ -87,3 +88,16 @@ def mixed_inputs(decode_inputs: mx.array, batch: DecodeBatch, chunks: list[Chunk
     logit_rows += [logit_rows[0]] * (-len(logit_rows) % LOGIT_BUCKET)
     batch.logit_rows = mx.array(logit_rows, mx.int32)  # (M padded,)
     return tokens, ended
+
+
+def advance(chunks: list[Chunk], scheduler: Scheduler, metrics: EngineMetrics) -> None:
+    """After a mixed step: the chunks' prompt tokens are in the pages (index them as the
+    separate prefill does); a chunk that ended its prompt makes its request decode."""
+    windowed = any(g.window is not None for g in scheduler.store.groups)
+    for c in chunks:
+        c.r.prefilled += c.n
+        if c.ends or windowed:
+            scheduler.register_prompt(c.r, c.r.prefilled)
+        if c.ends:
+            c.r.state = DECODE
+    metrics.prefilled(sum(c.n for c in chunks))
