@@ -160,6 +160,10 @@ class Ours:
             for _ in range(min(streams, len(todo))):
                 submit()
         done.wait()
+        step = self.engine.paged_decode
+        if step is not None:
+            print(f"{self.name}: paged step traces {step.traces}, steps {step.native.steps}, "
+                  f"eager steps {step.eager_steps}", file=sys.stderr)
         return total[0]
 
     def close(self) -> None:

@@ -8,6 +8,8 @@ llama, gemma3 (window 8, rows longer than it), qwen3 (q/k norms). Checks:
 - teacher-forced decode, B=8 rows of different lengths: kernel logits within
   ``ATOL`` of the gather path's and of the eager graph's, same argmax, every step;
 - greedy tokens of the engine with the kernel equal the gather path's;
+- compiled rows padded to buckets: steps of 5, 6 and 7 rows trace once (bucket 8)
+  and their logits equal the op-by-op step's at the exact row count;
 - a prefill chunk of L tokens (L rows sharing one block table, consecutive
   positions) beside a decode row, all written first, then read through the
   tables: each row's logits match the plain forward of its prompt (the chunk's
@@ -112,6 +114,27 @@ def test_engine_greedy_tokens_kernel_equal_gather(tiny, name):
         assert engine.paged_decode is not None and engine.paged_decode.eager_steps == 0
         engine.stop()
     assert got["kernel"] == got["gather"]
+
+
+def test_padded_rows_trace_once_per_bucket_and_match_exact_rows(tiny):
+    loaded = tiny("gemma3")
+    ps = prompts(7)
+    (store_c, seqs_c), (store_r, seqs_r) = prefilled(loaded, ps), prefilled(loaded, ps)
+    groups = DecodeBatch.windows_of(store_c)
+    padded = CompiledPagedDecodeStep(loaded.model, store_c, groups)
+    exact = CompiledPagedDecodeStep(loaded.model, store_r, groups, policy=PagedDecodePolicy(compile=False))
+    for n in (5, 6, 7):
+        tokens = mx.array([p[-1] for p in ps[:n]], mx.uint32)
+        out = []
+        for step, store, seqs in ((padded, store_c, seqs_c), (exact, store_r, seqs_r)):
+            batch = DecodeBatch(store, seqs[:n])
+            assert batch.reserve()
+            out.append(step.step(tokens, batch))
+            batch.commit()
+        mx.eval(out)
+        assert out[0].shape == out[1].shape == (n, out[1].shape[1])
+        assert mx.abs(out[0] - out[1]).max().item() <= ATOL
+    assert padded.traces == 1 and padded.eager_steps == 0  # 5, 6, 7 rows: one bucket of 8
 
 
 def _chunk_inputs(store, seqs, chunk_lens):

@@ -138,6 +138,8 @@ Raises:
               "mx.compile the step (S bucketed); off builds the graph op by op at the exact S.")
       .def_rw("t_bucket", &PagedDecodeConfig::t_bucket,
               "Compiled: round each group's block-table width T (pages) up to a multiple of this.")
+      .def_rw("pad_rows", &PagedDecodeConfig::pad_rows,
+              "Compiled: pad R and M up to buckets (powers of two to 16, then multiples of 16).")
       .def_rw("attention", &PagedDecodeConfig::attention,
               "\"kernel\" (paged_attention through the tables; the gather path on Metal) or \"gather\".");
 

@@ -156,6 +156,24 @@ int round_up(int n, int step) {
   return ((n + step - 1) / step) * step;
 }
 
+// Compiled: the row count a step of n rows runs at (see PagedDecodeConfig::pad_rows).
+int row_bucket(int n) {
+  if (n <= 16) {
+    int b = 1;
+    while (b < n) b *= 2;
+    return b;
+  }
+  return round_up(n, 16);
+}
+
+// ``a`` (n, ...) with ``pad`` more rows of ``value`` at the end.
+mx::array pad_rows(const mx::array& a, int pad, int value) {
+  if (pad == 0) return a;
+  std::vector<std::pair<int, int>> width(a.ndim(), {0, 0});
+  width[0] = {0, pad};
+  return mx::pad(a, width, mx::array(value, a.dtype()));
+}
+
 }  // namespace
 
 PagedDecodeStep::PagedDecodeStep(
@@ -251,12 +269,17 @@ PagedStepOutput PagedDecodeStep::step(
   }
   const int M = logit_rows.shape(0);
 
+  // Compiled: rows padded to a bucket (padding: token 0 at position 0, the null page's slot 0
+  // written and read, no logits), so a batch that grows or shrinks by a row rarely retraces.
+  const bool pad = compiled_ && paged_.pad_rows;
+  const int R_run = pad ? row_bucket(R) : R, M_run = pad ? row_bucket(M) : M;
   std::vector<mx::array> inputs;
   inputs.reserve(kStepInputs + kGroupInputs * num_groups_ + 2 * L);
-  inputs.push_back(row_ints(tokens, R, "tokens"));
-  inputs.push_back(row_ints(positions, R, "positions"));
-  inputs.push_back(logit_rows.dtype() == mx::int32 ? logit_rows : mx::astype(logit_rows, mx::int32));
-  std::vector<int> signature{R, M};
+  inputs.push_back(pad_rows(row_ints(tokens, R, "tokens"), R_run - R, 0));
+  inputs.push_back(pad_rows(row_ints(positions, R, "positions"), R_run - R, 0));
+  inputs.push_back(pad_rows(logit_rows.dtype() == mx::int32 ? logit_rows : mx::astype(logit_rows, mx::int32),
+                            M_run - M, 0));
+  std::vector<int> signature{R_run, M_run};
   for (int g = 0; g < num_groups_; ++g) {
     const auto& in = groups[g];
     const std::string where = "group " + std::to_string(g) + ": ";
@@ -275,9 +298,9 @@ PagedStepOutput PagedDecodeStep::step(
       }
     }
     signature.push_back(tables.shape(1));
-    inputs.push_back(tables);
-    inputs.push_back(row_ints(in.lengths, R, where + "lengths"));
-    inputs.push_back(row_ints(in.write_slots, R, where + "write_slots"));
+    inputs.push_back(pad_rows(tables, R_run - R, 0));
+    inputs.push_back(pad_rows(row_ints(in.lengths, R, where + "lengths"), R_run - R, 1));
+    inputs.push_back(pad_rows(row_ints(in.write_slots, R, where + "write_slots"), R_run - R, 0));
   }
   for (int i = 0; i < L; ++i) {
     for (const auto* a : {&keys[i], &values[i]}) {
@@ -315,7 +338,8 @@ PagedStepOutput PagedDecodeStep::step(
   }
   inputs.clear();  // the graph holds the storage now; the caller's commit drops its own reference
 
-  PagedStepOutput out{outputs[0], {}, {}};
+  auto logits = M_run == M ? outputs[0] : mx::slice(outputs[0], {0, 0}, {M, outputs[0].shape(1)});
+  PagedStepOutput out{logits, {}, {}};
   out.keys.reserve(L);
   out.values.reserve(L);
   for (int i = 0; i < L; ++i) {

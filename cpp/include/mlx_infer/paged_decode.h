@@ -44,7 +44,8 @@
 //
 // Compiled (PagedDecodeConfig::compile): the whole step is one mx::compile'd
 // function of its array inputs, so per-step integers never retrace it; only
-// shapes do (R, M, each group's T, the page count). T grows a page every
+// shapes do (R and M, padded to buckets unless pad_rows is off, each group's
+// T, the page count). T grows a page every
 // page_size tokens, so it is rounded up to a multiple of t_bucket (padding is
 // the null page, never read: lengths bound every read): a steady-state step
 // between bucket boundaries does not trace. Otherwise the graph is built op by
@@ -73,6 +74,10 @@ struct PagedDecodeConfig {
   bool compile = true;
   /// Compiled: round each group's block-table width T (pages) up to a multiple of this (>= 1).
   int t_bucket = 4;
+  /// Compiled: run R rows (and M logit rows) padded up to a bucket (powers of two to 16, then
+  /// multiples of 16), so a batch that changes by a row rarely retraces. Padding rows are token
+  /// 0 at position 0 writing and reading slot 0 of the null page (read elsewhere only masked).
+  bool pad_rows = true;
   /// "kernel" (paged_attention, no gathered copy; gather on Metal) or "gather" (the reference).
   std::string attention = "kernel";
 };

@@ -56,6 +56,10 @@ class PagedDecodePolicy:
         t_bucket: compiled mode: each layer group's block-table width (pages) is
             rounded up to a multiple of this, so a new trace happens once per
             ``t_bucket * page_size`` tokens of the longest row (and per batch size seen).
+        pad_rows: compiled mode: the step runs its rows (and logit rows) padded
+            up to a bucket (powers of two to 16, then multiples of 16; padding
+            rows touch only the null page), so a batch that gains or loses a
+            row replays a traced graph instead of tracing a new one.
         attention: ``"kernel"``: paged attention reads K/V through the block
             tables (CPU and CUDA kernels; Metal has none yet and gathers);
             ``"gather"``: the reference, a gathered (B, KVH, S, D) copy and MLX SDPA.
@@ -69,6 +73,7 @@ class PagedDecodePolicy:
 
     compile: bool = True
     t_bucket: int = DEFAULT_T_BUCKET
+    pad_rows: bool = True
     attention: str = "kernel"
 
     def __post_init__(self) -> None:
@@ -140,6 +145,7 @@ class CompiledPagedDecodeStep:
         paged.compile = policy.compile
         paged.t_bucket = policy.t_bucket
         paged.attention = policy.attention
+        paged.pad_rows = policy.pad_rows
         self.model = model
         self.store = store
         self.policy = policy
