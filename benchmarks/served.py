@@ -402,7 +402,7 @@ def main() -> None:
                              "decode_only_tps": (statistics.median(x["decode_only_tps"] for x in t)
                                                  if all(x["decode_only_tps"] for x in t) else None),
                              "peak_gb": max((x["peak_gb"] for x in t if x["peak_gb"] is not None), default=None),
-                             "trials": t})
+                             **memory_of(e), "trials": t})
             base = next(r for r in rows[-len(engines):] if r["engine"] == "mlx-lm")
             for r in rows[-len(engines):]:
                 r["ratio_vs_mlx-lm"] = r["decode_tps"] / base["decode_tps"]
@@ -417,6 +417,17 @@ def main() -> None:
         write_json(doc, Path(args.json))
     if args.plot:
         plot(doc, Path(args.plot))
+
+
+def memory_of(e: Any) -> dict[str, float]:
+    """For an in-process mlx-infer column: its weights and its KV pool (allocated storage), GB, so
+    ``peak_gb`` can be checked against weights + pool + activations (pages written in place).
+    ``peak_gb`` itself is the whole process's: every column's weights are loaded in it."""
+    if not isinstance(e, Ours):
+        return {}
+    from mlx_infer.engine.config import weight_bytes
+
+    return {"weights_gb": weight_bytes(e.loaded.model) / 1e9, "kv_pool_gb": e.engine.store.nbytes / 1e9}
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -74,7 +74,8 @@ def test_served_benchmark_on_a_toy_shape_writes_ttft_memory_json_and_plot(tmp_pa
     script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "served.py"
     out = tmp_path / "served.json"
     r = subprocess.run([sys.executable, str(script), "--shape", "gemma3-270m", "--toy", "--streams", "1,2",
-                        "-p", "8", "-g", "4", "-r", "1", "-n", "1", "--http", "--no-ids", "--json", str(out),
+                        "-p", "8", "-g", "4", "-r", "1", "-n", "1", "--http", "--no-ids", "--memory-budget", "0.25",
+                        "--json", str(out),
                         "--plot", str(tmp_path / "served.png")], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
@@ -85,5 +86,7 @@ def test_served_benchmark_on_a_toy_shape_writes_ttft_memory_json_and_plot(tmp_pa
         assert 0 < row["ttft_p50_ms"] <= row["ttft_p95_ms"]
         assert len(row["trials"][0]["ttft_s"]) == row["batch"]  # one first token per request
         assert row["peak_gb"] > 0
+        if row["engine"] == "mlx-infer":  # the pool was allocated (0.8 of --memory-budget at most)
+            assert 0 < row["kv_pool_gb"] and 0 < row["weights_gb"] < row["peak_gb"]
     assert "| TTFT p50 ms | TTFT p95 ms | peak GB |" in r.stdout
     assert (tmp_path / "served.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -46,7 +46,7 @@ def test_cuda_reports_total_memory(tiny, monkeypatch):
 
 
 def test_cpu_pool_is_the_fraction_of_available_ram(tiny, monkeypatch):
-    monkeypatch.setattr(cfg, "available_ram", lambda: 6 * GiB)
+    monkeypatch.setattr(cfg, "available_ram", lambda: 12 * GiB)
     budget = cfg.kv_budget(tiny.model, EngineConfig())
     assert budget.bytes == 3 * GiB - cfg.ACTIVATION_RESERVE_BYTES and "available RAM" in budget.source
 
@@ -66,7 +66,7 @@ def test_a_device_too_small_is_a_clear_error(tiny, monkeypatch):
 
 
 def test_engine_reports_its_sizing(tiny, monkeypatch):
-    monkeypatch.setattr(cfg, "available_ram", lambda: 2 * GiB + 64 * 2**20)  # 32 MiB of KV
+    monkeypatch.setattr(cfg, "available_ram", lambda: 4 * GiB + 128 * 2**20)  # 32 MiB of KV
     engine = Engine(tiny, EngineConfig(page_size=16))
     per_page = cfg.kv_page_bytes(tiny.model, 16)
     assert engine.kv_budget.bytes == 32 * 2**20

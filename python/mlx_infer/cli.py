@@ -180,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-batch", type=int, default=32, help="most requests running at once")
     s.add_argument("--memory-budget", type=float, default=None, metavar="GB",
                    help="memory for KV pages and activations, weights excluded (default: sized from the "
-                        "device: 0.9 of a GPU's memory or 0.5 of available RAM, minus weights and 1 GiB)")
+                        "device: 0.9 of a GPU's memory or 0.25 of available RAM, minus weights and 1 GiB)")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     s.add_argument("--max-tokens", type=int, default=512, help="default max tokens of a chat completion")
     s.add_argument("--prefill-step-size", type=int, default=512, help="prompt tokens per engine iteration")

@@ -8,8 +8,9 @@ Default (``memory_budget_gb=None``), as vLLM's ``gpu_memory_utilization``::
     CPU   KV bytes = fraction x available RAM - activation reserve
                      (the weights are already out of what is available)
 
-``fraction`` is ``memory_fraction`` (default 0.9 on a GPU, 0.5 on the CPU,
-which the OS and other processes share). An explicit budget gives
+``fraction`` is ``memory_fraction`` (default 0.9 on a GPU; 0.25 on the CPU,
+whose RAM the OS and other processes share: vLLM's CPU backend likewise
+defaults to a fixed 4 GiB of KV rather than most of the RAM). An explicit budget gives
 :data:`KV_FRACTION` of it to KV pages. Either way no group holds more than
 its sequences can use (see :func:`pool_pages`).
 """
@@ -31,7 +32,7 @@ DEFAULT_PAGE_SIZE = 16
 DEFAULT_PREFILL_STEP_SIZE = 512
 DEFAULT_MEMORY_BUDGET_GB: float | None = None  # None: sized from the device
 #: Share of the device's memory the default sizing lets the engine use, per device type.
-DEFAULT_MEMORY_FRACTION = {"gpu": 0.9, "cpu": 0.5}
+DEFAULT_MEMORY_FRACTION = {"gpu": 0.9, "cpu": 0.25}
 #: Memory kept free for activations (prefill chunks, the step's logits) and MLX's buffer cache.
 ACTIVATION_RESERVE_BYTES = 1 << 30
 DEFAULT_MAX_QUEUE = 4096
