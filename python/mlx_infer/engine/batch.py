@@ -12,9 +12,10 @@ copies come back as int32 arrays. No per-row Python runs here::
                 (``paged_inputs()``: block tables, lengths, write slots per group;
                 see generation/bindings/paged_decode_step.py), or the eager graph
                 through ``caches``:
-                per window kind, the gather index (R, S) is a few lazy MLX
-                ops on the plan's arrays, shared by every layer of that kind
-                every layer: its group's copies (rare), write its R slots, gather
+                per window kind, the gather index (R, S) comes from the plan
+                (``StepPlan.gather_index``, built in C++), shared by every layer
+                of that kind; every layer: its group's copies (rare), write its
+                R slots, gather
     commit()    every layer's offset of every row moves to the new length
 
 A row is a decode row (one token) or one token of a prefill chunk (a
