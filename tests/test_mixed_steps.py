@@ -58,3 +58,30 @@ def test_pick_chunks_spends_the_prompt_budget_in_admission_order():
     chunks = pick_chunks(running, budget=64)
     assert [(c.n, c.ends) for c in chunks] == [(40, True), (6, True), (18, False)]
     assert ROW_BUCKET % LOGIT_BUCKET == 0 and isinstance(chunks[0], Chunk)
+
+
+def test_mixed_steps_under_staggered_load_with_shared_prefixes(tiny):
+    """Twelve requests arriving over time, some sharing a cached prefix, a small pool (preemption
+    possible): mixed steps give the separate-prefill engine's greedy tokens, request by request."""
+    import random
+
+    rng = random.Random(7)
+    shared = [rng.randrange(5, 300) for _ in range(12)]
+    plan = [(step, (shared if rng.random() < 0.5 else []) + [rng.randrange(5, 300) for _ in range(rng.randrange(1, 30))],
+             rng.randrange(1, 10)) for step in sorted(rng.randrange(0, 12) for _ in range(12))]
+
+    def run_plan(mixed: bool) -> list[list[int]]:
+        engine = Engine(tiny, EngineConfig(page_size=4, prefill_step_size=8, num_pages=48, max_batch=6,
+                                           mixed_steps=mixed))
+        handles, step = [], 0
+        for at, prompt, n in plan:
+            while step < at:
+                engine.step()
+                step += 1
+            handles.append(engine.submit(EngineRequest(prompt_ids=prompt, max_tokens=n, detokenize=False,
+                                                       ignore_eos=True)))
+        engine.run_until_idle()
+        assert not mixed or engine.mixed_steps > 0
+        return [h.result(1).token_ids for h in handles]
+
+    assert run_plan(True) == run_plan(False)
