@@ -106,6 +106,9 @@ class Engine:
         self.eos = frozenset(loaded.eos_token_ids)
         self.newlines = newline_ids(loaded)
         self.vocab_size = int(getattr(self.model.args, "vocab_size", 0)) or None
+        # Lazy arrays a graph keeps outside its parameters (llama3 RoPE's _freqs) belong to the
+        # stream of the thread that built them: evaluate them here, not first on the engine thread.
+        mx.eval([v for m in self.model.modules() for v in m.values() if isinstance(v, mx.array)])
         self.kv_budget = None if config.num_pages is not None else kv_budget(self.model, config)
         self.store = PagedKVStore.for_model(
             self.model, num_pages=pool_pages(self.model, config, self.context_length, self.kv_budget),
