@@ -52,7 +52,7 @@ from ..sampling import RequestRNG, make_sampler
 from ..state.paged import PagedKVStore
 from .batch import DecodeBatch
 from .config import EngineConfig, kv_budget, pool_pages
-from .metrics import EngineMetrics, prometheus_text
+from .metrics import PROMETHEUS_ORDER, EngineMetrics, pool_gauges, prometheus_text
 from .request import EngineRequest, RequestHandle, RequestResult, TokenEvent, wake
 from .mixed import advance, mixed_batch, mixed_inputs, pick_chunks
 from .rows import Step, queue_outputs, sample_rows, step_inputs
@@ -251,22 +251,11 @@ class Engine:
     def prometheus(self) -> str:
         """:meth:`stats` in the Prometheus text format."""
         s = self.stats()
-        order = ["queue_depth", "running", "requests_total", "prompt_tokens_total", "cached_tokens_total",
-                 "prefill_tokens_total", "generation_tokens_total", "decode_steps_total", "preemptions_total",
-                 "rejected_total", "generation_tokens_per_second", "prompt_tokens_per_second",
-                 "prefix_hit_rate", "kv_pages_total", "kv_pages_used", "kv_pages_free", "kv_pages_cached",
-                 "kv_page_usage", "memory_active_bytes", "memory_peak_bytes"]
-        return prometheus_text({k: s[k] for k in order})
+        return prometheus_text({k: s[k] for k in PROMETHEUS_ORDER})
 
     def _update_gauges(self) -> None:
-        pools = [self.store.pages.pool(g.index) for g in self.store.groups]  # summed over layer groups
-        total = sum(p.num_pages - 1 for p in pools)
-        used = sum(p.num_used_pages() for p in pools)
         g = {"queue_depth": len(self.scheduler.waiting), "running": len(self.scheduler.running),
-             "kv_pages_total": total, "kv_pages_used": used,
-             "kv_pages_free": sum(p.num_free_pages() for p in pools),
-             "kv_pages_cached": sum(p.num_cached_pages() for p in pools),
-             "kv_page_usage": used / total if total else 0.0}
+             **pool_gauges(self.store)}
         with self._lock:
             self._gauges = g
 
