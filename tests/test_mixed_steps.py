@@ -85,3 +85,21 @@ def test_mixed_steps_under_staggered_load_with_shared_prefixes(tiny):
         return [h.result(1).token_ids for h in handles]
 
     assert run_plan(True) == run_plan(False)
+
+
+def test_after_the_compiled_step_fails_the_engine_prefills_separately(tiny):
+    class Broken:
+        def step(self, *a, **k):
+            raise RuntimeError("broken on purpose")
+
+    engine = Engine(tiny, EngineConfig(page_size=4, prefill_step_size=16, mixed_steps=True))
+    engine.paged_decode.native = Broken()
+    first = engine.submit(EngineRequest(prompt_ids=PROMPTS[0], max_tokens=8, detokenize=False, ignore_eos=True))
+    with pytest.warns(RuntimeWarning, match="broken on purpose"):
+        for _ in range(3):
+            engine.step()
+    later = engine.submit(EngineRequest(prompt_ids=PROMPTS[1], max_tokens=6, detokenize=False, ignore_eos=True))
+    engine.run_until_idle()
+    assert engine.paged_decode.failed and engine.mixed_steps == 0
+    assert later.result(1).token_ids == greedy(tiny.model, PROMPTS[1], 6)
+    assert first.result(1).token_ids == greedy(tiny.model, PROMPTS[0], 8)

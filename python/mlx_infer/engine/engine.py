@@ -292,7 +292,7 @@ class Engine:
         for r in unfit:
             self._finish(r, "length")
         busy, first = False, None
-        if not (self._mixing and any(r.state == DECODE for r in self.scheduler.running)):
+        if not (self._mixes() and any(r.state == DECODE for r in self.scheduler.running)):
             busy, first = self._prefill()  # else the decode step carries the prompt chunks
         if first is not None and (not self.config.pipeline or any(r.needs_history for r in first.rows)):
             self._consume(first)  # penalties read the history: the first token must be in it
@@ -430,7 +430,7 @@ class Engine:
             self._sync()  # penalties read the history, in-flight token included
             rows = [r for r in self.scheduler.running if r.state == DECODE]
         batch = None
-        chunks = pick_chunks(self.scheduler.running, self.config.prefill_step_size) if self._mixing else []
+        chunks = pick_chunks(self.scheduler.running, self.config.prefill_step_size) if self._mixes() else []
         while rows:
             batch = mixed_batch(self.store, rows, chunks, self._bucket) if chunks else self._batch_for(rows)
             if batch.reserve():
@@ -486,6 +486,11 @@ class Engine:
         except (ValueError, RuntimeError) as exc:  # the C++ step refused the graph
             log.warning("compiled paged decode unavailable (%s: %s); decoding eagerly", type(exc).__name__, exc)
             return None, f"{type(exc).__name__}: {exc}"
+
+    def _mixes(self) -> bool:
+        """Whether prompt chunks ride in the decode step (not after the compiled step failed:
+        the eager graph would gather every chunk row's keys)."""
+        return self._mixing and not self.paged_decode.failed
 
     def _batch_for(self, rows: list[LiveRequest]) -> DecodeBatch:
         key = tuple(r.seq.seq_id for r in rows)
