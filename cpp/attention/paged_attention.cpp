@@ -4,7 +4,10 @@
 
 #include <mlx/allocator.h>
 #include <mlx/backend/cpu/encoder.h>
+#if __has_include(<mlx/backend/cuda/cuda.h>)  // every Linux wheel; maybe not a macOS one
 #include <mlx/backend/cuda/cuda.h>
+#define MLXI_HAS_CUDA_HEADER 1
+#endif
 #include <mlx/primitives.h>
 
 #include <algorithm>
@@ -205,8 +208,12 @@ class PagedAttentionCPU : public mx::UnaryPrimitive {
 };
 
 bool cuda_backend() {
+#ifdef MLXI_HAS_CUDA_HEADER
   static const bool yes = mx::cu::is_available();
   return yes;
+#else
+  return false;
+#endif
 }
 
 }  // namespace
