@@ -163,7 +163,7 @@ class Ours:
         step = self.engine.paged_decode
         if step is not None:
             print(f"{self.name}: paged step traces {step.traces}, steps {step.native.steps}, "
-                  f"eager steps {step.eager_steps}", file=sys.stderr)
+                  f"eager steps {step.eager_steps}, attention on {step.attention_backend!r}", file=sys.stderr)
         return total[0]
 
     def close(self) -> None:

@@ -98,6 +98,8 @@ def test_kernel_logits_match_gather_and_eager(tiny, name):
     assert max(worst.values()) <= ATOL, worst
     for mode in ("kernel", "gather"):
         assert runs[mode][1].eager_steps == 0 and runs[mode][1].failures == 0
+    assert runs["kernel"][1].attention_backend == "cpu"  # the kernel ran, not the gather fallback
+    assert runs["gather"][1].attention_backend == "gather"
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma3"])

@@ -4,7 +4,10 @@
 
 #include <mlx/allocator.h>
 #include <mlx/backend/cpu/encoder.h>
+#if __has_include(<mlx/backend/cuda/cuda.h>)  // every Linux wheel; maybe not a macOS one
 #include <mlx/backend/cuda/cuda.h>
+#define MLXI_HAS_CUDA_HEADER 1
+#endif
 #include <mlx/primitives.h>
 
 #include <algorithm>
@@ -205,8 +208,12 @@ class PagedAttentionCPU : public mx::UnaryPrimitive {
 };
 
 bool cuda_backend() {
+#ifdef MLXI_HAS_CUDA_HEADER
   static const bool yes = mx::cu::is_available();
   return yes;
+#else
+  return false;
+#endif
 }
 
 }  // namespace
@@ -252,6 +259,10 @@ mx::array paged_attention_gather(const mx::array& q, const mx::array& k_storage,
 }
 
 std::string paged_attention_backend(const mx::array& q, const mx::array& k_storage, mx::StreamOrDevice s) {
+  if (q.ndim() != 3 || k_storage.ndim() != 4) {
+    fail("paged_attention_backend takes q (R, H, D) and a storage (pages, KVH, P, D), got " + shape_str(q) +
+         " and " + shape_str(k_storage) + ".");
+  }
   const auto stream = mx::to_stream(s);
   if (on_cpu(stream)) {
     return kernel_dtype(q.dtype()) && kernel_dtype(k_storage.dtype()) ? "cpu" : "gather";

@@ -196,6 +196,8 @@ Raises:
       .def_prop_ro("signatures", &PagedDecodeStep::signatures,
                    "Distinct input-shape signatures the compiled step ran with.")
       .def_prop_ro("steps", &PagedDecodeStep::steps)
+      .def_prop_ro("attention_backend", &PagedDecodeStep::attention_backend,
+                   "What the last built or traced step's attention ran on: \"cpu\", \"cuda\" or \"gather\".")
       .def_prop_ro("num_groups", &PagedDecodeStep::num_groups)
       .def_prop_ro("config", &PagedDecodeStep::config, nb::rv_policy::copy)
       .def_prop_ro("paged_config", &PagedDecodeStep::paged_config, nb::rv_policy::copy);

@@ -35,24 +35,27 @@ mx::array write_part(const mx::array& part, const mx::array& x, const mx::array&
 class PagedKV final : public KVAccess {
  public:
   PagedKV(const DecodeStep::Graph& g, const std::vector<int>& layer_groups, int num_groups, bool kernel,
-          const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs)
+          const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs, std::string* backend)
       : g_(g), layer_groups_(layer_groups), num_groups_(num_groups), kernel_(kernel), inputs_(inputs),
-        outputs_(outputs), rows_(num_groups) {}
+        outputs_(outputs), backend_(backend), rows_(num_groups) {}
 
   // The kernel path: write, then paged_attention through the tables (no gathered copy).
   std::optional<mx::array> write_attend(int i, const mx::array& q, const mx::array& k,
                                         const mx::array& v) override {
     const auto& kbuf = key_storage(i);
-    if (!kernel_ || paged_attention_backend(q, kbuf) == "gather") {
+    const int R = q.shape(0), H = q.shape(1), D = q.shape(3);
+    auto q3 = mx::reshape(q, {R, H, D});  // (R, H, 1, D) -> the op's (R, H, D)
+    const auto backend = kernel_ ? paged_attention_backend(q3, kbuf) : std::string("gather");
+    if (backend_ != nullptr) {
+      *backend_ = backend;
+    }
+    if (backend == "gather") {
       return std::nullopt;  // Metal, or a shape the kernels do not take: write_read's gather
     }
-    const int gi = layer_groups_[i];
-    const auto* in = group_inputs(gi);
+    const auto* in = group_inputs(layer_groups_[i]);
     auto [new_k, new_v] = write(i, k, v);
-    const int R = q.shape(0), H = q.shape(1), D = q.shape(3);
-    auto out = paged_attention(mx::reshape(q, {R, H, D}), new_k, new_v, in[0], in[1], g_.layers[i].window,
-                               g_.cfg.attn_scale);  // (R, H, D)
-    return mx::reshape(out, {R, H, 1, D});
+    auto out = paged_attention(q3, new_k, new_v, in[0], in[1], g_.layers[i].window, g_.cfg.attn_scale);
+    return mx::reshape(out, {R, H, 1, D});  // (R, H, 1, D)
   }
 
   // The gather path (reference and fallback): write, gather (R, KVH, S, D), attend under the mask.
@@ -119,16 +122,18 @@ class PagedKV final : public KVAccess {
   const bool kernel_;
   const std::vector<mx::array>& inputs_;
   std::vector<mx::array>& outputs_;
+  std::string* backend_;  // set to what the layers' attention ran on ("cpu", "cuda", "gather")
   std::vector<std::optional<Rows>> rows_;
   std::map<int, mx::array> writes_;
 };
 
 std::vector<mx::array> paged_forward(const DecodeStep::Graph& g, const std::vector<int>& layer_groups,
-                                     int num_groups, bool kernel, const std::vector<mx::array>& inputs) {
+                                     int num_groups, bool kernel, const std::vector<mx::array>& inputs,
+                                     std::string* backend) {
   std::vector<mx::array> outputs;
   outputs.reserve(1 + 2 * g.cfg.num_layers);
   outputs.push_back(mx::array(0));  // logits, set below
-  PagedKV kv(g, layer_groups, num_groups, kernel, inputs, outputs);
+  PagedKV kv(g, layer_groups, num_groups, kernel, inputs, outputs, backend);
   outputs[0] = decode_layers(g, inputs[0], inputs[1], kv, inputs[2]);
   return outputs;
 }
@@ -222,12 +227,13 @@ PagedDecodeStep::PagedDecodeStep(
     auto groups = paged_.layer_groups;
     int G = num_groups_;
     bool kernel = paged_.attention == "kernel";
+    auto backend = backend_;
     compiled_ = mx::compile(
-        [g, groups, G, kernel](const std::vector<mx::array>& in) {
+        [g, groups, G, kernel, backend](const std::vector<mx::array>& in) {
           if (!in.empty() && in[0].is_tracer()) {
             g->traces += 1;  // runs only while tracing
           }
-          return paged_forward(*g, groups, G, kernel, in);
+          return paged_forward(*g, groups, G, kernel, in, backend.get());
         },
         /*shapeless=*/false);
   }
@@ -334,7 +340,8 @@ PagedStepOutput PagedDecodeStep::step(
     }
     seen_.insert(std::move(signature));
   } else {
-    outputs = paged_forward(*graph_, paged_.layer_groups, num_groups_, paged_.attention == "kernel", inputs);
+    outputs = paged_forward(*graph_, paged_.layer_groups, num_groups_, paged_.attention == "kernel", inputs,
+                            backend_.get());
   }
   inputs.clear();  // the graph holds the storage now; the caller's commit drops its own reference
 

@@ -10,6 +10,10 @@
 //   -> out        (R, H, D), q's dtype
 //
 // GQA: query head h reads KV head h / (H / KVH). window <= 0: no window.
+// Table entries a row reads (logical pages below ceil(length / P)) must be
+// valid page ids: the CPU kernel clamps them for memory safety only, the CUDA
+// kernel does not check them. Keys past T * P are never read (a length beyond
+// it attends to the first T * P keys only).
 // Scores and the softmax accumulate in float32 (online softmax). A row with
 // length <= 0 attends to nothing and gets zeros.
 //

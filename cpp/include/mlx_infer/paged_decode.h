@@ -133,12 +133,16 @@ class PagedDecodeStep {
   /// Distinct input-shape signatures the compiled step has run with.
   int signatures() const { return static_cast<int>(seen_.size()); }
   int steps() const { return steps_; }
+  /// What the last built (or traced) step's attention ran on: "cpu", "cuda" or "gather"
+  /// ("" before the first step). A compiled step replaying a trace keeps the trace's value.
+  const std::string& attention_backend() const { return *backend_; }
   int num_groups() const { return num_groups_; }
   const DecodeConfig& config() const;
   const PagedDecodeConfig& paged_config() const { return paged_; }
 
  private:
   std::shared_ptr<DecodeStep::Graph> graph_;
+  std::shared_ptr<std::string> backend_ = std::make_shared<std::string>();
   PagedDecodeConfig paged_;
   int num_groups_ = 0;
   std::function<std::vector<mx::array>(const std::vector<mx::array>&)> compiled_;

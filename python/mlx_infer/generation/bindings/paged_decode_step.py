@@ -167,6 +167,11 @@ class CompiledPagedDecodeStep:
         return self.native.traces
 
     @property
+    def attention_backend(self) -> str:
+        """What the step's attention ran on: ``"cpu"``, ``"cuda"`` or ``"gather"`` (``""`` before a step)."""
+        return self.native.attention_backend
+
+    @property
     def retraces(self) -> int:
         """Traces of a signature traced before: 0 when the step replays its graphs."""
         return self.native.retraces
