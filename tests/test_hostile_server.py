@@ -345,16 +345,13 @@ def test_serve_cli_errors_are_one_line(argv, needle, tiny_dir, tmp_path, capsys)
     assert set(os.listdir(tmp_path)) - before <= {"bad-gen"}  # nothing else written
 
 
-def test_bad_generation_defaults_refused_by_create_app(tiny_dir, tmp_path):
+def test_bad_generation_defaults_refused_at_load(tiny_dir, tmp_path):
+    """Bad sampling defaults are the model's fault: refused when it loads (before any server starts),
+    never answered as a client's 400 on every request."""
     from mlx_infer.errors import MlxInferError
 
-    loaded = load_model(_bad_generation_dir(tiny_dir, tmp_path))
-    engine = Engine(loaded, EngineConfig(page_size=8))
-    try:
-        with pytest.raises(MlxInferError, match="generation_config"):
-            create_app(engine, model_id="tiny")
-    finally:
-        engine.stop()
+    with pytest.raises(MlxInferError, match="generation_config"):
+        load_model(_bad_generation_dir(tiny_dir, tmp_path))
 
 
 def test_exposure_is_said_and_an_open_bind_warns():
