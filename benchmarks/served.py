@@ -1,4 +1,4 @@
-"""Served throughput: aggregate decode tokens/s at 1, 8 and 32 concurrent streams.
+"""Served throughput and time to first token at 1 to 128 concurrent streams.
 
 mlx-infer's continuous-batching engine (and, with ``--http``, ``mlx-infer serve``
 in its own process, streamed over loopback) beside mlx-lm's
@@ -13,8 +13,21 @@ End to end = generated tokens / wall time (prefill included); decode only =
 tokens/s while the first S requests all decode together (from the last of
 their first tokens to the first of their ends; no prefill in that window).
 
+Each row also has the requests' TTFT p50/p95 (submit to first token, per
+request, over every trial) and the peak memory (MLX's, this process; the
+server's own from its /metrics for ``mlx-infer-http``).
+
+    python benchmarks/served.py --shape llama-1b --http --json benchmarks/results/h200-served-llama-1b.json \
+        --plot benchmarks/results/h200-served-llama-1b.png        # on a GPU: the issue's table
+    python benchmarks/served.py --shape llama-1b --toy --streams 1,8 -p 32 -g 16 --http   # CPU smoke run
     python benchmarks/served.py --tiny llama --streams 1,8,32 -p 32 -g 64 --json R.json
     python benchmarks/served.py --streams 1,8,32 -p 16 -g 8 -r 1 -n 1 --json R.json   # real Gemma 3 270M
+
+``--shape NAME`` builds random bf16 weights of a real model shape (the
+shapes of ``gpu_decode.py``; ``--toy`` shrinks them for a CPU run) and saves
+them as a model directory both engines load, with a word-level tokenizer over
+the whole vocabulary (token ``i`` is the word ``t{i}``), so the engine
+detokenizes every id it samples.
 """
 
 from __future__ import annotations
@@ -34,10 +47,43 @@ import mlx.core as mx
 
 ROOT = Path(__file__).resolve().parent.parent
 KERNELS: dict[str, Any] = {}  # load_model options (--stock-kernels)
+BUDGET_GB: float | None = None  # --memory-budget for both mlx-infer columns (None: sized from the device)
+
+
+def shape_dir(name: str, toy: bool, root: Path) -> Path:
+    """A model directory with random bf16 weights of shape ``name`` and a whole-vocabulary tokenizer."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu_decode import SHAPES, TINY, build_model, save_hf_dir
+
+    if name not in SHAPES:
+        raise SystemExit(f"unknown shape {name!r}; choose from {', '.join(SHAPES)}")
+    config = dict(SHAPES[name], **(TINY[name] if toy else {}))
+    path = root / (name + ("-toy" if toy else ""))
+    save_hf_dir(build_model(config), config, path)
+    write_word_tokenizer(path, config["vocab_size"])
+    return path
+
+
+def write_word_tokenizer(path: Path, vocab_size: int) -> None:
+    """tokenizer.json (word level: id ``i`` is ``t{i}``, ids 0-2 the bos/eos/pad specials) and its config."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    specials = ["<bos>", "<eos>", "<pad>"]
+    vocab = {w: i for i, w in enumerate(specials + [f"t{i}" for i in range(len(specials), vocab_size)])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    tok.add_special_tokens(specials)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<bos>", "eos_token": "<eos>",
+                                                            "pad_token": "<pad>", "add_bos_token": False}))
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 1}))
 
 
 def model_dir(args: argparse.Namespace) -> Path:
     """The MLX directory to benchmark: a fresh tiny model, the given path, or the embedded model."""
+    if args.shape:
+        return shape_dir(args.shape, args.toy, Path(tempfile.mkdtemp(prefix="served-")))
     if args.tiny:
         sys.path.insert(0, str(ROOT / "tests"))
         from tiny import make_tiny_model_dir
@@ -60,12 +106,23 @@ class Ours:
 
     name = "mlx-infer"
 
+    policy: dict[str, Any] = {}  # PagedDecodePolicy fields of this column (default: the engine's)
+
     def __init__(self, path: Path, max_batch: int):
         from mlx_infer.artifacts.loader import load_model
         from mlx_infer.engine import Engine, EngineConfig
+        from mlx_infer.generation.bindings.paged_decode_step import PagedDecodePolicy
 
         self.loaded = load_model(path, **KERNELS)
-        self.engine = Engine(self.loaded, EngineConfig(max_batch=max_batch)).start()
+        # Materialize the lazy arrays here (weights, and non-parameter ones such as llama3 RoPE's
+        # _freqs): their ops belong to this thread's stream, which the engine thread cannot
+        # evaluate ("There is no Stream(gpu, 0) in current thread").
+        model = self.loaded.model
+        mx.eval(model.parameters(), [v for m in model.modules() for v in m.values() if isinstance(v, mx.array)])
+        self.engine = Engine(self.loaded, EngineConfig(max_batch=max_batch, memory_budget_gb=BUDGET_GB),
+                             decode_policy=PagedDecodePolicy(**self.policy)).start()
+        print(f"{self.name}: compiled paged step {self.engine.paged_decode is not None} "
+              f"({self.engine.paged_decode_reason or PagedDecodePolicy(**self.policy)})", file=sys.stderr)
         self.detokenize = True
 
     def run(self, streams: int, prompts: list[list[int]], gen: int) -> int:
@@ -76,15 +133,21 @@ class Ours:
         total = [0, 0]  # tokens, finished requests
         done = threading.Event()
         self.events: list[tuple[float, str, bool]] = []
+        self.ttfts: list[float] = []
+        sent: dict[str, float] = {}
 
         def submit() -> None:  # called under lock
             p = todo.pop(0)
             req = EngineRequest(prompt_ids=p, max_tokens=gen, ignore_eos=True, detokenize=self.detokenize)
+            sent[req.request_id] = time.perf_counter()
             self.engine.submit(req, on_token=on_token)
 
         def on_token(ev: Any) -> None:  # on the engine thread: a stream's next request starts as one ends
             with lock:
-                self.events.append((time.perf_counter(), ev.request_id, ev.finish_reason is not None))
+                now = time.perf_counter()
+                if ev.index == 0 and ev.token is not None:
+                    self.ttfts.append(now - sent[ev.request_id])
+                self.events.append((now, ev.request_id, ev.finish_reason is not None))
                 total[0] += ev.token is not None
                 if ev.finish_reason is not None:
                     total[1] += 1
@@ -97,6 +160,10 @@ class Ours:
             for _ in range(min(streams, len(todo))):
                 submit()
         done.wait()
+        step = self.engine.paged_decode
+        if step is not None:
+            print(f"{self.name}: paged step traces {step.traces}, steps {step.native.steps}, "
+                  f"eager steps {step.eager_steps}, attention on {step.attention_backend!r}", file=sys.stderr)
         return total[0]
 
     def close(self) -> None:
@@ -111,6 +178,13 @@ class OursIds(Ours):
     def __init__(self, path: Path, max_batch: int):
         super().__init__(path, max_batch)
         self.detokenize = False
+
+
+class OursIdsGather(OursIds):
+    """Token ids, the compiled paged step on its gather path (the reference the kernel replaces)."""
+
+    name = "mlx-infer-ids-gather"
+    policy = {"attention": "gather"}
 
 
 class OursHTTP:
@@ -129,7 +203,8 @@ class OursHTTP:
             port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
         self.proc = subprocess.Popen([sys.executable, "-m", "mlx_infer", "serve", "--model", str(path),
-                                      "--port", str(port), "--max-batch", str(max_batch), "--log-level", "warning"])
+                                      "--port", str(port), "--max-batch", str(max_batch), "--log-level", "warning",
+                                      *(["--memory-budget", str(BUDGET_GB)] if BUDGET_GB else [])])
         self.model = path.name
         for _ in range(600):
             try:
@@ -145,6 +220,8 @@ class OursHTTP:
     def run(self, streams: int, prompts: list[list[int]], gen: int) -> int:
         import httpx
 
+        self.ttfts: list[float] = []
+
         async def main() -> int:
             queue = list(prompts)
             total = 0
@@ -155,14 +232,28 @@ class OursHTTP:
                     while queue:
                         body = {"model": self.model, "prompt": queue.pop(0), "max_tokens": gen, "stream": True,
                                 "ignore_eos": True, "temperature": 0, "stream_options": {"include_usage": True}}
+                        t0, first = time.perf_counter(), True
                         async with client.stream("POST", "/v1/completions", json=body) as resp:
                             async for line in resp.aiter_lines():
                                 if line.startswith("data: {"):
-                                    usage = json.loads(line[6:]).get("usage")
+                                    chunk = json.loads(line[6:])
+                                    if first and chunk.get("choices"):
+                                        self.ttfts.append(time.perf_counter() - t0)
+                                        first = False
+                                    usage = chunk.get("usage")
                                     total += usage["completion_tokens"] if usage else 0
                 await asyncio.gather(*(stream() for _ in range(streams)))
             return total
         return asyncio.run(main())
+
+    def peak_gb(self) -> float | None:
+        """The server process's MLX peak memory (its /metrics), GB."""
+        import httpx
+
+        for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
+            if "memory_peak_bytes" in line and not line.startswith("#"):
+                return float(line.split()[-1]) / 1e9
+        return None
 
     def close(self) -> None:
         self.proc.terminate()
@@ -185,7 +276,15 @@ class MlxLm:
         g = BatchGenerator(self.model, max_tokens=gen, completion_batch_size=streams,
                            prefill_batch_size=min(streams, 8), prefill_step_size=512)
         todo = list(prompts)
-        g.insert([todo.pop(0) for _ in range(min(streams, len(todo)))], [gen] * min(streams, len(prompts)))
+        sent: dict[Any, float] = {}
+        self.ttfts = []
+
+        def insert(batch: list[list[int]]) -> None:
+            now = time.perf_counter()
+            for uid in g.insert(batch, [gen] * len(batch)):
+                sent[uid] = now
+
+        insert([todo.pop(0) for _ in range(min(streams, len(todo)))])
         total = 0
         self.events = []
         while True:
@@ -193,12 +292,14 @@ class MlxLm:
             if not responses:
                 break
             now = time.perf_counter()
+            for r in responses:
+                if r.uid in sent:
+                    self.ttfts.append(now - sent.pop(r.uid))
             self.events += [(now, r.uid, r.finish_reason is not None) for r in responses]
             total += len(responses)
             done = sum(1 for r in responses if r.finish_reason is not None)
             if done and todo:
-                batch = [todo.pop(0) for _ in range(min(done, len(todo)))]
-                g.insert(batch, [gen] * len(batch))
+                insert([todo.pop(0) for _ in range(min(done, len(todo)))])
         g.close()
         return total
 
@@ -234,17 +335,28 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="model dir or .gguf (default: the embedded Gemma 3 270M)")
     p.add_argument("--tiny", choices=["llama", "gemma3"], default=None, help="a random tiny model instead")
-    p.add_argument("--streams", default="1,8,32", help="concurrent streams (comma list)")
+    p.add_argument("--shape", default=None, help="random bf16 weights of this real shape (gpu_decode.py's SHAPES)")
+    p.add_argument("--toy", action="store_true", help="with --shape: the shape's toy sizes (a CPU run)")
+    p.add_argument("--memory-budget", type=float, default=None, metavar="GB",
+                   help="mlx-infer's --memory-budget (default: its pool is sized from the device)")
+    p.add_argument("--streams", default="1,8,32,64,128", help="concurrent streams (comma list)")
     p.add_argument("--prompt-tokens", "-p", type=int, default=32)
     p.add_argument("--generation-tokens", "-g", type=int, default=64)
     p.add_argument("--requests-per-stream", "-r", type=int, default=2)
     p.add_argument("--num-trials", "-n", type=int, default=3)
     p.add_argument("--http", action="store_true", help="also run mlx-infer behind the HTTP server")
     p.add_argument("--no-ids", action="store_true", help="skip the token-ids-only mlx-infer column")
+    p.add_argument("--gather", action="store_true",
+                   help="add a token-ids column whose paged step gathers K/V (attention='gather')")
+    p.add_argument("--no-text", action="store_true",
+                   help="skip the detokenizing mlx-infer column (random-weight models: benchmarks/gpu_served.py)")
     p.add_argument("--stock-kernels", action="store_true",
                    help="load mlx-infer's model on MLX's stock kernels (as mlx-lm runs): the engine alone compared")
     p.add_argument("--json", default=None, help="write the results document here")
+    p.add_argument("--plot", default=None, help="write a PNG of tokens/s and TTFT p50/p95 over streams here")
     args = p.parse_args()
+    global BUDGET_GB
+    BUDGET_GB = args.memory_budget
 
     from mlx_infer.bench.report import results_document, write_json
 
@@ -257,7 +369,8 @@ def main() -> None:
     kernels = "stock" if args.stock_kernels else "default"
     path = model_dir(args)
     streams = [int(s) for s in args.streams.split(",")]
-    kinds: list[type] = [Ours] + ([] if args.no_ids else [OursIds]) + [MlxLm] + ([OursHTTP] if args.http else [])
+    kinds: list[type] = (([] if args.no_text else [Ours]) + ([] if args.no_ids else [OursIds])
+                         + ([OursIdsGather] if args.gather else [])) + [MlxLm] + ([OursHTTP] if args.http else [])
     engines = [k(path, max(streams)) for k in kinds]
     vocab = int(json.loads((path / "config.json").read_text()).get("vocab_size", 320))
     rows: list[dict[str, Any]] = []
@@ -270,20 +383,26 @@ def main() -> None:
             for _ in range(args.num_trials):
                 for e in engines:
                     wall, n, peak = timed(lambda: e.run(s, prompts, args.generation_tokens))
+                    if isinstance(e, OursHTTP):
+                        peak = e.peak_gb()
                     window = decode_window(getattr(e, "events", []), s)
                     trials[e.name].append({"tps": n / wall, "decode_only_tps": window, "wall_s": wall,
-                                           "tokens": n, "peak_gb": peak})
+                                           "tokens": n, "peak_gb": peak, "ttft_s": list(e.ttfts)})
                     print(f"streams {s:>3} {e.name:>15}: {n / wall:9.1f} tok/s end to end, decode only "
                           f"{window or 0:9.1f} tok/s ({n} tokens, {wall:.2f} s)", file=sys.stderr)
             for e in engines:
                 t = trials[e.name]
+                ttft = sorted(x for tr in t for x in tr["ttft_s"])
+                p50, p95 = percentile(ttft, 50) * 1e3, percentile(ttft, 95) * 1e3
                 rows.append({"suite": "served", "model": args.tiny and f"tiny-{args.tiny}" or path.name,
                              "engine": e.name, "batch": s, "prompt_tokens": args.prompt_tokens, "kernels": kernels,
-                             "generation_tokens": args.generation_tokens, "prompt_tps": 0.0, "ttft_ms": 0.0,
+                             "generation_tokens": args.generation_tokens, "prompt_tps": 0.0, "ttft_ms": p50,
+                             "ttft_p50_ms": p50, "ttft_p95_ms": p95,
                              "decode_tps": statistics.median(x["tps"] for x in t),
                              "decode_only_tps": (statistics.median(x["decode_only_tps"] for x in t)
                                                  if all(x["decode_only_tps"] for x in t) else None),
-                             "peak_gb": max(x["peak_gb"] for x in t), "trials": t})
+                             "peak_gb": max((x["peak_gb"] for x in t if x["peak_gb"] is not None), default=None),
+                             **memory_of(e), "trials": t})
             base = next(r for r in rows[-len(engines):] if r["engine"] == "mlx-lm")
             for r in rows[-len(engines):]:
                 r["ratio_vs_mlx-lm"] = r["decode_tps"] / base["decode_tps"]
@@ -293,14 +412,75 @@ def main() -> None:
         for e in engines:
             e.close()
     doc = results_document(rows)
-    print("| streams | engine | tokens/s end to end | vs mlx-lm | decode-only tokens/s | vs mlx-lm |\n"
-          "|---|---|---|---|---|---|")
-    for r in rows:
-        d, dr = r["decode_only_tps"], r["decode_only_ratio_vs_mlx-lm"]
-        print(f"| {r['batch']} | {r['engine']} | {r['decode_tps']:.1f} | {r['ratio_vs_mlx-lm']:.2f}x | "
-              f"{f'{d:.1f}' if d else '-'} | {f'{dr:.2f}x' if dr else '-'} |")
+    print(markdown(rows))
     if args.json:
         write_json(doc, Path(args.json))
+    if args.plot:
+        plot(doc, Path(args.plot))
+
+
+def memory_of(e: Any) -> dict[str, float]:
+    """For an in-process mlx-infer column: its weights and its KV pool (allocated storage), GB, so
+    ``peak_gb`` can be checked against weights + pool + activations (pages written in place).
+    ``peak_gb`` itself is the whole process's: every column's weights are loaded in it."""
+    if not isinstance(e, Ours):
+        return {}
+    from mlx_infer.engine.config import weight_bytes
+
+    return {"weights_gb": weight_bytes(e.loaded.model) / 1e9, "kv_pool_gb": e.engine.store.nbytes / 1e9}
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q``-th percentile (linear between the nearest ranks); 0 for no values."""
+    if not values:
+        return 0.0
+    v = sorted(values)
+    k = (len(v) - 1) * q / 100
+    lo = int(k)
+    return v[lo] + (v[min(lo + 1, len(v) - 1)] - v[lo]) * (k - lo)
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """The table RESULTS.md shows: per stream count and engine."""
+    out = ["| streams | engine | tokens/s end to end | vs mlx-lm | decode-only tokens/s | vs mlx-lm | "
+           "TTFT p50 ms | TTFT p95 ms | peak GB |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        d, dr, pk = r["decode_only_tps"], r["decode_only_ratio_vs_mlx-lm"], r["peak_gb"]
+        out.append(f"| {r['batch']} | {r['engine']} | {r['decode_tps']:.1f} | {r['ratio_vs_mlx-lm']:.2f}x | "
+                   f"{f'{d:.1f}' if d else '-'} | {f'{dr:.2f}x' if dr else '-'} | {r['ttft_p50_ms']:.1f} | "
+                   f"{r['ttft_p95_ms']:.1f} | {f'{pk:.2f}' if pk is not None else '-'} |")
+    return "\n".join(out)
+
+
+def plot(doc: dict[str, Any], path: Path) -> None:
+    """Tokens/s (end to end) and TTFT p50/p95 over the stream counts, one line per engine."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = doc["rows"]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for e in dict.fromkeys(r["engine"] for r in rows):
+        pts = sorted((r["batch"], r["decode_tps"], r["ttft_p50_ms"], r["ttft_p95_ms"]) for r in rows if r["engine"] == e)
+        xs = [p[0] for p in pts]
+        a.plot(xs, [p[1] for p in pts], marker="o", label=e)
+        line, = b.plot(xs, [p[2] for p in pts], marker="o", label=f"{e} p50")
+        b.plot(xs, [p[3] for p in pts], marker="x", linestyle="--", color=line.get_color(), label=f"{e} p95")
+    for ax, label in ((a, "tokens/s, end to end"), (b, "TTFT ms")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent streams")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    b.set_yscale("log")
+    r0 = rows[0]
+    fig.suptitle(f"served: {r0['model']} · prompt {r0['prompt_tokens']} · gen {r0['generation_tokens']}\n"
+                 f"{doc['machine']}", fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

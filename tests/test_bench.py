@@ -64,3 +64,29 @@ def test_cli_writes_json_markdown_and_png(tiny_dir, tmp_path):
     assert [row["engine"] for row in doc["rows"]] == ["mlx-infer", "mlx-lm"]
     assert "| mlx-lm |" in (out / "r.md").read_text()
     assert (out / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_served_benchmark_on_a_toy_shape_writes_ttft_memory_json_and_plot(tmp_path):
+    """benchmarks/served.py --shape: random weights of a real shape (toy sizes), the in-process
+    engine, the HTTP server and mlx-lm; TTFT percentiles and peak memory per row."""
+    import pathlib
+
+    script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "served.py"
+    out = tmp_path / "served.json"
+    r = subprocess.run([sys.executable, str(script), "--shape", "gemma3-270m", "--toy", "--streams", "1,2",
+                        "-p", "8", "-g", "4", "-r", "1", "-n", "1", "--http", "--no-ids", "--memory-budget", "0.25",
+                        "--json", str(out),
+                        "--plot", str(tmp_path / "served.png")], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(row["batch"], row["engine"]) for row in rows] == [
+        (s, e) for s in (1, 2) for e in ("mlx-infer", "mlx-lm", "mlx-infer-http")]
+    for row in rows:
+        assert row["decode_tps"] > 0 and row["trials"][0]["tokens"] == 4 * row["batch"]
+        assert 0 < row["ttft_p50_ms"] <= row["ttft_p95_ms"]
+        assert len(row["trials"][0]["ttft_s"]) == row["batch"]  # one first token per request
+        assert row["peak_gb"] > 0
+        if row["engine"] == "mlx-infer":  # the pool was allocated (0.8 of --memory-budget at most)
+            assert 0 < row["kv_pool_gb"] and 0 < row["weights_gb"] < row["peak_gb"]
+    assert "| TTFT p50 ms | TTFT p95 ms | peak GB |" in r.stdout
+    assert (tmp_path / "served.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

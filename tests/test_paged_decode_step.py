@@ -132,7 +132,7 @@ def _prefilled_store(loaded, ps: list[list[int]]) -> tuple[PagedKVStore, list]:
 def test_forced_logits_close_and_no_retrace_in_steady_state(tiny, name, compile):
     loaded = tiny(name)
     ps = prompts(8)
-    policy = PagedDecodePolicy(compile=compile, s_bucket=16)
+    policy = PagedDecodePolicy(compile=compile, t_bucket=4)
     store_e, seqs_e = _prefilled_store(loaded, ps)
     store_c, seqs_c = _prefilled_store(loaded, ps)
     batch_e, batch_c = DecodeBatch(store_e, seqs_e), DecodeBatch(store_c, seqs_c)
@@ -143,7 +143,7 @@ def test_forced_logits_close_and_no_retrace_in_steady_state(tiny, name, compile)
     for i in range(STEPS):
         assert batch_e.reserve() and batch_c.reserve()
         want = loaded.model(tokens[:, None], cache=batch_e.caches)[:, -1, :]
-        signature = tuple(g[0].shape[1] for g in batch_c.paged_inputs(policy.bucket))
+        signature = tuple(g[0].shape[1] for g in batch_c.paged_inputs(policy.bucket))  # each group's T
         before = step.traces
         got = step.step(tokens, batch_c)
         batch_e.commit()
@@ -162,7 +162,7 @@ def test_forced_logits_close_and_no_retrace_in_steady_state(tiny, name, compile)
     assert traced_at_seen == 0 and step.retraces == 0  # steady state replays the traced graph
     if compile:
         assert traced_at_new == len(seen) == step.traces  # one trace per (B, S bucket) signature
-        assert len(seen) < STEPS // 4  # buckets of 16 over 64 steps: a handful, not one per step
+        assert len(seen) < STEPS // 4  # buckets of 4 pages (16 tokens) over 64 steps: a handful, not one per step
     else:
         assert step.traces == 0
     # The cache the compiled step wrote equals the eager one's (both stores, every layer).
@@ -223,22 +223,30 @@ def test_bad_inputs_raise_clear_errors(tiny):
     batch = DecodeBatch(store, seqs)
     step = CompiledPagedDecodeStep(loaded.model, store, batch.group_windows())
     assert batch.reserve()
-    groups = batch.paged_inputs(32)
+    groups = batch.paged_inputs(4)
     keys = [s.keys[0] for s in store.storage]
     values = [s.values[0] for s in store.storage]
     tokens = mx.array([5, 6], mx.uint32)
+    rows = mx.arange(2, dtype=mx.int32)
     native = step.native
     with pytest.raises(ValueError, match="layer groups"):
-        native.step(tokens, batch.offset, groups[:1], keys, values)
+        native.step(tokens, batch.offset, rows, groups[:1], keys, values)
     with pytest.raises(ValueError, match="one per row"):
-        native.step(mx.array([5, 6], mx.uint32), mx.array([1, 2, 3], mx.int32), groups, keys, values)
+        native.step(mx.array([5, 6], mx.uint32), mx.array([1, 2, 3], mx.int32), rows, groups, keys, values)
+    with pytest.raises(ValueError, match="block_tables"):
+        bad = [(g[0][:1], g[1], g[2]) for g in groups]
+        native.step(tokens, batch.offset, rows, bad, keys, values)
+    with pytest.raises(ValueError, match="logit_rows"):
+        native.step(tokens, batch.offset, mx.zeros((0,), mx.int32), groups, keys, values)
     with pytest.raises(ValueError, match="quantized"):
         packed = [mx.zeros(k.shape[:-1] + (4,), mx.uint32) for k in keys]
-        native.step(tokens, batch.offset, groups, packed, packed)
+        native.step(tokens, batch.offset, rows, groups, packed, packed)
     with pytest.raises(ValueError, match="one per layer"):
-        native.step(tokens, batch.offset, groups, keys[:1], values[:1])
-    with pytest.raises(ValueError, match="s_bucket"):
-        PagedDecodePolicy(s_bucket=0)
+        native.step(tokens, batch.offset, rows, groups, keys[:1], values[:1])
+    with pytest.raises(ValueError, match="t_bucket"):
+        PagedDecodePolicy(t_bucket=0)
+    with pytest.raises(ValueError, match="attention"):
+        PagedDecodePolicy(attention="flash")
 
 
 @pytest.mark.slow

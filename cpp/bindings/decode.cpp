@@ -136,8 +136,12 @@ Raises:
               "Per layer, the index of its layer group (the gather it reads), 0..G-1.")
       .def_rw("compile", &PagedDecodeConfig::compile,
               "mx.compile the step (S bucketed); off builds the graph op by op at the exact S.")
-      .def_rw("s_bucket", &PagedDecodeConfig::s_bucket,
-              "Compiled: round each group's gathered length S up to a multiple of this.");
+      .def_rw("t_bucket", &PagedDecodeConfig::t_bucket,
+              "Compiled: round each group's block-table width T (pages) up to a multiple of this.")
+      .def_rw("pad_rows", &PagedDecodeConfig::pad_rows,
+              "Compiled: pad R and M up to buckets (powers of two to 16, then multiples of 16).")
+      .def_rw("attention", &PagedDecodeConfig::attention,
+              "\"kernel\" (paged_attention through the tables; the gather path on Metal) or \"gather\".");
 
   nb::class_<PagedDecodeStep>(
       m, "PagedDecodeStep",
@@ -157,25 +161,27 @@ thread-safe.)")
     quantization: linear name -> ``(group_size, bits, mode)``.)")
       .def(
           "step",
-          [](PagedDecodeStep& self, const mx::array& tokens, const mx::array& positions,
-             const std::vector<std::tuple<mx::array, mx::array, mx::array, mx::array, mx::array>>& groups,
+          [](PagedDecodeStep& self, const mx::array& tokens, const mx::array& positions, const mx::array& logit_rows,
+             const std::vector<std::tuple<mx::array, mx::array, mx::array>>& groups,
              const std::vector<mx::array>& keys, const std::vector<mx::array>& values) {
             std::vector<PagedGroupInputs> gs;
             gs.reserve(groups.size());
-            for (const auto& [pages, offsets, mask, wp, wo] : groups) {
-              gs.push_back(PagedGroupInputs{pages, offsets, mask, wp, wo});
+            for (const auto& [tables, lengths, slots] : groups) {
+              gs.push_back(PagedGroupInputs{tables, lengths, slots});
             }
-            auto out = self.step(tokens, positions, gs, keys, values);
+            auto out = self.step(tokens, positions, logit_rows, gs, keys, values);
             return std::make_tuple(out.logits, std::move(out.keys), std::move(out.values));
           },
-          "tokens"_a, "positions"_a, "groups"_a, "keys"_a, "values"_a,
-          R"(One token per row; returns ``(logits (B, vocab), keys, values)``, lazily.
+          "tokens"_a, "positions"_a, "logit_rows"_a, "groups"_a, "keys"_a, "values"_a,
+          R"(One query token per row; returns ``(logits (M, vocab), keys, values)``, lazily.
 
 Args:
-    tokens: ``(B,)`` ids.
-    positions: ``(B,)`` positions of the new tokens.
-    groups: per layer group ``(pages, offsets, mask, write_pages, write_offsets)``:
-        ``(B, S)`` int32, ``(B, S)`` int32, ``(B, S)`` bool, ``(B,)`` int32, ``(B,)`` int32.
+    tokens: ``(R,)`` ids (a decode row, or one token of a prefill chunk).
+    positions: ``(R,)`` positions of the rows' tokens.
+    logit_rows: ``(M,)`` int32 rows whose logits are returned, in that order.
+    groups: per layer group ``(block_tables (R, T), lengths (R,), write_slots (R,))`` int32:
+        row r's pages in the group's storage (0-padded), ``position + 1``, and
+        ``page * page_size + offset`` where its new K/V goes.
     keys, values: per layer the storage ``(pages, kv_heads, page_size, head_dim)``.
 
 Returns:
@@ -190,6 +196,8 @@ Raises:
       .def_prop_ro("signatures", &PagedDecodeStep::signatures,
                    "Distinct input-shape signatures the compiled step ran with.")
       .def_prop_ro("steps", &PagedDecodeStep::steps)
+      .def_prop_ro("attention_backend", &PagedDecodeStep::attention_backend,
+                   "What the last built or traced step's attention ran on: \"cpu\", \"cuda\" or \"gather\".")
       .def_prop_ro("num_groups", &PagedDecodeStep::num_groups)
       .def_prop_ro("config", &PagedDecodeStep::config, nb::rv_policy::copy)
       .def_prop_ro("paged_config", &PagedDecodeStep::paged_config, nb::rv_policy::copy);

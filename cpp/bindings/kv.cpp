@@ -3,6 +3,7 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include <string>
@@ -15,6 +16,7 @@ namespace mx = mlx::core;
 using mlx_infer::AppendResult;
 using mlx_infer::PageGroups;
 using mlx_infer::PagePool;
+using mlx_infer::StepPlan;
 
 void bind_kv(nb::module_& m) {
   nb::class_<AppendResult>(
@@ -139,6 +141,39 @@ No side effects.)")
                ", used=" + std::to_string(p.num_used_pages()) + ")";
       });
 
+  nb::class_<StepPlan>(
+      m, "StepPlan",
+      R"(One step of a batch as int32 arrays (``PageGroups.append_batch``): R
+rows, one new token each; a sequence given n tokens has n consecutive rows
+with the same block table and consecutive positions (a prefill chunk).
+Row r attends keys ``[max(0, lengths[r] - window), lengths[r])`` of its
+group, its own new key included (all rows are written before attention).
+Per group g, first copy pages ``copy_src[g][i] -> copy_dst[g][i]`` on every
+layer of the group (copy-on-write), then write row r's K/V at
+``write_slots[g][r]`` (``page * page_size + offset``).)")
+      .def_ro("positions", &StepPlan::positions, "(R,) position of each row's token.")
+      .def_ro("lengths", &StepPlan::lengths, "(R,) positions + 1: keys each row may read.")
+      .def_ro("block_tables", &StepPlan::block_tables,
+              "Per group, (R, T) page ids (0 = null page padding; T a multiple of table_bucket).")
+      .def_ro("write_slots", &StepPlan::write_slots, "Per group, (R,) flat slot of each row's new K/V.")
+      .def_ro("copy_src", &StepPlan::copy_src, "Per group, (c,) pages to copy from (c may be 0).")
+      .def_ro("copy_dst", &StepPlan::copy_dst, "Per group, (c,) pages to copy to.")
+      .def_ro("num_copies", &StepPlan::num_copies, "Per group, the number of page copies.")
+      .def_ro("rows", &StepPlan::rows, "R, the rows of the step (padding rows included).")
+      .def_ro("real_rows", &StepPlan::real_rows, "sum(counts): the rows before padding (they come first).")
+      .def_ro("min_length", &StepPlan::min_length, "Smallest of lengths (known without a sync).")
+      .def_ro("max_length", &StepPlan::max_length, "Largest of lengths.")
+      .def("gather_index", &StepPlan::gather_index, "group"_a, "window"_a, "bucket"_a = 1,
+           R"(The gather index of one window kind over group ``group`` (``window``
+0 = global), built on the host: ``(pages, offsets, valid)``, each ``(R, S)``
+(int32, int32, bool). Key s of row r sits at ``(pages, offsets)[r, s]``
+where ``valid[r, s]``; padding points at slot 0 of the null page. S is the
+longest row's key count rounded up to a multiple of ``bucket``.)")
+      .def("__repr__", [](const StepPlan& p) {
+        return "StepPlan(rows=" + std::to_string(p.rows) + ", lengths " + std::to_string(p.min_length) +
+               ".." + std::to_string(p.max_length) + ")";
+      });
+
   nb::class_<PageGroups>(
       m, "PageGroups",
       R"(One ``PagePool`` per layer group (global, or one sliding window), each
@@ -189,6 +224,23 @@ reserves ``n_tokens`` in every group.
 Returns:
     One ``AppendResult`` per group, or ``None`` when some group has too few
     pages (nothing is appended).)")
+      .def("append_batch", &PageGroups::append_batch, "seq_ids"_a, "counts"_a, nb::kw_only(),
+           "table_bucket"_a = 1, "row_bucket"_a = 1,
+           R"(Appends ``counts[i]`` tokens to sequence ``seq_ids[i]`` for every i,
+all or nothing: one call per batched step.
+
+Args:
+    seq_ids: distinct live sequence ids, in row order.
+    counts: tokens each gets (>= 1; 1 for a decode row, n for a prefill chunk).
+    table_bucket: round the block tables' width T up to a multiple of this.
+    row_bucket: round R up to a multiple of this with padding rows after the
+        real ones (position 0, length 1, an all-null table, written at slot 0
+        of the null page, which only padding reads), so the compiled step
+        sees few distinct R.
+
+Returns:
+    The step's ``StepPlan``, or ``None`` when some group has too few pages
+    (no sequence grew; window releases may have happened).)")
       .def("fork", &PageGroups::fork, "src"_a, "dst"_a,
            "Creates ``dst`` sharing all of ``src``'s held pages, in every group.")
       .def("free", &PageGroups::free, "seq_id"_a, "Releases the sequence in every group.")

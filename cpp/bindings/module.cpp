@@ -14,6 +14,7 @@ void bind_kv(nb::module_& m);
 void bind_attention(nb::module_& m);
 void bind_decode(nb::module_& m);
 void bind_matmul(nb::module_& m);
+void bind_paged_attention(nb::module_& m);
 
 NB_MODULE(_fast, m) {
   m.doc() = "mlx-infer's C++ core over the MLX C++ API.";
@@ -41,4 +42,5 @@ Returns:
   bind_attention(m);
   bind_decode(m);
   bind_matmul(m);
+  bind_paged_attention(m);
 }

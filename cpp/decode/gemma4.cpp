@@ -95,7 +95,8 @@ mx::array gemma4_layers(
     const DecodeStep::Graph& g,
     const mx::array& tokens,
     const mx::array& positions,  // (B,) int32
-    KVAccess& kv) {
+    KVAccess& kv,
+    const std::optional<mx::array>& logit_rows) {
   const auto& cfg = g.cfg;
   const auto& w = *g.gemma4;
   const int L = cfg.num_layers, H = cfg.num_heads, P = cfg.per_layer_width;
@@ -160,13 +161,16 @@ mx::array gemma4_layers(
     h = mx::multiply(h, *lw.layer_scalar);
   }
 
+  if (logit_rows) {
+    h = mx::take(h, *logit_rows, 0);  // (M, 1, E): the head runs on these rows only
+  }
   h = rms(h, g.norm, eps);
   auto logits = g.lm_head.present() ? apply_linear(g.lm_head, h) : embed_as_linear(g.embed, h);
   if (cfg.final_logit_softcap) {
     auto cap = scalar(*cfg.final_logit_softcap, logits.dtype());
     logits = mx::multiply(mx::tanh(mx::divide(logits, cap)), cap);
   }
-  return mx::reshape(logits, {B, logits.shape(-1)});  // (B, vocab)
+  return mx::reshape(logits, {logits.shape(0), logits.shape(-1)});  // (B or M, vocab)
 }
 
 void load_gemma4_weights(

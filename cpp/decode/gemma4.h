@@ -57,11 +57,13 @@ void load_gemma4_weights(
 
 /// The gemma4 one-token forward over any KV storage: logits (B, vocab), lazily. ``kv`` is
 /// indexed by buffer (KV-owning layer, in order); a KV-shared layer attends over what its
-/// donor's ``write_read`` returned in the same forward.
+/// donor's ``write_read`` returned in the same forward. With ``logit_rows`` (M,) int32 only
+/// those rows' logits (M, vocab).
 mx::array gemma4_layers(
     const DecodeStep::Graph& g,
     const mx::array& tokens,
     const mx::array& positions,
-    KVAccess& kv);
+    KVAccess& kv,
+    const std::optional<mx::array>& logit_rows = std::nullopt);
 
 }  // namespace mlx_infer

@@ -213,7 +213,8 @@ mx::array decode_layers(
     const DecodeStep::Graph& g,
     const mx::array& tokens,
     const mx::array& positions,
-    KVAccess& kv) {
+    KVAccess& kv,
+    const std::optional<mx::array>& logit_rows) {
   const auto& cfg = g.cfg;
   const int L = cfg.num_layers;
   const int B = tokens.shape(0);
@@ -258,14 +259,20 @@ mx::array decode_layers(
     q = rope(q, lw.rope, positions);
     k = rope(k, lw.rope, positions);
 
-    auto in = kv.write_read(i, k, v);
-    auto attn = in.mask
-        ? (g.fast_attention ? fast_sdpa(q, in.keys, in.values, cfg.attn_scale, "array", in.mask)
-                            : mx::fast::scaled_dot_product_attention(q, in.keys, in.values, cfg.attn_scale,
-                                                                     "array", in.mask))
-        : (g.fast_attention ? fast_sdpa(q, in.keys, in.values, cfg.attn_scale)
-                            : mx::fast::scaled_dot_product_attention(q, in.keys, in.values, cfg.attn_scale,
-                                                                     "", std::nullopt));
+    auto direct = kv.write_attend(i, q, k, v);  // (B, H, 1, D), or none: write_read and SDPA
+    mx::array attn(0);
+    if (direct) {
+      attn = *direct;
+    } else {
+      auto in = kv.write_read(i, k, v);
+      attn = in.mask
+          ? (g.fast_attention ? fast_sdpa(q, in.keys, in.values, cfg.attn_scale, "array", in.mask)
+                              : mx::fast::scaled_dot_product_attention(q, in.keys, in.values, cfg.attn_scale,
+                                                                       "array", in.mask))
+          : (g.fast_attention ? fast_sdpa(q, in.keys, in.values, cfg.attn_scale)
+                              : mx::fast::scaled_dot_product_attention(q, in.keys, in.values, cfg.attn_scale,
+                                                                       "", std::nullopt));
+    }
     attn = mx::reshape(mx::transpose(attn, {0, 2, 1, 3}), {B, 1, H * D});  // (B, 1, H*D)
     auto r = apply_linear(lw.o, attn);
 
@@ -296,13 +303,16 @@ mx::array decode_layers(
     }
   }
 
+  if (logit_rows) {
+    h = mx::take(h, *logit_rows, 0);  // (M, 1, E): the head runs on these rows only
+  }
   h = rms(h, g.norm, cfg.rms_norm_eps);
   auto logits = g.lm_head.present() ? apply_linear(g.lm_head, h) : embed_as_linear(g.embed, h);
   if (cfg.final_logit_softcap) {
     auto cap = scalar(*cfg.final_logit_softcap, logits.dtype());
     logits = mx::multiply(mx::tanh(mx::divide(logits, cap)), cap);
   }
-  return mx::reshape(logits, {B, logits.shape(-1)});  // (B, vocab)
+  return mx::reshape(logits, {h.shape(0), logits.shape(-1)});  // (B or M, vocab)
 }
 
 std::vector<mx::array> decode_forward(
@@ -323,8 +333,9 @@ std::vector<mx::array> decode_forward(
 }
 
 mx::array layers_forward(const DecodeStep::Graph& g, const mx::array& tokens, const mx::array& positions,
-                         KVAccess& kv) {
-  return g.gemma4 ? gemma4_layers(g, tokens, positions, kv) : decode_layers(g, tokens, positions, kv);
+                         KVAccess& kv, const std::optional<mx::array>& logit_rows) {
+  return g.gemma4 ? gemma4_layers(g, tokens, positions, kv, logit_rows)
+                  : decode_layers(g, tokens, positions, kv, logit_rows);
 }
 
 int num_buffers(const DecodeStep::Graph& g) {

@@ -73,22 +73,32 @@ class KVAccess {
   /// Writes layer ``layer``'s new ``k``, ``v`` (B, KVH, 1, D), RoPE applied, and
   /// returns what its attention reads.
   virtual AttentionInputs write_read(int layer, const mx::array& k, const mx::array& v) = 0;
+  /// Writes layer ``layer``'s new ``k``, ``v`` and attends ``q`` (B, H, 1, D) in
+  /// one (an attention kernel that reads the storage itself): (B, H, 1, D), or
+  /// none, having written nothing, to have the layer call write_read and SDPA.
+  virtual std::optional<mx::array> write_attend(int layer, const mx::array& q, const mx::array& k,
+                                                const mx::array& v) {
+    return std::nullopt;
+  }
 };
 
-/// The one-token forward over any KV storage: logits (B, vocab), lazily.
+/// The one-token forward over any KV storage: logits (B, vocab), lazily; with
+/// ``logit_rows`` (M,) int32 only those rows' logits (M, vocab), the head run on them alone.
 mx::array decode_layers(
     const DecodeStep::Graph& g,
     const mx::array& tokens,
     const mx::array& positions,
-    KVAccess& kv);
+    KVAccess& kv,
+    const std::optional<mx::array>& logit_rows = std::nullopt);
 
 /// The family's one-token forward over any KV storage (decode_layers or gemma4_layers);
-/// ``kv`` is indexed by buffer (KV-owning layer, in order).
+/// ``kv`` is indexed by buffer (KV-owning layer, in order); ``logit_rows`` as decode_layers'.
 mx::array layers_forward(
     const DecodeStep::Graph& g,
     const mx::array& tokens,
     const mx::array& positions,
-    KVAccess& kv);
+    KVAccess& kv,
+    const std::optional<mx::array>& logit_rows = std::nullopt);
 
 /// One K/V buffer (KV-owning layer): its heads, head dim and window (0 = global).
 struct BufferGeometry {

@@ -3,94 +3,139 @@
 #include "mlx_infer/paged_decode.h"
 
 #include <algorithm>
+#include <map>
 #include <optional>
 #include <sstream>
 #include <stdexcept>
 
 #include "graph.h"
+#include "mlx_infer/paged_attention.h"
 
 namespace mlx_infer {
 
 namespace {
 
-constexpr int kGroupInputs = 5;  // pages, offsets, mask, write_pages, write_offsets
+constexpr int kGroupInputs = 3;  // block_tables, lengths, write_slots
+constexpr int kStepInputs = 3;   // tokens, positions, logit_rows
 
-// Scatter ``x`` (B, KVH, 1, D) at ``write`` rows of ``part`` viewed as
-// (pages * KVH * page_size, D), then gather ``read`` rows (B, KVH, S) of the
-// result: the same ops as the engine's eager paged path (engine/batch.py).
-std::pair<mx::array, mx::array> write_read_part(const mx::array& part, const mx::array& x,
-                                                const mx::array& write, const mx::array& read) {
+// Scatter ``x`` (R, KVH, 1, D) at ``write`` rows of ``part`` viewed as
+// (pages * KVH * page_size, D): the storage with the new rows written.
+mx::array write_part(const mx::array& part, const mx::array& x, const mx::array& write) {
   const auto shape = part.shape();  // (pages, KVH, P, D)
   const int D = shape[3];
   auto flat = mx::reshape(part, {-1, D});  // a view: the buffer MLX may update in place
-  auto upd = mx::reshape(mx::astype(x, part.dtype()), {-1, D});  // (B * KVH, D)
+  auto upd = mx::reshape(mx::astype(x, part.dtype()), {-1, D});  // (R * KVH, D)
   flat = mx::put_along_axis(flat, mx::broadcast_to(write, {write.shape(0), D}), upd, 0);
-  return {mx::reshape(flat, shape), mx::take(flat, read, 0)};  // storage', (B, KVH, S, D)
+  return mx::reshape(flat, shape);
 }
 
-// The pages of a store. Inputs: tokens, positions, G groups of kGroupInputs,
-// then k_0, v_0, ..., k_{L-1}, v_{L-1}; each layer's updated storage is
-// appended to ``outputs`` in that order.
+// The pages of a store. Inputs: tokens, positions, logit_rows, G groups of
+// kGroupInputs, then k_0, v_0, ..., k_{L-1}, v_{L-1}; each layer's updated
+// storage is appended to ``outputs`` in that order.
 class PagedKV final : public KVAccess {
  public:
-  PagedKV(const std::vector<int>& layer_groups, int num_groups, const std::vector<mx::array>& inputs,
-          std::vector<mx::array>& outputs)
-      : layer_groups_(layer_groups), num_groups_(num_groups), inputs_(inputs), outputs_(outputs),
-        rows_(num_groups) {}
+  PagedKV(const DecodeStep::Graph& g, const std::vector<int>& layer_groups, int num_groups, bool kernel,
+          const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs, std::string* backend)
+      : g_(g), windows_(buffer_windows(g)), layer_groups_(layer_groups), num_groups_(num_groups), kernel_(kernel), inputs_(inputs),
+        outputs_(outputs), backend_(backend), rows_(num_groups) {}
 
+  // The kernel path: write, then paged_attention through the tables (no gathered copy).
+  std::optional<mx::array> write_attend(int i, const mx::array& q, const mx::array& k,
+                                        const mx::array& v) override {
+    const auto& kbuf = key_storage(i);
+    const int R = q.shape(0), H = q.shape(1), D = q.shape(3);
+    auto q3 = mx::reshape(q, {R, H, D});  // (R, H, 1, D) -> the op's (R, H, D)
+    const auto backend = kernel_ ? paged_attention_backend(q3, kbuf) : std::string("gather");
+    if (backend_ != nullptr) {
+      *backend_ = backend;
+    }
+    if (backend == "gather") {
+      return std::nullopt;  // Metal, or a shape the kernels do not take: write_read's gather
+    }
+    const auto* in = group_inputs(layer_groups_[i]);
+    auto [new_k, new_v] = write(i, k, v);
+    auto out = paged_attention(q3, new_k, new_v, in[0], in[1], windows_[i], g_.cfg.attn_scale);
+    return mx::reshape(out, {R, H, 1, D});  // (R, H, 1, D)
+  }
+
+  // The gather path (reference and fallback): write, gather (R, KVH, S, D), attend under the mask.
   AttentionInputs write_read(int i, const mx::array& k, const mx::array& v) override {
-    const int g = layer_groups_[i];
-    const auto& kbuf = inputs_[2 + kGroupInputs * num_groups_ + 2 * i];
-    const auto& vbuf = inputs_[3 + kGroupInputs * num_groups_ + 2 * i];
-    const auto& r = rows(g, kbuf.shape(1), kbuf.shape(2));
-    auto [new_k, keys] = write_read_part(kbuf, k, r.write, r.read);
-    auto [new_v, values] = write_read_part(vbuf, v, r.write, r.read);
-    outputs_.push_back(std::move(new_k));
-    outputs_.push_back(std::move(new_v));
+    const int gi = layer_groups_[i];
+    auto [new_k, new_v] = write(i, k, v);
+    const auto& r = rows(gi, i);
+    const int D = new_k.shape(3);
+    auto keys = mx::take(mx::reshape(new_k, {-1, D}), r.read, 0);  // (R, KVH, S, D)
+    auto values = mx::take(mx::reshape(new_v, {-1, D}), r.read, 0);
     return {keys, values, r.mask};
   }
 
  private:
   struct Rows {
-    mx::array write;  // (B * KVH, 1)
-    mx::array read;   // (B, KVH, S)
-    mx::array mask;   // (B, 1, 1, S)
+    mx::array read;  // (R, KVH, S)
+    mx::array mask;  // (R, 1, 1, S)
   };
 
-  // Row indices of group g in the (pages * KVH * P, D) view, built once per forward.
-  const Rows& rows(int g, int kvh, int page_size) {
+  const mx::array* group_inputs(int g) const { return &inputs_[kStepInputs + kGroupInputs * g]; }
+  const mx::array& key_storage(int i) const { return inputs_[kStepInputs + kGroupInputs * num_groups_ + 2 * i]; }
+  const mx::array& value_storage(int i) const {
+    return inputs_[kStepInputs + 1 + kGroupInputs * num_groups_ + 2 * i];
+  }
+
+  // Scatters layer i's new K/V rows; keeps the updated storage as the step's output.
+  std::pair<mx::array, mx::array> write(int i, const mx::array& k, const mx::array& v) {
+    const int gi = layer_groups_[i];
+    const auto& kbuf = key_storage(i);
+    if (!writes_.count(gi)) {
+      // ((page * KVH + head) * P + offset) of each row's slot, for every KV head: (R * KVH, 1)
+      const int kvh = kbuf.shape(1), P = kbuf.shape(2);
+      const auto& slots = group_inputs(gi)[2];
+      const int R = slots.shape(0);
+      auto Pa = mx::array(P, mx::int32);
+      auto page = mx::reshape(mx::floor_divide(slots, Pa), {R, 1});
+      auto off = mx::reshape(mx::remainder(slots, Pa), {R, 1});
+      auto h = mx::reshape(mx::arange(0, kvh, 1, mx::int32), {1, kvh});
+      auto w = mx::add(mx::multiply(mx::add(mx::multiply(page, mx::array(kvh, mx::int32)), h), Pa), off);
+      writes_.emplace(gi, mx::reshape(w, {R * kvh, 1}));
+    }
+    const auto& w = writes_.at(gi);
+    auto new_k = write_part(kbuf, k, w);
+    auto new_v = write_part(value_storage(i), v, w);
+    outputs_.push_back(new_k);
+    outputs_.push_back(new_v);
+    return {new_k, new_v};
+  }
+
+  // The gather index of group g, built once per forward from its tables and lengths.
+  const Rows& rows(int g, int layer) {
     if (!rows_[g]) {
-      const auto* in = &inputs_[2 + kGroupInputs * g];
-      const auto &pages = in[0], &offsets = in[1], &mask = in[2], &wp = in[3], &wo = in[4];
-      const int B = pages.shape(0), S = pages.shape(1);
-      auto KVH = mx::array(kvh, mx::int32), P = mx::array(page_size, mx::int32);
-      auto h = mx::arange(0, kvh, 1, mx::int32);
-      // ((page * KVH + head) * P + offset)
-      auto write = mx::add(mx::multiply(mx::add(mx::multiply(mx::reshape(wp, {B, 1}), KVH),
-                                                mx::reshape(h, {1, kvh})), P),
-                           mx::reshape(wo, {B, 1}));  // (B, KVH)
-      auto read = mx::add(mx::multiply(mx::add(mx::multiply(mx::reshape(pages, {B, 1, S}), KVH),
-                                               mx::reshape(h, {1, kvh, 1})), P),
-                          mx::reshape(offsets, {B, 1, S}));  // (B, KVH, S)
-      rows_[g] = Rows{mx::reshape(write, {B * kvh, 1}), read, mx::reshape(mask, {B, 1, 1, S})};
+      const auto* in = group_inputs(g);
+      const auto& kbuf = key_storage(layer);
+      auto [read, mask] = paged_gather_index(in[0], in[1], windows_[layer], kbuf.shape(1), kbuf.shape(2));
+      rows_[g] = Rows{read, mask};
     }
     return *rows_[g];
   }
 
+  const DecodeStep::Graph& g_;
+  const std::vector<int> windows_;  // per buffer (KV-owning layer): 0 = global
   const std::vector<int>& layer_groups_;
   const int num_groups_;
+  const bool kernel_;
   const std::vector<mx::array>& inputs_;
   std::vector<mx::array>& outputs_;
+  std::string* backend_;  // set to what the layers' attention ran on ("cpu", "cuda", "gather")
   std::vector<std::optional<Rows>> rows_;
+  std::map<int, mx::array> writes_;
 };
 
 std::vector<mx::array> paged_forward(const DecodeStep::Graph& g, const std::vector<int>& layer_groups,
-                                     int num_groups, const std::vector<mx::array>& inputs) {
+                                     int num_groups, bool kernel, const std::vector<mx::array>& inputs,
+                                     std::string* backend) {
   std::vector<mx::array> outputs;
   outputs.reserve(1 + 2 * num_buffers(g));
   outputs.push_back(mx::array(0));  // logits, set below
-  PagedKV kv(layer_groups, num_groups, inputs, outputs);
-  outputs[0] = layers_forward(g, inputs[0], inputs[1], kv);
+  PagedKV kv(g, layer_groups, num_groups, kernel, inputs, outputs, backend);
+  outputs[0] = layers_forward(g, inputs[0], inputs[1], kv, inputs[2]);
   return outputs;
 }
 
@@ -110,11 +155,29 @@ mx::array row_ints(const mx::array& a, int B, const std::string& name) {
     fail(name + " must hold " + std::to_string(B) + " integers (one per row), got shape " + shape_str(a) +
          ".");
   }
-  return mx::astype(mx::reshape(a, {B}), mx::int32);
+  return a.dtype() == mx::int32 && a.ndim() == 1 ? a : mx::astype(mx::reshape(a, {B}), mx::int32);
 }
 
 int round_up(int n, int step) {
   return ((n + step - 1) / step) * step;
+}
+
+// Compiled: the row count a step of n rows runs at (see PagedDecodeConfig::pad_rows).
+int row_bucket(int n) {
+  if (n <= 16) {
+    int b = 1;
+    while (b < n) b *= 2;
+    return b;
+  }
+  return round_up(n, 16);
+}
+
+// ``a`` (n, ...) with ``pad`` more rows of ``value`` at the end.
+mx::array pad_rows(const mx::array& a, int pad, int value) {
+  if (pad == 0) return a;
+  std::vector<std::pair<int, int>> width(a.ndim(), {0, 0});
+  width[0] = {0, pad};
+  return mx::pad(a, width, mx::array(value, a.dtype()));
 }
 
 }  // namespace
@@ -141,7 +204,10 @@ PagedDecodeStep::PagedDecodeStep(
            " has no layer.");
     }
   }
-  if (paged_.s_bucket < 1) fail("s_bucket must be >= 1.");
+  if (paged_.t_bucket < 1) fail("t_bucket must be >= 1.");
+  if (paged_.attention != "kernel" && paged_.attention != "gather") {
+    fail("attention must be \"kernel\" or \"gather\", got \"" + paged_.attention + "\".");
+  }
   graph_ = std::make_shared<DecodeStep::Graph>();
   graph_->cfg = std::move(config);
   load_graph_weights(*graph_, weights, quantization);
@@ -149,12 +215,14 @@ PagedDecodeStep::PagedDecodeStep(
     auto g = graph_;
     auto groups = paged_.layer_groups;
     int G = num_groups_;
+    bool kernel = paged_.attention == "kernel";
+    auto backend = backend_;
     compiled_ = mx::compile(
-        [g, groups, G](const std::vector<mx::array>& in) {
+        [g, groups, G, kernel, backend](const std::vector<mx::array>& in) {
           if (!in.empty() && in[0].is_tracer()) {
             g->traces += 1;  // runs only while tracing
           }
-          return paged_forward(*g, groups, G, in);
+          return paged_forward(*g, groups, G, kernel, in, backend.get());
         },
         /*shapeless=*/false);
   }
@@ -173,61 +241,61 @@ int PagedDecodeStep::traces() const {
 PagedStepOutput PagedDecodeStep::step(
     const mx::array& tokens,
     const mx::array& positions,
+    const mx::array& logit_rows,
     const std::vector<PagedGroupInputs>& groups,
     const std::vector<mx::array>& keys,
     const std::vector<mx::array>& values) {
   const auto geometry = buffer_geometry(*graph_);  // per KV-owning layer
   const int L = static_cast<int>(geometry.size());
   if (tokens.ndim() > 2 || tokens.size() < 1 || !mx::issubdtype(tokens.dtype(), mx::integer)) {
-    fail("tokens must be (B,) integer ids, got shape " + shape_str(tokens) + ".");
+    fail("tokens must be (R,) integer ids, got shape " + shape_str(tokens) + ".");
   }
-  const int B = static_cast<int>(tokens.size());
+  const int R = static_cast<int>(tokens.size());
   if (static_cast<int>(groups.size()) != num_groups_) {
-    fail("expected " + std::to_string(num_groups_) + " layer groups of gather inputs, got " +
+    fail("expected " + std::to_string(num_groups_) + " layer groups of (block_tables, lengths, write_slots), got " +
          std::to_string(groups.size()) + ".");
   }
   if (static_cast<int>(keys.size()) != L || static_cast<int>(values.size()) != L) {
     fail("expected " + std::to_string(L) + " key and value storage arrays (one per layer, KV-shared layers excepted), got " +
          std::to_string(keys.size()) + " and " + std::to_string(values.size()) + ".");
   }
+  if (logit_rows.ndim() != 1 || logit_rows.size() < 1 || !mx::issubdtype(logit_rows.dtype(), mx::integer)) {
+    fail("logit_rows must be (M,) integer row indices with M >= 1, got shape " + shape_str(logit_rows) + ".");
+  }
+  const int M = logit_rows.shape(0);
 
+  // Compiled: rows padded to a bucket (padding: token 0 at position 0, the null page's slot 0
+  // written and read, no logits), so a batch that grows or shrinks by a row rarely retraces.
+  const bool pad = compiled_ && paged_.pad_rows;
+  const int R_run = pad ? row_bucket(R) : R, M_run = pad ? row_bucket(M) : M;
   std::vector<mx::array> inputs;
-  inputs.reserve(2 + kGroupInputs * num_groups_ + 2 * L);
-  inputs.push_back(row_ints(tokens, B, "tokens"));
-  inputs.push_back(row_ints(positions, B, "positions"));
-  std::vector<int> signature{B};
+  inputs.reserve(kStepInputs + kGroupInputs * num_groups_ + 2 * L);
+  inputs.push_back(pad_rows(row_ints(tokens, R, "tokens"), R_run - R, 0));
+  inputs.push_back(pad_rows(row_ints(positions, R, "positions"), R_run - R, 0));
+  inputs.push_back(pad_rows(logit_rows.dtype() == mx::int32 ? logit_rows : mx::astype(logit_rows, mx::int32),
+                            M_run - M, 0));
+  std::vector<int> signature{R_run, M_run};
   for (int g = 0; g < num_groups_; ++g) {
     const auto& in = groups[g];
     const std::string where = "group " + std::to_string(g) + ": ";
-    if (in.pages.ndim() != 2 || in.pages.shape(0) != B || in.offsets.shape() != in.pages.shape() ||
-        in.mask.shape() != in.pages.shape()) {
-      fail(where + "pages, offsets and mask must share one (B, S) shape with B = " + std::to_string(B) +
-           ", got " + shape_str(in.pages) + ", " + shape_str(in.offsets) + ", " + shape_str(in.mask) + ".");
+    if (in.block_tables.ndim() != 2 || in.block_tables.shape(0) != R || in.block_tables.shape(1) < 1 ||
+        !mx::issubdtype(in.block_tables.dtype(), mx::integer)) {
+      fail(where + "block_tables must be (R, T) integer page ids with R = " + std::to_string(R) +
+           " and T >= 1, got " + shape_str(in.block_tables) + ".");
     }
-    if (!mx::issubdtype(in.pages.dtype(), mx::integer) || !mx::issubdtype(in.offsets.dtype(), mx::integer)) {
-      fail(where + "pages and offsets must be integer arrays.");
-    }
-    if (in.mask.dtype() != mx::bool_) fail(where + "mask must be a bool array.");
-    auto pages = mx::astype(in.pages, mx::int32);
-    auto offsets = mx::astype(in.offsets, mx::int32);
-    auto mask = in.mask;
-    const int S = pages.shape(1);
+    auto tables = in.block_tables.dtype() == mx::int32 ? in.block_tables : mx::astype(in.block_tables, mx::int32);
+    const int T = tables.shape(1);
     if (compiled_) {
-      // Padding reads slot 0 of the null page, masked out: S changes only per bucket.
-      const int pad = round_up(S, paged_.s_bucket) - S;
+      // Padding is the null page, never read (lengths bound the reads): T changes only per bucket.
+      const int pad = round_up(T, paged_.t_bucket) - T;
       if (pad > 0) {
-        std::vector<std::pair<int, int>> width{{0, 0}, {0, pad}};
-        pages = mx::pad(pages, width, mx::array(0, mx::int32));
-        offsets = mx::pad(offsets, width, mx::array(0, mx::int32));
-        mask = mx::pad(mask, width, mx::array(false));
+        tables = mx::pad(tables, std::vector<std::pair<int, int>>{{0, 0}, {0, pad}}, mx::array(0, mx::int32));
       }
     }
-    signature.push_back(pages.shape(1));
-    inputs.push_back(pages);
-    inputs.push_back(offsets);
-    inputs.push_back(mask);
-    inputs.push_back(row_ints(in.write_pages, B, where + "write_pages"));
-    inputs.push_back(row_ints(in.write_offsets, B, where + "write_offsets"));
+    signature.push_back(tables.shape(1));
+    inputs.push_back(pad_rows(tables, R_run - R, 0));
+    inputs.push_back(pad_rows(row_ints(in.lengths, R, where + "lengths"), R_run - R, 1));
+    inputs.push_back(pad_rows(row_ints(in.write_slots, R, where + "write_slots"), R_run - R, 0));
   }
   for (int i = 0; i < L; ++i) {
     for (const auto* a : {&keys[i], &values[i]}) {
@@ -262,11 +330,13 @@ PagedStepOutput PagedDecodeStep::step(
     }
     seen_.insert(std::move(signature));
   } else {
-    outputs = paged_forward(*graph_, paged_.layer_groups, num_groups_, inputs);
+    outputs = paged_forward(*graph_, paged_.layer_groups, num_groups_, paged_.attention == "kernel", inputs,
+                            backend_.get());
   }
   inputs.clear();  // the graph holds the storage now; the caller's commit drops its own reference
 
-  PagedStepOutput out{outputs[0], {}, {}};
+  auto logits = M_run == M ? outputs[0] : mx::slice(outputs[0], {0, 0}, {M, outputs[0].shape(1)});
+  PagedStepOutput out{logits, {}, {}};
   out.keys.reserve(L);
   out.values.reserve(L);
   for (int i = 0; i < L; ++i) {

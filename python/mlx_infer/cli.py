@@ -361,8 +361,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     s.add_argument("--port", type=int, default=8080, help="TCP port")
     s.add_argument("--max-batch", type=int, default=32, help="most requests running at once")
-    s.add_argument("--memory-budget", type=float, default=1.0, metavar="GB",
-                   help="memory for KV pages and activations, weights excluded")
+    s.add_argument("--memory-budget", type=float, default=None, metavar="GB",
+                   help="memory for KV pages and activations, weights excluded (default: sized from the "
+                        "device: 0.9 of a GPU's memory or 0.25 of available RAM, minus weights and 1 GiB)")
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every endpoint but the --public ones")
     s.add_argument("--public", default=None, metavar="LIST",

@@ -23,6 +23,7 @@
 #include <list>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -96,6 +97,50 @@ struct AppendResult {
     }
     return out;
   }
+};
+
+/// One step of a batch, as arrays: what every paged forward reads (the eager
+/// paged graph and the compiled paged step alike). R rows, one new token
+/// each; a sequence given n tokens gets n consecutive rows with the same
+/// block table and consecutive positions (a prefill chunk):
+///
+///   seqs 4 (len 37 -> +1), 9 (len 3 -> +2), page_size 16
+///
+///   row  seq  position  length  block_tables[g] (T = 3)  write_slots[g]
+///   0    4    37        38      [ 7  2  5 ]             5*16 + 5
+///   1    9    3         4       [ 8  0  0 ]             8*16 + 3
+///   2    9    4         5       [ 8  0  0 ]             8*16 + 4
+///
+/// A row attends keys [max(0, length - window), length) of its group: its
+/// own new key included, so every row's K/V is written before attention and
+/// the rows of a chunk see each other causally. Padding entries are 0, the
+/// null page. Before writing, copy page copy_src[g][i] -> copy_dst[g][i]
+/// (copy-on-write of a shared last page) on every layer of group g.
+struct StepPlan {
+  mx::array positions;                  // (R,) int32
+  mx::array lengths;                    // (R,) int32, position + 1
+  std::vector<mx::array> block_tables;  // per group (R, T) int32, T a multiple of table_bucket
+  std::vector<mx::array> write_slots;   // per group (R,) int32, page * page_size + offset
+  std::vector<mx::array> copy_src;      // per group (c_g,) int32 (c_g may be 0)
+  std::vector<mx::array> copy_dst;      // per group (c_g,) int32
+  std::vector<int> num_copies;          // per group c_g
+  int rows = 0;       // R, padding rows included
+  int real_rows = 0;  // sum(counts): the rows before padding
+  int min_length = 0;  // smallest and largest length: the host knows S without a sync
+  int max_length = 0;
+
+  /// The gather index of one window kind (0 = global) over group `group`:
+  /// token s of row r's keys sits at (pages, offsets)[r, s]; valid[r, s]
+  /// says whether it is one (padding: slot 0 of the null page). S is the
+  /// longest row's key count rounded up to a multiple of `bucket`.
+  ///   returns pages (R, S) int32, offsets (R, S) int32, valid (R, S) bool
+  std::tuple<mx::array, mx::array, mx::array> gather_index(int group, int64_t window, int bucket) const;
+
+  // Host copies the gather index is built from (not exposed).
+  int page_size = 0;
+  int table_width = 0;
+  std::vector<int32_t> host_lengths;               // (R,)
+  std::vector<std::vector<int32_t>> host_tables;   // per group (R * T)
 };
 
 /// A fixed pool of KV pages with per-sequence block tables, refcounts,
@@ -309,6 +354,15 @@ class PageGroups {
   /// One AppendResult per group, or nullopt when some group is out of pages
   /// (nothing appended; window releases may have happened).
   std::optional<std::vector<AppendResult>> append(int64_t seq_id, int64_t n_tokens);
+  /// Appends counts[i] tokens to seq_ids[i] for every i, all or nothing, and
+  /// returns the step plan of the R = sum(counts) new tokens (see StepPlan);
+  /// nullopt when some group is out of pages (no sequence grew; window
+  /// releases may have happened). Ids must be distinct, counts >= 1. R is
+  /// rounded up to a multiple of `row_bucket` with padding rows (position 0,
+  /// length 1, null table, written at slot 0 of the null page).
+  std::optional<StepPlan> append_batch(const std::vector<int64_t>& seq_ids,
+                                       const std::vector<int64_t>& counts,
+                                       int table_bucket = 1, int row_bucket = 1);
   void fork(int64_t src, int64_t dst);
   void free(int64_t seq_id);
   void truncate(int64_t seq_id, int64_t n_tokens);

@@ -1,6 +1,6 @@
-// The compiled one-token decode step over paged KV (DESIGN.md, "Contracts":
-// DecodeStep; issue 5). The same layer code as DecodeStep (cpp/decode/graph.cpp),
-// reading and writing the pages of a paged store instead of owning buffers.
+// The compiled paged step (DESIGN.md, "Contracts": DecodeStep; issue 5, issue
+// 16). The same layer code as DecodeStep (cpp/decode/graph.cpp), reading and
+// writing the pages of a paged store instead of owning buffers.
 //
 // The step owns no KV. Each call gets the store's page arrays, one K and one V
 // per KV-owning layer (every layer but gemma4's KV-shared ones, which attend
@@ -11,26 +11,48 @@
 //            each layer's own kv_heads and head_dim)
 //            page 0 is the null page: padding reads it, nothing writes it
 //
-//   per layer group g (layers sharing one gather: one window, one page table)
-//     pages, offsets  (B, S) int32   token s of row b sits at (pages, offsets)[b, s]
-//     mask            (B, S) bool    which of them row b attends to
-//     write_pages,
-//     write_offsets   (B,)   int32   where row b's new token goes
+// R rows, each one query token: a decode row, or one token of a prefill chunk
+// (a chunk of L tokens is L rows with the same block table contents and
+// consecutive positions). Step-wide:
 //
-//   row b's new token is at position positions[b] (RoPE) and is part of what
-//   it reads (the gather includes the slot it is written to).
+//   tokens      (R,)  integer ids
+//   positions   (R,)  int32, RoPE position of each row's token
+//   logit_rows  (M,)  int32, the rows that get logits (the head runs on those
+//                     only); logits come back (M, vocab) in that order
 //
-// Per layer: scatter the B new K/V rows into the storage (MLX updates the
-// buffer in place once the caller drops its reference), gather (B, KVH, S, D)
-// from the updated storage, attend under the mask, rest of the layer as
-// decode_forward.
+// Per layer group g (layers sharing one window and one page table; the order
+// of DecodeBatch.windows_of):
+//
+//   block_tables (R, T) int32  row r's pages in its group's storage, logical
+//                              page j holds positions [j P, (j + 1) P); padded
+//                              with 0 (the null page)
+//   lengths      (R,)   int32  = position + 1: row r attends to the keys at
+//                              positions [max(0, length - window), length),
+//                              its own new key included
+//   write_slots  (R,)   int32  page * page_size + offset of row r's new K/V
+//
+// Per layer: all R new K/V rows are scattered into the storage first (MLX
+// updates the buffer in place once the caller drops its reference), then
+// attention reads through the tables, so the tokens of a prefill chunk see
+// each other causally through their lengths. Attention (PagedDecodeConfig::
+// attention):
+//
+//   kernel   paged_attention (mlx_infer/paged_attention.h): reads K/V through
+//            the tables, no gathered copy. CPU and CUDA; on Metal (no kernel
+//            yet: none could be run and tested here) it falls back to gather.
+//   gather   the reference and fallback: the (R, KVH, S, D) copy is gathered
+//            from the updated storage with indices built on the device from
+//            tables and lengths (S = T P, or the window when smaller), then
+//            MLX SDPA under a (R, 1, 1, S) mask.
 //
 // Compiled (PagedDecodeConfig::compile): the whole step is one mx::compile'd
 // function of its array inputs, so per-step integers never retrace it; only
-// shapes do (B, each group's S, the page count). S grows a token per step, so
-// it is rounded up to a multiple of s_bucket (padding points at the null page,
-// masked out): a steady-state step between bucket boundaries does not trace.
-// Otherwise the graph is built op by op every step at the exact S.
+// shapes do (R and M, padded to buckets unless pad_rows is off, each group's
+// T, the page count). T grows a page every
+// page_size tokens, so it is rounded up to a multiple of t_bucket (padding is
+// the null page, never read: lengths bound every read): a steady-state step
+// between bucket boundaries does not trace. Otherwise the graph is built op by
+// op every step at the exact T.
 //
 // Transactional: the step only builds new arrays; the caller replaces its
 // storage with the returned arrays (its commit). A step that throws leaves the
@@ -53,27 +75,31 @@ struct PagedDecodeConfig {
   std::vector<int> layer_groups;
   /// mx::compile the step (else build op by op each step).
   bool compile = true;
-  /// Compiled: round each group's S up to a multiple of this (>= 1).
-  int s_bucket = 32;
+  /// Compiled: round each group's block-table width T (pages) up to a multiple of this (>= 1).
+  int t_bucket = 4;
+  /// Compiled: run R rows (and M logit rows) padded up to a bucket (powers of two to 16, then
+  /// multiples of 16), so a batch that changes by a row rarely retraces. Padding rows are token
+  /// 0 at position 0 writing and reading slot 0 of the null page (read elsewhere only masked).
+  bool pad_rows = true;
+  /// "kernel" (paged_attention, no gathered copy; gather on Metal) or "gather" (the reference).
+  std::string attention = "kernel";
 };
 
 /// One layer group's per-step inputs (see the file comment).
 struct PagedGroupInputs {
-  mx::array pages;          // (B, S) int32
-  mx::array offsets;        // (B, S) int32
-  mx::array mask;           // (B, S) bool
-  mx::array write_pages;    // (B,) int32
-  mx::array write_offsets;  // (B,) int32
+  mx::array block_tables;  // (R, T) int32
+  mx::array lengths;       // (R,) int32
+  mx::array write_slots;   // (R,) int32
 };
 
 /// Logits and each layer's updated storage.
 struct PagedStepOutput {
-  mx::array logits;               // (B, vocab), lazy
+  mx::array logits;               // (M, vocab), lazy
   std::vector<mx::array> keys;    // per layer, the storage's shape
   std::vector<mx::array> values;  // per layer
 };
 
-/// A one-token decode step over paged K/V it does not own. Not thread-safe.
+/// A step of one query token per row over paged K/V it does not own. Not thread-safe.
 class PagedDecodeStep {
  public:
   /// Args: as DecodeStep's (``config.kv_dtype``, capacity and compile fields
@@ -85,18 +111,20 @@ class PagedDecodeStep {
       const std::unordered_map<std::string, QuantSpec>& quantization);
   ~PagedDecodeStep();
 
-  /// One token per row. Raises std::invalid_argument on inputs of the wrong
-  /// count, shape or dtype (nothing is built then).
+  /// One query token per row. Raises std::invalid_argument on inputs of the
+  /// wrong count, shape or dtype (nothing is built then).
   ///
   /// Args:
-  ///   tokens: (B,) integer ids.
-  ///   positions: (B,) integer positions of the new tokens.
+  ///   tokens: (R,) integer ids.
+  ///   positions: (R,) integer positions of the new tokens.
+  ///   logit_rows: (M,) integer rows whose logits are returned.
   ///   groups: one PagedGroupInputs per layer group.
   ///   keys, values: per layer, the storage (pages, kv_heads, page_size, head_dim),
   ///     float16 / bfloat16 / float32 (quantized storage is refused).
   PagedStepOutput step(
       const mx::array& tokens,
       const mx::array& positions,
+      const mx::array& logit_rows,
       const std::vector<PagedGroupInputs>& groups,
       const std::vector<mx::array>& keys,
       const std::vector<mx::array>& values);
@@ -108,12 +136,16 @@ class PagedDecodeStep {
   /// Distinct input-shape signatures the compiled step has run with.
   int signatures() const { return static_cast<int>(seen_.size()); }
   int steps() const { return steps_; }
+  /// What the last built (or traced) step's attention ran on: "cpu", "cuda" or "gather"
+  /// ("" before the first step). A compiled step replaying a trace keeps the trace's value.
+  const std::string& attention_backend() const { return *backend_; }
   int num_groups() const { return num_groups_; }
   const DecodeConfig& config() const;
   const PagedDecodeConfig& paged_config() const { return paged_; }
 
  private:
   std::shared_ptr<DecodeStep::Graph> graph_;
+  std::shared_ptr<std::string> backend_ = std::make_shared<std::string>();
   PagedDecodeConfig paged_;
   int num_groups_ = 0;
   std::function<std::vector<mx::array>(const std::vector<mx::array>&)> compiled_;

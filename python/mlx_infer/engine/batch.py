@@ -1,24 +1,28 @@
-"""The engine's batched decode step over paged sequences: one token per row.
+"""The engine's batched step over paged sequences: R rows of one query token each.
 
-:class:`~mlx_infer.state.paged.PagedBatch` serves any ``(B, N)`` step and
-does its bookkeeping row by row and layer by layer. A decode step always
-appends exactly one token to every row, so everything but the K/V values is
-known before the forward and is computed once per step, in numpy, for all
-rows and layers together::
+The step plan comes from the C++ page groups in one call
+(``PageGroups.append_batch``, see ``StepPlan``): every row's sequence grows,
+and the positions, lengths, block tables, write slots and copy-on-write
+copies come back as int32 arrays. No per-row Python runs here::
 
-    reserve()   pages.append(seq, 1) per row (C++)     -> per layer group: copies, one slot per row
-                block tables per group, refreshed only when a row crosses a page
-                positions (B,)            RoPE offset of each row
-                slots (B,)                where each row's new K/V goes
-                per window kind: (pages, offsets) (B, S) and mask (B, 1, 1, S)
-    forward     every layer: its group's copies (rare), write its group's B slots, gather (B, S):
-                the eager graph through ``caches``, or the compiled C++ paged
-                step through ``paged_inputs()`` (the same indices as arrays, S
-                rounded up to its bucket; see generation/bindings/paged_decode_step.py)
+    reserve()   pages.append_batch(ids, counts)     (C++, all rows or none)
+                -> positions (R,), lengths (R,), per layer group g:
+                   block_tables (R, T), write_slots (R,), copies (c_g,)
+    forward     the compiled C++ paged step reads the plan's arrays as they are
+                (``paged_inputs()``: block tables, lengths, write slots per group;
+                see generation/bindings/paged_decode_step.py), or the eager graph
+                through ``caches``:
+                per window kind, the gather index (R, S) comes from the plan
+                (``StepPlan.gather_index``, built in C++), shared by every layer
+                of that kind; every layer: its group's copies (rare), write its
+                R slots, gather
     commit()    every layer's offset of every row moves to the new length
 
-Rows are right-padded to the longest; padding reads slot 0 of the null page
-and is masked out, as in :class:`~mlx_infer.state.paged.PagedBatch`.
+A row is a decode row (one token) or one token of a prefill chunk (a
+sequence given n tokens has n rows with the same block table and
+consecutive positions). Row r attends keys ``[max(0, length - window),
+length)``: all rows are written before attention, so a chunk's tokens see
+each other causally. Padding reads slot 0 of the null page, masked out.
 """
 
 from __future__ import annotations
@@ -26,167 +30,156 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
-import numpy as np
 
 from ..state.paged import PagedKVStore, PagedSequence
 
 
 class DecodeBatch:
-    """B sequences of one store advanced by one token each per :meth:`reserve`.
+    """Sequences of one store advanced together by :meth:`reserve` (one token each by default).
 
-    ``model(tokens (B, 1), cache=batch.caches)`` after a successful
+    ``model(tokens (R, 1), cache=batch.caches)`` after a successful
     :meth:`reserve`, then :meth:`commit`.
+
+    Args:
+        store: the page store.
+        seqs: the rows' sequences, in row order.
+        counts: tokens each sequence gets per step (default 1: decode rows).
+        table_bucket: the plan's block-table width is rounded up to a multiple of this.
+        row_bucket: R is rounded up to a multiple of this with padding rows after the real
+            ones (they write and read only the null page; feed them any token).
+
+    Attributes:
+        logit_rows: ``(M,)`` int32 rows that get logits in the compiled step, or ``None``
+            (every row): a mixed step sets it to its decode rows and the last row of each
+            prefill chunk that ends its prompt.
     """
 
-    def __init__(self, store: PagedKVStore, seqs: list[PagedSequence]):
+    def __init__(self, store: PagedKVStore, seqs: list[PagedSequence], counts: list[int] | None = None,
+                 *, table_bucket: int = 1, row_bucket: int = 1):
         self.store = store
         self.seqs = list(seqs)
         self.ids = [s.seq_id for s in self.seqs]
+        self.counts = list(counts) if counts is not None else [1] * len(self.seqs)
+        self.table_bucket = table_bucket
+        self.row_bucket = row_bucket
+        self.logit_rows: mx.array | None = None
         self.caches = [_DecodeLayerCache(self, i) for i in range(store.num_layers)]
-        G = len(store.groups)
-        self._tables: list[list[list[int]]] = [  # [group][row] block table
-            [store.pages.block_table(i, g) for i in self.ids] for g in range(G)]
-        self.offset: mx.array | None = None  # (B,) int32 positions of the new tokens
-        self.slots: list[mx.array] = []  # per group, (B,) int32
-        self.copies: list[tuple[mx.array, mx.array] | None] = [None] * G
-        self._gather: dict[Any, tuple[Any, ...]] = {}  # per window, and the paged step's inputs
-        self._masks: dict[int | None, mx.array | None] = {}
+        self.plan: Any = None  # the last reserve()'s _fast.StepPlan
+        self.offset: mx.array | None = None  # (R,) int32 positions of the new tokens
+        self.copies: list[tuple[mx.array, mx.array] | None] = [None] * len(store.groups)
         self._windows = self.windows_of(store)
         self._group_of = {w: store.group_of_window(w) for w in self._windows}
+        self._gather: dict[Any, Any] = {}
+        self._rows: dict[Any, tuple[mx.array, mx.array]] = {}
 
     @staticmethod
     def windows_of(store: PagedKVStore) -> list[int | None]:
         """The store's distinct layer windows (``None`` = global first): one gather each per step."""
         return sorted(set(store.layer_windows), key=lambda w: -1 if w is None else w)
 
+    @property
+    def rows(self) -> int:
+        """R, the rows of the reserved step."""
+        return self.plan.rows
+
     def reserve(self) -> bool:
-        """Reserve one token on every row; all or nothing (``False``: out of pages)."""
-        pages, P = self.store.pages, self.store.page_size
-        G = len(self.store.groups)
-        done: list[int] = []
-        slots: list[list[int]] = [[] for _ in range(G)]
-        copies: list[list[tuple[int, int]]] = [[] for _ in range(G)]
-        for b, sid in enumerate(self.ids):
-            rs = pages.append(sid, 1)  # windowed groups release the pages behind their window first
-            if rs is None:
-                for d in done:
-                    pages.truncate(d, 1)
-                return False
-            done.append(sid)
-            for g, r in enumerate(rs):
-                slots[g].append(r.slots[0])
-                # A new or copied page: re-read the table. Entries a window released stay stale
-                # here, which is harmless: they lie before the window and are never gathered.
-                if r.copies or r.slots[0] % P == 0:
-                    copies[g] += r.copies
-                    self._tables[g][b] = pages.block_table(sid, g)
-        starts = np.array([s.offsets[0] for s in self.seqs])  # (B,) tokens before this step
-        self.offset = mx.array(starts, mx.int32)
-        self.slots = [mx.array(sl, mx.int32) for sl in slots]
-        self.copies = [None if not c else (mx.array([x[0] for x in c], mx.int32), mx.array([x[1] for x in c], mx.int32))
-                       for c in copies]
+        """Reserve every sequence's tokens; all or nothing (``False``: out of pages)."""
+        plan = self.store.pages.append_batch(self.ids, self.counts, table_bucket=self.table_bucket,
+                                             row_bucket=self.row_bucket)
+        if plan is None:
+            return False
+        self.plan = plan
+        self.offset = plan.positions
+        self.copies = [None if n == 0 else (s, d) for n, s, d in zip(plan.num_copies, plan.copy_src, plan.copy_dst)]
         self._gather = {}
         self._rows = {}
-        self._slots_np = [np.array(sl, np.int64) for sl in slots]
-        tabs = []
-        for g in range(G):
-            tab = np.zeros((len(self.ids), max(map(len, self._tables[g]))), np.int64)  # (B, max_pages)
-            for b, t in enumerate(self._tables[g]):
-                tab[b, :len(t)] = t
-            tabs.append(tab)
-        self._gather_np = {w: _index_np(starts, w, tabs[self._group_of[w]], P) for w in self._windows}
-        self._masks = {}
-        for w, (_, _, valid) in self._gather_np.items():
-            # No padding anywhere (one row, or rows of one length): no mask, the fast attention path.
-            self._masks[w] = None if valid.all() else mx.array(valid[:, None, None, :])
         return True
 
     def group_windows(self) -> list[int | None]:
         """The windows of the gathers, in the order :meth:`paged_inputs` lists them."""
         return list(self._windows)
 
-    def paged_inputs(self, bucket: int = 1) -> list[tuple[mx.array, ...]]:
-        """Per window, what the compiled paged step reads (one tuple each)::
-
-            pages, offsets  (B, S) int32   into the window's group's storage, S rounded up
-                                           to a multiple of ``bucket``
-            mask            (B, S) bool    padding reads slot 0 of the null page, masked
-            write_pages,
-            write_offsets   (B,) int32     where each row's new token goes in that storage
-        """
-        key = ("paged", bucket)
+    def _index(self, window: int | None, bucket: int = 1) -> tuple[mx.array, mx.array, mx.array, bool]:
+        """``(pages, offsets, valid)`` ``(R, S)`` of the keys each row reads, into the window's
+        group's storage (built on the host by the C++ plan), and whether any row has padding
+        (``False``: every row reads all S keys, the attention needs no mask)."""
+        key = (window, bucket)
         if key not in self._gather:
-            P = self.store.page_size
-            out = []
-            for w in self._windows:
-                slots = self._slots_np[self._group_of[w]]
-                pages, offs, valid = self._gather_np[w]
-                pad = -pages.shape[1] % bucket
-                if pad:
-                    pages, offs, valid = (np.pad(a, ((0, 0), (0, pad))) for a in (pages, offs, valid))
-                out.append((mx.array(pages, mx.int32), mx.array(offs, mx.int32), mx.array(valid),
-                            mx.array(slots // P, mx.int32), mx.array(slots % P, mx.int32)))
-            self._gather[key] = tuple(out)
-        return list(self._gather[key])
+            plan = self.plan
+            pages, offs, valid = plan.gather_index(self._group_of[window], window or 0, bucket)
+            fewest = plan.min_length if window is None else min(plan.min_length, window)
+            self._gather[key] = (pages, offs, valid, fewest < pages.shape[1])
+        return self._gather[key]
+
+    def paged_inputs(self, bucket: int = 1) -> list[tuple[mx.array, mx.array, mx.array]]:
+        """Per window (in :meth:`group_windows` order), what the compiled paged step reads::
+
+            block_tables (R, T) int32   each row's pages in the window's group's storage, by
+                                        logical page (0 = the null page past its end); T
+                                        a multiple of ``bucket``
+            lengths      (R,)   int32   position + 1: the row attends to the keys at
+                                        [max(0, length - window), length), its new one included
+            write_slots  (R,)   int32   page * page_size + offset of the row's new token
+
+        The plan's tables are already ``table_bucket`` wide; another ``bucket`` pads them.
+        """
+        plan = self.plan
+        out = []
+        for w in self._windows:
+            g = self._group_of[w]
+            tab = plan.block_tables[g]  # (R, T)
+            pad = -tab.shape[1] % bucket
+            if pad:
+                tab = mx.pad(tab, [(0, 0), (0, pad)])
+            out.append((tab, plan.lengths, plan.write_slots[g]))
+        return out
 
     def mask(self, window: int | None) -> mx.array | None:
-        return self._masks[window]
+        """``(R, 1, 1, S)`` bool, or ``None`` when no row has padding (the fast attention path)."""
+        _, _, valid, padded = self._index(window)
+        return valid[:, None, None, :] if padded else None
 
     def slot_index(self, window: int | None) -> tuple[mx.array, mx.array]:
-        """``(pages, offsets)`` ``(B, S)`` as arrays, into the window's group's storage
-        (the quantized path reads through these)."""
-        if window not in self._gather:
-            pages, offs, _ = self._gather_np[window]
-            self._gather[window] = (mx.array(pages, mx.int32), mx.array(offs, mx.int32))
-        return self._gather[window]
+        """``(pages, offsets)`` ``(R, S)`` into the window's group's storage (the quantized path reads these)."""
+        return self._index(window)[:2]
 
-    def rows(self, heads: int, window: int | None) -> tuple[mx.array, mx.array]:
+    def write_slots(self, window: int | None) -> mx.array:
+        """``(R,)`` flat slots of the rows' new K/V in the window's group's storage."""
+        return self.plan.write_slots[self._group_of[window]]
+
+    def row_index(self, heads: int, window: int | None) -> tuple[mx.array, mx.array]:
         """Row indices into a plain part viewed as ``(pages * heads * P, D)``: the write rows
-        ``(B * heads, 1)`` of the new tokens and the read rows ``(B, heads, S)`` of each row's keys."""
+        ``(R * heads, 1)`` of the new tokens and the read rows ``(R, heads, S)`` of each row's keys."""
         key = (heads, window)
         if key not in self._rows:
             P = self.store.page_size
-            h = np.arange(heads)
-            s = self._slots_np[self._group_of[window]]
-            write = ((s // P)[:, None] * heads + h[None]) * P + (s % P)[:, None]  # (B, H)
-            pages, offs, _ = self._gather_np[window]
-            read = (pages[:, None, :] * heads + h[None, :, None]) * P + offs[:, None, :]  # (B, H, S)
-            self._rows[key] = (mx.array(write.reshape(-1, 1), mx.int32), mx.array(read, mx.int32))
+            h = mx.arange(heads, dtype=mx.int32)
+            s = self.write_slots(window)  # (R,)
+            write = ((s // P)[:, None] * heads + h[None]) * P + (s % P)[:, None]  # (R, H)
+            pages, offs, _, _ = self._index(window)
+            read = (pages[:, None, :] * heads + h[None, :, None]) * P + offs[:, None, :]  # (R, H, S)
+            self._rows[key] = (write.reshape(-1, 1), read)
         return self._rows[key]
 
     def commit(self) -> None:
-        """After the forward: every layer of every row holds the new token."""
-        for s in self.seqs:
-            n = s.offsets[0] + 1
-            s.offsets[:] = [n] * len(s.offsets)
-
-
-def _index_np(starts: np.ndarray, window: int | None, tab: np.ndarray,
-              P: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(pages, offsets, valid)`` ``(B, S)`` of the keys each row reads (one query per row)."""
-    start = starts[:, None]  # (B, 1)
-    lo = np.zeros_like(start) if window is None else np.maximum(start - (window - 1), 0)
-    count = start + 1 - lo  # (B, 1) keys each row reads, its new token included
-    s = np.arange(int(count.max()))[None]  # (1, S)
-    valid = s < count  # (B, S)
-    pos = np.where(valid, lo + s, 0)  # (B, S); padding -> position 0 of the null page
-    pages = np.take_along_axis(tab, pos // P, axis=1) * valid
-    return pages, pos % P * valid, valid
+        """After the forward: every layer of every row's sequence holds the new tokens."""
+        for s, n in zip(self.seqs, self.counts):
+            s.offsets[:] = [s.offsets[0] + n] * len(s.offsets)
 
 
 def _write_read(part: mx.array, new: mx.array, write: mx.array, read: mx.array) -> tuple[tuple[mx.array], mx.array]:
-    """Scatter ``new`` ``(B, KVH, 1, D)`` at ``write`` rows of ``part``; gather ``read`` rows ``(B, KVH, S)``."""
+    """Scatter ``new`` ``(R, KVH, 1, D)`` at ``write`` rows of ``part``; gather ``read`` rows ``(R, KVH, S)``."""
     shape = part.shape  # (pages, KVH, P, D)
     D = shape[-1]
     flat = part.reshape(-1, D)  # (pages * KVH * P, D), no copy
     if new.dtype != part.dtype:
         new = new.astype(part.dtype)
     flat = mx.put_along_axis(flat, mx.broadcast_to(write, (write.shape[0], D)), new.reshape(-1, D), axis=0)
-    return (flat.reshape(shape),), mx.take(flat, read, axis=0)  # (B, KVH, S, D)
+    return (flat.reshape(shape),), mx.take(flat, read, axis=0)  # (R, KVH, S, D)
 
 
 class _DecodeLayerCache:
-    """The cache protocol for one layer of a :class:`DecodeBatch` (``offset`` is ``(B,)``)."""
+    """The cache protocol for one layer of a :class:`DecodeBatch` (``offset`` is ``(R,)``)."""
 
     def __init__(self, batch: DecodeBatch, layer: int):
         self.batch = batch
@@ -199,24 +192,25 @@ class _DecodeLayerCache:
         return self.batch.offset
 
     def make_mask(self, N: int, *, window_size: int | None = None, return_array: bool = False) -> mx.array | None:
-        assert N == 1, "a DecodeBatch feeds one token per row"
+        assert N == 1, "a DecodeBatch feeds one query token per row"
         return self.batch.mask(self.window)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
-        """Write ``(B, KVH, 1, D)`` keys/values; return ``(B, KVH, S, D)`` padded rows."""
+        """Write ``(R, KVH, 1, D)`` keys/values; return ``(R, KVH, S, D)`` padded rows."""
         b = self.batch
         storage = b.store._storage(self.layer, keys, values)
         if b.copies[self.group] is not None:
             storage.copy_pages(*b.copies[self.group])
         if storage.scheme.quantized:
-            storage.write(b.slots[self.group], keys[:, :, 0].transpose(1, 0, 2), values[:, :, 0].transpose(1, 0, 2))
-            k, v = storage.read_slots(*b.slot_index(self.window))  # (B, KVH, S, w)
+            storage.write(b.write_slots(self.window), keys[:, :, 0].transpose(1, 0, 2),
+                          values[:, :, 0].transpose(1, 0, 2))
+            k, v = storage.read_slots(*b.slot_index(self.window))  # (R, KVH, S, w)
             return storage.unwrap(k), storage.unwrap(v)
         # Plain parts as (pages * KVH * P, D) row views: one scatter and one gather per part.
-        write, read = b.rows(keys.shape[1], self.window)
+        write, read = b.row_index(keys.shape[1], self.window)
         storage.keys, k = _write_read(storage.keys[0], keys, write, read)
         storage.values, v = _write_read(storage.values[0], values, write, read)
-        return k, v  # (B, KVH, S, D)
+        return k, v  # (R, KVH, S, D)
 
     @property
     def state(self) -> tuple[mx.array, ...]:

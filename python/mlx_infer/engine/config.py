@@ -1,4 +1,19 @@
-"""Engine settings and how the KV page pool is sized from a memory budget."""
+"""Engine settings and how the KV page pool is sized: from the device's memory by default, or
+from an explicit memory budget.
+
+Default (``memory_budget_gb=None``), as vLLM's ``gpu_memory_utilization``::
+
+    GPU   KV bytes = fraction x (recommended working set, else total memory)
+                     - loaded weights - activation reserve
+    CPU   KV bytes = fraction x available RAM - activation reserve
+                     (the weights are already out of what is available)
+
+``fraction`` is ``memory_fraction`` (default 0.9 on a GPU; 0.25 on the CPU,
+whose RAM the OS and other processes share: vLLM's CPU backend likewise
+defaults to a fixed 4 GiB of KV rather than most of the RAM). An explicit budget gives
+:data:`KV_FRACTION` of it to KV pages. Either way no group holds more than
+its sequences can use (see :func:`pool_pages`).
+"""
 
 from __future__ import annotations
 
@@ -15,7 +30,11 @@ from ..state.paged import DEFAULT_WINDOW_SLACK, model_geometry
 DEFAULT_MAX_BATCH = 32
 DEFAULT_PAGE_SIZE = 16
 DEFAULT_PREFILL_STEP_SIZE = 512
-DEFAULT_MEMORY_BUDGET_GB = 1.0
+DEFAULT_MEMORY_BUDGET_GB: float | None = None  # None: sized from the device
+#: Share of the device's memory the default sizing lets the engine use, per device type.
+DEFAULT_MEMORY_FRACTION = {"gpu": 0.9, "cpu": 0.25}
+#: Memory kept free for activations (prefill chunks, the step's logits) and MLX's buffer cache.
+ACTIVATION_RESERVE_BYTES = 1 << 30
 DEFAULT_MAX_QUEUE = 4096
 #: Fraction of the memory budget given to KV pages; the rest is headroom for
 #: activations (prefill chunks, the batched decode step's gathers and logits).
@@ -33,6 +52,9 @@ class EngineConfig:
             excluded; :data:`KV_FRACTION` of it sizes the page pool (admission
             is by free pages, so the KV never outgrows it; the rest is headroom
             for activations, which ``prefill_step_size`` and ``max_batch`` bound).
+            ``None`` (the default): sized from the device (module docstring).
+        memory_fraction: the share of the device's memory the default sizing
+            may use (``None``: :data:`DEFAULT_MEMORY_FRACTION` of the device type).
         memory_limit_gb: optionally also hold admissions while MLX's active
             memory (the whole process: other models too) exceeds this.
         num_pages: explicit pool size (null page included); overrides the budget's.
@@ -42,12 +64,20 @@ class EngineConfig:
         max_queue: waiting requests beyond which ``submit`` refuses new ones.
         prefix_cache: index finished prompts' full pages for reuse.
         pipeline: queue decode step n+1 before reading step n's tokens.
+        mixed_steps: while requests decode, prompt chunks of joining requests ride in the
+            decode step's forward (one prompt-token budget per step: ``prefill_step_size``;
+            see engine/mixed.py) where the compiled step's attention reads the block tables.
+            ``None`` (default): on a GPU only. On this project's 2-core CPU a joining
+            512-token prompt's first token came later mixed (79-122 ms) than prefilled in
+            its own forward (44-45 ms; toy gemma3-270m shape, benchmarks/join_ttft.py): the
+            CPU kernel attends row by row where the separate prefill uses MLX's SDPA.
         kv_scheme: per-layer KV storage (see :class:`~mlx_infer.state.paged.PagedKVStore`).
         kv_dtype: element type of plain KV storage (default: the model's).
     """
 
     max_batch: int = DEFAULT_MAX_BATCH
-    memory_budget_gb: float = DEFAULT_MEMORY_BUDGET_GB
+    memory_budget_gb: float | None = DEFAULT_MEMORY_BUDGET_GB
+    memory_fraction: float | None = None
     memory_limit_gb: float | None = None
     num_pages: int | None = None
     page_size: int = DEFAULT_PAGE_SIZE
@@ -55,6 +85,7 @@ class EngineConfig:
     max_queue: int = DEFAULT_MAX_QUEUE
     prefix_cache: bool = True
     pipeline: bool = True
+    mixed_steps: bool | None = None
     kv_scheme: Any = None
     kv_dtype: mx.Dtype | None = None
 
@@ -65,17 +96,75 @@ class EngineConfig:
                 raise MlxInferError(f"EngineConfig.{name} must be a positive integer, got {v!r}.")
         if self.page_size & (self.page_size - 1):
             raise MlxInferError(f"EngineConfig.page_size must be a power of two, got {self.page_size}.")
-        if not isinstance(self.memory_budget_gb, (int, float)) or not self.memory_budget_gb > 0:
+        if self.memory_budget_gb is not None and (isinstance(self.memory_budget_gb, bool) or not isinstance(
+                self.memory_budget_gb, (int, float)) or not self.memory_budget_gb > 0):
             raise MlxInferError(f"EngineConfig.memory_budget_gb must be > 0, got {self.memory_budget_gb!r}.")
+        if self.memory_fraction is not None and (isinstance(self.memory_fraction, bool) or not isinstance(
+                self.memory_fraction, (int, float)) or not 0 < self.memory_fraction <= 1):
+            raise MlxInferError(f"EngineConfig.memory_fraction must be in (0, 1], got {self.memory_fraction!r}.")
         if self.memory_limit_gb is not None and not (isinstance(self.memory_limit_gb, (int, float))
                                                      and self.memory_limit_gb > 0):
             raise MlxInferError(f"EngineConfig.memory_limit_gb must be > 0, got {self.memory_limit_gb!r}.")
         if self.num_pages is not None and (not isinstance(self.num_pages, int) or self.num_pages < 2):
             raise MlxInferError(f"EngineConfig.num_pages must be an integer >= 2, got {self.num_pages!r}.")
 
-    @property
-    def memory_budget_bytes(self) -> int:
-        return int(self.memory_budget_gb * 2**30)
+
+
+@dataclass(frozen=True)
+class KVBudget:
+    """Bytes the page pool may take and where the figure came from (the startup line says it)."""
+
+    bytes: int
+    source: str
+
+
+def weight_bytes(model: Any) -> int:
+    """Bytes of the model's parameters."""
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+def available_ram() -> int:
+    """Bytes of RAM available to new allocations (psutil, else /proc/meminfo's MemAvailable)."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    raise MlxInferError("Cannot tell the available RAM (no psutil, no /proc/meminfo); pass --memory-budget.")
+
+
+def device_memory() -> tuple[str, int, str]:
+    """``(device type, bytes, what they are)`` of the default device: a GPU's recommended
+    working set (else its total memory), or the CPU's available RAM."""
+    if mx.default_device().type == mx.DeviceType.gpu:
+        info = mx.device_info()
+        for key in ("max_recommended_working_set_size", "total_memory", "memory_size"):
+            if info.get(key):
+                return "gpu", int(info[key]), key.replace("_", " ")
+        raise MlxInferError(f"The GPU reports no memory size ({sorted(info)}); pass --memory-budget.")
+    return "cpu", available_ram(), "available RAM"
+
+
+def kv_budget(model: Any, config: EngineConfig) -> KVBudget:
+    """What the page pool may take under ``config`` (module docstring)."""
+    if config.memory_budget_gb is not None:
+        return KVBudget(int(config.memory_budget_gb * 2**30 * KV_FRACTION),
+                        f"{KV_FRACTION:.0%} of --memory-budget {config.memory_budget_gb:g} GB")
+    kind, capacity, what = device_memory()
+    fraction = config.memory_fraction if config.memory_fraction is not None else DEFAULT_MEMORY_FRACTION[kind]
+    weights = weight_bytes(model) if kind == "gpu" else 0
+    kv = int(capacity * fraction) - weights - ACTIVATION_RESERVE_BYTES
+    minus = f" - weights {weights / 2**30:.1f} GiB" if weights else ""
+    source = (f"{fraction:g} x {what} {capacity / 2**30:.1f} GiB{minus} - activations "
+              f"{ACTIVATION_RESERVE_BYTES / 2**30:.0f} GiB")
+    if kv <= 0:
+        raise MlxInferError(f"The device leaves no memory for KV pages ({source} <= 0); pass "
+                            "--memory-budget (GB) or a larger memory fraction.")
+    return KVBudget(kv, source)
 
 
 def model_dtype(model: Any) -> mx.Dtype:
@@ -93,11 +182,12 @@ def kv_page_bytes(model: Any, page_size: int, dtype: mx.Dtype | None = None) -> 
     return len(windows) * 2 * kv_heads * page_size * head_dim * itemsize
 
 
-def pool_pages(model: Any, config: EngineConfig, context_length: int | None) -> list[int]:
+def pool_pages(model: Any, config: EngineConfig, context_length: int | None,
+               budget: KVBudget | None = None) -> list[int]:
     """Pages of each layer group's pool (the store's group order: global, then windows ascending).
 
     An explicit ``num_pages`` sizes every group. Otherwise every group starts
-    from the pages the KV share of the budget holds over all layers; a
+    from the pages ``budget`` (default :func:`kv_budget`) holds over all layers; a
     sliding-window group keeps no more than ``max_batch`` sequences hold at
     most (window + slack + one prefill chunk each), and the global group
     takes the bytes that frees, never more than ``max_batch`` full contexts
@@ -111,11 +201,12 @@ def pool_pages(model: Any, config: EngineConfig, context_length: int | None) -> 
     P = config.page_size
     per_page = kv_page_bytes(model, P, config.kv_dtype)
     layer_page = per_page // len(windows)  # one page of one layer, K and V
-    budget = int(config.memory_budget_bytes * KV_FRACTION)
+    budget = budget or kv_budget(model, config)
+    source, budget = budget.source, budget.bytes
     even = budget // per_page
     if even < 2:
         raise MlxInferError(
-            f"A memory budget of {config.memory_budget_gb} GB holds no KV page of "
+            f"A KV budget of {budget} bytes ({source}) holds no KV page of "
             f"{per_page} bytes for this model; raise --memory-budget.")
     full = math.ceil((context_length or _FALLBACK_CONTEXT) / P)
     sizes: dict[int | None, int] = {}

@@ -6,25 +6,25 @@ An iteration of the engine thread::
                   (their pages go back to the pool before anything else runs)
     2. admit      scheduler: pages, batch room, memory (see scheduler.py)
     3. prefill    up to ``prefill_step_size`` prompt tokens, in chunks of
-                  the admitted requests, through the graph's hidden phase
-                  only (no LM head); the last prompt token is left out
-    4. decode     one forward of every decoding request, B rows of one token:
-                  a request whose prefill just ended joins here with its
-                  last prompt token, so joining costs no extra forward.
+                  the admitted requests, through the graph's hidden phase;
+                  a request whose prompt ends in this chunk gets its first
+                  token from the chunk's last position (the LM head on that
+                  row only), so time to first token is the prefill's time
+    4. decode     one forward of every decoding request, R rows of one token,
+                  planned by the C++ page groups in one call (engine/batch.py).
                   The forward is the compiled C++ paged step where the
                   binding allows it (see ``Engine.paged_decode``), else the
                   eager graph; a failing step falls back to eager for good
     5. read       step n-1's tokens are read while step n runs (pipelined);
                   text, stop strings, logprobs, finish; finished requests
-                  free their pages at once
+                  free their pages at once; first tokens of step 3 are read
+                  after this iteration's decode step is queued
 
-Why prefill chunks and decode steps alternate rather than share a forward:
-the graphs take ``(B, L)`` tokens with one position offset per row and a
-``(B, 1, L, S)`` mask, so a chunk of L prompt tokens and B single-token rows
-could only share a forward by padding every decode row to L (L - 1 wasted
-positions each, and pad K/V written into pages) or through a packed
-variable-length attention the model files do not have. Feeding the last
-prompt token through the decode step is the part of mixing the graph allows.
+Mixed steps (``EngineConfig.mixed_steps``, engine/mixed.py): while requests
+decode, step 3 is skipped and the decode step of 4 carries the prompt chunks
+of joining requests as extra rows of its plan, so decode never waits for a
+separate prefill forward; the first token then comes from the step that ends
+the prompt.
 
 Preemption recomputes (see :mod:`.scheduler`): on unified memory a swap to
 "host" memory frees nothing, and registering the victim's pages in the
@@ -37,7 +37,6 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import mlx.core as mx
@@ -50,12 +49,14 @@ from ..generation.bindings.paged_decode_step import (CompiledPagedDecodeStep, Pa
                                                      paged_unsupported_reason)
 from ..generation.stopping import StopMatcher
 from ..models import materialize_graph_constants
-from ..sampling import RequestRNG, SampleOutput, make_sampler
+from ..sampling import RequestRNG, make_sampler
 from ..state.paged import PagedKVStore
 from .batch import DecodeBatch
-from .config import EngineConfig, pool_pages
-from .metrics import EngineMetrics, prometheus_text
+from .config import EngineConfig, kv_budget, pool_pages
+from .metrics import PROMETHEUS_ORDER, EngineMetrics, pool_gauges, prometheus_text
 from .request import EngineRequest, RequestHandle, RequestResult, TokenEvent, wake
+from .mixed import advance, mixed_batch, mixed_inputs, pick_chunks
+from .rows import Step, queue_outputs, sample_rows, step_inputs
 from .scheduler import DECODE, DONE, PREFILL, LiveRequest, Scheduler
 
 log = logging.getLogger("mlx_infer.engine")
@@ -71,13 +72,6 @@ class QueueFullError(MlxInferError):
 
 class EngineClosedError(MlxInferError):
     """The engine was stopped."""
-
-
-@dataclass
-class _Step:
-    rows: list[LiveRequest]
-    tokens: mx.array  # (B,) uint32
-    outs: list[SampleOutput | None] | None
 
 
 class Engine:
@@ -96,6 +90,7 @@ class Engine:
 
     Attributes:
         store: the :class:`PagedKVStore` every request's pages live in.
+        kv_budget: the bytes its pool was sized from and why (``None``: ``num_pages`` was given).
         scheduler: queue and running set.
         metrics: counters (see :meth:`stats`).
         paged_decode: the compiled paged decode step, or ``None`` (eager decode;
@@ -113,8 +108,9 @@ class Engine:
         self.newlines = newline_ids(loaded)
         self.vocab_size = int(getattr(self.model.args, "vocab_size", 0)) or None
         materialize_graph_constants(self.model)  # a graph not from the loader: the engine thread evaluates it
+        self.kv_budget = None if config.num_pages is not None else kv_budget(self.model, config)
         self.store = PagedKVStore.for_model(
-            self.model, num_pages=pool_pages(self.model, config, self.context_length),
+            self.model, num_pages=pool_pages(self.model, config, self.context_length, self.kv_budget),
             page_size=config.page_size, dtype=config.kv_dtype, kv_scheme=config.kv_scheme)
         self.paged_decode, self.paged_decode_reason = self._paged_decode(
             composition or Composition(), decode_policy or PagedDecodePolicy())
@@ -131,7 +127,7 @@ class Engine:
         self._cancels: set[str] = set()
         self._live: dict[str, LiveRequest] = {}
         self._order = 0
-        self._inflight: _Step | None = None
+        self._inflight: Step | None = None
         self._wakeups: dict | None = None  # set while a step's tokens are handed out
         self._batch: DecodeBatch | None = None
         self._batch_key: tuple[int, ...] = ()
@@ -139,6 +135,14 @@ class Engine:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._closed = False
+        # The prefill samples each prompt's first token from its own last position when the
+        # graph exposes its head; otherwise the decode step feeds the last prompt token.
+        self._head = callable(getattr(self.model, "logits_from_hidden", None))
+        self._bucket = self.paged_decode.policy.bucket if self.paged_decode is not None else 1
+        # Prefill chunks ride in the decode step where attention reads K/V through the tables.
+        mixed = config.mixed_steps if config.mixed_steps is not None else mx.default_device().type == mx.DeviceType.gpu
+        self._mixing = mixed and self.paged_decode is not None and self.paged_decode.policy.attention == "kernel"
+        self.mixed_steps = 0  # steps that carried prefill chunks
         self._gauges: dict[str, Any] = {}
         self._update_gauges()
 
@@ -253,22 +257,11 @@ class Engine:
     def prometheus(self) -> str:
         """:meth:`stats` in the Prometheus text format."""
         s = self.stats()
-        order = ["queue_depth", "running", "requests_total", "prompt_tokens_total", "cached_tokens_total",
-                 "prefill_tokens_total", "generation_tokens_total", "decode_steps_total", "preemptions_total",
-                 "rejected_total", "generation_tokens_per_second", "prompt_tokens_per_second",
-                 "prefix_hit_rate", "kv_pages_total", "kv_pages_used", "kv_pages_free", "kv_pages_cached",
-                 "kv_page_usage", "memory_active_bytes", "memory_peak_bytes"]
-        return prometheus_text({k: s[k] for k in order})
+        return prometheus_text({k: s[k] for k in PROMETHEUS_ORDER})
 
     def _update_gauges(self) -> None:
-        pools = [self.store.pages.pool(g.index) for g in self.store.groups]  # summed over layer groups
-        total = sum(p.num_pages - 1 for p in pools)
-        used = sum(p.num_used_pages() for p in pools)
         g = {"queue_depth": len(self.scheduler.waiting), "running": len(self.scheduler.running),
-             "kv_pages_total": total, "kv_pages_used": used,
-             "kv_pages_free": sum(p.num_free_pages() for p in pools),
-             "kv_pages_cached": sum(p.num_cached_pages() for p in pools),
-             "kv_page_usage": used / total if total else 0.0}
+             **pool_gauges(self.store)}
         with self._lock:
             self._gauges = g
 
@@ -309,12 +302,19 @@ class Engine:
         admitted, unfit = self.scheduler.admit()
         for r in unfit:
             self._finish(r, "length")
-        busy = self._prefill()
+        busy, first = False, None
+        if not (self._mixes() and any(r.state == DECODE for r in self.scheduler.running)):
+            busy, first = self._prefill()  # else the decode step carries the prompt chunks
+        if first is not None and (not self.config.pipeline or any(r.needs_history for r in first.rows)):
+            self._consume(first)  # penalties read the history: the first token must be in it
+            first = None
         launched = self._decode()
         if self._inflight is not None:
             self._consume(self._inflight)
             self._inflight = None
             busy = True
+        if first is not None:  # queued before this iteration's decode step: ready first
+            self._consume(first)
         if launched is not None:
             busy = True
             if self.config.pipeline and not any(r.needs_history for r in launched.rows):
@@ -355,23 +355,32 @@ class Engine:
 
     # -- prefill ----------------------------------------------------------------
 
-    def _prefill(self) -> bool:
+    def _prefill(self) -> tuple[bool, Step | None]:
         """Up to ``prefill_step_size`` prompt tokens: rows with prompts left advance together by
-        the same chunk (one ``(B, n)`` forward), so equal-length prompts prefill as one batch."""
+        the same chunk (one ``(B, n)`` forward), so equal-length prompts prefill as one batch.
+
+        Returns whether it ran anything, and the first tokens of the rows whose prompt ended:
+        sampled from the last prompt position of the prefill forward itself (the LM head on
+        those rows only), so the first token waits for no decode step.
+        """
         budget = self.config.prefill_step_size
         did = False
+        ended: list[tuple[LiveRequest, mx.array]] = []  # rows whose prompt ended, last hidden (hidden,)
+        done: set[int] = set()
+        head = self._head
         while budget > 0:
-            rows = [r for r in self.scheduler.running if r.state == PREFILL][:budget]
+            rows = [r for r in self.scheduler.running if r.state == PREFILL and id(r) not in done][:budget]
             if not rows:
                 break
-            n = min(min(len(r.all_ids) - 1 - r.prefilled for r in rows), max(1, budget // len(rows)))
+            end = {id(r): len(r.all_ids) - (0 if head else 1) for r in rows}  # tokens the prefill feeds
+            n = min(min(end[id(r)] - r.prefilled for r in rows), max(1, budget // len(rows)))
             if len(rows) > 1:
                 batch = self.store.batch([r.seq for r in rows])
                 if not batch.reserve(n):
                     rows = rows[:1]  # short of pages: the oldest alone (it may preempt younger ones)
             if len(rows) == 1:
                 r = rows[0]
-                n = min(budget, len(r.all_ids) - 1 - r.prefilled)
+                n = min(budget, end[id(r)] - r.prefilled)
                 if not self._reserve_prefill(r, n):
                     break
                 caches = r.caches
@@ -384,17 +393,30 @@ class Engine:
             did = True
             self.metrics.prefilled(n * len(rows))
             windowed = any(g.window is not None for g in self.store.groups)
-            for r in rows:
+            for i, r in enumerate(rows):
                 r.prefilled += n
-                target = len(r.all_ids) - 1
+                target = end[id(r)]
                 if r.prefilled == target or windowed:
                     # Windowed layer groups release pages as the prompt grows: index them
                     # chunk by chunk, so released ones stay cached for a shorter shared prefix.
                     self.scheduler.register_prompt(r, r.prefilled)
                 if r.prefilled == target:
-                    r.state = DECODE
-                    r.next_input = r.all_ids[-1]
-        return did
+                    if head:
+                        ended.append((r, h[i, -1]))
+                        done.add(id(r))
+                    else:  # no separate head: the decode step feeds the last prompt token
+                        r.state = DECODE
+                        r.next_input = r.all_ids[-1]
+        if not ended:
+            return did, None
+        rows = [r for r, _ in ended]
+        logits = self.model.logits_from_hidden(mx.stack([x for _, x in ended])[:, None])[:, 0]  # (M, vocab)
+        tokens, outs = sample_rows(rows, logits)
+        queue_outputs(tokens, outs)
+        for i, r in enumerate(rows):
+            r.state = DECODE
+            r.next_input = (tokens, i)
+        return did, Step(rows, tokens, outs)
 
     def _reserve_prefill(self, r: LiveRequest, n: int) -> bool:
         """Reserve ``n`` tokens for ``r``, preempting younger requests if pages are short."""
@@ -411,7 +433,7 @@ class Engine:
 
     # -- decode -----------------------------------------------------------------
 
-    def _decode(self) -> _Step | None:
+    def _decode(self) -> Step | None:
         rows = [r for r in self.scheduler.running if r.state == DECODE]
         if not rows:
             return None
@@ -420,10 +442,14 @@ class Engine:
             self._sync()  # penalties read the history and constraints advance on it, in-flight token included
             rows = [r for r in self.scheduler.running if r.state == DECODE]
         batch = None
+        chunks = pick_chunks(self.scheduler.running, self.config.prefill_step_size) if self._mixes() else []
         while rows:
-            batch = self._batch_for(rows)
+            batch = mixed_batch(self.store, rows, chunks, self._bucket) if chunks else self._batch_for(rows)
             if batch.reserve():
                 break
+            if chunks:  # short of pages: decode alone this step (and preempt below if still short)
+                chunks = []
+                continue
             if self._inflight is not None:  # settle pending tokens first: finishes free pages
                 self._sync()
             else:
@@ -435,21 +461,25 @@ class Engine:
             rows = [r for r in self.scheduler.running if r.state == DECODE]
         if not rows:
             return None
-        inputs = self._inputs(rows)  # (B,)
+        inputs = step_inputs(rows)  # (B,)
+        ended: list[LiveRequest] = []
+        if chunks:
+            inputs, ended = mixed_inputs(inputs, batch, chunks)  # (R,): decode rows, chunk rows, padding
         if self.paged_decode is not None:
-            logits = self.paged_decode.step(inputs, batch)  # (B, vocab); eager fallback inside
+            logits = self.paged_decode.step(inputs, batch)  # (M, vocab); eager fallback inside
         else:
             logits = self.model(inputs[:, None], cache=batch.caches)[:, -1, :]  # (B, vocab)
         batch.commit()
-        tokens, outs = self._sample(rows, logits)
-        pending = [tokens]
-        for o in outs or ():
-            if o is not None and o.token_logprob is not None:
-                pending += [o.token_logprob] + ([o.top_ids, o.top_logprobs] if o.top_ids is not None else [])
-        mx.async_eval(pending)
+        if chunks:
+            advance(chunks, self.scheduler, self.metrics)
+            self.mixed_steps += 1
+            rows = rows + ended
+            logits = logits[:len(rows)]  # (B + ended, vocab): the logit rows' padding dropped
+        tokens, outs = sample_rows(rows, logits)
+        queue_outputs(tokens, outs)
         for i, r in enumerate(rows):
             r.next_input = (tokens, i)
-        return _Step(rows, tokens, outs)
+        return Step(rows, tokens, outs)
 
     def _paged_decode(self, composition: Composition,
                       policy: PagedDecodePolicy) -> tuple[CompiledPagedDecodeStep | None, str | None]:
@@ -469,67 +499,17 @@ class Engine:
             log.warning("compiled paged decode unavailable (%s: %s); decoding eagerly", type(exc).__name__, exc)
             return None, f"{type(exc).__name__}: {exc}"
 
+    def _mixes(self) -> bool:
+        """Whether prompt chunks ride in the decode step (not after the compiled step failed:
+        the eager graph would gather every chunk row's keys)."""
+        return self._mixing and not self.paged_decode.failed
+
     def _batch_for(self, rows: list[LiveRequest]) -> DecodeBatch:
         key = tuple(r.seq.seq_id for r in rows)
         if key != self._batch_key or self._batch is None:
-            self._batch = DecodeBatch(self.store, [r.seq for r in rows])
+            self._batch = DecodeBatch(self.store, [r.seq for r in rows], table_bucket=self._bucket)
             self._batch_key = key
         return self._batch
-
-    @staticmethod
-    def _inputs(rows: list[LiveRequest]) -> mx.array:
-        """The rows' next tokens: slices of earlier steps' lazy outputs, or host ints."""
-        first = rows[0].next_input
-        if isinstance(first, tuple) and first[0].shape[0] == len(rows) and all(
-                isinstance(r.next_input, tuple) and r.next_input[0] is first[0] and r.next_input[1] == i
-                for i, r in enumerate(rows)):
-            return first[0]  # the same rows as last step: feed its output as is
-        pieces: list[mx.array] = []
-        host: list[int] = []
-        run: list[Any] = []  # [array, start, stop] of consecutive rows of one array
-        for r in rows:
-            ni = r.next_input
-            if isinstance(ni, tuple) and run and run[0] is ni[0] and run[2] == ni[1]:
-                run[2] += 1
-                continue
-            if run:
-                pieces.append(run[0][run[1]:run[2]])
-                run = []
-            if isinstance(ni, tuple):
-                if host:
-                    pieces.append(mx.array(host, mx.uint32))
-                    host = []
-                run = [ni[0], ni[1], ni[1] + 1]
-            else:
-                host.append(int(ni))
-        if run:
-            pieces.append(run[0][run[1]:run[2]])
-        if host:
-            pieces.append(mx.array(host, mx.uint32))
-        return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces)
-
-    def _sample(self, rows: list[LiveRequest], logits: mx.array) -> tuple[mx.array, list | None]:
-        """Each row with its own sampler and key sequence; greedy rows share one argmax."""
-        if all(r.simple for r in rows):
-            return mx.argmax(logits, axis=-1), None  # (B,) uint32
-        greedy = mx.argmax(logits, axis=-1) if any(r.simple for r in rows) else None
-        bits = None
-        if any(r.constraint is not None for r in rows):  # the batch's masks, in parallel, while the forward runs
-            from ..constraints import fill_bitmasks
-
-            mx.async_eval(logits)
-            bits = fill_bitmasks([r.constraint for r in rows])  # (B, words)
-        pieces, outs = [], []
-        for i, r in enumerate(rows):
-            if r.simple:
-                pieces.append(greedy[i:i + 1])
-                outs.append(None)
-                continue
-            out = r.sampler.step(logits[i:i + 1], r.all_ids if r.needs_history else (), r.rng,
-                                 bitmask=bits[i:i + 1] if r.constraint is not None else None)
-            pieces.append(out.token if out.token.dtype == mx.uint32 else out.token.astype(mx.uint32))
-            outs.append(out)
-        return mx.concatenate(pieces), outs
 
     # -- reading tokens ----------------------------------------------------------
 
@@ -538,7 +518,7 @@ class Engine:
             step, self._inflight = self._inflight, None
             self._consume(step)
 
-    def _consume(self, step: _Step) -> None:
+    def _consume(self, step: Step) -> None:
         tokens = step.tokens.tolist()
         now = time.perf_counter()
         n = 0

@@ -123,3 +123,22 @@ def prometheus_text(values: dict[str, Any], prefix: str = "mlx_infer_") -> str:
         else:
             lines.append(f"{full} {float(value):.6g}" if isinstance(value, float) else f"{full} {value}")
     return "\n".join(lines) + "\n"
+
+
+#: The metrics ``Engine.prometheus`` exports, in order.
+PROMETHEUS_ORDER = ("queue_depth", "running", "requests_total", "prompt_tokens_total", "cached_tokens_total",
+                    "prefill_tokens_total", "generation_tokens_total", "decode_steps_total", "preemptions_total",
+                    "rejected_total", "generation_tokens_per_second", "prompt_tokens_per_second",
+                    "prefix_hit_rate", "kv_pages_total", "kv_pages_used", "kv_pages_free", "kv_pages_cached",
+                    "kv_page_usage", "memory_active_bytes", "memory_peak_bytes")
+
+
+def pool_gauges(store: Any) -> dict[str, Any]:
+    """The KV pool gauges of a :class:`~mlx_infer.state.paged.PagedKVStore`, summed over its layer groups."""
+    pools = [store.pages.pool(g.index) for g in store.groups]
+    total = sum(p.num_pages - 1 for p in pools)
+    used = sum(p.num_used_pages() for p in pools)
+    return {"kv_pages_total": total, "kv_pages_used": used,
+            "kv_pages_free": sum(p.num_free_pages() for p in pools),
+            "kv_pages_cached": sum(p.num_cached_pages() for p in pools),
+            "kv_page_usage": used / total if total else 0.0}

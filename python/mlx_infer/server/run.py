@@ -26,7 +26,8 @@ class ServeOptions:
         host: bind address (loopback unless asked otherwise).
         port: TCP port (1..65535; 0 picks a free one).
         max_batch: most requests running at once.
-        memory_budget_gb: KV pages + activations budget (see EngineConfig).
+        memory_budget_gb: KV pages + activations budget (see EngineConfig); ``None``: sized
+            from the device's memory.
         api_key: require ``Authorization: Bearer <key>`` on every endpoint but ``public``.
         public: endpoints open without the key (``health``, ``metrics``, ``docs``).
         max_tokens: a chat completion's default ``max_tokens`` and every request's upper bound.
@@ -44,7 +45,7 @@ class ServeOptions:
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
     max_batch: int = 32
-    memory_budget_gb: float = 1.0
+    memory_budget_gb: float | None = None
     api_key: str | None = None
     public: tuple[str, ...] = DEFAULT_PUBLIC
     max_tokens: int = 512
@@ -65,6 +66,8 @@ class ServeOptions:
                 raise MlxInferError(f"{flag} must be a positive integer, got {value!r}.")
         for flag, value in (("--memory-budget", self.memory_budget_gb), ("--drain-timeout", self.drain_timeout_s),
                             ("--header-timeout", self.header_timeout_s), ("--body-timeout", self.body_timeout_s)):
+            if flag == "--memory-budget" and value is None:
+                continue  # sized from the device's memory
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
                 raise MlxInferError(f"{flag} must be a positive finite number, got {value!r}.")
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -140,7 +143,7 @@ def serve(options: ServeOptions) -> None:
         for line in exposure_lines(options):
             print(f"mlx-infer: {line}", file=sys.stderr, flush=True)
         print(f"mlx-infer: serving '{model_id}' on http://{options.host}:{port}/v1 "
-              f"(KV pages of {engine.store.page_size} tokens: {_pages_summary(engine.store)})", flush=True)
+              f"({_pool_summary(engine)})", flush=True)
         server = make_server(app, log_level=options.log_level, drain_timeout_s=options.drain_timeout_s,
                              header_timeout_s=options.header_timeout_s)
         server.run(sockets=[sock])
@@ -200,3 +203,14 @@ def _pages_summary(store: Any) -> str:
     """``"4095 global, 1023 window 512"``: each layer group's usable pages."""
     return ", ".join(f"{g.num_pages - 1} {'global' if g.window is None else f'window {g.window}'}"
                      for g in store.groups)
+
+
+def _pool_summary(engine: Any) -> str:
+    """The KV pool on the startup line: pages per group, the tokens the global pool holds, and
+    what it was sized from."""
+    store = engine.store
+    tokens = (store.groups[0].num_pages - 1) * store.page_size
+    out = f"KV pages of {store.page_size} tokens: {_pages_summary(store)}; {tokens:,} tokens"
+    if engine.kv_budget is not None:
+        out += f"; {engine.kv_budget.bytes / 2**30:.2f} GiB from {engine.kv_budget.source}"
+    return out

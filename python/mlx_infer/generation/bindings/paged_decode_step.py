@@ -6,10 +6,12 @@ page storage of each layer (:class:`~mlx_infer.state.paged.storage.LayerStorage`
 and the batch's gather index, and returns the updated storage::
 
     per step, from the batch (computed in numpy, once for all layers)
-      tokens (B,)  positions (B,)
-      per layer group (one window): pages, offsets, mask (B, S); write page, offset (B,)
-    C++ step (one mx.compile'd graph, or op by op)
-      per layer: scatter the B new K/V rows, gather (B, KVH, S, D), attend, MLP
+      tokens (R,)  positions (R,)  logit_rows (M,)
+      per layer group (one window): block_tables (R, T), lengths (R,), write_slots (R,)
+    C++ step (one mx.compile'd graph, or op by op; cpp/include/mlx_infer/paged_decode.h)
+      per layer: scatter the R new K/V rows, attend through the tables
+      (paged_attention: no gathered copy; the gather path on Metal or with
+      attention="gather"), MLP; the head on the logit rows only
     commit (here, only after the step returned)
       storage.keys / storage.values <- the step's outputs
 
@@ -40,8 +42,10 @@ from .decode_step import DecodePolicy, graph_spec
 
 log = logging.getLogger("mlx_infer.engine")
 
-#: Default rounding of the gathered length S in compiled mode (see PagedDecodePolicy).
-DEFAULT_S_BUCKET = 32
+#: Default rounding of the block-table width T (pages) in compiled mode (see PagedDecodePolicy).
+DEFAULT_T_BUCKET = 4
+#: Attention implementations of the step (PagedDecodePolicy.attention).
+ATTENTION_IMPLS = ("kernel", "gather")
 
 
 @dataclass(frozen=True)
@@ -49,33 +53,42 @@ class PagedDecodePolicy:
     """Choices of the compiled paged step.
 
     Attributes:
-        compile: trace the whole step with ``mx.compile`` (S rounded up to
-            ``s_bucket``, padding masked) so steady-state steps replay one
-            graph; off builds the graph op by op in C++ each step at the exact S.
-        s_bucket: compiled mode: each layer group's gathered length is rounded
-            up to a multiple of this, so a new trace happens once per
-            ``s_bucket`` tokens of the longest row (and per batch size seen).
+        compile: trace the whole step with ``mx.compile`` (T rounded up to
+            ``t_bucket``) so steady-state steps replay one graph; off builds the
+            graph op by op in C++ each step at the exact T.
+        t_bucket: compiled mode: each layer group's block-table width (pages) is
+            rounded up to a multiple of this, so a new trace happens once per
+            ``t_bucket * page_size`` tokens of the longest row (and per batch size seen).
+        pad_rows: compiled mode: the step runs its rows (and logit rows) padded
+            up to a bucket (powers of two to 16, then multiples of 16; padding
+            rows touch only the null page), so a batch that gains or loses a
+            row replays a traced graph instead of tracing a new one.
+        attention: ``"kernel"``: paged attention reads K/V through the block
+            tables (CPU and CUDA kernels; Metal has none yet and gathers);
+            ``"gather"``: the reference, a gathered (B, KVH, S, D) copy and MLX SDPA.
 
     Compiled is the default, measured on this project's 2-core CPU (mlx
     0.32.4, engine decode tok/s vs the eager paged graph, 64-token prompts,
-    ``benchmarks/paged_decode.py``; the machine was shared, so noisy): tiny
-    llama B=1 0.9x, B=8 1.35x; tiny gemma3 B=1 1.43x, B=8 1.42x; op by op
-    0.5-1.1x (it builds the same graph per step plus the index arithmetic the
-    eager path does in numpy). Real Gemma 3 270M: see benchmarks/paged_decode.py's
-    report (the LM head dominates there).
+    ``benchmarks/paged_decode.py``, with the gather path; the machine was
+    shared, so noisy): tiny llama B=1 0.9x, B=8 1.35x; tiny gemma3 B=1 1.43x,
+    B=8 1.42x; op by op 0.5-1.1x.
     """
 
     compile: bool = True
-    s_bucket: int = DEFAULT_S_BUCKET
+    t_bucket: int = DEFAULT_T_BUCKET
+    pad_rows: bool = True
+    attention: str = "kernel"
 
     def __post_init__(self) -> None:
-        if isinstance(self.s_bucket, bool) or not isinstance(self.s_bucket, int) or self.s_bucket < 1:
-            raise ValueError(f"PagedDecodePolicy.s_bucket must be a positive integer, got {self.s_bucket!r}.")
+        if isinstance(self.t_bucket, bool) or not isinstance(self.t_bucket, int) or self.t_bucket < 1:
+            raise ValueError(f"PagedDecodePolicy.t_bucket must be a positive integer, got {self.t_bucket!r}.")
+        if self.attention not in ATTENTION_IMPLS:
+            raise ValueError(f"PagedDecodePolicy.attention must be one of {ATTENTION_IMPLS}, got {self.attention!r}.")
 
     @property
     def bucket(self) -> int:
-        """The S rounding the batch should apply (1 when not compiling)."""
-        return self.s_bucket if self.compile else 1
+        """The T rounding the batch should apply (1 when not compiling)."""
+        return self.t_bucket if self.compile else 1
 
 
 class PagedDecodeBatch(Protocol):
@@ -88,7 +101,7 @@ class PagedDecodeBatch(Protocol):
 
     def group_windows(self) -> list[int | None]: ...
 
-    def paged_inputs(self, bucket: int) -> list[tuple[mx.array, ...]]: ...
+    def paged_inputs(self, bucket: int) -> list[tuple[mx.array, mx.array, mx.array]]: ...
 
 
 def layer_groups(layer_windows: Sequence[int | None], group_windows: Sequence[int | None]) -> list[int]:
@@ -133,7 +146,9 @@ class CompiledPagedDecodeStep:
         paged = _fast.PagedDecodeConfig()
         paged.layer_groups = layer_groups(store.layer_windows, group_windows)
         paged.compile = policy.compile
-        paged.s_bucket = policy.s_bucket
+        paged.t_bucket = policy.t_bucket
+        paged.attention = policy.attention
+        paged.pad_rows = policy.pad_rows
         self.model = model
         self.store = store
         self.policy = policy
@@ -142,6 +157,7 @@ class CompiledPagedDecodeStep:
         self.failures = 0
         self.last_error: BaseException | None = None
         self.eager_steps = 0  # steps this object ran eagerly (storage not yet allocated, or failed)
+        self._rows: dict[int, mx.array] = {}
 
     @property
     def failed(self) -> bool:
@@ -150,8 +166,13 @@ class CompiledPagedDecodeStep:
 
     @property
     def traces(self) -> int:
-        """Times the compiled step was traced (one per (B, S buckets) signature seen)."""
+        """Times the compiled step was traced (one per (B, T buckets) signature seen)."""
         return self.native.traces
+
+    @property
+    def attention_backend(self) -> str:
+        """What the step's attention ran on: ``"cpu"``, ``"cuda"`` or ``"gather"`` (``""`` before a step)."""
+        return self.native.attention_backend
 
     @property
     def retraces(self) -> int:
@@ -177,8 +198,11 @@ class CompiledPagedDecodeStep:
                 if c is not None:
                     s.copy_pages(*c)
             groups = batch.paged_inputs(self.policy.bucket)
+            rows = getattr(batch, "logit_rows", None)  # a mixed step: only some rows get logits
+            if rows is None:
+                rows = self._logit_rows(tokens.shape[0])
             logits, keys, values = self.native.step(
-                tokens, batch.offset, groups, [s.keys[0] for s in storages], [s.values[0] for s in storages])
+                tokens, batch.offset, rows, groups, [s.keys[0] for s in storages], [s.values[0] for s in storages])
         except Exception as exc:  # noqa: BLE001 - any failure falls back, reported once
             return self._fail(exc, tokens, batch)
         for s, k, v in zip(storages, keys, values):  # the commit
@@ -186,6 +210,13 @@ class CompiledPagedDecodeStep:
         return logits
 
     __call__ = step
+
+    def _logit_rows(self, n: int) -> mx.array:
+        """``(n,)`` int32 ``0..n-1``: every decode row gets logits (cached per n)."""
+        rows = self._rows.get(n)
+        if rows is None:
+            rows = self._rows[n] = mx.arange(n, dtype=mx.int32)
+        return rows
 
     def _fail(self, exc: BaseException, tokens: mx.array, batch: PagedDecodeBatch) -> mx.array:
         self.failures += 1
@@ -198,4 +229,6 @@ class CompiledPagedDecodeStep:
 
     def _eager(self, tokens: mx.array, batch: PagedDecodeBatch) -> mx.array:
         self.eager_steps += 1
-        return self.model(tokens[:, None], cache=batch.caches)[:, -1, :]  # (B, vocab)
+        logits = self.model(tokens[:, None], cache=batch.caches)[:, -1, :]  # (R, vocab)
+        rows = getattr(batch, "logit_rows", None)
+        return logits if rows is None else logits[rows]  # (M, vocab)

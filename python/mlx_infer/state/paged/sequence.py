@@ -241,6 +241,10 @@ class PagedLayerCache:
         if g.src is not None:
             storage.copy_pages(g.src, g.dst)
         storage.write(g.slots, keys[0], values[0])
+        if kept == 0 and not storage.scheme.quantized:
+            # Nothing cached before this chunk (a prompt's first chunk): attention reads the
+            # chunk's own contiguous K/V, as a plain cache would; no gather back from the pages.
+            return keys.astype(storage.dtype), values.astype(storage.dtype)
         end = step.start + n
         k, v = storage.read(g.table_arr, end - n - kept, end)  # (1, KVH, kept + n, w)
         return storage.unwrap(k), storage.unwrap(v)

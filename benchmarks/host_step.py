@@ -1,0 +1,93 @@
+"""Host time per engine decode step: what the step costs besides waiting for the device.
+
+    python benchmarks/host_step.py --streams 32,64          # tiny llama (tests/tiny.py), CPU or GPU
+
+B greedy requests (16-token prompts, ids only, EOS ignored) decode together;
+after they all decode, 100 engine iterations are timed one by one. Per step:
+wall time of ``Engine.step()`` = host time + time inside MLX's evaluation
+calls (``mx.async_eval``, and ``mx.eval`` of the previous step's tokens before
+the engine reads them, which is the wait for the device). Host time is the
+Python scheduling, the step plan (C++), building the step's graph and
+handing the tokens out. Medians are printed. On a GPU with a tiny shape the
+device time is negligible and the wall time is the host time; on a shared
+2-core CPU the device work competes for the same cores, so compare host times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from tiny import make_tiny_model_dir  # noqa: E402
+
+from mlx_infer.artifacts.loader import load_model  # noqa: E402
+from mlx_infer.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
+from mlx_infer.engine.scheduler import DECODE  # noqa: E402
+
+IN_EVAL = [0.0]
+_ASYNC = mx.async_eval
+
+
+def _timed_async_eval(*args, **kwargs):
+    t = time.perf_counter()
+    out = _ASYNC(*args, **kwargs)
+    IN_EVAL[0] += time.perf_counter() - t
+    return out
+
+
+def measure(loaded, B: int, steps: int = 100) -> dict[str, float]:
+    engine = Engine(loaded, EngineConfig(max_batch=B, num_pages=B * 16 + 1))
+    consume = engine._consume
+
+    def timed_consume(step):  # the wait for the device: evaluate the tokens before reading them
+        t = time.perf_counter()
+        mx.eval(step.tokens)
+        IN_EVAL[0] += time.perf_counter() - t
+        consume(step)
+
+    engine._consume = timed_consume
+    prompts = [[(7 * i + j) % 300 + 5 for j in range(16)] for i in range(B)]
+    for _ in range(2):  # the first round traces the step's shapes
+        for p in prompts:
+            engine.submit(EngineRequest(prompt_ids=p, max_tokens=steps + 40, ignore_eos=True, detokenize=False))
+        while not (len(engine.scheduler.running) == B and all(r.state == DECODE for r in engine.scheduler.running)):
+            engine.step()
+        walls, hosts = [], []
+        for _ in range(steps):
+            IN_EVAL[0] = 0.0
+            t = time.perf_counter()
+            engine.step()
+            w = time.perf_counter() - t
+            walls.append(w)
+            hosts.append(w - IN_EVAL[0])
+        engine.run_until_idle()
+    engine.stop()
+    med = lambda v: statistics.median(v) * 1e3  # noqa: E731
+    return {"streams": B, "wall_ms": med(walls), "host_ms": med(hosts), "eval_ms": med(walls) - med(hosts),
+            "compiled": engine.paged_decode is not None}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--streams", default="32,64")
+    p.add_argument("--family", default="llama", choices=["llama", "gemma3"])
+    args = p.parse_args()
+    mx.async_eval = _timed_async_eval
+    loaded = load_model(make_tiny_model_dir(Path(tempfile.mkdtemp()) / args.family, args.family))
+    print(f"device {mx.default_device()}, tiny {args.family}")
+    for B in (int(s) for s in args.streams.split(",")):
+        r = measure(loaded, B)
+        print(f"streams {B:>3}: step {r['wall_ms']:.3f} ms = host {r['host_ms']:.3f} ms + in MLX eval "
+              f"{r['eval_ms']:.3f} ms (compiled step: {r['compiled']})", flush=True)
+
+
+if __name__ == "__main__":
+    main()

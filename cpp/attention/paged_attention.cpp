@@ -1,0 +1,292 @@
+// paged_attention: the op, its CPU primitive and the gather reference (see
+// mlx_infer/paged_attention.h; the CUDA kernels are in paged_attention_cuda.cpp).
+#include "mlx_infer/paged_attention.h"
+
+#include <mlx/allocator.h>
+#include <mlx/backend/cpu/encoder.h>
+#if __has_include(<mlx/backend/cuda/cuda.h>)  // every Linux wheel; maybe not a macOS one
+#include <mlx/backend/cuda/cuda.h>
+#define MLXI_HAS_CUDA_HEADER 1
+#endif
+#include <mlx/primitives.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <sstream>
+#include <stdexcept>
+#include <vector>
+
+#include "../matmul/array_util.h"
+#include "../matmul/elem.h"
+#include "../matmul/threadpool.h"
+#include "paged_attention_cuda.h"
+
+namespace mlx_infer {
+
+namespace {
+
+using namespace detail;
+
+[[noreturn]] void fail(const std::string& what) {
+  throw std::invalid_argument("[paged_attention] " + what);
+}
+
+std::string shape_str(const mx::array& a) {
+  std::ostringstream s;
+  s << a.shape();
+  return s.str();
+}
+
+void validate(const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& tables,
+              const mx::array& lengths) {
+  if (q.ndim() != 3) fail("q must be (R, H, D), got " + shape_str(q) + ".");
+  if (k.ndim() != 4 || k.shape() != v.shape()) {
+    fail("k_storage and v_storage must share one (pages, KVH, P, D) shape, got " + shape_str(k) + " and " +
+         shape_str(v) + ".");
+  }
+  const int R = q.shape(0), H = q.shape(1), D = q.shape(2), KVH = k.shape(1);
+  if (k.shape(3) != D) fail("q's head_dim " + std::to_string(D) + " differs from the storage's " + shape_str(k) + ".");
+  if (KVH < 1 || H % KVH != 0) {
+    fail("q's " + std::to_string(H) + " heads are not a multiple of the storage's " + std::to_string(KVH) +
+         " KV heads.");
+  }
+  if (tables.ndim() != 2 || tables.shape(0) != R || tables.dtype() != mx::int32) {
+    fail("block_tables must be (R, T) int32 with R = " + std::to_string(R) + ", got " + shape_str(tables) + ".");
+  }
+  if (lengths.ndim() != 1 || lengths.shape(0) != R || lengths.dtype() != mx::int32) {
+    fail("lengths must be (R,) int32 with R = " + std::to_string(R) + ", got " + shape_str(lengths) + ".");
+  }
+  if (!mx::issubdtype(q.dtype(), mx::floating) || !mx::issubdtype(k.dtype(), mx::floating) ||
+      k.dtype() != v.dtype()) {
+    fail("q and the storage must be floating point (storage K and V of one dtype).");
+  }
+}
+
+// ---------------------------------------------------------------------------
+// CPU: one task per (row, KV head); the task's G = H / KVH query heads share each key it reads.
+
+template <typename T>
+inline float ld(const void* p, int64_t i) {
+  return cpu::to_f32(static_cast<const T*>(p)[i]);
+}
+
+template <typename QT, typename KT>
+void attend_task(int64_t task, const void* q, const void* k, const void* v, const int32_t* tables,
+                 const int32_t* lengths, float* out, int H, int KVH, int D, int P, int T, int64_t pages,
+                 int window, float scale) {
+  const int r = static_cast<int>(task / KVH), kvh = static_cast<int>(task % KVH);
+  const int G = H / KVH;
+  const int len = lengths[r];
+  const int lo = window > 0 ? std::max(0, len - window) : 0;
+  const int hi = std::min(len, T * P);  // a table never covers more than T pages
+  std::vector<float> qf(static_cast<size_t>(G) * D), acc(static_cast<size_t>(G) * D, 0.0f);
+  std::vector<float> m(G, -std::numeric_limits<float>::infinity()), l(G, 0.0f), s(G);
+  for (int g = 0; g < G; ++g) {
+    const int64_t base = (static_cast<int64_t>(r) * H + kvh * G + g) * D;
+    for (int d = 0; d < D; ++d) qf[g * D + d] = ld<QT>(q, base + d) * scale;
+  }
+  std::vector<float> kf(D), vf(D);
+  for (int j = lo; j < hi; ++j) {
+    int64_t page = tables[static_cast<int64_t>(r) * T + j / P];
+    page = std::min<int64_t>(std::max<int64_t>(page, 0), pages - 1);  // memory safety only: a caller contract
+    const int64_t at = ((page * KVH + kvh) * P + j % P) * D;
+    for (int d = 0; d < D; ++d) {
+      kf[d] = ld<KT>(k, at + d);
+      vf[d] = ld<KT>(v, at + d);
+    }
+    for (int g = 0; g < G; ++g) {
+      float dot = 0.0f;
+      const float* qg = &qf[g * D];
+      for (int d = 0; d < D; ++d) dot += qg[d] * kf[d];
+      s[g] = dot;
+    }
+    for (int g = 0; g < G; ++g) {
+      float* a = &acc[g * D];
+      if (s[g] > m[g]) {
+        const float c = std::exp(m[g] - s[g]);  // exp(-inf) = 0 on the first key
+        l[g] *= c;
+        for (int d = 0; d < D; ++d) a[d] *= c;
+        m[g] = s[g];
+      }
+      const float p = std::exp(s[g] - m[g]);
+      l[g] += p;
+      for (int d = 0; d < D; ++d) a[d] += p * vf[d];
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
+    float* o = out + (static_cast<int64_t>(r) * H + kvh * G + g) * D;
+    for (int d = 0; d < D; ++d) o[d] = acc[g * D + d] * inv;
+  }
+}
+
+template <typename QT, typename KT>
+void attend_all(const void* q, const void* k, const void* v, const int32_t* tables, const int32_t* lengths,
+                float* out, int R, int H, int KVH, int D, int P, int T, int64_t pages, int window, float scale) {
+  cpu::pool().parallel_for(static_cast<int64_t>(R) * KVH, [&](int64_t task) {
+    attend_task<QT, KT>(task, q, k, v, tables, lengths, out, H, KVH, D, P, T, pages, window, scale);
+  });
+}
+
+template <typename QT>
+void dispatch_kv(mx::Dtype kt, const void* q, const void* k, const void* v, const int32_t* tables,
+                 const int32_t* lengths, float* out, int R, int H, int KVH, int D, int P, int T, int64_t pages,
+                 int window, float scale) {
+  if (kt == mx::float32) {
+    attend_all<QT, float>(q, k, v, tables, lengths, out, R, H, KVH, D, P, T, pages, window, scale);
+  } else if (kt == mx::bfloat16) {
+    attend_all<QT, cpu::bf16_t>(q, k, v, tables, lengths, out, R, H, KVH, D, P, T, pages, window, scale);
+  } else {
+    attend_all<QT, cpu::f16_t>(q, k, v, tables, lengths, out, R, H, KVH, D, P, T, pages, window, scale);
+  }
+}
+
+void store_out(const float* src, void* dst, mx::Dtype t, size_t n) {
+  if (t == mx::float32) {
+    std::copy(src, src + n, static_cast<float*>(dst));
+  } else if (t == mx::bfloat16) {
+    auto* o = static_cast<cpu::bf16_t*>(dst);
+    for (size_t i = 0; i < n; ++i) o[i] = cpu::to_bf16(src[i]);
+  } else {
+    auto* o = static_cast<cpu::f16_t*>(dst);
+    for (size_t i = 0; i < n; ++i) o[i] = cpu::to_f16(src[i]);
+  }
+}
+
+class PagedAttentionCPU : public mx::UnaryPrimitive {
+ public:
+  PagedAttentionCPU(mx::Stream s, int window, float scale) : mx::UnaryPrimitive(s), window_(window), scale_(scale) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) enc.set_input_array(a);
+    enc.set_output_array(out);
+    enc.dispatch([inputs, out_ptr = out.data<void>(), out_dtype = out.dtype(), out_size = out.size(),
+                  window = window_, scale = scale_]() {
+      const auto &q = inputs[0], &k = inputs[1], &v = inputs[2], &tables = inputs[3], &lengths = inputs[4];
+      std::vector<uint8_t> qb, kb, vb, tb, lb;
+      const void* qp = contiguous_bytes(q, qb);
+      const void* kp = contiguous_bytes(k, kb);  // the storage is row-contiguous: no copy
+      const void* vp = contiguous_bytes(v, vb);
+      const auto* tp = static_cast<const int32_t*>(contiguous_bytes(tables, tb));
+      const auto* lp = static_cast<const int32_t*>(contiguous_bytes(lengths, lb));
+      const int R = q.shape(0), H = q.shape(1), D = q.shape(2), KVH = k.shape(1), P = k.shape(2);
+      const int T = tables.shape(1);
+      std::vector<float> acc(out_size);
+      if (q.dtype() == mx::float32) {
+        dispatch_kv<float>(k.dtype(), qp, kp, vp, tp, lp, acc.data(), R, H, KVH, D, P, T, k.shape(0), window, scale);
+      } else if (q.dtype() == mx::bfloat16) {
+        dispatch_kv<cpu::bf16_t>(k.dtype(), qp, kp, vp, tp, lp, acc.data(), R, H, KVH, D, P, T, k.shape(0), window,
+                                 scale);
+      } else {
+        dispatch_kv<cpu::f16_t>(k.dtype(), qp, kp, vp, tp, lp, acc.data(), R, H, KVH, D, P, T, k.shape(0), window,
+                                scale);
+      }
+      store_out(acc.data(), out_ptr, out_dtype, out_size);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override { gpu_unreachable(name()); }
+
+  const char* name() const override { return "PagedAttentionCPU"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const PagedAttentionCPU&>(other);
+    return window_ == o.window_ && scale_ == o.scale_;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+
+ private:
+  int window_;
+  float scale_;
+};
+
+bool cuda_backend() {
+#ifdef MLXI_HAS_CUDA_HEADER
+  static const bool yes = mx::cu::is_available();
+  return yes;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+std::pair<mx::array, mx::array> paged_gather_index(const mx::array& block_tables, const mx::array& lengths,
+                                                   int window, int kv_heads, int page_size) {
+  const int R = block_tables.shape(0), T = block_tables.shape(1);
+  const int S = window > 0 ? std::min(T * page_size, window) : T * page_size;
+  auto len = mx::reshape(lengths, {R, 1});                                            // (R, 1)
+  auto lo = window > 0 ? mx::maximum(mx::subtract(len, mx::array(window, mx::int32)), mx::array(0, mx::int32))
+                       : mx::zeros({R, 1}, mx::int32);                                  // (R, 1)
+  auto pos = mx::add(lo, mx::reshape(mx::arange(0, S, 1, mx::int32), {1, S}));         // (R, S)
+  auto valid = mx::less(pos, len);                                                     // (R, S)
+  auto zero = mx::array(0, mx::int32);
+  pos = mx::where(valid, pos, zero);
+  auto P = mx::array(page_size, mx::int32);
+  auto logical = mx::minimum(mx::floor_divide(pos, P), mx::array(T - 1, mx::int32));  // (R, S)
+  auto pages = mx::where(valid, mx::take_along_axis(block_tables, logical, 1), zero);   // (R, S)
+  auto offsets = mx::where(valid, mx::remainder(pos, P), zero);                         // (R, S)
+  auto h = mx::reshape(mx::arange(0, kv_heads, 1, mx::int32), {1, kv_heads, 1});
+  // ((page * KVH + head) * P + offset) in the (pages * KVH * P, D) view
+  auto rows = mx::add(mx::multiply(mx::add(mx::multiply(mx::reshape(pages, {R, 1, S}),
+                                                        mx::array(kv_heads, mx::int32)), h), P),
+                      mx::reshape(offsets, {R, 1, S}));  // (R, KVH, S)
+  return {rows, mx::reshape(valid, {R, 1, 1, S})};
+}
+
+mx::array paged_attention_gather(const mx::array& q, const mx::array& k_storage, const mx::array& v_storage,
+                                 const mx::array& block_tables, const mx::array& lengths, int window,
+                                 float scale, mx::StreamOrDevice s) {
+  validate(q, k_storage, v_storage, block_tables, lengths);
+  const int R = q.shape(0), H = q.shape(1), D = q.shape(2);
+  auto [rows, mask] = paged_gather_index(block_tables, lengths, window, k_storage.shape(1), k_storage.shape(2));
+  auto keys = mx::take(mx::reshape(k_storage, {-1, D}, s), rows, 0, s);    // (R, KVH, S, D)
+  auto values = mx::take(mx::reshape(v_storage, {-1, D}, s), rows, 0, s);  // (R, KVH, S, D)
+  auto q4 = mx::reshape(q, {R, H, 1, D}, s);
+  if (keys.dtype() != q.dtype()) {
+    keys = mx::astype(keys, q.dtype(), s);
+    values = mx::astype(values, q.dtype(), s);
+  }
+  auto out = mx::fast::scaled_dot_product_attention(q4, keys, values, scale, "array", mask, {}, false, s);
+  return mx::reshape(out, {R, H, D}, s);  // (R, H, D)
+}
+
+std::string paged_attention_backend(const mx::array& q, const mx::array& k_storage, mx::StreamOrDevice s) {
+  if (q.ndim() != 3 || k_storage.ndim() != 4) {
+    fail("paged_attention_backend takes q (R, H, D) and a storage (pages, KVH, P, D), got " + shape_str(q) +
+         " and " + shape_str(k_storage) + ".");
+  }
+  const auto stream = mx::to_stream(s);
+  if (on_cpu(stream)) {
+    return kernel_dtype(q.dtype()) && kernel_dtype(k_storage.dtype()) ? "cpu" : "gather";
+  }
+  // Metal: no paged kernel yet (none could be run and tested on this project's machines).
+  if (cuda_backend() && cuda_paged_attention_supports(q, k_storage)) {
+    return "cuda";
+  }
+  return "gather";
+}
+
+mx::array paged_attention(const mx::array& q, const mx::array& k_storage, const mx::array& v_storage,
+                          const mx::array& block_tables, const mx::array& lengths, int window, float scale,
+                          mx::StreamOrDevice s) {
+  validate(q, k_storage, v_storage, block_tables, lengths);
+  const auto backend = paged_attention_backend(q, k_storage, s);
+  if (backend == "gather") {
+    return paged_attention_gather(q, k_storage, v_storage, block_tables, lengths, window, scale, s);
+  }
+  if (backend == "cuda") {
+    return cuda_paged_attention(q, k_storage, v_storage, block_tables, lengths, window, scale, mx::to_stream(s));
+  }
+  return mx::array(q.shape(), q.dtype(), std::make_shared<PagedAttentionCPU>(mx::to_stream(s), window, scale),
+                   {q, k_storage, v_storage, block_tables, lengths});
+}
+
+}  // namespace mlx_infer

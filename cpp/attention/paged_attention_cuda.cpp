@@ -1,0 +1,267 @@
+// paged_attention's CUDA kernels, compiled at run time by NVRTC through
+// mx::fast::cuda_kernel (MLX's CustomKernel primitive: it runs inside
+// mx::compile'd graphs like any other op). Built in every wheel; used only
+// where mx::cu::is_available().
+//
+// Pass 1, one block per (split, KV head, row), NW warps:
+//   a warp reads KPW = 32 / LPK keys at a time, LPK lanes per key, E = D / LPK
+//   contiguous elements per lane (16-byte loads for 16-bit K/V); the G query
+//   heads of the KV head sit in registers (pre-scaled by scale * log2 e), so
+//   each key is read once for all of them. Scores are reduced over the LPK
+//   lanes by shuffles; each lane group keeps its own online softmax (m, l,
+//   acc[G][E], float32); groups merge by shuffles, warps through shared memory.
+//   A row's keys [max(0, length - window), length) are cut into gridDim.x
+//   contiguous splits (flash decoding); page = block_tables[r, j / P].
+// Pass 2 (only when split): per (row, head, d) the splits' (m, l, o) merge.
+#include "paged_attention_cuda.h"
+
+#include <mlx/fast.h>
+
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+
+#include "mlx_infer/paged_attention.h"
+
+namespace mlx_infer {
+
+namespace {
+
+constexpr int kWarps = 4;           // NW: warps per block of pass 1
+constexpr int kTargetBlocks = 1056;  // ~8 blocks per SM of an H200 (132 SMs): split until rows x heads reach it
+constexpr int kMinSplitKeys = 64;    // a split reads at least this many keys of the longest row
+constexpr int kMaxSplits = 32;
+
+constexpr const char* kHeader = R"(
+__device__ __forceinline__ float mlxi_scale_of(float m, float M) {
+  return m == -INFINITY ? 0.0f : exp2f(m - M);
+}
+)";
+
+// Pass 1. Template constants: QT KT OT (dtypes), kD kP kG kKVH kWindow kNW kLPK kE; MLXI_STORE: the store.
+constexpr const char* kPass1 = R"(
+  constexpr int kKPW = 32 / kLPK;
+  const int split = blockIdx.x, kvh = blockIdx.y, r = blockIdx.z;
+  const int splits = gridDim.x;
+  const int R = q_shape[0];
+  const int T = block_tables_shape[1];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int grp = lane / kLPK, sub = lane % kLPK;
+  const int len = lengths[r];
+  const int hi = min(len, T * kP);
+  const int lo = kWindow > 0 ? max(0, len - kWindow) : 0;
+  const int n = max(hi - lo, 0);
+  const int chunk = (n + splits - 1) / splits;
+  const int s_lo = lo + split * chunk;
+  const int s_hi = min(hi, s_lo + chunk);
+
+  const float qscale = scale[0] * 1.4426950408889634f;  // exp2 domain
+  float qr[kG][kE], acc[kG][kE], m[kG], l[kG];
+  #pragma unroll
+  for (int g = 0; g < kG; ++g) {
+    const QT* qp = q + ((size_t)r * (kKVH * kG) + kvh * kG + g) * kD + sub * kE;
+    #pragma unroll
+    for (int e = 0; e < kE; ++e) {
+      qr[g][e] = static_cast<float>(qp[e]) * qscale;
+      acc[g][e] = 0.0f;
+    }
+    m[g] = -INFINITY;
+    l[g] = 0.0f;
+  }
+
+  const int32_t* table = block_tables + (size_t)r * T;
+  for (int jb = s_lo + warp * kKPW; jb < s_hi; jb += kNW * kKPW) {
+    const int j = jb + grp;
+    const bool valid = j < s_hi;
+    const int jj = valid ? j : s_lo;
+    const size_t at = (((size_t)table[jj / kP] * kKVH + kvh) * kP + jj % kP) * kD + sub * kE;
+    const AlignedVector<KT, kE> kv = *reinterpret_cast<const AlignedVector<KT, kE>*>(k + at);
+    const AlignedVector<KT, kE> vv = *reinterpret_cast<const AlignedVector<KT, kE>*>(v + at);
+    float kf[kE], vf[kE];
+    #pragma unroll
+    for (int e = 0; e < kE; ++e) {
+      kf[e] = static_cast<float>(kv[e]);
+      vf[e] = static_cast<float>(vv[e]);
+    }
+    #pragma unroll
+    for (int g = 0; g < kG; ++g) {
+      float s = 0.0f;
+      #pragma unroll
+      for (int e = 0; e < kE; ++e) s += qr[g][e] * kf[e];
+      #pragma unroll
+      for (int o = kLPK / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+      if (valid) {
+        const float mn = fmaxf(m[g], s);
+        const float c = mlxi_scale_of(m[g], mn);
+        const float p = exp2f(s - mn);
+        l[g] = l[g] * c + p;
+        #pragma unroll
+        for (int e = 0; e < kE; ++e) acc[g][e] = acc[g][e] * c + p * vf[e];
+        m[g] = mn;
+      }
+    }
+  }
+
+  // Lane groups of one warp (same sub, other grp) merge.
+  #pragma unroll
+  for (int o = kLPK; o < 32; o <<= 1) {
+    #pragma unroll
+    for (int g = 0; g < kG; ++g) {
+      const float mo = __shfl_xor_sync(0xffffffffu, m[g], o);
+      const float lo_ = __shfl_xor_sync(0xffffffffu, l[g], o);
+      const float mn = fmaxf(m[g], mo);
+      const float c1 = mlxi_scale_of(m[g], mn), c2 = mlxi_scale_of(mo, mn);
+      l[g] = l[g] * c1 + lo_ * c2;
+      #pragma unroll
+      for (int e = 0; e < kE; ++e) {
+        const float ao = __shfl_xor_sync(0xffffffffu, acc[g][e], o);
+        acc[g][e] = acc[g][e] * c1 + ao * c2;
+      }
+      m[g] = mn;
+    }
+  }
+
+  // Warps merge through shared memory.
+  __shared__ float sm_acc[kNW * kG * kD];
+  __shared__ float sm_m[kNW * kG], sm_l[kNW * kG];
+  if (grp == 0) {
+    #pragma unroll
+    for (int g = 0; g < kG; ++g) {
+      #pragma unroll
+      for (int e = 0; e < kE; ++e) sm_acc[(warp * kG + g) * kD + sub * kE + e] = acc[g][e];
+      if (sub == 0) {
+        sm_m[warp * kG + g] = m[g];
+        sm_l[warp * kG + g] = l[g];
+      }
+    }
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < kG * kD; idx += kNW * 32) {
+    const int g = idx / kD, d = idx % kD;
+    float M = -INFINITY;
+    #pragma unroll
+    for (int w = 0; w < kNW; ++w) M = fmaxf(M, sm_m[w * kG + g]);
+    float L = 0.0f, A = 0.0f;
+    #pragma unroll
+    for (int w = 0; w < kNW; ++w) {
+      const float c = mlxi_scale_of(sm_m[w * kG + g], M);
+      L += sm_l[w * kG + g] * c;
+      A += sm_acc[(w * kG + g) * kD + d] * c;
+    }
+    const float o = L > 0.0f ? A / L : 0.0f;
+    const int h = kvh * kG + g;
+    MLXI_STORE
+  }
+)";
+
+// How pass 1 stores: the final output, or the split's partial (o, m, l).
+constexpr const char* kStoreOut = "out[((size_t)r * (kKVH * kG) + h) * kD + d] = static_cast<OT>(o);";
+constexpr const char* kStorePart = R"(
+    o_part[(((size_t)split * R + r) * (kKVH * kG) + h) * kD + d] = o;
+    if (d == 0) {
+      ml[(((size_t)split * R + r) * (kKVH * kG) + h) * 2] = M;
+      ml[(((size_t)split * R + r) * (kKVH * kG) + h) * 2 + 1] = L;
+    })";
+
+std::string pass1(const char* store) {
+  std::string src = kPass1;
+  src.replace(src.find("MLXI_STORE"), 10, store);
+  return src;
+}
+
+// Pass 2: thread (d, h, r) merges the splits. Template constants: OT, kD, kH.
+constexpr const char* kPass2 = R"(
+  const int d = blockIdx.x * blockDim.x + threadIdx.x;
+  const int h = blockIdx.y, r = blockIdx.z;
+  if (d >= kD) return;
+  const int splits = o_part_shape[0], R = o_part_shape[1];
+  float M = -INFINITY;
+  for (int s = 0; s < splits; ++s) M = fmaxf(M, ml[(((size_t)s * R + r) * kH + h) * 2]);
+  float L = 0.0f, A = 0.0f;
+  for (int s = 0; s < splits; ++s) {
+    const size_t i = ((size_t)s * R + r) * kH + h;
+    const float c = mlxi_scale_of(ml[i * 2], M) * ml[i * 2 + 1];
+    L += c;
+    A += c * o_part[i * kD + d];
+  }
+  out[((size_t)r * kH + h) * kD + d] = static_cast<OT>(L > 0.0f ? A / L : 0.0f);
+)";
+
+struct Layout {
+  int lpk = 0, e = 0;
+};
+
+Layout layout(int D) {
+  Layout t;
+  t.lpk = std::min(32, D / 8);
+  if (t.lpk < 1 || (t.lpk & (t.lpk - 1)) != 0 || D % t.lpk != 0) {
+    return {};
+  }
+  t.e = D / t.lpk;
+  return t;
+}
+
+bool kernel_dtype(mx::Dtype t) {
+  return t == mx::float32 || t == mx::bfloat16 || t == mx::float16;
+}
+
+const mx::fast::CustomKernelFunction& kernel(int which) {
+  static std::once_flag once;
+  static mx::fast::CustomKernelFunction fns[3];
+  std::call_once(once, [] {
+    fns[0] = mx::fast::cuda_kernel("mlxi_paged_attn", {"q", "k", "v", "block_tables", "lengths", "scale"},
+                                   {"out"}, pass1(kStoreOut), kHeader);
+    fns[1] = mx::fast::cuda_kernel("mlxi_paged_attn_split", {"q", "k", "v", "block_tables", "lengths", "scale"},
+                                   {"o_part", "ml"}, pass1(kStorePart), kHeader);
+    fns[2] = mx::fast::cuda_kernel("mlxi_paged_attn_merge", {"o_part", "ml"}, {"out"}, kPass2, kHeader);
+  });
+  return fns[which];
+}
+
+}  // namespace
+
+int paged_attention_splits(int rows, int kv_heads, int max_keys) {
+  const int blocks = std::max(1, rows * kv_heads);
+  int splits = (kTargetBlocks + blocks - 1) / blocks;
+  splits = std::min({splits, kMaxSplits, std::max(1, max_keys / kMinSplitKeys)});
+  return std::max(1, splits);
+}
+
+bool cuda_paged_attention_supports(const mx::array& q, const mx::array& k_storage) {
+  const int D = q.shape(2), G = q.shape(1) / k_storage.shape(1);
+  const auto t = layout(D);
+  return t.lpk > 0 && kernel_dtype(q.dtype()) && kernel_dtype(k_storage.dtype()) && G * t.e <= 128 &&
+         kWarps * G * D * 4 <= 40000;
+}
+
+mx::array cuda_paged_attention(const mx::array& q, const mx::array& k_storage, const mx::array& v_storage,
+                               const mx::array& block_tables, const mx::array& lengths, int window, float scale,
+                               mx::Stream s) {
+  const int R = q.shape(0), H = q.shape(1), D = q.shape(2);
+  const int KVH = k_storage.shape(1), P = k_storage.shape(2), T = block_tables.shape(1);
+  const int G = H / KVH;
+  const auto t = layout(D);
+  const int max_keys = window > 0 ? std::min(window, T * P) : T * P;
+  const int splits = paged_attention_splits(R, KVH, max_keys);
+  const bool split = splits > 1;
+  auto sc = mx::array(scale, mx::float32);
+  auto sc1 = mx::reshape(sc, {1});
+  std::vector<std::pair<std::string, mx::fast::TemplateArg>> targs{
+      {"QT", q.dtype()}, {"KT", k_storage.dtype()}, {"OT", q.dtype()}, {"kD", D}, {"kP", P}, {"kG", G},
+      {"kKVH", KVH}, {"kWindow", std::max(window, 0)}, {"kNW", kWarps}, {"kLPK", t.lpk}, {"kE", t.e}};
+  std::vector<mx::array> in{q, k_storage, v_storage, block_tables, lengths, sc1};
+  const std::tuple<int, int, int> grid{32 * kWarps * splits, KVH, R}, block{32 * kWarps, 1, 1};
+  if (!split) {
+    return kernel(0)(in, {q.shape()}, {q.dtype()}, grid, block, targs, std::nullopt, false, s)[0];
+  }
+  auto parts = kernel(1)(in, {{splits, R, H, D}, {splits, R, H, 2}}, {mx::float32, mx::float32}, grid, block,
+                         targs, std::nullopt, false, s);
+  const int bx = std::min(D, 128);
+  return kernel(2)({parts[0], parts[1]}, {q.shape()}, {q.dtype()}, {D, H, R}, {bx, 1, 1},
+                   {{"OT", q.dtype()}, {"kD", D}, {"kH", H}}, std::nullopt, false, s)[0];
+}
+
+}  // namespace mlx_infer

@@ -1,0 +1,58 @@
+// nanobind only: paged attention through block tables (cpp/attention/paged_attention.cpp).
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/variant.h>
+
+#include <string>
+
+#include "mlx_infer/paged_attention.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+namespace mx = mlx::core;
+
+void bind_paged_attention(nb::module_& m) {
+  m.def(
+      "paged_attention",
+      [](const mx::array& q, const mx::array& k_storage, const mx::array& v_storage, const mx::array& block_tables,
+         const mx::array& lengths, int window, float scale, const std::string& impl, mx::StreamOrDevice stream) {
+        if (impl == "gather") {
+          return mlx_infer::paged_attention_gather(q, k_storage, v_storage, block_tables, lengths, window, scale,
+                                                   stream);
+        }
+        if (impl != "auto") {
+          throw std::invalid_argument("[paged_attention] impl must be \"auto\" or \"gather\", got \"" + impl + "\".");
+        }
+        return mlx_infer::paged_attention(q, k_storage, v_storage, block_tables, lengths, window, scale, stream);
+      },
+      "q"_a, "k_storage"_a, "v_storage"_a, "block_tables"_a, "lengths"_a, nb::kw_only(), "window"_a = 0,
+      "scale"_a, "impl"_a = "auto", "stream"_a = nb::none(),
+      R"(Attention of one query token per row, reading K/V through block tables.
+
+Args:
+    q: ``(R, H, D)`` queries.
+    k_storage, v_storage: ``(pages, KVH, P, D)`` a layer's page storage; ``H % KVH == 0`` (GQA).
+    block_tables: ``(R, T)`` int32: row r's logical page j is storage page ``block_tables[r, j]``.
+    lengths: ``(R,)`` int32: row r attends to the keys at positions
+        ``[max(0, length - window), length)``.
+    window: sliding window (``<= 0``: none).
+    scale: score scale.
+    impl: ``"auto"`` (the kernel of the stream's backend: CPU or CUDA; the gather
+        reference on Metal) or ``"gather"`` (the reference: gather, then MLX SDPA).
+    stream: stream or device.
+
+Returns:
+    ``(R, H, D)`` in q's dtype, accumulated in float32. A row with length 0 gets zeros
+    from the kernels (the gather reference has no keys to attend then).)");
+
+  m.def(
+      "paged_attention_backend",
+      [](const mx::array& q, const mx::array& k_storage, mx::StreamOrDevice stream) {
+        return mlx_infer::paged_attention_backend(q, k_storage, stream);
+      },
+      "q"_a, "k_storage"_a, nb::kw_only(), "stream"_a = nb::none(),
+      "``\"cpu\"``, ``\"cuda\"`` or ``\"gather\"``: what ``paged_attention(impl=\"auto\")`` runs for these inputs.");
+
+  m.def("paged_attention_splits", &mlx_infer::paged_attention_splits, "rows"_a, "kv_heads"_a, "max_keys"_a,
+        "The CUDA kernels' split-K count for rows x KV heads over at most max_keys keys (1: no split).");
+}

@@ -1,0 +1,62 @@
+// Attention of one query token per row over paged K/V, read through block
+// tables (issue 16): no gathered (R, KVH, S, D) copy of the keys.
+//
+//   q             (R, H, D)                 one query token per row
+//   k_storage,
+//   v_storage     (pages, KVH, P, D)        a layer's page storage (page 0: the null page)
+//   block_tables  (R, T) int32              row r's logical page j -> storage page
+//   lengths       (R,)   int32              row r attends to the keys at positions
+//                                           [max(0, length - window), length)
+//   -> out        (R, H, D), q's dtype
+//
+// GQA: query head h reads KV head h / (H / KVH). window <= 0: no window.
+// Table entries a row reads (logical pages below ceil(length / P)) must be
+// valid page ids: the CPU kernel clamps them for memory safety only, the CUDA
+// kernel does not check them. Keys past T * P are never read (a length beyond
+// it attends to the first T * P keys only).
+// Scores and the softmax accumulate in float32 (online softmax). A row with
+// length <= 0 attends to nothing and gets zeros.
+//
+// Implementations (paged_attention_backend):
+//   "cpu"    an mx::Primitive (eval_cpu) on mlx-infer's thread pool, tasks over rows x KV heads
+//   "cuda"   an NVRTC kernel through mx::fast::cuda_kernel; split-K (flash decoding) when
+//            rows x KV heads are too few blocks to fill the GPU, partials merged by a second kernel
+//   "gather" the reference (Metal, and any dtype the kernels do not take): gather then MLX SDPA
+#pragma once
+
+#include <mlx/mlx.h>
+
+#include <string>
+#include <utility>
+
+namespace mlx_infer {
+
+namespace mx = mlx::core;
+
+/// Paged attention through the block tables (see the file comment).
+/// Raises std::invalid_argument on shapes or dtypes that do not fit.
+mx::array paged_attention(const mx::array& q, const mx::array& k_storage, const mx::array& v_storage,
+                          const mx::array& block_tables, const mx::array& lengths, int window, float scale,
+                          mx::StreamOrDevice s = {});
+
+/// The same contract computed by gathering (R, KVH, S, D) and MLX SDPA: the reference.
+mx::array paged_attention_gather(const mx::array& q, const mx::array& k_storage, const mx::array& v_storage,
+                                 const mx::array& block_tables, const mx::array& lengths, int window,
+                                 float scale, mx::StreamOrDevice s = {});
+
+/// "cpu", "cuda" or "gather": what paged_attention runs for these inputs on stream ``s``.
+std::string paged_attention_backend(const mx::array& q, const mx::array& k_storage,
+                                    mx::StreamOrDevice s = {});
+
+/// Gather indices of the reference path, built on the device from tables and lengths:
+/// rows (R, KVH, S) int32 into the storage viewed as (pages * KVH * P, D), and the
+/// visibility mask (R, 1, 1, S) bool. S = T * P, or the window when it is smaller.
+/// Padding points at slot 0 of the null page, masked out.
+std::pair<mx::array, mx::array> paged_gather_index(const mx::array& block_tables, const mx::array& lengths,
+                                                   int window, int kv_heads, int page_size);
+
+/// The CUDA kernels' split count for R rows x KVH heads over at most ``max_keys`` keys
+/// (1: no split). Exposed for tests and benchmarks.
+int paged_attention_splits(int rows, int kv_heads, int max_keys);
+
+}  // namespace mlx_infer

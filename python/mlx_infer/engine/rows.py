@@ -1,0 +1,86 @@
+"""A step's rows in and out: the token inputs of the rows, their sampling, and starting the
+evaluation of what the engine will read back (no model, no pages here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from ..sampling import SampleOutput
+from .scheduler import LiveRequest
+
+
+@dataclass
+class Step:
+    """The rows of one forward and its lazily computed tokens (and sampler outputs)."""
+
+    rows: list[LiveRequest]
+    tokens: mx.array  # (B,) uint32
+    outs: list[SampleOutput | None] | None
+
+
+def step_inputs(rows: list[LiveRequest]) -> mx.array:
+    """The rows' next tokens: slices of earlier steps' lazy outputs, or host ints."""
+    first = rows[0].next_input
+    if isinstance(first, tuple) and first[0].shape[0] == len(rows) and all(
+            isinstance(r.next_input, tuple) and r.next_input[0] is first[0] and r.next_input[1] == i
+            for i, r in enumerate(rows)):
+        return first[0]  # the same rows as last step: feed its output as is
+    pieces: list[mx.array] = []
+    host: list[int] = []
+    run: list[Any] = []  # [array, start, stop] of consecutive rows of one array
+    for r in rows:
+        ni = r.next_input
+        if isinstance(ni, tuple) and run and run[0] is ni[0] and run[2] == ni[1]:
+            run[2] += 1
+            continue
+        if run:
+            pieces.append(run[0][run[1]:run[2]])
+            run = []
+        if isinstance(ni, tuple):
+            if host:
+                pieces.append(mx.array(host, mx.uint32))
+                host = []
+            run = [ni[0], ni[1], ni[1] + 1]
+        else:
+            host.append(int(ni))
+    if run:
+        pieces.append(run[0][run[1]:run[2]])
+    if host:
+        pieces.append(mx.array(host, mx.uint32))
+    return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces)
+
+
+def sample_rows(rows: list[LiveRequest], logits: mx.array) -> tuple[mx.array, list | None]:
+    """Each row with its own sampler and key sequence; greedy rows share one argmax."""
+    if all(r.simple for r in rows):
+        return mx.argmax(logits, axis=-1), None  # (B,) uint32
+    greedy = mx.argmax(logits, axis=-1) if any(r.simple for r in rows) else None
+    bits = None
+    if any(r.constraint is not None for r in rows):  # the batch's masks, in parallel, while the forward runs
+        from ..constraints import fill_bitmasks
+
+        mx.async_eval(logits)
+        bits = fill_bitmasks([r.constraint for r in rows])  # (B, words)
+    pieces, outs = [], []
+    for i, r in enumerate(rows):
+        if r.simple:
+            pieces.append(greedy[i:i + 1])
+            outs.append(None)
+            continue
+        out = r.sampler.step(logits[i:i + 1], r.all_ids if r.needs_history else (), r.rng,
+                             bitmask=bits[i:i + 1] if r.constraint is not None else None)
+        pieces.append(out.token if out.token.dtype == mx.uint32 else out.token.astype(mx.uint32))
+        outs.append(out)
+    return mx.concatenate(pieces), outs
+
+
+def queue_outputs(tokens: mx.array, outs: list[SampleOutput | None] | None) -> None:
+    """Start evaluating a step's tokens (and logprobs) without waiting."""
+    pending = [tokens]
+    for o in outs or ():
+        if o is not None and o.token_logprob is not None:
+            pending += [o.token_logprob] + ([o.top_ids, o.top_logprobs] if o.top_ids is not None else [])
+    mx.async_eval(pending)

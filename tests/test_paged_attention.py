@@ -1,0 +1,124 @@
+"""``_fast.paged_attention``: attention of one query per row read through block tables.
+
+Oracle: a float64 numpy attention over each row's keys ``[max(0, len - window), len)``
+fetched through its table. Inputs are fresh random draws per case: shuffled
+distinct pages per row (so a wrong page or offset shows), GQA groups 1/2/4,
+windows shorter and longer than the rows, lengths 1..300, pages of 8 and 16
+tokens, float32/bfloat16/float16. Checks ``‖out - ref‖ / ‖ref‖`` of the CPU
+kernel (``impl="auto"`` on the CPU) and of the gather reference, the op inside
+``mx.compile``, rows of length 0 (zeros), and the errors for bad shapes.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_infer import _fast
+
+# float32 accumulation in both; the bound covers the inputs' rounding (bf16 q/k/v: ~3e-3 measured).
+TOL = {mx.float32: 1e-5, mx.bfloat16: 1e-2, mx.float16: 2e-3}
+
+
+def make_case(rng, R, H, KVH, D, P, max_len, dtype, min_len=1):
+    lengths = rng.integers(min_len, max_len + 1, size=R).astype(np.int32)
+    T = int(-(-lengths.max() // P)) + 2  # two pages of padding past the longest row
+    pages = 1 + R * T
+    tables = rng.permutation(np.arange(1, pages))[: R * T].reshape(R, T).astype(np.int32)
+    for r in range(R):  # entries past a row's end are the null page, as the engine pads them
+        tables[r, -(-lengths[r] // P):] = 0
+    q = rng.standard_normal((R, H, D)).astype(np.float32)
+    k = rng.standard_normal((pages, KVH, P, D)).astype(np.float32)
+    v = rng.standard_normal((pages, KVH, P, D)).astype(np.float32)
+    return [mx.array(x).astype(dtype) for x in (q, k, v)] + [mx.array(tables), mx.array(lengths)]
+
+
+def reference(q, k, v, tables, lengths, window, scale):
+    q, k, v = (np.array(x.astype(mx.float32), dtype=np.float64) for x in (q, k, v))
+    tables, lengths = np.array(tables), np.array(lengths)
+    R, H, D = q.shape
+    KVH, P = k.shape[1], k.shape[2]
+    out = np.zeros((R, H, D))
+    for r in range(R):
+        n = int(lengths[r])
+        pos = np.arange(max(0, n - window) if window > 0 else 0, n)
+        if len(pos) == 0:
+            continue
+        keys, vals = k[tables[r, pos // P], :, pos % P], v[tables[r, pos // P], :, pos % P]  # (S, KVH, D)
+        for h in range(H):
+            s = keys[:, h // (H // KVH)] @ q[r, h] * scale
+            w = np.exp(s - s.max())
+            out[r, h] = w / w.sum() @ vals[:, h // (H // KVH)]
+    return out
+
+
+def rel(out, ref):
+    o = np.array(out.astype(mx.float32), dtype=np.float64)
+    assert np.isfinite(o).all()
+    return np.linalg.norm(o - ref) / np.linalg.norm(ref)
+
+
+CASES = [  # R, H, KVH, D, P, max_len, window, dtype
+    (4, 8, 2, 32, 8, 300, 0, mx.float32),
+    (5, 4, 1, 64, 16, 300, 37, mx.float32),
+    (3, 4, 4, 16, 8, 120, 200, mx.float32),   # window longer than every row
+    (6, 8, 2, 32, 16, 300, 16, mx.bfloat16),  # window of exactly one page
+    (2, 8, 4, 64, 8, 257, 0, mx.float16),
+    (7, 4, 2, 32, 8, 9, 5, mx.bfloat16),      # short rows, one or two pages
+]
+
+
+@pytest.mark.parametrize("R,H,KVH,D,P,max_len,window,dtype", CASES)
+def test_kernel_and_gather_match_float64_reference(R, H, KVH, D, P, max_len, window, dtype):
+    rng = np.random.default_rng(R * 1000 + D + window)
+    q, k, v, tab, lens = make_case(rng, R, H, KVH, D, P, max_len, dtype)
+    scale = D ** -0.5
+    ref = reference(q, k, v, tab, lens, window, scale)
+    assert _fast.paged_attention_backend(q, k) == "cpu"
+    got = _fast.paged_attention(q, k, v, tab, lens, window=window, scale=scale)
+    gathered = _fast.paged_attention(q, k, v, tab, lens, window=window, scale=scale, impl="gather")
+    assert got.shape == q.shape and got.dtype == q.dtype
+    assert rel(got, ref) <= TOL[dtype]
+    assert rel(gathered, ref) <= 2 * TOL[dtype]
+
+
+def test_inside_compile_and_mixed_kv_dtype():
+    rng = np.random.default_rng(7)
+    q, k, v, tab, lens = make_case(rng, 5, 8, 2, 32, 8, 200, mx.float32)
+    fn = mx.compile(lambda *a: _fast.paged_attention(*a, window=50, scale=0.2))
+    ref = reference(q, k, v, tab, lens, 50, 0.2)
+    assert rel(fn(q, k, v, tab, lens), ref) <= TOL[mx.float32]
+    # bfloat16 storage under float32 queries: K/V are read as stored.
+    kb, vb = k.astype(mx.bfloat16), v.astype(mx.bfloat16)
+    ref_b = reference(q, kb, vb, tab, lens, 0, 0.2)
+    assert rel(_fast.paged_attention(q, kb, vb, tab, lens, scale=0.2), ref_b) <= TOL[mx.float32]
+
+
+def test_zero_length_rows_get_zeros():
+    rng = np.random.default_rng(3)
+    q, k, v, tab, _ = make_case(rng, 3, 4, 2, 16, 8, 30, mx.float32)
+    lens = mx.array([0, 12, 0], mx.int32)
+    out = np.array(_fast.paged_attention(q, k, v, tab, lens, scale=0.25))
+    assert (out[[0, 2]] == 0).all() and np.abs(out[1]).sum() > 0
+
+
+def test_bad_shapes_raise_clear_errors():
+    rng = np.random.default_rng(1)
+    q, k, v, tab, lens = make_case(rng, 2, 4, 2, 16, 8, 20, mx.float32)
+    with pytest.raises(ValueError, match="q must be"):
+        _fast.paged_attention(q[0], k, v, tab, lens, scale=1.0)
+    with pytest.raises(ValueError, match="multiple"):
+        _fast.paged_attention(q[:, :3], k, v, tab, lens, scale=1.0)
+    with pytest.raises(ValueError, match="block_tables"):
+        _fast.paged_attention(q, k, v, tab[:1], lens, scale=1.0)
+    with pytest.raises(ValueError, match="lengths"):
+        _fast.paged_attention(q, k, v, tab, lens.astype(mx.int64), scale=1.0)
+    with pytest.raises(ValueError, match="impl"):
+        _fast.paged_attention(q, k, v, tab, lens, scale=1.0, impl="flash")
+
+
+def test_split_count_grows_for_few_long_rows():
+    assert _fast.paged_attention_splits(256, 8, 4096) == 1  # rows x heads fill the GPU already
+    assert _fast.paged_attention_splits(1, 8, 4096) > 8     # one long row: flash decoding
+    assert _fast.paged_attention_splits(1, 8, 40) == 1      # too few keys to split
