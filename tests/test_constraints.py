@@ -236,3 +236,21 @@ def test_real_model_schema_subset(real_model, name):
             text = "".join(t.text for t in g)
         assert g.stats.finish_reason == "stop", text
         _validator(schema).validate(json.loads(text))
+
+
+def test_engine_batches_constrained_rows(tiny):
+    from mlx_infer.engine import Engine, EngineConfig, EngineRequest
+
+    names = sorted(SCHEMAS)[::3]
+    prompt = tiny.tokenizer.encode("Hello")
+    reqs = [EngineRequest(prompt_ids=prompt, max_tokens=BUDGET, sampling=SamplingParams(temperature=1.0, seed=i),
+                          constraint=Constraint.json_schema(SCHEMAS[n])) for i, n in enumerate(names)]
+    reqs.append(EngineRequest(prompt_ids=prompt, max_tokens=8))  # an unconstrained row beside them
+    reqs.append(EngineRequest(prompt_ids=prompt, max_tokens=BUDGET, constraint=Constraint.regex("[a-z]{2,4}")))
+    with Engine(tiny, EngineConfig(page_size=8)).start() as engine:
+        results = engine.generate(reqs, timeout=300)
+    for n, r in zip(names, results):
+        assert r.finish_reason == "stop", (n, r.text)
+        _validator(SCHEMAS[n]).validate(json.loads(r.text))
+    assert results[-2].finish_reason == "length" and len(results[-2].token_ids) == 8
+    assert re.fullmatch("[a-z]{2,4}", results[-1].text)

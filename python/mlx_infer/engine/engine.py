@@ -305,8 +305,9 @@ class Engine:
         busy, first = False, None
         if not (self._mixes() and any(r.state == DECODE for r in self.scheduler.running)):
             busy, first = self._prefill()  # else the decode step carries the prompt chunks
-        if first is not None and (not self.config.pipeline or any(r.needs_history for r in first.rows)):
-            self._consume(first)  # penalties read the history: the first token must be in it
+        if first is not None and (not self.config.pipeline
+                                  or any(r.needs_history or r.constraint is not None for r in first.rows)):
+            self._consume(first)  # penalties read the history (constraints advance on it): the first token in it
             first = None
         launched = self._decode()
         if self._inflight is not None:
