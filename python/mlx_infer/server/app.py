@@ -77,6 +77,25 @@ def total_usage(results: list[Any], n: int | None) -> dict[str, Any]:
                    sum(r.cached_tokens for r in firsts))
 
 
+def warm_constraint_tokenizer(engine: Engine) -> None:
+    """Build structured output's token trie in the background when llguidance is installed
+    (~6 s for a 256k vocabulary), so the first constrained request does not wait for it."""
+    import importlib.util
+    import threading
+
+    if importlib.util.find_spec("llguidance") is None or engine.vocab_size is None:
+        return
+    from ..constraints import constraint_tokenizer
+
+    def build() -> None:
+        try:
+            constraint_tokenizer(engine.tokenizer, engine.vocab_size, tuple(engine.eos))
+        except MlxInferError as e:  # a tokenizer llguidance cannot read: requests get the error
+            logger.warning("structured output unavailable for this tokenizer: %s", e)
+
+    threading.Thread(target=build, name="mlx-infer-constraint-warmup", daemon=True).start()
+
+
 def check_generation_defaults(defaults: dict[str, Any]) -> None:
     """Refuse a model whose generation_config sampling defaults are invalid (every request would fail).
 
@@ -305,6 +324,7 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
                 "max_model_len": context}
 
     add_token_routes(app, engine, check_model)
+    warm_constraint_tokenizer(engine)
 
     @app.post("/v1/completions")
     async def completions(req: P.CompletionRequest, request: Request) -> Any:
