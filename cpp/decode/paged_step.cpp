@@ -204,6 +204,19 @@ PagedDecodeStep::PagedDecodeStep(
            " has no layer.");
     }
   }
+  // A group is one window and one page table: every buffer (KV-owning layer) of a group has its window.
+  const auto owners = kv_layers(config);
+  for (size_t b = 0; b < owners.size(); ++b) {
+    const size_t first = static_cast<size_t>(
+        std::find(paged_.layer_groups.begin(), paged_.layer_groups.end(), paged_.layer_groups[b]) -
+        paged_.layer_groups.begin());
+    const int wa = config.windows[owners[first]], wb = config.windows[owners[b]];
+    if (wa != wb) {
+      fail("layers " + std::to_string(owners[first]) + " and " + std::to_string(owners[b]) + " share layer group " +
+           std::to_string(paged_.layer_groups[b]) + " but not a window (" + std::to_string(wa) + " vs " +
+           std::to_string(wb) + "): a group is one window and one page table.");
+    }
+  }
   if (paged_.t_bucket < 1) fail("t_bucket must be >= 1.");
   if (paged_.attention != "kernel" && paged_.attention != "gather") {
     fail("attention must be \"kernel\" or \"gather\", got \"" + paged_.attention + "\".");
