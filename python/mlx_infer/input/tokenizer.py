@@ -63,8 +63,8 @@ class Tokenizer:
         """Token ids of ``messages`` rendered by the model's chat template."""
         if not self.chat_template:
             raise ChatTemplateError(
-                "This model has no chat template (tokenizer_config.json has no chat_template); "
-                "drop --chat and pass the raw prompt."
+                "This model has no chat template (neither its tokenizer_config.json nor its GGUF has one: "
+                "likely a base model); pass the raw prompt to plain completion instead of chat messages."
             )
         text = render_chat(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
                            bos_token=self.bos_token or "", eos_token=self.eos_token or "")
