@@ -504,7 +504,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _stdout_closed()
     except ValueError as e:  # MlxInferError and the library's other ValueError subclasses: bad input
         message = " ".join(str(e).split())  # one line, whatever the message held
-        print(f"mlx-infer: error: {_in_flag_words(message)}", file=sys.stderr)
+        print(f"mlx-infer: error: {message}", file=sys.stderr)
         return 2
     except OSError as e:  # a path given on the command line that cannot be read or written
         where = f": {e.filename}" if e.filename else ""
