@@ -223,6 +223,17 @@ def test_readme_first_command_text_on_stdout_stats_on_stderr(tmp_path):
     for _ in range(2):  # first run (converts) and second run (loads the cache)
         r = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=600, env=env)
         assert r.returncode == 0, r.stderr
-        assert "Paris" in r.stdout and "tokens/s" not in r.stdout
+        assert "France" in r.stdout and "tokens/s" not in r.stdout  # the base model: "... the capital of the country of France"
         assert "generation: 32 tokens" in r.stderr and "Traceback" not in r.stderr
-        assert "Paris" not in r.stderr and "%|" not in r.stderr  # no progress bars off a terminal
+        assert "France" not in r.stderr and "%|" not in r.stderr  # no progress bars off a terminal
+
+
+def test_conversions_from_an_older_format_are_not_reused(tmp_path, monkeypatch):
+    """Caches converted before CONVERSION_FORMAT 2 hold an invented chat template: a new key skips them."""
+    from mlx_infer.artifacts import default_model as dm
+
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"GGUF" + b"\0" * 60)
+    now = dm.gguf_cache_key(f)
+    monkeypatch.setattr(dm, "CONVERSION_FORMAT", 1)
+    assert dm.gguf_cache_key(f) != now

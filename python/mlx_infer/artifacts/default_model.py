@@ -83,8 +83,21 @@ def default_model_gguf() -> Path:
     return target
 
 
-def variant_dir(gguf: Path, variant: str) -> Path:
-    """The cache directory of ``gguf`` converted to ``variant`` (keyed by the file's path, size, mtime)."""
+#: Bumped whenever what a GGUF conversion writes changes, so caches written before are not reused.
+#: 2: no chat template is invented for a GGUF without one (1 gave Gemma GGUFs one).
+CONVERSION_FORMAT = 2
+
+
+def gguf_cache_key(gguf: Path) -> str:
+    """A digest of the GGUF's absolute path, size and modification time, and :data:`CONVERSION_FORMAT`:
+    an edited or replaced file, or a newer conversion, is converted again."""
     st = gguf.stat()
-    digest = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    return cache_dir() / "default" / f"{gguf.stem}-{variant}-{digest}"
+    key = f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+    if CONVERSION_FORMAT > 1:
+        key += f":format{CONVERSION_FORMAT}"
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def variant_dir(gguf: Path, variant: str) -> Path:
+    """The cache directory of ``gguf`` converted to ``variant`` (see :func:`gguf_cache_key`)."""
+    return cache_dir() / "default" / f"{gguf.stem}-{variant}-{gguf_cache_key(gguf)}"

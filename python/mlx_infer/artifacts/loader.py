@@ -13,7 +13,6 @@ Accepted inputs, in the order they are recognised:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -28,7 +27,7 @@ from ..errors import MlxInferError, ModelLoadError
 from ..input.tokenizer import Tokenizer, load_tokenizer
 from ..models.schema import check_quantization
 from .config import context_length, read_config, read_json_object, read_text
-from .default_model import DEFAULT_VARIANT, VARIANTS, cache_dir, default_model_gguf, variant_dir
+from .default_model import DEFAULT_VARIANT, VARIANTS, cache_dir, default_model_gguf, gguf_cache_key, variant_dir
 
 GGUF_MAGIC = b"GGUF"
 _DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
@@ -137,16 +136,13 @@ def default_model_dir(*, float32: bool = False) -> Path:
 def converted_gguf_dir(gguf_path: Path) -> Path:
     """The cached MLX directory for a GGUF file, converting it on first use.
 
-    The cache key covers the file's absolute path, size and modification time,
-    so an edited or replaced GGUF is converted again.
+    The cache key (:func:`.default_model.gguf_cache_key`) covers the file's absolute path, size and
+    modification time and the conversion format, so an edited or replaced GGUF is converted again.
     """
     from .convert import write_mlx_dir
     from .gguf import read_gguf
 
-    st = gguf_path.stat()
-    key = f"{gguf_path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    out = cache_dir() / "converted" / f"{gguf_path.stem}-{digest}"
+    out = cache_dir() / "converted" / f"{gguf_path.stem}-{gguf_cache_key(gguf_path)}"
     if (out / "config.json").is_file():
         return out
     if _progress():
