@@ -237,3 +237,12 @@ def test_conversions_from_an_older_format_are_not_reused(tmp_path, monkeypatch):
     now = dm.gguf_cache_key(f)
     monkeypatch.setattr(dm, "CONVERSION_FORMAT", 1)
     assert dm.gguf_cache_key(f) != now
+
+
+def test_resumed_finished_run_reports_no_zero_peak(tiny, tmp_path):
+    ck = tmp_path / "ck"
+    r = run(["generate", "--model", str(tiny), "--prompt", "hi", "-m", "4", "--checkpoint", str(ck)])
+    assert r.returncode == 0 and "peak memory: 0.000" not in r.stderr, r.stderr
+    r = run(["generate", "--resume", str(ck)])
+    assert r.returncode == 0, r.stderr
+    assert "generation: 0 tokens" in r.stderr and "peak memory: n/a" in r.stderr and "0.000 GB" not in r.stderr
