@@ -246,3 +246,25 @@ def test_resumed_finished_run_reports_no_zero_peak(tiny, tmp_path):
     r = run(["generate", "--resume", str(ck)])
     assert r.returncode == 0, r.stderr
     assert "generation: 0 tokens" in r.stderr and "peak memory: n/a" in r.stderr and "0.000 GB" not in r.stderr
+
+
+def test_serve_sampling_defaults_and_chat_template_checked_before_loading(tmp_path):
+    for flags, named in ((["--temp", "-1"], "--temp must be >= 0"), (["--top-p", "2"], "--top-p must be in"),
+                         (["--chat-template", "{% if %}"], "--chat-template"),
+                         (["--chat-template", " "], "--chat-template is empty")):
+        r = run(["serve", "--model", str(tmp_path / "missing"), *flags])
+        one_line_error(r, named)
+
+
+def test_serve_chat_template_and_defaults_apply(base, tmp_path):
+    from mlx_infer.server import ServeOptions
+    from mlx_infer.server.run import build
+
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    app, engine, _ = build(ServeOptions(model=str(base), chat_template=template, temp=0.5, top_k=3))
+    try:
+        assert engine.tokenizer.chat_template == template
+        assert engine.loaded.generation_config["temperature"] == 0.5
+        assert engine.loaded.generation_config["top_k"] == 3
+    finally:
+        engine.stop()

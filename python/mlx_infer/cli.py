@@ -358,11 +358,16 @@ def _serve(args: argparse.Namespace) -> int:
         raise MlxInferError("serve needs the server extra: pip install 'mlx-infer[server]'.") from None
 
     public = tuple(p.strip() for p in args.public.split(",") if p.strip()) if args.public is not None else None
+    template = args.chat_template
+    if template is not None and "{" not in template and Path(template).expanduser().is_file():
+        template = _utf8("--chat-template", Path(template).expanduser().read_text(encoding="utf-8", errors="replace"))
     serve(ServeOptions(model=args.model, host=args.host, port=args.port, max_batch=args.max_batch,
                        memory_budget_gb=args.memory_budget, api_key=args.api_key, max_tokens=args.max_tokens,
                        prefill_step_size=args.prefill_step_size, log_level=args.log_level,
                        drain_timeout_s=args.drain_timeout, header_timeout_s=args.header_timeout,
-                       body_timeout_s=args.body_timeout, **({"public": public} if public is not None else {})))
+                       body_timeout_s=args.body_timeout, temp=args.temp, top_p=args.top_p, top_k=args.top_k,
+                       min_p=args.min_p, chat_template=template,
+                       **({"public": public} if public is not None else {})))
     return 0
 
 
@@ -430,6 +435,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a client may take to send a request's body")
     s.add_argument("--log-level", default="info", type=str.lower,
                    choices=["critical", "error", "warning", "info", "debug"], help="server log level (any case)")
+    s.add_argument("--temp", type=float, default=None,
+                   help="default temperature of requests that give none (none: the model's generation_config)")
+    s.add_argument("--top-p", type=float, default=None, help="default top_p (none: the model's)")
+    s.add_argument("--top-k", type=int, default=None, help="default top_k (none: the model's)")
+    s.add_argument("--min-p", type=float, default=None, help="default min_p (none: the model's)")
+    s.add_argument("--chat-template", default=None, metavar="TEMPLATE",
+                   help="Jinja chat template (or a file holding one) for /v1/chat/completions, e.g. for a "
+                        "base model (none: the model's own; a model without one answers chat with a 400)")
     s.set_defaults(func=_serve)
 
     c = sub.add_parser("convert", help="write a GGUF or HF model as an MLX directory")
