@@ -268,3 +268,29 @@ def test_serve_chat_template_and_defaults_apply(base, tmp_path):
         assert engine.loaded.generation_config["top_k"] == 3
     finally:
         engine.stop()
+
+
+def test_prefill_reports_progress_per_chunk(tiny):
+    from mlx_infer.artifacts.loader import load_model
+    from mlx_infer.generation.autoregressive import generate
+
+    seen = []
+    loaded = load_model(tiny)
+    with generate(loaded, "hello world " * 15, max_tokens=2, prefill_step_size=16,
+                  on_prefill=lambda done, total: seen.append((done, total))) as g:
+        list(g)
+    total = g.stats.prompt_tokens - 1
+    assert seen and seen[-1] == (total, total) and all(d % 16 == 0 for d, _ in seen[:-1])
+    assert [d for d, _ in seen] == sorted({d for d, _ in seen})
+
+
+def test_prefill_bar_drawn_on_a_terminal(tiny, monkeypatch, capsys):
+    import mlx_infer.cli as cli
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    update = cli._prefill_progress()
+    for done in (512, 1024, 1500):
+        update(done, 1500)
+    assert "mlx-infer: prompt" in capsys.readouterr().err
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    assert cli._prefill_progress() is None  # off a terminal: nothing

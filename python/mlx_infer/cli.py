@@ -55,6 +55,31 @@ def _status(what: str) -> Iterator[None]:
         sys.stderr.flush()
 
 
+#: Prompts shorter than this prefill in a second or two: no bar.
+PREFILL_BAR_TOKENS = 1024
+
+
+def _prefill_progress() -> object:
+    """An ``on_prefill(done, total)`` callback drawing a tqdm bar on a terminal for long prompts (else None)."""
+    if not sys.stderr.isatty():
+        return None
+    bar = None
+
+    def update(done: int, total: int) -> None:
+        nonlocal bar
+        if total < PREFILL_BAR_TOKENS:
+            return
+        if bar is None:
+            from tqdm import tqdm
+
+            bar = tqdm(total=total, desc="mlx-infer: prompt", unit="tok", file=sys.stderr, leave=False)
+        bar.update(done - bar.n)
+        if done >= total:
+            bar.close()
+
+    return update
+
+
 def _read_stdin_prompt() -> str:
     data = sys.stdin.buffer.read()
     try:
@@ -187,7 +212,7 @@ def _generate(args: argparse.Namespace) -> int:
                                 execution={"chat": chat, "cpu_kernels": cpu_kernels})
         else:
             gen = generate(loaded, prompt, sampling=sampling, max_tokens=args.max_tokens, chat=chat,
-                           stop=args.stop or ())
+                           stop=args.stop or (), on_prefill=_prefill_progress())
     with gen:
         for item in gen:
             if item.text:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import mlx.core as mx
 
@@ -169,6 +169,7 @@ def generate_tokens(
     prompt_cache: PromptCache | None = None,
     namespace: str = "",
     decode: Any | None = None,
+    on_prefill: Callable[[int, int], None] | None = None,
 ) -> Generation:
     """Generate token ids after ``prompt_ids``.
 
@@ -195,6 +196,8 @@ def generate_tokens(
         decode: a compiled decode step (``step(tokens, state) -> logits``,
             ``sync()``, ``close()``; see ``AutoregressiveBinding.create_decode``)
             for every step after the first; it is closed when the generation ends.
+        on_prefill: called ``(done, total)`` after each prefill chunk (prompt tokens in the cache out of
+            the ``len(prompt_ids) - 1`` the prefill computes), e.g. for a progress bar.
 
     Returns:
         A :class:`Generation` (iterator of :class:`GeneratedToken` with ``stats`` and ``state``).
@@ -216,7 +219,8 @@ def generate_tokens(
     stats = GenerateStats(prompt_tokens=len(prompt_ids), cached_tokens=cached)
     limit = max_tokens if context_length is None else min(max_tokens, context_length - len(prompt_ids) + 1)
     pipeline = pipeline and not sampler.processors
-    run = _run(model, state, sampler, limit, eos, prefill_step_size, cancel, start_index, pipeline, stats, decode)
+    run = _run(model, state, sampler, limit, eos, prefill_step_size, cancel, start_index, pipeline, stats, decode,
+               on_prefill)
     if prompt_cache is not None:
         run = _storing(run, state, prompt_cache, namespace)
     return Generation(run, stats, state)
@@ -235,7 +239,7 @@ def _storing(run: Iterator[GeneratedToken], state: RunState, prompt_cache: Promp
 
 def _run(model: Any, state: RunState, sampler: Any, limit: int, eos: frozenset[int], prefill_step_size: int,
          cancel: CancelToken | None, start_index: int, pipeline: bool, stats: GenerateStats,
-         decode: Any | None) -> Iterator[GeneratedToken]:
+         decode: Any | None, on_prefill: Callable[[int, int], None] | None = None) -> Iterator[GeneratedToken]:
     mx.reset_peak_memory()
     cache, prompt_ids = state.cache, state.prompt_ids
     history = list(prompt_ids) if sampler.processors else None
@@ -260,6 +264,8 @@ def _run(model: Any, state: RunState, sampler: Any, limit: int, eos: frozenset[i
             model.model(prompt[done:done + n][None], cache=cache)
             mx.eval([c.state for c in cache])
             done += n
+            if on_prefill is not None:
+                on_prefill(done, len(prompt_ids) - 1)
             if cancel is not None and cancel.cancelled:
                 stats.finish_reason = "cancelled"
                 return
@@ -382,6 +388,7 @@ def generate(
     cancel: CancelToken | None = None,
     prompt_cache: PromptCache | None = None,
     compiled: bool = True,
+    on_prefill: Callable[[int, int], None] | None = None,
 ) -> Generation:
     """Generate text after ``prompt`` (a string, or chat messages); items carry their text.
 
@@ -389,6 +396,7 @@ def generate(
     which is excluded from the text. ``compiled`` uses the graph's compiled
     decode step where it has one (same tokens; see ``tests/test_decode_step.py``).
     ``prefill_step_size`` ``None`` takes the binding's prefill policy (workspace-bounded).
+    ``on_prefill``: see :func:`generate_tokens`.
     """
     from .bindings.autoregressive import bind_autoregressive
 
@@ -400,6 +408,6 @@ def generate(
         loaded.model, ids, sampling=sampling, max_tokens=max_tokens,
         eos_token_ids=loaded.eos_token_ids, newline_token_ids=newline_ids(loaded),
         context_length=loaded.context_length, prefill_step_size=prefill_step_size, cancel=cancel,
-        prompt_cache=prompt_cache, decode=binding.create_decode() if compiled else None,
+        prompt_cache=prompt_cache, decode=binding.create_decode() if compiled else None, on_prefill=on_prefill,
     )
     return stream_text(loaded, inner, stop=stop)
