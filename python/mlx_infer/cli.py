@@ -358,7 +358,10 @@ def _bench(args: argparse.Namespace) -> int:
     if gguf is not None:
         model_name = gguf.stem
     n_ctx = config.prompt_tokens + config.generation_tokens + 16
-    engines = [make_engine(n, model=str(model_dir), model_dir=model_dir, gguf_path=gguf, n_ctx=n_ctx) for n in names]
+    engines = []
+    for n in names:
+        with _status(f"loading {n}"):
+            engines.append(make_engine(n, model=str(model_dir), model_dir=model_dir, gguf_path=gguf, n_ctx=n_ctx))
     try:
         rows = run_bench(engines, config, model_name=model_name, vocab_size=vocab,
                          on_trial=lambda e, i, r: print(
