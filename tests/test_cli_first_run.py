@@ -294,3 +294,12 @@ def test_prefill_bar_drawn_on_a_terminal(tiny, monkeypatch, capsys):
     assert "mlx-infer: prompt" in capsys.readouterr().err
     monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
     assert cli._prefill_progress() is None  # off a terminal: nothing
+
+
+def test_resume_refuses_ignore_chat_template_on_a_chat_run(tiny, tmp_path):
+    ck = tmp_path / "ck"
+    r = run(["generate", "--model", str(tiny), "--prompt", "hi", "-m", "4", "--checkpoint", str(ck)])
+    assert r.returncode == 0, r.stderr  # the template applied by default: a chat run
+    one_line_error(run(["generate", "--resume", str(ck), "--ignore-chat-template"]),
+                   "--ignore-chat-template (True given, False saved)")
+    assert run(["generate", "--resume", str(ck), "--chat"]).returncode == 0  # as saved

@@ -255,6 +255,7 @@ def _resumed(args: argparse.Namespace) -> object:
         "temp": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k, "min_p": sampling.min_p,
         "repetition_penalty": sampling.repetition_penalty, "seed": sampling.seed, "max_tokens": ck.max_tokens,
         "stop": ck.stop, "chat": execution.get("chat", False), "dtype": ck.dtype,
+        "ignore_chat_template": not execution.get("chat", False),
         "stock_kernels": execution.get("cpu_kernels") is False,
     }
     given = {k: getattr(args, k) for k in saved if getattr(args, k) != defaults[k]}
