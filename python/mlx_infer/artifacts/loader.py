@@ -2,7 +2,8 @@
 
 Accepted inputs, in the order they are recognised:
 
-1. ``None``: the embedded default model (see :mod:`.default_model`).
+1. ``None``: the embedded default model (see :mod:`.default_model`), cached once in
+   ``DEFAULT_VARIANT`` (``dtype="float32"``: the float32 reference the parity tests use).
 2. A GGUF file: converted once into an MLX directory in the cache (opening a
    GGUF and dequantizing it takes seconds; a safetensors directory loads
    in a fraction of that), then loaded from there.
@@ -12,7 +13,6 @@ Accepted inputs, in the order they are recognised:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -27,7 +27,7 @@ from ..errors import MlxInferError, ModelLoadError
 from ..input.tokenizer import Tokenizer, load_tokenizer
 from ..models.schema import check_quantization
 from .config import context_length, read_config, read_json_object, read_text
-from .default_model import cache_dir, default_model_gguf
+from .default_model import DEFAULT_VARIANT, VARIANTS, cache_dir, default_model_gguf, gguf_cache_key, variant_dir
 
 GGUF_MAGIC = b"GGUF"
 _DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
@@ -86,7 +86,10 @@ def load_model(path: str | Path | None = None, *, dtype: str | None = None,
     if dtype is not None and dtype not in _DTYPES:
         raise ModelLoadError(f"Unknown dtype {dtype!r}; choose one of {', '.join(_DTYPES)}.")
     source = "default" if path is None else str(path)
-    p = default_model_gguf() if path is None else Path(path).expanduser()
+    if path is None:
+        p = default_model_dir(float32=dtype == "float32")
+        return load_model_dir(p, source=source, dtype=None if dtype == "float32" else dtype, cpu_kernels=cpu_kernels)
+    p = Path(path).expanduser()
     if "\x00" in str(p):
         raise ModelLoadError(f"Model path {str(p)!r} contains a NUL byte; pass a real path.")
     if not p.exists():
@@ -104,28 +107,56 @@ def load_model(path: str | Path | None = None, *, dtype: str | None = None,
     return load_model_dir(p, source=source, dtype=dtype, cpu_kernels=cpu_kernels)
 
 
+def _progress() -> bool:
+    """Progress bars for one-time conversions: on a terminal only (stderr)."""
+    import sys
+
+    return sys.stderr.isatty()
+
+
+def default_model_dir(*, float32: bool = False) -> Path:
+    """The default model's MLX directory, converted once into the cache (``float32``: the reference
+    dequantized from the GGUF; else :data:`DEFAULT_VARIANT`)."""
+    import sys
+
+    gguf = default_model_gguf()
+    if float32 or DEFAULT_VARIANT == "float32":
+        return converted_gguf_dir(gguf)
+    out = variant_dir(gguf, DEFAULT_VARIANT)
+    if (out / "config.json").is_file():
+        return out
+    from .convert import convert
+
+    if _progress():
+        print(f"mlx-infer: first run: converting the default model to {DEFAULT_VARIANT} in {out} "
+              "(one time, ~10-30 s)", file=sys.stderr)
+    return convert(gguf, out, overwrite=True, progress=_progress(), **VARIANTS[DEFAULT_VARIANT])
+
+
 def converted_gguf_dir(gguf_path: Path) -> Path:
     """The cached MLX directory for a GGUF file, converting it on first use.
 
-    The cache key covers the file's absolute path, size and modification time,
-    so an edited or replaced GGUF is converted again.
+    The cache key (:func:`.default_model.gguf_cache_key`) covers the file's absolute path, size and
+    modification time and the conversion format, so an edited or replaced GGUF is converted again.
     """
     from .convert import write_mlx_dir
     from .gguf import read_gguf
 
-    st = gguf_path.stat()
-    key = f"{gguf_path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    out = cache_dir() / "converted" / f"{gguf_path.stem}-{digest}"
+    out = cache_dir() / "converted" / f"{gguf_path.stem}-{gguf_cache_key(gguf_path)}"
     if (out / "config.json").is_file():
         return out
-    artifact = read_gguf(gguf_path)
+    if _progress():
+        import sys
+
+        print(f"mlx-infer: converting {gguf_path.name} to an MLX directory in {out} (one time; later runs "
+              "load it directly)", file=sys.stderr)
+    artifact = read_gguf(gguf_path, progress=_progress())
     write_mlx_dir(
         artifact.config, artifact.weights, out,
         tokenizer_json=artifact.tokenizer_json,
         tokenizer_config=artifact.tokenizer_config,
         generation_config=artifact.generation_config,
-        overwrite=True,
+        overwrite=True, progress=_progress(),
     )
     return out
 

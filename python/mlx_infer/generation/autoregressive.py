@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import mlx.core as mx
 
@@ -179,6 +179,7 @@ def generate_tokens(
     decode: Any | None = None,
     constraint: Any | None = None,
     grammar_jump: bool = True,
+    on_prefill: Callable[[int, int], None] | None = None,
 ) -> Generation:
     """Generate token ids after ``prompt_ids``.
 
@@ -208,6 +209,8 @@ def generate_tokens(
         constraint: a :class:`~mlx_infer.constraints.ConstraintState` the output must satisfy
             (see :mod:`.constrained`); the generation ends when its grammar is complete.
         grammar_jump: feed tokens the constraint forces as one forward (else one step each).
+        on_prefill: called ``(done, total)`` after each prefill chunk (prompt tokens in the cache out of
+            the ``len(prompt_ids) - 1`` the prefill computes), e.g. for a progress bar.
 
     Returns:
         A :class:`Generation` (iterator of :class:`GeneratedToken` with ``stats`` and ``state``).
@@ -233,10 +236,10 @@ def generate_tokens(
         from .constrained import run_constrained
 
         run = run_constrained(model, state, sampler, limit, eos, prefill_step_size, cancel, start_index,
-                              stats, decode, constraint, grammar_jump)
+                              stats, decode, constraint, grammar_jump, on_prefill)
     else:
         run = _run(model, state, sampler, limit, eos, prefill_step_size, cancel, start_index, pipeline,
-                   stats, decode)
+                   stats, decode, on_prefill)
     if prompt_cache is not None:
         run = _storing(run, state, prompt_cache, namespace)
     return Generation(run, stats, state)
@@ -254,14 +257,17 @@ def _storing(run: Iterator[GeneratedToken], state: RunState, prompt_cache: Promp
 
 
 def prefill(model: Any, cache: list[Any], prompt: mx.array, done: int, step_size: int,
-            cancel: CancelToken | None) -> bool:
-    """Run ``prompt[done:-1]`` (L,) through the hidden phase in chunks; False when cancelled."""
+            cancel: CancelToken | None, on_prefill: Callable[[int, int], None] | None = None) -> bool:
+    """Run ``prompt[done:-1]`` (L,) through the hidden phase in chunks; False when cancelled.
+    ``on_prefill(done, total)`` is called after each chunk."""
     total = prompt.shape[0] - 1
     while total - done > 0:
         n = min(step_size, total - done)
         model.model(prompt[done:done + n][None], cache=cache)  # (1, n) -> hidden, fills the cache
         mx.eval([c.state for c in cache])
         done += n
+        if on_prefill is not None:
+            on_prefill(done, total)
         if cancel is not None and cancel.cancelled:
             return False
     return True
@@ -269,7 +275,7 @@ def prefill(model: Any, cache: list[Any], prompt: mx.array, done: int, step_size
 
 def _run(model: Any, state: RunState, sampler: Any, limit: int, eos: frozenset[int], prefill_step_size: int,
          cancel: CancelToken | None, start_index: int, pipeline: bool, stats: GenerateStats,
-         decode: Any | None) -> Iterator[GeneratedToken]:
+         decode: Any | None, on_prefill: Callable[[int, int], None] | None = None) -> Iterator[GeneratedToken]:
     mx.reset_peak_memory()
     cache, prompt_ids = state.cache, state.prompt_ids
     history = list(prompt_ids) if sampler.processors else None
@@ -289,7 +295,7 @@ def _run(model: Any, state: RunState, sampler: Any, limit: int, eos: frozenset[i
             stats.finish_reason = "length"
             return
         prompt = mx.array(prompt_ids, dtype=mx.uint32)
-        if not prefill(model, cache, prompt, stats.cached_tokens, prefill_step_size, cancel):
+        if not prefill(model, cache, prompt, stats.cached_tokens, prefill_step_size, cancel, on_prefill):
             stats.finish_reason = "cancelled"
             return
         out = step(prompt[-1:], first=True)
@@ -413,6 +419,7 @@ def generate(
     compiled: bool = True,
     constraint: Any | None = None,
     grammar_jump: bool = True,
+    on_prefill: Callable[[int, int], None] | None = None,
 ) -> Generation:
     """Generate text after ``prompt`` (a string, or chat messages); items carry their text.
 
@@ -422,6 +429,7 @@ def generate(
     ``prefill_step_size`` ``None`` takes the binding's prefill policy (workspace-bounded).
     ``constraint`` (a :class:`~mlx_infer.constraints.Constraint`) constrains the text to a JSON
     schema, regex, choice or grammar; ``grammar_jump`` commits the tokens it forces in one forward.
+    ``on_prefill``: see :func:`generate_tokens`.
     """
     from .bindings.autoregressive import bind_autoregressive
 
@@ -441,5 +449,6 @@ def generate(
         context_length=loaded.context_length, prefill_step_size=prefill_step_size, cancel=cancel,
         prompt_cache=prompt_cache, decode=binding.create_decode() if compiled else None,
         constraint=state, grammar_jump=grammar_jump,
+        on_prefill=on_prefill,
     )
     return stream_text(loaded, inner, stop=stop)

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 def run_constrained(model: Any, state: "RunState", sampler: Any, limit: int, eos: frozenset[int],
                     prefill_step_size: int, cancel: CancelToken | None, start_index: int,
                     stats: "GenerateStats", decode: Any | None, constraint: "ConstraintState",
-                    grammar_jump: bool) -> Iterator["GeneratedToken"]:
+                    grammar_jump: bool, on_prefill: Any | None = None) -> Iterator["GeneratedToken"]:
     """The token stream of a constrained generation (see the module docstring)."""
     from .autoregressive import GeneratedToken, prefill
 
@@ -104,7 +104,7 @@ def run_constrained(model: Any, state: "RunState", sampler: Any, limit: int, eos
             stats.finish_reason = "length"
             return
         prompt = mx.array(prompt_ids, dtype=mx.uint32)
-        if not prefill(model, cache, prompt, stats.cached_tokens, prefill_step_size, cancel):
+        if not prefill(model, cache, prompt, stats.cached_tokens, prefill_step_size, cancel, on_prefill):
             stats.finish_reason = "cancelled"
             return
         feed = [prompt_ids[-1]]  # committed tokens the KV does not hold yet

@@ -67,8 +67,8 @@ class Tokenizer:
         follows it, the end-of-turn, is cut) so generation continues that message, as transformers does."""
         if not self.chat_template:
             raise ChatTemplateError(
-                "This model has no chat template (tokenizer_config.json has no chat_template); "
-                "drop --chat and pass the raw prompt."
+                "This model has no chat template (neither its tokenizer_config.json nor its GGUF has one: "
+                "likely a base model); pass the raw prompt to plain completion instead of chat messages."
             )
         extra = {k: v for k, v in template_vars.items() if v is not None}
         text = render_chat(self.chat_template, messages, add_generation_prompt=add_generation_prompt,

@@ -403,6 +403,10 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
         P.check_common(req)  # first: it also rejects unencodable text, the model name's included
         check_model(req.model)
         messages = P.chat_messages(req.messages)
+        if not tokenizer.chat_template:
+            raise P.OpenAIError(400, f"The model {model_id!r} has no chat template (it is a base model), so it "
+                                "cannot answer chat messages; use /v1/completions with a plain prompt, or start "
+                                "the server with a chat model.", param="messages", code="no_chat_template")
         try:
             plan = ToolPlan(req.tools, req.tool_choice, req.parallel_tool_calls, tokenizer.chat_template)
         except ValueError as e:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import sys
 import threading
 from dataclasses import dataclass
@@ -39,6 +40,10 @@ class ServeOptions:
         body_timeout_s: how long a request's body may take to arrive.
         served_model_name: the id clients pass as ``model`` (default: the model's file name).
         allowed_origins: CORS origins to answer (``*``: any; empty: CORS off, the default).
+        temp, top_p, top_k, min_p: sampling defaults of requests that do not set them (``None``: the
+            model's generation_config.json, else greedy / off).
+        chat_template: a Jinja chat template for ``/v1/chat/completions`` (for a model without one, or to
+            replace its own); ``None``: the model's.
     """
 
     model: str | None = None
@@ -57,6 +62,11 @@ class ServeOptions:
     body_timeout_s: float = BODY_TIMEOUT_S
     served_model_name: str | None = None
     allowed_origins: tuple[str, ...] = ()
+    temp: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    chat_template: str | None = None
 
     def check(self) -> None:
         """Raise :class:`MlxInferError` naming the first bad option (before any model loads)."""
@@ -75,6 +85,30 @@ class ServeOptions:
         if not self.host:
             raise MlxInferError("--host must not be empty (127.0.0.1: this machine only; 0.0.0.0: every interface).")
         GuardConfig(api_key=self.api_key, public=self.public)  # raises on a bad key or endpoint name
+        from ..sampling import SamplingParams
+
+        try:
+            SamplingParams.from_generation_config({}, **self.sampling_defaults())
+        except MlxInferError as e:  # name the flag, not the field
+            flags = {"temperature": "--temp", "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p"}
+            raise MlxInferError(re.sub(r"SamplingParams\.(\w+)", lambda m: flags.get(m.group(1), m.group(0)),
+                                       str(e))) from None
+        if self.chat_template is not None:
+            from ..input.chat_template import ChatTemplateError, render_chat
+
+            if not self.chat_template.strip():
+                raise MlxInferError("--chat-template is empty; pass a Jinja chat template (or a file holding one).")
+            try:
+                render_chat(self.chat_template, [{"role": "user", "content": "hi"}])
+            except ChatTemplateError as e:
+                raise MlxInferError(f"--chat-template: {e}") from None
+            except Exception as e:  # a template that fails on a plain user turn is no chat template
+                raise MlxInferError(f"--chat-template does not render a user message: {e}") from None
+
+    def sampling_defaults(self) -> dict[str, Any]:
+        """The sampling defaults given on the command line, as generation_config keys."""
+        given = {"temperature": self.temp, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p}
+        return {k: v for k, v in given.items() if v is not None}
 
 
 def model_name(loaded: Any, requested: str | None) -> str:
@@ -92,6 +126,14 @@ def build(options: ServeOptions) -> tuple[Any, Any, str]:
 
     options.check()
     loaded = load_model(options.model)
+    overrides = options.sampling_defaults()
+    if overrides:  # the operator's defaults win over the model's generation_config.json
+        cfg = {**(loaded.generation_config or {}), **overrides}
+        if "temperature" in overrides:
+            cfg.pop("do_sample", None)  # do_sample: false would force greedy again
+        loaded.generation_config = cfg
+    if options.chat_template is not None:
+        loaded.tokenizer.chat_template = options.chat_template
     check_generation_defaults(dict(loaded.generation_config or {}))  # before an engine takes memory
     config = EngineConfig(max_batch=options.max_batch, memory_budget_gb=options.memory_budget_gb,
                           prefill_step_size=options.prefill_step_size, page_size=options.page_size)
