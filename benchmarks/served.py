@@ -17,6 +17,22 @@ Each row also has the requests' TTFT p50/p95 (submit to first token, per
 request, over every trial) and the peak memory (MLX's, this process; the
 server's own from its /metrics for ``mlx-infer-http``).
 
+Warm-up: at every stream count each engine first runs one uncounted trial of the same
+shape (compile/trace paths and buffers for that batch size); the rows are medians of the
+``-n`` trials after it. Every trial (and warm-up) sends prompts of its own, so no trial is
+helped by the prefix cache of an earlier one.
+
+Memory (the row's ``gpu_sharing`` and ``kv_sizing`` say which applied): mlx-lm's model is
+loaded first, then every in-process mlx-infer column's model, then their engines, so the
+engine's default sizing (which subtracts what this process already holds) sees them all.
+With one in-process mlx-infer column it gets that default; with several, each gets an equal
+explicit share of it. ``--memory-budget`` overrides both. The HTTP column never shares the
+GPU with an in-process pool: it runs in its own phase, after the in-process columns finish
+and their engines and models are freed (``del``, ``gc.collect()``, ``mx.clear_cache()``),
+so the server's default sizing sees the device empty; its ratios are against the mlx-lm
+rows of the first phase. Each in-process row records its pool (``kv_pool_gb``,
+``kv_pool_tokens``, ``kv_sizing``); the server's row records its startup line's pool.
+
     python benchmarks/served.py --shape llama-1b --http --json benchmarks/results/h200-served-llama-1b.json \
         --plot benchmarks/results/h200-served-llama-1b.png        # on a GPU: the issue's table
     python benchmarks/served.py --shape llama-1b --toy --streams 1,8 -p 32 -g 16 --http   # CPU smoke run
@@ -34,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import statistics
 import sys
@@ -96,9 +113,10 @@ def model_dir(args: argparse.Namespace) -> Path:
     return converted_gguf_dir(source) if is_gguf(source) else source
 
 
-def prompts_for(n: int, length: int, vocab: int) -> list[list[int]]:
-    """``n`` distinct prompts of ``length`` ids (no shared prefix page, so no prefix-cache help)."""
-    return [[(97 * i + 31 * j + 7) % (vocab - 10) + 5 for j in range(length)] for i in range(n)]
+def prompts_for(n: int, length: int, vocab: int, start: int = 0) -> list[list[int]]:
+    """``n`` distinct prompts of ``length`` ids, numbered from ``start`` (no shared prefix page, so
+    no prefix-cache help; another ``start`` gives a trial prompts of its own)."""
+    return [[(97 * i + 31 * j + 7) % (vocab - 10) + 5 for j in range(length)] for i in range(start, start + n)]
 
 
 class Ours:
@@ -110,8 +128,6 @@ class Ours:
 
     def __init__(self, path: Path, max_batch: int):
         from mlx_infer.artifacts.loader import load_model
-        from mlx_infer.engine import Engine, EngineConfig
-        from mlx_infer.generation.bindings.paged_decode_step import PagedDecodePolicy
 
         self.loaded = load_model(path, **KERNELS)
         # Materialize the lazy arrays here (weights, and non-parameter ones such as llama3 RoPE's
@@ -119,11 +135,25 @@ class Ours:
         # evaluate ("There is no Stream(gpu, 0) in current thread").
         model = self.loaded.model
         mx.eval(model.parameters(), [v for m in model.modules() for v in m.values() if isinstance(v, mx.array)])
-        self.engine = Engine(self.loaded, EngineConfig(max_batch=max_batch, memory_budget_gb=BUDGET_GB),
-                             decode_policy=PagedDecodePolicy(**self.policy)).start()
-        print(f"{self.name}: compiled paged step {self.engine.paged_decode is not None} "
-              f"({self.engine.paged_decode_reason or PagedDecodePolicy(**self.policy)})", file=sys.stderr)
+        self.max_batch = max_batch
         self.detokenize = True
+        self.engine: Any = None
+
+    def start(self, budget_gb: float | None, sizing: str) -> None:
+        """Build the engine (after every model of the process is loaded): ``budget_gb`` as
+        ``--memory-budget`` (``None``: the device default); ``sizing`` says which, for the rows."""
+        from mlx_infer.engine import Engine, EngineConfig
+        from mlx_infer.generation.bindings.paged_decode_step import PagedDecodePolicy
+
+        self.engine = Engine(self.loaded, EngineConfig(max_batch=self.max_batch, memory_budget_gb=budget_gb),
+                             decode_policy=PagedDecodePolicy(**self.policy)).start()
+        self.sizing = sizing
+        store = self.engine.store
+        budget = self.engine.kv_budget
+        print(f"{self.name}: compiled paged step {self.engine.paged_decode is not None} "
+              f"({self.engine.paged_decode_reason or PagedDecodePolicy(**self.policy)}); KV pool "
+              f"{(store.groups[0].num_pages - 1) * store.page_size:,} tokens ({sizing}: "
+              f"{f'{budget.bytes / 2**30:.2f} GiB from {budget.source}' if budget else 'num_pages'})", file=sys.stderr)
 
     def run(self, streams: int, prompts: list[list[int]], gen: int) -> int:
         from mlx_infer.engine import EngineRequest
@@ -167,7 +197,9 @@ class Ours:
         return total[0]
 
     def close(self) -> None:
-        self.engine.stop()
+        if self.engine is not None:
+            self.engine.stop()
+        self.engine = self.loaded = None
 
 
 class OursIds(Ours):
@@ -202,13 +234,20 @@ class OursHTTP:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="served-http-", suffix=".log")
         self.proc = subprocess.Popen([sys.executable, "-m", "mlx_infer", "serve", "--model", str(path),
                                       "--port", str(port), "--max-batch", str(max_batch), "--log-level", "warning",
-                                      *(["--memory-budget", str(BUDGET_GB)] if BUDGET_GB else [])])
+                                      *(["--memory-budget", str(BUDGET_GB)] if BUDGET_GB else [])],
+                                     stdout=self.log)
         self.model = path.name
+        self.sizing = f"--memory-budget {BUDGET_GB:g}" if BUDGET_GB else "default device sizing (own phase)"
+        self.pool = ""
         for _ in range(600):
             try:
                 if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    self.log.seek(0)
+                    self.pool = next((ln.strip() for ln in self.log if "KV pages" in ln), "")
+                    print(self.pool, file=sys.stderr)
                     return
             except httpx.HTTPError:
                 pass
@@ -258,6 +297,7 @@ class OursHTTP:
     def close(self) -> None:
         self.proc.terminate()
         self.proc.wait(timeout=30)
+        self.log.close()
 
 
 class MlxLm:
@@ -304,7 +344,7 @@ class MlxLm:
         return total
 
     def close(self) -> None:
-        del self.model
+        self.model = None
 
 
 def decode_window(events: list[tuple[float, Any, bool]], streams: int) -> float | None:
@@ -325,6 +365,7 @@ def decode_window(events: list[tuple[float, Any, bool]], streams: int) -> float 
 
 
 def timed(run: Callable[[], int]) -> tuple[float, int, float]:
+    mx.clear_cache()  # the last trial's freed buffers (another engine's, maybe) are not this one's peak
     mx.reset_peak_memory()
     t = time.perf_counter()
     n = run()
@@ -369,54 +410,110 @@ def main() -> None:
     kernels = "stock" if args.stock_kernels else "default"
     path = model_dir(args)
     streams = [int(s) for s in args.streams.split(",")]
-    kinds: list[type] = (([] if args.no_text else [Ours]) + ([] if args.no_ids else [OursIds])
-                         + ([OursIdsGather] if args.gather else [])) + [MlxLm] + ([OursHTTP] if args.http else [])
-    engines = [k(path, max(streams)) for k in kinds]
+    ours_kinds: list[type] = (([] if args.no_text else [Ours]) + ([] if args.no_ids else [OursIds])
+                              + ([OursIdsGather] if args.gather else []))
     vocab = int(json.loads((path / "config.json").read_text()).get("vocab_size", 320))
-    rows: list[dict[str, Any]] = []
+    max_batch = max(streams)
+    by_streams: dict[int, list[dict[str, Any]]] = {s: [] for s in streams}
+    columns: list[Any] = []
     try:
-        for e in engines:  # warm-up: compile paths, allocate the page pool
-            e.run(2, prompts_for(2, args.prompt_tokens, vocab), 4)
+        # Phase 1, in process: mlx-lm's model first, then ours, then our engines (module docstring).
+        base = MlxLm(path, max_batch)
+        ours = [k(path, max_batch) for k in ours_kinds]
+        columns = ours + [base]
+        sizing, sharing = start_engines(ours, max_batch)
         for s in streams:
-            prompts = prompts_for(s * args.requests_per_stream, args.prompt_tokens, vocab)
-            trials: dict[str, list[dict[str, float]]] = {e.name: [] for e in engines}
-            for _ in range(args.num_trials):
-                for e in engines:
-                    wall, n, peak = timed(lambda: e.run(s, prompts, args.generation_tokens))
-                    if isinstance(e, OursHTTP):
-                        peak = e.peak_gb()
-                    window = decode_window(getattr(e, "events", []), s)
-                    trials[e.name].append({"tps": n / wall, "decode_only_tps": window, "wall_s": wall,
-                                           "tokens": n, "peak_gb": peak, "ttft_s": list(e.ttfts)})
-                    print(f"streams {s:>3} {e.name:>15}: {n / wall:9.1f} tok/s end to end, decode only "
-                          f"{window or 0:9.1f} tok/s ({n} tokens, {wall:.2f} s)", file=sys.stderr)
-            for e in engines:
-                t = trials[e.name]
-                ttft = sorted(x for tr in t for x in tr["ttft_s"])
-                p50, p95 = percentile(ttft, 50) * 1e3, percentile(ttft, 95) * 1e3
-                rows.append({"suite": "served", "model": args.tiny and f"tiny-{args.tiny}" or path.name,
-                             "engine": e.name, "batch": s, "prompt_tokens": args.prompt_tokens, "kernels": kernels,
-                             "generation_tokens": args.generation_tokens, "prompt_tps": 0.0, "ttft_ms": p50,
-                             "ttft_p50_ms": p50, "ttft_p95_ms": p95,
-                             "decode_tps": statistics.median(x["tps"] for x in t),
-                             "decode_only_tps": (statistics.median(x["decode_only_tps"] for x in t)
-                                                 if all(x["decode_only_tps"] for x in t) else None),
-                             "peak_gb": max((x["peak_gb"] for x in t if x["peak_gb"] is not None), default=None),
-                             **memory_of(e), "trials": t})
-            base = next(r for r in rows[-len(engines):] if r["engine"] == "mlx-lm")
-            for r in rows[-len(engines):]:
-                r["ratio_vs_mlx-lm"] = r["decode_tps"] / base["decode_tps"]
-                r["decode_only_ratio_vs_mlx-lm"] = (r["decode_only_tps"] / base["decode_only_tps"]
-                                                    if r["decode_only_tps"] and base["decode_only_tps"] else None)
+            for r in measure(columns, s, args, vocab):
+                r.update(kernels=kernels, gpu_sharing=sharing)
+                if r["engine"] != "mlx-lm":
+                    r["kv_sizing"] = sizing
+                by_streams[s].append(r)
+        for c in columns:
+            c.close()
+        del base, ours, c
+        columns = []
+        gc.collect()
+        mx.clear_cache()
+        if args.http:  # Phase 2: the server alone on the device
+            columns = [OursHTTP(path, max_batch)]
+            for s in streams:
+                for r in measure(columns, s, args, vocab):
+                    r.update(kernels=kernels, kv_sizing=columns[0].sizing, kv_pool=columns[0].pool,
+                             gpu_sharing="own phase: no in-process engine or model is loaded while it runs")
+                    by_streams[s].append(r)
     finally:
-        for e in engines:
-            e.close()
+        for c in columns:
+            c.close()
+    rows = [r for s in streams for r in by_streams[s]]
+    for s in streams:
+        group = by_streams[s]
+        ref = next(r for r in group if r["engine"] == "mlx-lm")
+        for r in group:
+            r["model"] = args.tiny and f"tiny-{args.tiny}" or path.name
+            r["ratio_vs_mlx-lm"] = r["decode_tps"] / ref["decode_tps"]
+            r["decode_only_ratio_vs_mlx-lm"] = (r["decode_only_tps"] / ref["decode_only_tps"]
+                                                if r["decode_only_tps"] and ref["decode_only_tps"] else None)
     doc = results_document(rows)
     print(markdown(rows))
     if args.json:
         write_json(doc, Path(args.json))
     if args.plot:
         plot(doc, Path(args.plot))
+
+
+def start_engines(ours: list[Ours], max_batch: int) -> tuple[str, str]:
+    """Build the in-process engines once every model is loaded: ``(their sizing, how they share
+    the device)`` (module docstring)."""
+    if BUDGET_GB is not None:
+        budget, sizing = BUDGET_GB, f"--memory-budget {BUDGET_GB:g} each"
+    elif len(ours) <= 1:
+        budget, sizing = None, "default device sizing, after mlx-lm's model was loaded"
+    else:
+        from mlx_infer.engine import EngineConfig
+        from mlx_infer.engine.config import KV_FRACTION, kv_budget
+
+        whole = kv_budget(ours[0].loaded.model, EngineConfig(max_batch=max_batch))
+        budget = whole.bytes / len(ours) / KV_FRACTION / 2**30  # so each pool gets 1/n of the default's KV bytes
+        sizing = f"1/{len(ours)} of the default device sizing each ({whole.bytes / 2**30:.2f} GiB: {whole.source})"
+    for e in ours:
+        e.start(budget, sizing)
+    sharing = (f"in process: {len(ours)} mlx-infer engine(s) and mlx-lm's model, loaded before the engines; "
+               "engines alternate trial by trial")
+    return sizing, sharing
+
+
+def measure(engines: list[Any], s: int, args: argparse.Namespace, vocab: int) -> list[dict[str, Any]]:
+    """One uncounted warm-up trial per engine at ``s`` streams, then ``-n`` trials alternating
+    engines; a row per engine (medians over the counted trials). Each trial has prompts of its own."""
+    n = s * args.requests_per_stream
+    for e in engines:
+        e.run(s, prompts_for(n, args.prompt_tokens, vocab), args.generation_tokens)
+    trials: dict[str, list[dict[str, Any]]] = {e.name: [] for e in engines}
+    for i in range(args.num_trials):
+        prompts = prompts_for(n, args.prompt_tokens, vocab, start=(i + 1) * n)
+        for e in engines:
+            wall, tokens, peak = timed(lambda: e.run(s, prompts, args.generation_tokens))
+            if isinstance(e, OursHTTP):
+                peak = e.peak_gb()
+            window = decode_window(getattr(e, "events", []), s)
+            trials[e.name].append({"tps": tokens / wall, "decode_only_tps": window, "wall_s": wall,
+                                   "tokens": tokens, "peak_gb": peak, "ttft_s": list(e.ttfts)})
+            print(f"streams {s:>3} {e.name:>15}: {tokens / wall:9.1f} tok/s end to end, decode only "
+                  f"{window or 0:9.1f} tok/s ({tokens} tokens, {wall:.2f} s)", file=sys.stderr)
+    rows = []
+    for e in engines:
+        t = trials[e.name]
+        ttft = sorted(x for tr in t for x in tr["ttft_s"])
+        p50, p95 = percentile(ttft, 50) * 1e3, percentile(ttft, 95) * 1e3
+        rows.append({"suite": "served", "engine": e.name, "batch": s, "prompt_tokens": args.prompt_tokens,
+                     "generation_tokens": args.generation_tokens, "prompt_tps": 0.0, "ttft_ms": p50,
+                     "ttft_p50_ms": p50, "ttft_p95_ms": p95, "warmup_trials": 1,
+                     "decode_tps": statistics.median(x["tps"] for x in t),
+                     "decode_only_tps": (statistics.median(x["decode_only_tps"] for x in t)
+                                         if all(x["decode_only_tps"] for x in t) else None),
+                     "peak_gb": max((x["peak_gb"] for x in t if x["peak_gb"] is not None), default=None),
+                     **memory_of(e), "trials": t})
+    return rows
 
 
 def memory_of(e: Any) -> dict[str, float]:
@@ -427,7 +524,9 @@ def memory_of(e: Any) -> dict[str, float]:
         return {}
     from mlx_infer.engine.config import weight_bytes
 
-    return {"weights_gb": weight_bytes(e.loaded.model) / 1e9, "kv_pool_gb": e.engine.store.nbytes / 1e9}
+    store = e.engine.store
+    return {"weights_gb": weight_bytes(e.loaded.model) / 1e9, "kv_pool_gb": store.nbytes / 1e9,
+            "kv_pool_tokens": (store.groups[0].num_pages - 1) * store.page_size}
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -86,7 +86,30 @@ def test_served_benchmark_on_a_toy_shape_writes_ttft_memory_json_and_plot(tmp_pa
         assert 0 < row["ttft_p50_ms"] <= row["ttft_p95_ms"]
         assert len(row["trials"][0]["ttft_s"]) == row["batch"]  # one first token per request
         assert row["peak_gb"] > 0
+        assert row["warmup_trials"] == 1 and row["gpu_sharing"]
         if row["engine"] == "mlx-infer":  # the pool was allocated (0.8 of --memory-budget at most)
-            assert 0 < row["kv_pool_gb"] and 0 < row["weights_gb"] < row["peak_gb"]
+            assert 0 < row["kv_pool_gb"] and 0 < row["weights_gb"] < row["peak_gb"] and row["kv_pool_tokens"] > 0
+            assert row["kv_sizing"] == "--memory-budget 0.25 each"
+        if row["engine"] == "mlx-infer-http":  # its own phase, its pool from its startup line
+            assert row["gpu_sharing"].startswith("own phase") and "KV pages of" in row["kv_pool"]
     assert "| TTFT p50 ms | TTFT p95 ms | peak GB |" in r.stdout
     assert (tmp_path / "served.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_served_benchmark_default_sizing_splits_the_device_between_in_process_engines(tmp_path):
+    """No --memory-budget and two in-process mlx-infer columns: every model is loaded first, then
+    each engine gets an equal explicit share of the default sizing (recorded in its rows)."""
+    import pathlib
+
+    script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "served.py"
+    out = tmp_path / "served.json"
+    r = subprocess.run([sys.executable, str(script), "--shape", "gemma3-270m", "--toy", "--streams", "1",
+                        "-p", "8", "-g", "2", "-r", "1", "-n", "1", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = {row["engine"]: row for row in json.loads(out.read_text())["rows"]}
+    assert sorted(rows) == ["mlx-infer", "mlx-infer-ids", "mlx-lm"]
+    for name in ("mlx-infer", "mlx-infer-ids"):
+        assert rows[name]["kv_sizing"].startswith("1/2 of the default device sizing each")
+        assert rows[name]["kv_pool_tokens"] > 0
+    assert "kv_sizing" not in rows["mlx-lm"]

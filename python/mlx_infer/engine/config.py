@@ -4,9 +4,18 @@ from an explicit memory budget.
 Default (``memory_budget_gb=None``), as vLLM's ``gpu_memory_utilization``::
 
     GPU   KV bytes = fraction x (recommended working set, else total memory)
-                     - loaded weights - activation reserve
+                     - held by this process - held by other processes - activation reserve
     CPU   KV bytes = fraction x available RAM - activation reserve
-                     (the weights are already out of what is available)
+                     (what this process holds is already out of what is available)
+
+``held`` is what this process already holds on the device when the engine is built:
+``mx.get_active_memory()`` (our weights, any other model loaded in the process, such as
+mlx-lm's beside us in a benchmark, and anything else allocated), never less than our own
+weights (which may not be materialized yet). ``held by other processes`` is, where the device
+reports its free memory (CUDA does), total - free - what this process holds (active and MLX's
+buffer cache): a second server started beside a first one gets what the first left, not the
+whole device again (Metal reports no free memory: 0 there). The activation reserve is
+:func:`activation_reserve` (at least :data:`ACTIVATION_RESERVE_BYTES`).
 
 ``fraction`` is ``memory_fraction`` (default 0.9 on a GPU; 0.25 on the CPU,
 whose RAM the OS and other processes share: vLLM's CPU backend likewise
@@ -33,8 +42,11 @@ DEFAULT_PREFILL_STEP_SIZE = 512
 DEFAULT_MEMORY_BUDGET_GB: float | None = None  # None: sized from the device
 #: Share of the device's memory the default sizing lets the engine use, per device type.
 DEFAULT_MEMORY_FRACTION = {"gpu": 0.9, "cpu": 0.25}
-#: Memory kept free for activations (prefill chunks, the step's logits) and MLX's buffer cache.
+#: The least memory kept free for activations (prefill chunks, the step's logits) and MLX's buffer cache.
 ACTIVATION_RESERVE_BYTES = 1 << 30
+#: :func:`activation_reserve`'s factor over one iteration's estimate: the pipelined decode
+#: queues step n+1 while step n's buffers are alive, and MLX's buffer cache keeps freed ones.
+ACTIVATION_SAFETY = 2
 DEFAULT_MAX_QUEUE = 4096
 #: Fraction of the memory budget given to KV pages; the rest is headroom for
 #: activations (prefill chunks, the batched decode step's gathers and logits).
@@ -52,7 +64,8 @@ class EngineConfig:
             excluded; :data:`KV_FRACTION` of it sizes the page pool (admission
             is by free pages, so the KV never outgrows it; the rest is headroom
             for activations, which ``prefill_step_size`` and ``max_batch`` bound).
-            ``None`` (the default): sized from the device (module docstring).
+            ``None`` (the default): sized from the device, less what this process and
+            others already hold there (module docstring).
         memory_fraction: the share of the device's memory the default sizing
             may use (``None``: :data:`DEFAULT_MEMORY_FRACTION` of the device type).
         memory_limit_gb: optionally also hold admissions while MLX's active
@@ -149,6 +162,36 @@ def device_memory() -> tuple[str, int, str]:
     return "cpu", available_ram(), "available RAM"
 
 
+def model_sizes(model: Any) -> tuple[int, int, int]:
+    """``(hidden, intermediate, vocab)`` sizes from the model's args (0 where it has none)."""
+    args = getattr(model, "args", None)
+    args = getattr(args, "text_config", None) or args  # multimodal wrappers nest the text model's
+    get = (args.get if isinstance(args, dict) else lambda k, d: getattr(args, k, d))
+    return tuple(int(get(k, 0) or 0) for k in ("hidden_size", "intermediate_size", "vocab_size"))
+
+
+def activation_reserve(model: Any, config: EngineConfig) -> int:
+    """Bytes kept free for one engine iteration's activations, never less than
+    :data:`ACTIVATION_RESERVE_BYTES`.
+
+    One iteration runs at most ``max_batch`` decode rows plus one prompt chunk of
+    ``prefill_step_size`` rows (mixed steps share that prompt-token budget), and gets logits
+    for the decode rows and one last row per chunk. So::
+
+        ACTIVATION_SAFETY x ((max_batch + prefill_step_size) x (3 hidden + 2 intermediate) x dtype bytes
+                             + (max_batch + 1) x vocab x 4 bytes x 2)
+
+    (residual, normed input and attention output; the MLP's gate and up; float32 logits and
+    their log-softmax). Llama 3.2 1B at 32 x 512: about 0.12 GiB, so the 1 GiB floor binds;
+    it grows with ``max_batch`` and ``prefill_step_size``.
+    """
+    hidden, intermediate, vocab = model_sizes(model)
+    rows = config.max_batch + config.prefill_step_size
+    per_step = (rows * (3 * hidden + 2 * intermediate) * model_dtype(model).size
+                + (config.max_batch + 1) * vocab * 4 * 2)
+    return max(ACTIVATION_RESERVE_BYTES, ACTIVATION_SAFETY * per_step)
+
+
 def kv_budget(model: Any, config: EngineConfig) -> KVBudget:
     """What the page pool may take under ``config`` (module docstring)."""
     if config.memory_budget_gb is not None:
@@ -156,14 +199,25 @@ def kv_budget(model: Any, config: EngineConfig) -> KVBudget:
                         f"{KV_FRACTION:.0%} of --memory-budget {config.memory_budget_gb:g} GB")
     kind, capacity, what = device_memory()
     fraction = config.memory_fraction if config.memory_fraction is not None else DEFAULT_MEMORY_FRACTION[kind]
-    weights = weight_bytes(model) if kind == "gpu" else 0
-    kv = int(capacity * fraction) - weights - ACTIVATION_RESERVE_BYTES
-    minus = f" - weights {weights / 2**30:.1f} GiB" if weights else ""
-    source = (f"{fraction:g} x {what} {capacity / 2**30:.1f} GiB{minus} - activations "
-              f"{ACTIVATION_RESERVE_BYTES / 2**30:.0f} GiB")
+    reserve = activation_reserve(model, config)
+    gib = 2**30
+    if kind == "gpu":
+        held = max(int(mx.get_active_memory()), weight_bytes(model))
+        kv = int(capacity * fraction) - held
+        source = f"{fraction:g} x {what} {capacity / gib:.1f} GiB - held by this process {held / gib:.1f} GiB"
+        free = mx.device_info().get("free_memory")
+        if free:
+            others = max(0, capacity - int(free) - int(mx.get_active_memory()) - int(mx.get_cache_memory()))
+            kv -= others
+            source += f" - held by other processes {others / gib:.1f} GiB"
+    else:
+        kv = int(capacity * fraction)
+        source = f"{fraction:g} x {what} {capacity / gib:.1f} GiB"
+    kv -= reserve
+    source += f" - activations {reserve / gib:.2f} GiB"
     if kv <= 0:
         raise MlxInferError(f"The device leaves no memory for KV pages ({source} <= 0); pass "
-                            "--memory-budget (GB) or a larger memory fraction.")
+                            "--memory-budget (GB), a larger memory fraction, or free the device.")
     return KVBudget(kv, source)
 
 
@@ -190,9 +244,9 @@ def pool_pages(model: Any, config: EngineConfig, context_length: int | None,
     from the pages ``budget`` (default :func:`kv_budget`) holds over all layers; a
     sliding-window group keeps no more than ``max_batch`` sequences hold at
     most (window + slack + one prefill chunk each), and the global group
-    takes the bytes that frees, never more than ``max_batch`` full contexts
-    twice over (the second half keeps finished prefixes cached). Each count
-    includes the null page.
+    takes the bytes that frees, never more than the engine can use: ``max_batch``
+    full contexts for the running sequences, plus (with ``prefix_cache``) as many
+    again for finished prefixes kept cached. Each count includes the null page.
     """
     windows, kv_heads, head_dim = model_geometry(model)
     keys = sorted(set(windows), key=lambda w: -1 if w is None else w)
@@ -216,5 +270,6 @@ def pool_pages(model: Any, config: EngineConfig, context_length: int | None,
             sizes[w] = min(even, config.max_batch * hold + 1)
             budget -= sizes[w] * windows.count(w) * layer_page
     if None in keys:
-        sizes[None] = min(budget // (windows.count(None) * layer_page), 2 * config.max_batch * full + 1)
+        usable = (2 if config.prefix_cache else 1) * config.max_batch * full + 1
+        sizes[None] = min(budget // (windows.count(None) * layer_page), usable)
     return [sizes[w] for w in keys]
