@@ -488,7 +488,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-batch", type=int, default=32, help="most requests running at once")
     s.add_argument("--memory-budget", type=float, default=None, metavar="GB",
                    help="memory for KV pages and activations, weights excluded (default: sized from the "
-                        "device: 0.9 of a GPU's memory or 0.25 of available RAM, minus weights and 1 GiB)")
+                        "device: 0.9 of a GPU's memory or 0.25 of available RAM, minus what this and other "
+                        "processes hold and an activation reserve)")
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every endpoint but the --public ones")
     s.add_argument("--public", default=None, metavar="LIST",
