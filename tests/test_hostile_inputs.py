@@ -363,3 +363,23 @@ def test_sample_function_tiny_temperature_is_argmax():
     assert {int(sample(_LOGITS, temperature=1e-39, rng=RequestRNG(s)).item()) for s in range(16)} == {2}
     assert_refused(lambda: sample(_LOGITS, temperature=float("nan")), r"temperature must be >= 0")
 
+
+
+def test_prompt_ids_outside_the_vocabulary_are_refused(tmp_path):
+    """A tokenizer larger than the embedding (or foreign ids) must not read past its rows."""
+    from mlx_infer.errors import MlxInferError
+    from mlx_infer.generation.autoregressive import generate_tokens
+    from tiny import make_tiny_model_dir
+
+    loaded = load_model(make_tiny_model_dir(tmp_path / "m", "llama"))
+    vocab = loaded.model.args.vocab_size
+    for bad in ([1, vocab], [-1], [1, 2, 10**12]):
+        with pytest.raises(MlxInferError, match="outside the model's vocabulary"):
+            list(generate_tokens(loaded.model, bad, max_tokens=2))
+
+
+def test_model_path_that_is_a_symlink_loop_says_so(tmp_path):
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    with pytest.raises(ValueError, match="loops or points nowhere"):
+        load_model(str(loop))

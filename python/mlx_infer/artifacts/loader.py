@@ -92,6 +92,9 @@ def load_model(path: str | Path | None = None, *, dtype: str | None = None,
     p = Path(path).expanduser()
     if "\x00" in str(p):
         raise ModelLoadError(f"Model path {str(p)!r} contains a NUL byte; pass a real path.")
+    if not p.exists() and p.is_symlink():
+        raise ModelLoadError(f"Model path {str(p)!r} is a symbolic link that loops or points nowhere "
+                             f"({os.readlink(p)!r}); point it at a model directory or a .gguf file.")
     if not p.exists():
         raise ModelLoadError(
             f"Model path {str(p)!r} does not exist. Pass a model directory (config.json + "

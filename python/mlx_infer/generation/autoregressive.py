@@ -159,6 +159,16 @@ def _validate(max_tokens: int, prefill_step_size: int, prompt_len: int, context:
         )
 
 
+def _check_ids(prompt_ids: list[int], vocab_size: int | None) -> None:
+    """Token ids outside the embedding would read past its rows (a tokenizer larger than the
+    model's vocabulary, or ids from elsewhere): refuse them by position."""
+    for i, t in enumerate(prompt_ids):
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size):
+            raise MlxInferError(f"prompt token {i} is {t!r}, outside the model's vocabulary "
+                                f"(0..{'?' if vocab_size is None else vocab_size - 1}); the tokenizer does "
+                                "not match this model, or the ids come from another one.")
+
+
 def generate_tokens(
     model: Any,
     prompt_ids: list[int],
@@ -217,6 +227,7 @@ def generate_tokens(
     """
     prompt_ids = list(prompt_ids)
     _validate(max_tokens, prefill_step_size, len(prompt_ids), context_length)
+    _check_ids(prompt_ids, getattr(getattr(model, "args", None), "vocab_size", None))
     if not isinstance(sampling, SamplingParams):
         raise MlxInferError(f"sampling must be a SamplingParams, got {type(sampling).__name__}.")
     eos = frozenset(eos_token_ids)
