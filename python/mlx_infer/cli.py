@@ -220,25 +220,33 @@ def _generate(args: argparse.Namespace) -> int:
             gen = generate(loaded, prompt, sampling=sampling, max_tokens=args.max_tokens, chat=chat,
                            stop=args.stop or (), constraint=constraint, grammar_jump=not args.no_grammar_jump,
                            on_prefill=_prefill_progress())
+    interrupted = False  # Ctrl-C in a plain run: stop, then report what was generated so far
     with gen:
-        for item in gen:
-            if item.text:
-                sys.stdout.write(item.text)
-                sys.stdout.flush()
+        try:
+            for item in gen:
+                if item.text:
+                    sys.stdout.write(item.text)
+                    sys.stdout.flush()
+        except KeyboardInterrupt:
+            interrupted = True
     s = gen.stats
-    if s.finish_reason != "cancelled":
+    finish = "cancelled" if interrupted else s.finish_reason
+    if finish != "cancelled":
         sys.stdout.write("\n")
         sys.stdout.flush()
     elif sys.stderr.isatty():  # the text stops mid-line: start the messages on a line of their own
+        sys.stdout.flush()
         sys.stderr.write("\n")
     if args.verbose:
         # a resumed run that was already finished computes nothing: no memory figure to give
         peak = f"{s.peak_memory_gb:.3f} GB" if s.peak_memory_gb > 0 else "n/a (nothing computed)"
         print(f"prompt: {s.prompt_tokens} tokens, {s.prefill_tps:.2f} tokens/s\n"
               f"generation: {s.generated_tokens} tokens, {s.decode_tps:.2f} tokens/s\n"
-              f"peak memory: {peak}\nfinish: {s.finish_reason}", file=sys.stderr)
-    if s.finish_reason == "cancelled":
-        print(f"mlx-infer: interrupted; resume with --resume {args.checkpoint or args.resume}", file=sys.stderr)
+              f"peak memory: {peak}\nfinish: {finish}", file=sys.stderr)
+    if finish == "cancelled":
+        resume = args.checkpoint or args.resume
+        print(f"mlx-infer: interrupted; resume with --resume {resume}" if resume else "mlx-infer: interrupted",
+              file=sys.stderr)
         return 130
     return 0
 
