@@ -1,4 +1,4 @@
-"""The CLI on a terminal: Ctrl-C in ``generate``.
+"""The CLI on a terminal: Ctrl-C in ``generate``, progress feedback in ``bench``.
 
 Each command runs under a pseudo-terminal (stdout and stderr both a tty, as in an interactive shell)
 on a tiny random model (tests/tiny.py); every wait is bounded. The pipe cases (no bars, no status
@@ -94,3 +94,26 @@ def test_ctrl_c_stats_start_on_a_new_line(long_context):
     assert stats[1].startswith("generation: ") and stats[3] == "finish: cancelled", stats
     assert stats[-1] == "mlx-infer: interrupted", stats
     assert 0 < int(stats[1].split()[1]) < 500000, stats
+
+
+def test_bench_shows_progress_from_start_to_end(long_context, tmp_path):
+    """Loads, warm-ups, trials and the plot each show a status line or a bar on a terminal."""
+    p, primary = _spawn(["bench", "--model", str(long_context), "--compare", "mlx-lm", "-p", "16", "-g", "8",
+                         "-n", "2", "--plot", str(tmp_path / "r.png")])
+    try:
+        shown = _read(primary, time.monotonic() + 300, once=False)
+        rc = p.wait(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        os.close(primary)
+    screen = _screen(shown)
+    assert rc == 0 and "Traceback" not in screen, screen
+    for shown_while in ("mlx-infer: loading mlx-infer...", "mlx-infer: loading mlx-lm...",
+                        "warm-up mlx-infer", "warm-up mlx-lm", "trial 1/2 mlx-infer", "trial 2/2 mlx-lm",
+                        "mlx-infer: drawing the plot..."):
+        assert shown_while in screen, (shown_while, screen)
+    # each trial's line stands on a line of its own (tqdm.write), not inside the bar
+    lines = [ln.split("\r")[-1] for ln in screen.split("\n")]
+    assert sum(ln.startswith("trial ") and ": prompt " in ln for ln in lines) == 4, screen

@@ -389,7 +389,11 @@ def _bench(args: argparse.Namespace) -> int:
         raise MlxInferError(f"--compare: unknown engine {unknown[0]!r}; choose from {', '.join(ENGINES)}.")
     for flag, value in (("--json", args.json), ("--markdown", args.markdown), ("--plot", args.plot)):
         _check_output_file(flag, value)
-    source = Path(args.model).expanduser() if args.model else default_model_gguf()
+    if args.model:
+        source = Path(args.model).expanduser()
+    else:
+        with _status("preparing the default model"):  # the first run assembles its GGUF (~250 MB)
+            source = default_model_gguf()
     if not source.exists():
         raise MlxInferError(f"Model path {str(source)!r} does not exist.")
     gguf = source if is_gguf(source) else None
@@ -402,9 +406,11 @@ def _bench(args: argparse.Namespace) -> int:
     for n in names:
         with _status(f"loading {n}"):
             engines.append(make_engine(n, model=str(model_dir), model_dir=model_dir, gguf_path=gguf, n_ctx=n_ctx))
-    try:
+    from tqdm import tqdm
+
+    try:  # tqdm.write: each trial's line goes above the bar (terminal only), not through it
         rows = run_bench(engines, config, model_name=model_name, vocab_size=vocab,
-                         on_trial=lambda e, i, r: print(
+                         on_trial=lambda e, i, r: tqdm.write(
                              f"trial {i + 1} {e}: prompt {r.prompt_tps:.1f} tok/s, ttft {r.ttft_ms:.0f} ms, "
                              f"decode {r.decode_tps:.2f} tok/s, peak {r.peak_gb:.2f} GB", file=sys.stderr))
     finally:
@@ -415,7 +421,8 @@ def _bench(args: argparse.Namespace) -> int:
     if args.json:
         write_json(doc, Path(args.json))
     if args.plot:
-        write_plot(doc, Path(args.plot))
+        with _status("drawing the plot"):  # matplotlib's first import takes seconds
+            write_plot(doc, Path(args.plot))
     return 0
 
 
