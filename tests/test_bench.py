@@ -64,6 +64,10 @@ def test_cli_writes_json_markdown_and_png(tiny_dir, tmp_path):
     assert [row["engine"] for row in doc["rows"]] == ["mlx-infer", "mlx-lm"]
     assert "| mlx-lm |" in (out / "r.md").read_text()
     assert (out / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # stderr is a pipe: the trial lines, no progress bar or status line (tests/test_cli_terminal.py: a terminal)
+    assert "\r" not in r.stderr and "warm-up" not in r.stderr and "loading" not in r.stderr, r.stderr
+    assert [ln.split(":")[0] for ln in r.stderr.splitlines() if ln.startswith("trial ")] == [
+        "trial 1 mlx-infer", "trial 1 mlx-lm", "trial 2 mlx-lm", "trial 2 mlx-infer"], r.stderr
 
 
 def test_served_benchmark_on_a_toy_shape_writes_ttft_memory_json_and_plot(tmp_path):

@@ -220,25 +220,33 @@ def _generate(args: argparse.Namespace) -> int:
             gen = generate(loaded, prompt, sampling=sampling, max_tokens=args.max_tokens, chat=chat,
                            stop=args.stop or (), constraint=constraint, grammar_jump=not args.no_grammar_jump,
                            on_prefill=_prefill_progress())
+    interrupted = False  # Ctrl-C in a plain run: stop, then report what was generated so far
     with gen:
-        for item in gen:
-            if item.text:
-                sys.stdout.write(item.text)
-                sys.stdout.flush()
+        try:
+            for item in gen:
+                if item.text:
+                    sys.stdout.write(item.text)
+                    sys.stdout.flush()
+        except KeyboardInterrupt:
+            interrupted = True
     s = gen.stats
-    if s.finish_reason != "cancelled":
+    finish = "cancelled" if interrupted else s.finish_reason
+    if finish != "cancelled":
         sys.stdout.write("\n")
         sys.stdout.flush()
     elif sys.stderr.isatty():  # the text stops mid-line: start the messages on a line of their own
+        sys.stdout.flush()
         sys.stderr.write("\n")
     if args.verbose:
         # a resumed run that was already finished computes nothing: no memory figure to give
         peak = f"{s.peak_memory_gb:.3f} GB" if s.peak_memory_gb > 0 else "n/a (nothing computed)"
         print(f"prompt: {s.prompt_tokens} tokens, {s.prefill_tps:.2f} tokens/s\n"
               f"generation: {s.generated_tokens} tokens, {s.decode_tps:.2f} tokens/s\n"
-              f"peak memory: {peak}\nfinish: {s.finish_reason}", file=sys.stderr)
-    if s.finish_reason == "cancelled":
-        print(f"mlx-infer: interrupted; resume with --resume {args.checkpoint or args.resume}", file=sys.stderr)
+              f"peak memory: {peak}\nfinish: {finish}", file=sys.stderr)
+    if finish == "cancelled":
+        resume = args.checkpoint or args.resume
+        print(f"mlx-infer: interrupted; resume with --resume {resume}" if resume else "mlx-infer: interrupted",
+              file=sys.stderr)
         return 130
     return 0
 
@@ -381,7 +389,11 @@ def _bench(args: argparse.Namespace) -> int:
         raise MlxInferError(f"--compare: unknown engine {unknown[0]!r}; choose from {', '.join(ENGINES)}.")
     for flag, value in (("--json", args.json), ("--markdown", args.markdown), ("--plot", args.plot)):
         _check_output_file(flag, value)
-    source = Path(args.model).expanduser() if args.model else default_model_gguf()
+    if args.model:
+        source = Path(args.model).expanduser()
+    else:
+        with _status("preparing the default model"):  # the first run assembles its GGUF (~250 MB)
+            source = default_model_gguf()
     if not source.exists():
         raise MlxInferError(f"Model path {str(source)!r} does not exist.")
     gguf = source if is_gguf(source) else None
@@ -394,9 +406,11 @@ def _bench(args: argparse.Namespace) -> int:
     for n in names:
         with _status(f"loading {n}"):
             engines.append(make_engine(n, model=str(model_dir), model_dir=model_dir, gguf_path=gguf, n_ctx=n_ctx))
-    try:
+    from tqdm import tqdm
+
+    try:  # tqdm.write: each trial's line goes above the bar (terminal only), not through it
         rows = run_bench(engines, config, model_name=model_name, vocab_size=vocab,
-                         on_trial=lambda e, i, r: print(
+                         on_trial=lambda e, i, r: tqdm.write(
                              f"trial {i + 1} {e}: prompt {r.prompt_tps:.1f} tok/s, ttft {r.ttft_ms:.0f} ms, "
                              f"decode {r.decode_tps:.2f} tok/s, peak {r.peak_gb:.2f} GB", file=sys.stderr))
     finally:
@@ -407,7 +421,8 @@ def _bench(args: argparse.Namespace) -> int:
     if args.json:
         write_json(doc, Path(args.json))
     if args.plot:
-        write_plot(doc, Path(args.plot))
+        with _status("drawing the plot"):  # matplotlib's first import takes seconds
+            write_plot(doc, Path(args.plot))
     return 0
 
 

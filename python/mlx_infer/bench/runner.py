@@ -51,22 +51,26 @@ def _summary(trials: list[TrialResult]) -> dict[str, Any]:
 
 
 def run_bench(engines: list[Any], config: BenchConfig, *, model_name: str, vocab_size: int,
-              progress: bool = True, on_trial: Callable[[str, int, TrialResult], None] | None = None) -> list[dict[str, Any]]:
+              progress: bool | None = None,
+              on_trial: Callable[[str, int, TrialResult], None] | None = None) -> list[dict[str, Any]]:
     """Warm every engine up, then run ``num_trials`` rounds of A B A B ...; return one row per engine.
 
     The first engine is the reference of the ratios: each other row gets
     ``ratio_vs_<first>`` with per-trial decode-throughput ratios (first / other)
-    and their median.
+    and their median. ``progress``: a tqdm bar on stderr over the warm-ups and
+    the trials, naming the engine that runs (None: only when stderr is a terminal).
     """
     prompts = random_prompts(config, vocab_size)
-    for e in engines:  # warm-up: compile kernels, fault in weights
-        e.run(prompts, min(8, config.generation_tokens), config.prefill_step_size)
     trials: dict[str, list[TrialResult]] = {e.name: [] for e in engines}
-    total = config.num_trials * len(engines)
-    bar = _progress(total, progress)
+    bar = _progress(len(engines) * (config.num_trials + 1), sys.stderr.isatty() if progress is None else progress)
+    for e in engines:  # warm-up: compile kernels, fault in weights
+        bar.set_description_str(f"warm-up {e.name}")
+        e.run(prompts, min(8, config.generation_tokens), config.prefill_step_size)
+        bar.update(1)
     for i in range(config.num_trials):
         order = engines if i % 2 == 0 else engines[::-1]  # A B, then B A: drift hits both alike
         for e in order:
+            bar.set_description_str(f"trial {i + 1}/{config.num_trials} {e.name}")
             r = e.run(prompts, config.generation_tokens, config.prefill_step_size)
             trials[e.name].append(r)
             if on_trial:
@@ -100,7 +104,7 @@ def run_bench(engines: list[Any], config: BenchConfig, *, model_name: str, vocab
 def _progress(total: int, enabled: bool) -> Any:
     from tqdm import tqdm
 
-    return tqdm(total=total, desc="trials", file=sys.stderr, disable=not enabled, leave=False)
+    return tqdm(total=total, desc="warm-up", file=sys.stderr, disable=not enabled, leave=False)
 
 
 def model_facts(model_dir: Path) -> tuple[str, int]:
