@@ -43,6 +43,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..engine import Engine, EngineClosedError, EngineRequest, QueueFullError, RequestHandle, RequestTooLargeError
 from ..errors import MlxInferError, PromptTooLongError
 from ..sampling import SamplingParams
+from ..engine import RequestResult
+from .prompt_logprobs import PromptScorer, check_scorable, echo_logprobs
 from .structured import constraint_of
 from .extras import add_cors, add_token_routes, template_kwargs
 from .tools import ToolPlan, template_messages
@@ -168,6 +170,7 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
     tokenizer = engine.tokenizer
     fmt = P.LogprobFormatter(tokenizer)
     vocab_size = engine.vocab_size
+    scorer = PromptScorer(engine.model, vocab_size, engine.config.prefill_step_size)
     created = P.now()
 
     # -- errors -----------------------------------------------------------------
@@ -351,19 +354,49 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
                   for p, ids in zip(prompts, all_ids)]
         logprobs, top = P.completion_logprobs(req)
         sampling = P.sampling_from(req, defaults, logprobs=logprobs, top_logprobs=top, vocab_size=vocab_size)
-        jobs = [(ids, P.max_tokens_of(req, COMPLETIONS_DEFAULT_MAX_TOKENS, cap=cap, prompt_tokens=len(ids),
-                                      context=context)) for ids in all_ids]
+        echo_only = bool(req.echo) and req.max_tokens == 0  # score the prompt, generate nothing (as vLLM)
+        if echo_only:
+            if req.stream:
+                raise P.OpenAIError(400, "max_tokens: 0 (score the prompt only) is not streamed; send it with "
+                                         "stream: false.", param="stream", code="invalid_value")
+            for ids in all_ids:
+                try:
+                    check_scorable(ids, vocab_size, context)
+                except ValueError as e:
+                    raise P.OpenAIError(400, str(e), param="prompt", code="invalid_value") from None
+        jobs = [(ids, 0 if echo_only else P.max_tokens_of(req, COMPLETIONS_DEFAULT_MAX_TOKENS, cap=cap,
+                                                           prompt_tokens=len(ids), context=context))
+                for ids in all_ids]
         rid, t = P.new_id("cmpl"), P.now()
+        # echo with logprobs: the prompt tokens' own logprobs lead (teacher-forced, see prompt_logprobs.py)
+        scores = None
+
+        async def score() -> list[Any] | None:
+            return [await scorer.score(ids, top) for ids in all_ids] if req.echo and logprobs else None
 
         def choice(text: str, reason: str | None, lp: Any = None, index: int = 0) -> dict[str, Any]:
             return {"index": index, "text": text, "logprobs": lp, "finish_reason": reason}
 
+        def choice_logprobs(r: Any, k: int) -> Any:
+            if scores is not None:
+                return echo_logprobs(fmt.text, scores[k], r.token_ids, r.logprobs or [], r.top_logprobs, top)
+            return fmt.completion(r.token_ids, r.logprobs, r.top_logprobs) if logprobs else None
+
+        if echo_only and not req.stream:
+            scores = await score()
+            results = [RequestResult(request_id=rid, prompt_tokens=len(ids), finish_reason="length")
+                       for ids in all_ids for _ in range(req.n or 1)]
+            return {"id": rid, "object": "text_completion", "created": t, "model": model_id,
+                    "choices": [choice(echoes[i // (req.n or 1)], "length", choice_logprobs(r, i // (req.n or 1)), i)
+                                for i, r in enumerate(results)],
+                    "usage": total_usage(results, req.n)}
         if len(jobs) > 1 or (req.n or 1) > 1:
             samplings = choice_samplings(sampling, req.n)
             results = await wait_all([(ids, req, s, limit) for ids, limit in jobs for s in samplings], request)
+            scores = await score()
             return {"id": rid, "object": "text_completion", "created": t, "model": model_id,
                     "choices": [choice(echoes[i // (req.n or 1)] + r.text, P.finish_reason(r.finish_reason),
-                                       fmt.completion(r.token_ids, r.logprobs, r.top_logprobs) if logprobs else None, i)
+                                       choice_logprobs(r, i // (req.n or 1)), i)
                                 for i, r in enumerate(results)],
                     "usage": total_usage(results, req.n)}
         ids, limit = jobs[0]
@@ -375,8 +408,12 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
             async def chunks(h: RequestHandle) -> AsyncIterator[dict[str, Any]]:
                 offset = 0
                 if echoes[0]:
+                    lp = None
+                    if req.echo and logprobs:
+                        lp = echo_logprobs(fmt.text, (await scorer.score(ids, top)), [], [], None, top)
+                        offset = sum(map(len, lp["tokens"]))
                     yield {"id": rid, "object": "text_completion", "created": t, "model": model_id,
-                           "choices": [choice(echoes[0], None)]}
+                           "choices": [choice(echoes[0], None, lp)]}
                 async for ev in h:
                     lp = None
                     if logprobs and ev.token is not None:
@@ -393,9 +430,9 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
                                                        "model": model_id, "choices": [choice("", reason)]})
 
         r = await wait(handle, request)
-        lp = fmt.completion(r.token_ids, r.logprobs, r.top_logprobs) if logprobs else None
+        scores = await score()
         return {"id": rid, "object": "text_completion", "created": t, "model": model_id,
-                "choices": [choice(echoes[0] + r.text, P.finish_reason(r.finish_reason), lp)],
+                "choices": [choice(echoes[0] + r.text, P.finish_reason(r.finish_reason), choice_logprobs(r, 0))],
                 "usage": P.usage(r.prompt_tokens, r.completion_tokens, r.cached_tokens)}
 
     @app.post("/v1/chat/completions")

@@ -160,9 +160,9 @@ def check_common(req: _Sampling) -> None:
     if req.stream and (req.n or 1) > 1:
         raise _bad("n > 1 is not supported with stream: true (ask without streaming, or send n requests).", "n")
     if isinstance(req, CompletionRequest):
-        if req.echo and req.logprobs is not None:
-            raise _bad("echo with logprobs is not supported (prompt logprobs are not computed); drop one of them.",
-                       "echo")
+        if req.max_tokens == 0 and not req.echo:
+            raise _bad("max_tokens: 0 only scores the prompt, so it needs echo: true (with logprobs for the "
+                       "prompt's logprobs); otherwise give max_tokens >= 1.", "max_tokens")
         if req.suffix:
             raise _bad("suffix is not supported.", "suffix")
         if req.best_of not in (None, 1):
