@@ -133,3 +133,24 @@ def test_streamed_echo_carries_prompt_logprobs(server):
     assert len(lps) == len(ids) + 3
     offsets = [v for c in chunks for v in c["choices"][0]["logprobs"]["text_offset"]]
     assert offsets == whole["logprobs"]["text_offset"]
+
+
+def test_skip_special_tokens(server):
+    """``<pad>`` (id 2, an added special token) forced by logit_bias: no text unless skip_special_tokens is false."""
+    tok = server.loaded.tokenizer
+    pad = tok._tok.token_to_id("<pad>")
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+            "logit_bias": {str(pad): 100}}
+    r = httpx.post(server.url + "/v1/completions", json=body).json()
+    assert r["choices"][0]["text"] == "" and r["usage"]["completion_tokens"] == 3
+    kept = httpx.post(server.url + "/v1/completions", json={**body, "skip_special_tokens": False}).json()
+    assert kept["choices"][0]["text"] == "<pad>" * 3
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0,
+            "ignore_eos": True, "logit_bias": {str(pad): 100}}
+    assert httpx.post(server.url + "/v1/chat/completions", json=chat).json()["choices"][0]["message"]["content"] == ""
+    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}) as s:
+        texts = [json.loads(line[6:])["choices"][0]["text"] for line in s.iter_lines()
+                 if line.startswith("data: {")]
+    assert "".join(texts) == ""
+    r = httpx.post(server.url + "/v1/completions", json={**body, "skip_special_tokens": "no"})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "skip_special_tokens"

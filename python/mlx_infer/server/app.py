@@ -212,7 +212,7 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
                                 param="model", code="model_not_found")
 
     def submit(prompt_ids: list[int], req: P._Sampling, sampling: Any, max_tokens: int,
-               constraint: Any = None) -> RequestHandle:
+               constraint: Any = None, keep_special: bool = False) -> RequestHandle:
         if drain.draining:
             raise P.OpenAIError(503, "The server is shutting down; retry on another instance.", type="server_error",
                                 code="server_shutdown")
@@ -220,7 +220,9 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
         try:
             handle = engine.submit(EngineRequest(prompt_ids=prompt_ids, sampling=sampling, max_tokens=max_tokens,
                                                  stop=P.stop_strings(req.stop), ignore_eos=bool(req.ignore_eos),
-                                                 namespace=model_id, constraint=constraint))
+                                                 namespace=model_id, constraint=constraint,
+                                                 skip_special_tokens=req.skip_special_tokens is not False
+                                                 and not keep_special))
         except PromptTooLongError as e:
             raise P.OpenAIError(400, str(e), param="messages" if hasattr(req, "messages") else "prompt",
                                 code="context_length_exceeded") from None
@@ -418,7 +420,7 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
                     lp = None
                     if logprobs and ev.token is not None:
                         lp = fmt.completion([ev.token], [ev.logprob], [ev.top_logprobs] if top else None, offset)
-                    offset += len(ev.text)
+                    offset += len(lp["tokens"][0]) if lp else 0  # over token strings, as the whole response
                     if ev.text or ev.finish_reason or lp:
                         yield {"id": rid, "object": "text_completion", "created": t, "model": model_id,
                                "choices": [choice(ev.text, P.finish_reason(ev.finish_reason), lp)]}
@@ -469,6 +471,8 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
         except Exception as e:  # a template that raises on these messages (e.g. role order)
             raise P.OpenAIError(400, f"The chat template rejected these messages: {e}", param="messages",
                                 code="invalid_value") from None
+        # tool-call markup may be special tokens (Gemma 4's): kept for the parser, as vLLM's tool parsers ask
+        tool_markup = plan.mode != "none"
         logprobs, top = P.chat_logprobs(req)
         sampling = P.sampling_from(req, defaults, logprobs=logprobs, top_logprobs=top, vocab_size=vocab_size)
         limit = P.max_tokens_of(req, default_max_tokens, cap=cap, prompt_tokens=len(ids), context=context)
@@ -486,11 +490,12 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
 
         if (req.n or 1) > 1:
             samplings = choice_samplings(sampling, req.n)
-            results = await wait_all([(ids, req, s, limit, plan.constraint) for s in samplings], request)
+            results = await wait_all([(ids, req, s, limit, plan.constraint, tool_markup) for s in samplings],
+                                     request)
             return {"id": rid, "object": "chat.completion", "created": t, "model": model_id,
                     "choices": [chat_choice(r, i) for i, r in enumerate(results)],
                     "usage": total_usage(results, req.n)}
-        handle = submit(ids, req, sampling, limit, plan.constraint)
+        handle = submit(ids, req, sampling, limit, plan.constraint, tool_markup)
 
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
