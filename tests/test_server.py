@@ -176,7 +176,7 @@ def _post(url: str, path: str, body, **kw) -> httpx.Response:
     ("/v1/completions", {"model": "tiny", "prompt": list(range(5, 305))}, 400, "prompt"),  # context is 256
     ("/v1/completions", {"model": "tiny", "prompt": "x", "top_p": 2}, 400, "top_p"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "temperature": -1}, 400, "temperature"),
-    ("/v1/completions", {"model": "tiny", "prompt": "x", "n": 2, "stream": True}, 400, "n"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "n": 17, "stream": True}, 400, "n"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "logit_bias": {"99999": 1}}, 400, None),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "logprobs": 9}, 400, "logprobs"),

@@ -154,3 +154,61 @@ def test_skip_special_tokens(server):
     assert "".join(texts) == ""
     r = httpx.post(server.url + "/v1/completions", json={**body, "skip_special_tokens": "no"})
     assert r.status_code == 422 and r.json()["error"]["param"] == "skip_special_tokens"
+
+
+def read_stream(url: str, path: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line[6:]) for line in lines[:-1]]
+
+
+def test_streamed_n_and_prompt_arrays_reassemble(server):
+    prompts = ["The capital of", "Hello"]
+    body = {"model": "tiny", "prompt": prompts, "n": 2, "max_tokens": 5, "temperature": 1.0, "seed": 3,
+            "logprobs": 1, "stream_options": {"include_usage": True}}
+    whole = httpx.post(server.url + "/v1/completions", json=body | {"stream_options": None}).json()
+    chunks = read_stream(server.url, "/v1/completions", body)
+    texts: dict[int, str] = {}
+    finish: dict[int, str] = {}
+    lps: dict[int, list] = {}
+    for c in chunks[:-1]:
+        (ch,) = c["choices"]
+        assert c["object"] == "text_completion" and c["id"] == chunks[0]["id"]
+        texts[ch["index"]] = texts.get(ch["index"], "") + ch["text"]
+        lps.setdefault(ch["index"], []).extend(ch["logprobs"]["token_logprobs"] if ch["logprobs"] else [])
+        if ch["finish_reason"]:
+            assert ch["index"] not in finish
+            finish[ch["index"]] = ch["finish_reason"]
+    assert sorted(texts) == sorted(finish) == [0, 1, 2, 3]
+    for want in whole["choices"]:  # seeded: each streamed choice is the non-streamed one
+        i = want["index"]
+        assert texts[i] == want["text"] and finish[i] == want["finish_reason"]
+        assert lps[i] == pytest.approx(want["logprobs"]["token_logprobs"], abs=ATOL)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
+
+    msgs = [{"role": "user", "content": "Hi"}]
+    chat = {"model": "tiny", "messages": msgs, "n": 3, "max_tokens": 6, "temperature": 1.0, "seed": 11}
+    want = httpx.post(server.url + "/v1/chat/completions", json=chat).json()["choices"]
+    got: dict[int, str] = {}
+    roles: dict[int, int] = {}
+    for c in read_stream(server.url, "/v1/chat/completions", chat):
+        (ch,) = c["choices"]
+        roles[ch["index"]] = roles.get(ch["index"], 0) + (ch["delta"].get("role") == "assistant")
+        got[ch["index"]] = got.get(ch["index"], "") + (ch["delta"].get("content") or "")
+    assert roles == {0: 1, 1: 1, 2: 1}
+    assert [got[w["index"]] for w in want] == [w["message"]["content"] for w in want]
+    assert len(set(got.values())) > 1  # distinct draws
+
+
+def test_openai_client_streams_several_choices(server):
+    stream = server.client.completions.create(model="tiny", prompt=["Hello", "The capital"], max_tokens=4,
+                                              temperature=0, stream=True)
+    texts: dict[int, str] = {}
+    for c in stream:
+        for ch in c.choices:
+            texts[ch.index] = texts.get(ch.index, "") + ch.text
+    plain = server.client.completions.create(model="tiny", prompt=["Hello", "The capital"], max_tokens=4,
+                                             temperature=0)
+    assert texts == {ch.index: ch.text for ch in plain.choices}

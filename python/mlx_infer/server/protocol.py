@@ -154,12 +154,10 @@ def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
 
 
 def check_common(req: _Sampling) -> None:
-    """Reject what this server does not do (n > 1, ...) with a 400 naming the field."""
+    """Reject what this server does not do (suffix, best_of > 1, ...) with a 400 naming the field."""
     check_text(req.model_dump(), "")
     if req.n is not None and not 1 <= req.n <= MAX_N:
         raise _bad(f"n must be in 1..{MAX_N}, got {req.n}.", "n")
-    if req.stream and (req.n or 1) > 1:
-        raise _bad("n > 1 is not supported with stream: true (ask without streaming, or send n requests).", "n")
     if isinstance(req, CompletionRequest):
         if req.max_tokens == 0 and not req.echo:
             raise _bad("max_tokens: 0 only scores the prompt, so it needs echo: true (with logprobs for the "
