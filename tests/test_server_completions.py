@@ -126,7 +126,8 @@ def test_streamed_echo_carries_prompt_logprobs(server):
     with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}) as r:
         chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     first = chunks[0]["choices"][0]
-    assert first["text"] == PROMPT and first["logprobs"]["token_logprobs"] == whole["logprobs"]["token_logprobs"][:len(ids)]
+    assert first["text"] == PROMPT
+    assert first["logprobs"]["token_logprobs"] == whole["logprobs"]["token_logprobs"][:len(ids)]
     assert "".join(c["choices"][0]["text"] for c in chunks) == whole["text"]
     lps = [v for c in chunks for v in c["choices"][0]["logprobs"]["token_logprobs"]]
     assert lps[0] is None and lps[1:] == pytest.approx(whole["logprobs"]["token_logprobs"][1:], abs=ATOL)
@@ -212,3 +213,13 @@ def test_openai_client_streams_several_choices(server):
     plain = server.client.completions.create(model="tiny", prompt=["Hello", "The capital"], max_tokens=4,
                                              temperature=0)
     assert texts == {ch.index: ch.text for ch in plain.choices}
+
+
+def test_streamed_echo_only(server):
+    body = {"model": "tiny", "prompt": [PROMPT, "Hello"], "echo": True, "logprobs": 1, "max_tokens": 0,
+            "stream_options": {"include_usage": True}}
+    whole = httpx.post(server.url + "/v1/completions", json=body | {"stream_options": None}).json()
+    chunks = read_stream(server.url, "/v1/completions", body)
+    got = sorted((c["choices"][0] for c in chunks[:-1]), key=lambda ch: ch["index"])
+    assert got == whole["choices"]
+    assert chunks[-1]["usage"] == whole["usage"] and whole["usage"]["completion_tokens"] == 0

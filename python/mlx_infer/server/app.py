@@ -374,9 +374,6 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
         sampling = P.sampling_from(req, defaults, logprobs=logprobs, top_logprobs=top, vocab_size=vocab_size)
         echo_only = bool(req.echo) and req.max_tokens == 0  # score the prompt, generate nothing (as vLLM)
         if echo_only:
-            if req.stream:
-                raise P.OpenAIError(400, "max_tokens: 0 (score the prompt only) is not streamed; send it with "
-                                         "stream: false.", param="stream", code="invalid_value")
             for ids in all_ids:
                 try:
                     check_scorable(ids, vocab_size, context)
@@ -413,16 +410,18 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             scores = await score()
             samplings = choice_samplings(sampling, req.n)
-            handles = submit_all([(ids, req, s, limit) for ids, limit in jobs for s in samplings])
+            handles = [] if echo_only else submit_all([(ids, req, s, limit) for ids, limit in jobs for s in samplings])
 
-            async def choice_chunks(i: int, h: RequestHandle) -> AsyncIterator[dict[str, Any]]:
+            async def choice_chunks(i: int, h: RequestHandle | None) -> AsyncIterator[dict[str, Any]]:
                 offset = 0
                 if echoes[i // n]:
                     lp = None
                     if scores is not None:
                         lp = echo_logprobs(fmt.text, scores[i // n], [], [], None, top)
                         offset = sum(map(len, lp["tokens"]))
-                    yield choice(echoes[i // n], None, lp, i)
+                    yield choice(echoes[i // n], "length" if h is None else None, lp, i)
+                if h is None:  # max_tokens 0: the prompt alone
+                    return
                 async for ev in h:
                     lp = None
                     if logprobs and ev.token is not None:
@@ -435,10 +434,13 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
                 return {"id": rid, "object": "text_completion", "created": t, "model": model_id, "choices": choices}
 
             async def chunks() -> AsyncIterator[dict[str, Any]]:
-                async for c in merge([choice_chunks(i, h) for i, h in enumerate(handles)]):
+                count = len(jobs) * n
+                async for c in merge([choice_chunks(i, handles[i] if handles else None) for i in range(count)]):
                     yield wrap([c])
                 if include_usage:
-                    yield {**wrap([]), "usage": total_usage([h.result() for h in handles], req.n)}
+                    results = [h.result() for h in handles] or [
+                        RequestResult(request_id=rid, prompt_tokens=len(ids)) for ids in all_ids for _ in range(n)]
+                    yield {**wrap([]), "usage": total_usage(results, req.n)}
             return sse(handles, chunks(), lambda reason, left: wrap([choice("", reason, None, i) for i in left]))
 
         if len(jobs) > 1 or n > 1:
