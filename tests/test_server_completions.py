@@ -223,3 +223,19 @@ def test_streamed_echo_only(server):
     got = sorted((c["choices"][0] for c in chunks[:-1]), key=lambda ch: ch["index"])
     assert got == whole["choices"]
     assert chunks[-1]["usage"] == whole["usage"] and whole["usage"]["completion_tokens"] == 0
+
+
+def test_prompt_logprobs_while_the_engine_decodes(server):
+    """Scoring runs on its own thread beside the engine's: values unchanged while a generation runs."""
+    import threading
+
+    ids = server.loaded.tokenizer.encode(PROMPT)
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 120, "ignore_eos": True, "temperature": 0}
+    busy = threading.Thread(target=lambda: httpx.post(server.url + "/v1/completions", json=body, timeout=60))
+    busy.start()
+    try:
+        for _ in range(3):
+            c = server.client.completions.create(model="tiny", prompt=ids, echo=True, logprobs=2, max_tokens=0)
+            check_prompt_part(server.loaded, ids, c.choices[0].logprobs, 2)
+    finally:
+        busy.join()
