@@ -43,6 +43,8 @@ class EngineRequest:
             themselves; no stop strings then).
         constraint: a :class:`~mlx_infer.constraints.Constraint` the output must satisfy
             (JSON schema, regex, choice, grammar); the request ends when it is complete.
+        skip_special_tokens: special tokens (``<pad>``, added tokens marked special) add no
+            text (vLLM's field; the server's default is ``True``, as vLLM's).
     """
 
     prompt_ids: Sequence[int]
@@ -54,6 +56,7 @@ class EngineRequest:
     ignore_eos: bool = False
     detokenize: bool = True
     constraint: Any = None
+    skip_special_tokens: bool = False
 
     def __post_init__(self) -> None:
         ids = list(self.prompt_ids)

@@ -87,9 +87,10 @@ class Tokenizer:
         """The ``tokenizers`` JSON of this tokenizer (what structured output's matcher reads)."""
         return self._tok.to_str()
 
-    def detokenizer(self) -> "StreamingDetokenizer":
-        """A fresh incremental decoder for one generation."""
-        return StreamingDetokenizer(self)
+    def detokenizer(self, *, skip_special_tokens: bool = False) -> "StreamingDetokenizer":
+        """A fresh incremental decoder for one generation (``skip_special_tokens``: special
+        tokens, the added tokens marked special such as ``<pad>``, add no text)."""
+        return StreamingDetokenizer(self, skip_special_tokens=skip_special_tokens)
 
 
 class StreamingDetokenizer:
@@ -100,15 +101,16 @@ class StreamingDetokenizer:
     cost stays linear in practice.
     """
 
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = False):
         self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
         self._segment: list[int] = []
         self._emitted = 0  # characters of the segment's text already returned
 
     def add(self, token: int) -> str:
         """Feed one token; return the newly complete text (maybe empty)."""
         self._segment.append(token)
-        text = self._tokenizer.decode(self._segment)
+        text = self._tokenizer.decode(self._segment, skip_special_tokens=self._skip)
         if text.endswith("\ufffd"):
             return ""  # an incomplete UTF-8 sequence: wait for the next token
         piece = text[self._emitted:]
@@ -120,7 +122,7 @@ class StreamingDetokenizer:
 
     def flush(self) -> str:
         """Whatever is still held back (e.g. a dangling partial character)."""
-        text = self._tokenizer.decode(self._segment)
+        text = self._tokenizer.decode(self._segment, skip_special_tokens=self._skip)
         piece = text[self._emitted:]
         self._segment, self._emitted = [], 0
         return piece

@@ -6,7 +6,7 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE with
 ``{"error": {message, type, param, code}}``:
 
 ====  =====================================================================
-400   a bad value (``top_p: 2``, ``n: 3``, a prompt longer than the context,
+400   a bad value (``top_p: 2``, ``n: 17``, a prompt longer than the context,
       ``max_tokens`` over ``--max-tokens`` or the context), an unknown field,
       text with a lone surrogate, a body that is not JSON
 401   a missing or wrong bearer token (when the server has ``--api-key``)
@@ -43,6 +43,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..engine import Engine, EngineClosedError, EngineRequest, QueueFullError, RequestHandle, RequestTooLargeError
 from ..errors import MlxInferError, PromptTooLongError
 from ..sampling import SamplingParams
+from ..engine import RequestResult
+from .prompt_logprobs import PromptScorer, check_scorable, echo_logprobs
+from .streaming import merge
 from .structured import constraint_of
 from .extras import add_cors, add_token_routes, template_kwargs
 from .tools import ToolPlan, template_messages
@@ -168,6 +171,7 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
     tokenizer = engine.tokenizer
     fmt = P.LogprobFormatter(tokenizer)
     vocab_size = engine.vocab_size
+    scorer = PromptScorer(engine.model, vocab_size, engine.config.prefill_step_size)
     created = P.now()
 
     # -- errors -----------------------------------------------------------------
@@ -209,7 +213,7 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
                                 param="model", code="model_not_found")
 
     def submit(prompt_ids: list[int], req: P._Sampling, sampling: Any, max_tokens: int,
-               constraint: Any = None) -> RequestHandle:
+               constraint: Any = None, keep_special: bool = False) -> RequestHandle:
         if drain.draining:
             raise P.OpenAIError(503, "The server is shutting down; retry on another instance.", type="server_error",
                                 code="server_shutdown")
@@ -217,7 +221,9 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
         try:
             handle = engine.submit(EngineRequest(prompt_ids=prompt_ids, sampling=sampling, max_tokens=max_tokens,
                                                  stop=P.stop_strings(req.stop), ignore_eos=bool(req.ignore_eos),
-                                                 namespace=model_id, constraint=constraint))
+                                                 namespace=model_id, constraint=constraint,
+                                                 skip_special_tokens=req.skip_special_tokens is not False
+                                                 and not keep_special))
         except PromptTooLongError as e:
             raise P.OpenAIError(400, str(e), param="messages" if hasattr(req, "messages") else "prompt",
                                 code="context_length_exceeded") from None
@@ -264,42 +270,60 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
                 task.cancel()
             release(handle)
 
-    async def wait_all(jobs: list[tuple], request: Request) -> list[Any]:
-        """Submit every ``(prompt_ids, req, sampling, limit[, constraint])`` job; their results in order."""
+    def submit_all(jobs: list[tuple]) -> list[RequestHandle]:
+        """Submit every ``(prompt_ids, req, sampling, limit[, constraint, keep_special])`` job, or none."""
         handles = []
         try:
             for job in jobs:
                 handles.append(submit(*job))
+            return handles
+        except BaseException:
+            for h in handles:  # one failed: the others stop too
+                release(h)
+            raise
+
+    async def wait_all(jobs: list[tuple], request: Request) -> list[Any]:
+        """Submit every job (see :func:`submit_all`); their results in order."""
+        handles = submit_all(jobs)
+        try:
             return list(await asyncio.gather(*(wait(h, request) for h in handles)))
         except BaseException:
             for h in handles:  # one failed (or the client left): the others stop too
                 release(h)
             raise
 
-    Chunks = Callable[[RequestHandle], AsyncIterator[dict[str, Any]]]
+    def release_all(handles: list[RequestHandle]) -> None:
+        for h in handles:
+            release(h)
 
-    def sse(handle: RequestHandle, chunks: Chunks, last: Callable[[str], dict[str, Any]]) -> StreamingResponse:
-        """The SSE response; ``last(reason)`` builds a final chunk for a stream cut by shutdown."""
+    def sse(handles: list[RequestHandle], chunks: AsyncIterator[dict[str, Any]],
+            last: Callable[[str, list[int]], dict[str, Any]]) -> StreamingResponse:
+        """The SSE response of choices ``0..len(handles)-1``; ``last(reason, indices)`` builds a final
+        chunk for the choices a shutdown cut before their end."""
         async def body() -> AsyncIterator[str]:
             try:
-                finished = False
-                async for chunk in until(drain.abort_event, chunks(handle)):
-                    finished = finished or any(c.get("finish_reason") for c in chunk.get("choices", ()))
+                finished: set[int] = set()
+                async for chunk in until(drain.abort_event, chunks):
+                    finished.update(c["index"] for c in chunk.get("choices", ()) if c.get("finish_reason"))
                     yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
                 err = None
-                if drain.aborted(handle):  # cut by shutdown (the engine may not even have noticed yet)
-                    if not finished:
-                        yield f"data: {json.dumps(last('abort'), ensure_ascii=False)}\n\n"
-                    err = shutdown_error(handle)
-                elif handle.result().finish_reason == "error":
-                    err = generation_failed(handle, handle.result().error)
+                if any(drain.aborted(h) for h in handles):  # cut by shutdown (the engine may not have noticed)
+                    left = [i for i in range(len(handles)) if i not in finished]
+                    if left:
+                        yield f"data: {json.dumps(last('abort', left), ensure_ascii=False)}\n\n"
+                    err = shutdown_error(handles[0])
+                else:
+                    bad = next((h for h in handles if h.result().finish_reason == "error"), None)
+                    if bad is not None:
+                        err = generation_failed(bad, bad.result().error)
                 if err is not None:
                     yield f"data: {json.dumps(err.body())}\n\n"
                 yield "data: [DONE]\n\n"
-            finally:  # client gone (the task is cancelled) or stream ended: release the request
-                release(handle)
-        # The background task also releases a request whose client left before the body started.
-        return StreamingResponse(body(), media_type="text/event-stream", background=BackgroundTask(release, handle),
+            finally:  # client gone (the task is cancelled) or stream ended: release the requests
+                release_all(handles)
+        # The background task also releases requests whose client left before the body started.
+        return StreamingResponse(body(), media_type="text/event-stream",
+                                 background=BackgroundTask(release_all, handles),
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     # -- routes -------------------------------------------------------------------
@@ -336,9 +360,6 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
             if len(prompts) > P.MAX_N:
                 raise P.OpenAIError(400, f"prompt: give at most {P.MAX_N} prompts, got {len(prompts)}.",
                                     param="prompt", code="invalid_value")
-            if req.stream and len(prompts) > 1:
-                raise P.OpenAIError(400, "a batch of prompts is not supported with stream: true.", param="prompt",
-                                    code="invalid_value")
         all_ids = []
         for prompt in prompts:
             ids = (await asyncio.to_thread(tokenizer.encode, prompt) if prompt else []) if isinstance(prompt, str) \
@@ -351,51 +372,92 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
                   for p, ids in zip(prompts, all_ids)]
         logprobs, top = P.completion_logprobs(req)
         sampling = P.sampling_from(req, defaults, logprobs=logprobs, top_logprobs=top, vocab_size=vocab_size)
-        jobs = [(ids, P.max_tokens_of(req, COMPLETIONS_DEFAULT_MAX_TOKENS, cap=cap, prompt_tokens=len(ids),
-                                      context=context)) for ids in all_ids]
+        echo_only = bool(req.echo) and req.max_tokens == 0  # score the prompt, generate nothing (as vLLM)
+        if echo_only:
+            for ids in all_ids:
+                try:
+                    check_scorable(ids, vocab_size, context)
+                except ValueError as e:
+                    raise P.OpenAIError(400, str(e), param="prompt", code="invalid_value") from None
+        jobs = [(ids, 0 if echo_only else P.max_tokens_of(req, COMPLETIONS_DEFAULT_MAX_TOKENS, cap=cap,
+                                                           prompt_tokens=len(ids), context=context))
+                for ids in all_ids]
         rid, t = P.new_id("cmpl"), P.now()
+        # echo with logprobs: the prompt tokens' own logprobs lead (teacher-forced, see prompt_logprobs.py)
+        scores = None
+
+        async def score() -> list[Any] | None:
+            return [await scorer.score(ids, top) for ids in all_ids] if req.echo and logprobs else None
 
         def choice(text: str, reason: str | None, lp: Any = None, index: int = 0) -> dict[str, Any]:
             return {"index": index, "text": text, "logprobs": lp, "finish_reason": reason}
 
-        if len(jobs) > 1 or (req.n or 1) > 1:
-            samplings = choice_samplings(sampling, req.n)
-            results = await wait_all([(ids, req, s, limit) for ids, limit in jobs for s in samplings], request)
+        def choice_logprobs(r: Any, k: int) -> Any:
+            if scores is not None:
+                return echo_logprobs(fmt.text, scores[k], r.token_ids, r.logprobs or [], r.top_logprobs, top)
+            return fmt.completion(r.token_ids, r.logprobs, r.top_logprobs) if logprobs else None
+
+        if echo_only and not req.stream:
+            scores = await score()
+            results = [RequestResult(request_id=rid, prompt_tokens=len(ids), finish_reason="length")
+                       for ids in all_ids for _ in range(req.n or 1)]
             return {"id": rid, "object": "text_completion", "created": t, "model": model_id,
-                    "choices": [choice(echoes[i // (req.n or 1)] + r.text, P.finish_reason(r.finish_reason),
-                                       fmt.completion(r.token_ids, r.logprobs, r.top_logprobs) if logprobs else None, i)
+                    "choices": [choice(echoes[i // (req.n or 1)], "length", choice_logprobs(r, i // (req.n or 1)), i)
                                 for i, r in enumerate(results)],
                     "usage": total_usage(results, req.n)}
-        ids, limit = jobs[0]
-        handle = submit(ids, req, sampling, limit)
-
-        if req.stream:
+        n = req.n or 1
+        if req.stream:  # every choice in one stream (prompt k's choices are k*n .. k*n+n-1)
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            scores = await score()
+            samplings = choice_samplings(sampling, req.n)
+            handles = [] if echo_only else submit_all([(ids, req, s, limit) for ids, limit in jobs for s in samplings])
 
-            async def chunks(h: RequestHandle) -> AsyncIterator[dict[str, Any]]:
+            async def choice_chunks(i: int, h: RequestHandle | None) -> AsyncIterator[dict[str, Any]]:
                 offset = 0
-                if echoes[0]:
-                    yield {"id": rid, "object": "text_completion", "created": t, "model": model_id,
-                           "choices": [choice(echoes[0], None)]}
+                if echoes[i // n]:
+                    lp = None
+                    if scores is not None:
+                        lp = echo_logprobs(fmt.text, scores[i // n], [], [], None, top)
+                        offset = sum(map(len, lp["tokens"]))
+                    yield choice(echoes[i // n], "length" if h is None else None, lp, i)
+                if h is None:  # max_tokens 0: the prompt alone
+                    return
                 async for ev in h:
                     lp = None
                     if logprobs and ev.token is not None:
                         lp = fmt.completion([ev.token], [ev.logprob], [ev.top_logprobs] if top else None, offset)
-                    offset += len(ev.text)
+                    offset += len(lp["tokens"][0]) if lp else 0  # over token strings, as the whole response
                     if ev.text or ev.finish_reason or lp:
-                        yield {"id": rid, "object": "text_completion", "created": t, "model": model_id,
-                               "choices": [choice(ev.text, P.finish_reason(ev.finish_reason), lp)]}
-                if include_usage:
-                    r = h.result()
-                    yield {"id": rid, "object": "text_completion", "created": t, "model": model_id, "choices": [],
-                           "usage": P.usage(r.prompt_tokens, r.completion_tokens, r.cached_tokens)}
-            return sse(handle, chunks, lambda reason: {"id": rid, "object": "text_completion", "created": t,
-                                                       "model": model_id, "choices": [choice("", reason)]})
+                        yield choice(ev.text, P.finish_reason(ev.finish_reason), lp, i)
 
+            def wrap(choices: list[dict[str, Any]]) -> dict[str, Any]:
+                return {"id": rid, "object": "text_completion", "created": t, "model": model_id, "choices": choices}
+
+            async def chunks() -> AsyncIterator[dict[str, Any]]:
+                count = len(jobs) * n
+                async for c in merge([choice_chunks(i, handles[i] if handles else None) for i in range(count)]):
+                    yield wrap([c])
+                if include_usage:
+                    results = [h.result() for h in handles] or [
+                        RequestResult(request_id=rid, prompt_tokens=len(ids)) for ids in all_ids for _ in range(n)]
+                    yield {**wrap([]), "usage": total_usage(results, req.n)}
+            return sse(handles, chunks(), lambda reason, left: wrap([choice("", reason, None, i) for i in left]))
+
+        if len(jobs) > 1 or n > 1:
+            samplings = choice_samplings(sampling, req.n)
+            results = await wait_all([(ids, req, s, limit) for ids, limit in jobs for s in samplings], request)
+            scores = await score()
+            return {"id": rid, "object": "text_completion", "created": t, "model": model_id,
+                    "choices": [choice(echoes[i // n] + r.text, P.finish_reason(r.finish_reason),
+                                       choice_logprobs(r, i // n), i)
+                                for i, r in enumerate(results)],
+                    "usage": total_usage(results, req.n)}
+        ids, limit = jobs[0]
+        handle = submit(ids, req, sampling, limit)
         r = await wait(handle, request)
-        lp = fmt.completion(r.token_ids, r.logprobs, r.top_logprobs) if logprobs else None
+        scores = await score()
         return {"id": rid, "object": "text_completion", "created": t, "model": model_id,
-                "choices": [choice(echoes[0] + r.text, P.finish_reason(r.finish_reason), lp)],
+                "choices": [choice(echoes[0] + r.text, P.finish_reason(r.finish_reason), choice_logprobs(r, 0))],
                 "usage": P.usage(r.prompt_tokens, r.completion_tokens, r.cached_tokens)}
 
     @app.post("/v1/chat/completions")
@@ -432,6 +494,8 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
         except Exception as e:  # a template that raises on these messages (e.g. role order)
             raise P.OpenAIError(400, f"The chat template rejected these messages: {e}", param="messages",
                                 code="invalid_value") from None
+        # tool-call markup may be special tokens (Gemma 4's): kept for the parser, as vLLM's tool parsers ask
+        tool_markup = plan.mode != "none"
         logprobs, top = P.chat_logprobs(req)
         sampling = P.sampling_from(req, defaults, logprobs=logprobs, top_logprobs=top, vocab_size=vocab_size)
         limit = P.max_tokens_of(req, default_max_tokens, cap=cap, prompt_tokens=len(ids), context=context)
@@ -447,41 +511,49 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
                 finish = "tool_calls"
             return {"index": index, "message": message, "logprobs": lp, "finish_reason": finish}
 
-        if (req.n or 1) > 1:
-            samplings = choice_samplings(sampling, req.n)
-            results = await wait_all([(ids, req, s, limit, plan.constraint) for s in samplings], request)
-            return {"id": rid, "object": "chat.completion", "created": t, "model": model_id,
-                    "choices": [chat_choice(r, i) for i, r in enumerate(results)],
-                    "usage": total_usage(results, req.n)}
-        handle = submit(ids, req, sampling, limit, plan.constraint)
-
-        if req.stream:
+        samplings = choice_samplings(sampling, req.n)
+        jobs = [(ids, req, s, limit, plan.constraint, tool_markup) for s in samplings]
+        if req.stream:  # every choice in one stream, each with its own tool-call parser state
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            handles = submit_all(jobs)
 
-            def chunk(delta: dict[str, Any], reason: str | None, lp: Any = None) -> dict[str, Any]:
+            def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
                 return {"id": rid, "object": "chat.completion.chunk", "created": t, "model": model_id,
-                        "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": reason}]}
+                        "choices": choices}
 
-            async def chunks(h: RequestHandle) -> AsyncIterator[dict[str, Any]]:
-                yield chunk({"role": "assistant", "content": ""}, None)
+            def delta(i: int, d: dict[str, Any], reason: str | None, lp: Any = None) -> dict[str, Any]:
+                return {"index": i, "delta": d, "logprobs": lp, "finish_reason": reason}
+
+            async def choice_chunks(i: int, h: RequestHandle) -> AsyncIterator[dict[str, Any]]:
+                own = ToolPlan(req.tools, req.tool_choice, req.parallel_tool_calls, tokenizer.chat_template)
+                yield delta(i, {"role": "assistant", "content": ""}, None)
                 async for ev in h:
                     lp = None
                     if logprobs and ev.token is not None:
                         lp = fmt.chat([ev.token], [ev.logprob], [ev.top_logprobs] if top else None)
-                    deltas = plan.feed(ev.text)  # content, or tool-call pieces (markup held back)
+                    deltas = own.feed(ev.text)  # content, or tool-call pieces (markup held back)
                     reason = P.finish_reason(ev.finish_reason)
                     if ev.finish_reason is not None:
-                        last, reason = plan.end(reason)
+                        last, reason = own.end(reason)
                         deltas += last
                     for d in deltas[:-1]:
-                        yield chunk(d, None)
+                        yield delta(i, d, None)
                     if deltas or reason or lp:
-                        yield chunk(deltas[-1] if deltas else {}, reason, lp)
+                        yield delta(i, deltas[-1] if deltas else {}, reason, lp)
+
+            async def chunks() -> AsyncIterator[dict[str, Any]]:
+                async for c in merge([choice_chunks(i, h) for i, h in enumerate(handles)]):
+                    yield chunk([c])
                 if include_usage:
-                    r = h.result()
-                    yield {"id": rid, "object": "chat.completion.chunk", "created": t, "model": model_id,
-                           "choices": [], "usage": P.usage(r.prompt_tokens, r.completion_tokens, r.cached_tokens)}
-            return sse(handle, chunks, lambda reason: chunk({}, reason))
+                    yield {**chunk([]), "usage": total_usage([h.result() for h in handles], req.n)}
+            return sse(handles, chunks(), lambda reason, left: chunk([delta(i, {}, reason) for i in left]))
+
+        if (req.n or 1) > 1:
+            results = await wait_all(jobs, request)
+            return {"id": rid, "object": "chat.completion", "created": t, "model": model_id,
+                    "choices": [chat_choice(r, i) for i, r in enumerate(results)],
+                    "usage": total_usage(results, req.n)}
+        handle = submit(*jobs[0])
 
         r = await wait(handle, request)
         return {"id": rid, "object": "chat.completion", "created": t, "model": model_id,

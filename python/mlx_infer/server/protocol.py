@@ -6,7 +6,7 @@ or ``true`` are not coerced) and reject unknown fields (400, in OpenAI's words:
 :class:`~mlx_infer.sampling.SamplingParams`, :func:`sampling_from` and the
 checks here, whose errors become 400s. Extensions beyond the OpenAI fields (as
 mlx_lm.server and vLLM accept them): ``top_k``, ``min_p``,
-``repetition_penalty``, ``ignore_eos``, and the structured-output fields
+``repetition_penalty``, ``ignore_eos``, ``skip_special_tokens``, and the structured-output fields
 (``structured_outputs``, ``guided_*``, ``grammar``, ``json_schema``: server/structured.py).
 """
 
@@ -76,6 +76,7 @@ class _Sampling(BaseModel):
     user: str | None = None
     response_format: dict[str, Any] | None = None
     ignore_eos: bool | None = False
+    skip_special_tokens: bool | None = True  # vLLM's: special tokens add no text unless false
     # structured output (see server/structured.py): vLLM's and llama.cpp's fields
     structured_outputs: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -153,16 +154,14 @@ def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
 
 
 def check_common(req: _Sampling) -> None:
-    """Reject what this server does not do (n > 1, ...) with a 400 naming the field."""
+    """Reject what this server does not do (suffix, best_of > 1, ...) with a 400 naming the field."""
     check_text(req.model_dump(), "")
     if req.n is not None and not 1 <= req.n <= MAX_N:
         raise _bad(f"n must be in 1..{MAX_N}, got {req.n}.", "n")
-    if req.stream and (req.n or 1) > 1:
-        raise _bad("n > 1 is not supported with stream: true (ask without streaming, or send n requests).", "n")
     if isinstance(req, CompletionRequest):
-        if req.echo and req.logprobs is not None:
-            raise _bad("echo with logprobs is not supported (prompt logprobs are not computed); drop one of them.",
-                       "echo")
+        if req.max_tokens == 0 and not req.echo:
+            raise _bad("max_tokens: 0 only scores the prompt, so it needs echo: true (with logprobs for the "
+                       "prompt's logprobs); otherwise give max_tokens >= 1.", "max_tokens")
         if req.suffix:
             raise _bad("suffix is not supported.", "suffix")
         if req.best_of not in (None, 1):

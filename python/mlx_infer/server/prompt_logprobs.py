@@ -1,0 +1,179 @@
+"""Prompt logprobs: ``echo`` with ``logprobs`` on ``/v1/completions``.
+
+What lm-eval-harness's log-likelihood requests ask (``echo: true, logprobs: k,
+max_tokens: 0 or 1``): the log-probability the model gives each prompt token
+after the tokens before it, teacher-forced, with the ``k`` most likely tokens
+at each position. The first token has no context: its logprob and top entry
+are ``null``, as OpenAI and vLLM answer. Values are the model's raw
+log-softmax (no temperature, penalty or bias: those shape sampling, not the
+model's likelihood), as vLLM's prompt logprobs.
+
+The prompt runs once through the model outside the engine's KV pool, on one
+thread with its own MLX stream (MLX streams are per thread; the weights
+are shared read-only with the engine thread), in chunks of at most
+:func:`chunk_size` positions so the ``(positions, vocab)`` log-softmax stays
+bounded; the KV cache carries context across chunks, so every position sees
+the whole prefix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+#: Most float32 ``(positions, vocab)`` log-softmax entries one chunk holds (256 MiB).
+MAX_CHUNK_ENTRIES = 2**26
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """Per prompt token: its logprob (``None`` for the first) and the top ``k``
+    ``[(id, logprob)]`` most likely first (``None`` for the first, or when ``k`` is 0)."""
+
+    token_ids: list[int]
+    logprobs: list[float | None]
+    top: list[list[tuple[int, float]] | None]
+
+
+def chunk_size(vocab_size: int, limit: int = 512) -> int:
+    """Positions per chunk: at most ``limit``, and at most :data:`MAX_CHUNK_ENTRIES` / vocab."""
+    return max(1, min(limit, MAX_CHUNK_ENTRIES // max(vocab_size, 1)))
+
+
+def prompt_logprobs(model: Any, ids: list[int], top: int, *, chunk: int = 512,
+                    cancelled: threading.Event | None = None) -> PromptLogprobs | None:
+    """Teacher-forced logprobs of ``ids`` under ``model`` (see the module docstring).
+
+    Args:
+        model: a causal LM: ``model(tokens (1, L), cache=...) -> logits (1, L, V)``, ``make_cache()``.
+        ids: the prompt's token ids (at least one).
+        top: how many most-likely tokens to list per position (0: none).
+        chunk: positions per forward (the cache carries the prefix).
+        cancelled: checked between chunks; when set, stop and return ``None``.
+    """
+    tokens = mx.array(ids, dtype=mx.uint32)  # (L,)
+    cache = model.make_cache()
+    lps: list[float | None] = [None]
+    tops: list[list[tuple[int, float]] | None] = [None]
+    n = len(ids) - 1  # positions that predict a prompt token
+    for start in range(0, n, chunk):
+        if cancelled is not None and cancelled.is_set():
+            return None
+        end = min(start + chunk, n)
+        logits = model(tokens[start:end][None], cache=cache)[0].astype(mx.float32)  # (c, V)
+        logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # (c, V)
+        targets = tokens[start + 1:end + 1].astype(mx.int32)  # (c,)
+        chosen = mx.take_along_axis(logp, targets[:, None], axis=-1)[:, 0]  # (c,)
+        outs = [chosen, [c.state for c in cache]]
+        if top:
+            k = min(top, logp.shape[-1])
+            idx = mx.argpartition(-logp, k - 1, axis=-1)[:, :k]  # (c, k), unordered
+            vals = mx.take_along_axis(logp, idx, axis=-1)  # (c, k)
+            order = mx.argsort(-vals, axis=-1)  # (c, k): most likely first
+            idx, vals = mx.take_along_axis(idx, order, axis=-1), mx.take_along_axis(vals, order, axis=-1)
+            outs += [idx, vals]
+        mx.eval(outs)
+        lps += chosen.tolist()
+        if top:
+            tops += [list(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
+        else:
+            tops += [None] * (end - start)
+    return PromptLogprobs(token_ids=list(ids), logprobs=lps, top=tops)
+
+
+class PromptScorer:
+    """Runs :func:`prompt_logprobs` one prompt at a time, each on a thread of its own with its own
+    MLX stream, cleared before the thread ends (MLX keeps per-thread stream state, and a thread
+    that leaves it behind may abort interpreter exit: ml-explore/mlx#3126).
+
+    Args:
+        model: the engine's model (shared read-only).
+        vocab_size: sizes the chunks (see :func:`chunk_size`).
+        chunk_limit: most positions per forward (the engine's prefill step size).
+    """
+
+    def __init__(self, model: Any, vocab_size: int | None, chunk_limit: int = 512):
+        self.model = model
+        self.chunk = chunk_size(vocab_size or 0, chunk_limit)
+        self._one = threading.Lock()  # one scoring at a time (memory), even past a cancelled await
+
+    def _run(self, ids: list[int], top: int, cancelled: threading.Event, done: Any) -> None:
+        with self._one:
+            stream = mx.new_stream(mx.default_device())
+            try:
+                with mx.stream(stream):
+                    out: Any = prompt_logprobs(self.model, ids, top, chunk=self.chunk, cancelled=cancelled)
+            except Exception as e:  # handed to the awaiting request
+                out = e
+            finally:
+                mx.synchronize(stream)
+                mx.clear_streams()
+        done(out)
+
+    async def score(self, ids: list[int], top: int) -> PromptLogprobs:
+        """The prompt logprobs of ``ids``; a cancelled await (the client left) stops the scoring."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+        cancelled = threading.Event()
+
+        def settle(out: Any) -> None:
+            if not fut.done():
+                fut.set_exception(out) if isinstance(out, Exception) else fut.set_result(out)
+
+        def done(out: Any) -> None:
+            try:
+                loop.call_soon_threadsafe(settle, out)
+            except RuntimeError:  # the serving loop is gone
+                pass
+
+        threading.Thread(target=self._run, args=(ids, top, cancelled, done), name="mlx-infer-prompt-logprobs",
+                         daemon=True).start()
+        try:
+            return await fut
+        finally:
+            cancelled.set()
+
+
+def echo_logprobs(text: Any, prompt: PromptLogprobs, tokens: list[int], lps: list[float],
+                  tops: list[list[tuple[int, float]]] | None, top: int) -> dict[str, Any]:
+    """Legacy ``logprobs`` of the echoed prompt followed by the generated ``tokens``: one list over both,
+    offsets counted over the token strings from 0 (as vLLM). A prompt position's top dict holds its top
+    ``top`` tokens and the prompt token itself (vLLM's prompt logprobs); ``None`` at the first position.
+
+    Args:
+        text: ``text(token_id) -> str`` (the server's token strings).
+    """
+    strs = [text(t) for t in prompt.token_ids + tokens]
+    offsets, pos = [], 0
+    for s in strs:
+        offsets.append(pos)
+        pos += len(s)
+    top_dicts = None
+    if top:
+        top_dicts = [None]
+        for tok, lp, best in zip(prompt.token_ids[1:], prompt.logprobs[1:], prompt.top[1:]):
+            entry = {text(i): v for i, v in best or ()}
+            entry.setdefault(text(tok), lp)
+            top_dicts.append(entry)
+        top_dicts += [{text(i): v for i, v in best} for best in tops or [[] for _ in tokens]]
+    return {"tokens": strs, "token_logprobs": prompt.logprobs + list(lps), "top_logprobs": top_dicts,
+            "text_offset": offsets}
+
+
+def check_scorable(ids: list[int], vocab_size: int | None, context: int | None) -> None:
+    """An echo-only prompt (``max_tokens: 0``, never submitted to the engine) must hold token ids of the
+    vocabulary and fit the context.
+
+    Raises:
+        ValueError: naming what is wrong.
+    """
+    bad = next((t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)), None)
+    if bad is not None:
+        raise ValueError(f"prompt token id {bad} is outside this model's vocabulary [0, {vocab_size}).")
+    if context is not None and len(ids) > context:
+        raise ValueError(f"The prompt has {len(ids)} tokens but the model's context window is {context}; "
+                         f"shorten it by at least {len(ids) - context} tokens.")

@@ -1,0 +1,43 @@
+"""Several choices in one SSE stream (``n > 1``, prompt arrays): their chunk streams merged.
+
+Each choice's chunks keep their order and carry their ``index``; choices interleave as
+their tokens arrive, as OpenAI's and vLLM's streams do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator, TypeVar
+
+T = TypeVar("T")
+_END = object()
+
+
+async def merge(sources: list[AsyncIterator[T]]) -> AsyncIterator[T]:
+    """Items of every source as they come; ends when all have ended. A source's error is
+    raised here (the others are cancelled); closing this generator cancels them all."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(src: AsyncIterator[T]) -> None:
+        try:
+            async for item in src:
+                queue.put_nowait((item, None))
+        except Exception as e:  # handed to the consumer
+            queue.put_nowait((_END, e))
+            return
+        queue.put_nowait((_END, None))
+
+    tasks = [asyncio.ensure_future(pump(s)) for s in sources]
+    try:
+        left = len(tasks)
+        while left:
+            item, error = await queue.get()
+            if error is not None:
+                raise error
+            if item is _END:
+                left -= 1
+                continue
+            yield item
+    finally:
+        for t in tasks:
+            t.cancel()
