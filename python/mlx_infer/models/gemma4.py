@@ -43,6 +43,7 @@ from ..contracts import GraphDeclaration
 from ..errors import UnsupportedModelError
 from ..layers.attention import create_attention_mask, scaled_dot_product_attention
 from ..layers.rope import SUPPORTED_ROPE_TYPES, initialize_rope, rope_type_of
+from ..layers.switch import FP_MODES, QuantizedEmbeddingKept, QuantizedLinearKept, SwitchGLU, SwitchLinear
 from ..state.kv import KVCache, RotatingKVCache
 from .schema import check_heads, check_layer_types, check_nested_rope, check_value, config_fields, per_layer_indices
 
@@ -60,8 +61,6 @@ _PREFIX_MAP = (
 )
 _SHARED_SKIP = ("self_attn.k_proj.", "self_attn.v_proj.", "self_attn.k_norm.", "self_attn.v_norm.")
 # (group_size, bits) defaults per quantization mode; the scale-only modes are told apart by them.
-_MODE_DEFAULTS = {"affine": (64, 4), "mxfp4": (32, 4), "nvfp4": (16, 4), "mxfp8": (32, 8)}
-_FP_MODES = {gb: m for m, gb in _MODE_DEFAULTS.items() if m != "affine"}
 _ROPE_TYPES = (*SUPPORTED_ROPE_TYPES, "proportional")
 
 
@@ -222,82 +221,6 @@ def make_rope(head_dim: int, params: dict[str, Any], max_position_embeddings: in
     return initialize_rope(head_dim, base, False, scaling, max_position_embeddings)
 
 
-# -- quantization-aware leaves -------------------------------------------------
-
-
-def _kept(cls: type) -> type:
-    """``cls`` whose ``to_quantized`` returns itself: quantized by :meth:`Model.sanitize`, kept by ``nn.quantize``."""
-    return type(f"Kept{cls.__name__}", (cls,), {"to_quantized": lambda self, **_: self})
-
-
-_QuantizedLinear, _QuantizedEmbedding = _kept(nn.QuantizedLinear), _kept(nn.QuantizedEmbedding)
-
-
-class SwitchLinear(nn.Module):
-    """One linear map per expert: weight ``(experts, out, in)``, applied with ``gather_mm``."""
-
-    def __init__(self, input_dims: int, output_dims: int, num_experts: int):
-        super().__init__()
-        scale = input_dims**-0.5
-        self.weight = mx.random.uniform(-scale, scale, (num_experts, output_dims, input_dims))
-
-    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
-        return mx.gather_mm(x, self["weight"].swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
-
-    def to_quantized(self, group_size: int | None = None, bits: int | None = None, mode: str = "affine",
-                     **_: Any) -> "QuantizedSwitchLinear":
-        return QuantizedSwitchLinear(self.weight, group_size, bits, mode)
-
-
-class QuantizedSwitchLinear(nn.Module):
-    """Per-expert quantized weights (``weight``/``scales``/``biases`` as mlx-lm stores them), via ``gather_qmm``."""
-
-    def to_quantized(self, **_: Any) -> "QuantizedSwitchLinear":
-        return self  # already quantized (see _kept)
-
-    def __init__(self, weight: mx.array, group_size: int | None, bits: int | None, mode: str = "affine"):
-        super().__init__()
-        self.group_size, self.bits = group_size or _MODE_DEFAULTS[mode][0], bits or _MODE_DEFAULTS[mode][1]
-        self.mode = mode
-        self.weight, self.scales, *biases = mx.quantize(weight, self.group_size, self.bits, mode=mode)
-        self.biases = biases[0] if biases else None
-        self.freeze()
-
-    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
-        return mx.gather_qmm(x, self["weight"], self["scales"], self.get("biases"), rhs_indices=indices,
-                             transpose=True, group_size=self.group_size, bits=self.bits, mode=self.mode,
-                             global_scale=self.get("global_scale"), sorted_indices=sorted_indices)
-
-
-class SwitchGLU(nn.Module):
-    """Expert GeGLU: ``down(gelu(gate(x)) * up(x))`` for each of a token's top-k experts."""
-
-    def __init__(self, dims: int, hidden: int, num_experts: int):
-        super().__init__()
-        self.gate_proj = SwitchLinear(dims, hidden, num_experts)
-        self.up_proj = SwitchLinear(dims, hidden, num_experts)
-        self.down_proj = SwitchLinear(hidden, dims, num_experts)
-
-    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        """``x (..., D)``, ``indices (..., k)`` -> ``(..., k, D)``."""
-        x = mx.expand_dims(x, (-2, -3))  # (..., 1, 1, D)
-        # Many rows: sort them by expert so each expert's weights are read once.
-        do_sort = indices.size >= 64
-        idx, inv_order = indices, None
-        if do_sort:
-            k = indices.shape[-1]
-            flat = indices.flatten()
-            order = mx.argsort(flat)
-            inv_order = mx.argsort(order)
-            x, idx = x.flatten(0, -3)[order // k], flat[order]  # (T*k, 1, D), (T*k,)
-        up = self.up_proj(x, idx, sorted_indices=do_sort)
-        gate = self.gate_proj(x, idx, sorted_indices=do_sort)
-        x = self.down_proj(geglu(gate, up), idx, sorted_indices=do_sort)
-        if do_sort:
-            x = mx.unflatten(x[inv_order], 0, indices.shape)
-        return x.squeeze(-2)
-
-
 class Router(nn.Module):
     """Scale-free RMSNorm, ``* scale / sqrt(D)``, project, top-k, softmax over the k, ``* per_expert_scale``."""
 
@@ -321,7 +244,7 @@ class Router(nn.Module):
 class Experts(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.switch_glu = SwitchGLU(args.hidden_size, args.moe_intermediate_size, args.num_experts)
+        self.switch_glu = SwitchGLU(args.hidden_size, args.moe_intermediate_size, args.num_experts, geglu)
 
     def __call__(self, x: mx.array, indices: mx.array, weights: mx.array) -> mx.array:
         y = self.switch_glu(x, indices)  # (B, L, k, D)
@@ -604,14 +527,14 @@ class Model(nn.Module):
                 continue
             in_dims, packed = m.weight.shape[-1], weights[path + ".weight"]
             bits, group_size = packed.shape[-1] * 32 // in_dims, in_dims // weights[key].shape[-1]
-            mode = "affine" if path + ".biases" in weights else _FP_MODES.get((group_size, bits))
+            mode = "affine" if path + ".biases" in weights else FP_MODES.get((group_size, bits))
             if packed.shape[:-1] != m.weight.shape[:-1] or packed.shape[-1] * 32 != bits * in_dims or mode is None:
                 raise ValueError(f"The quantized weights of {path} {tuple(packed.shape)} do not fit its shape "
                                  f"{tuple(m.weight.shape)} in this config (or use an unknown mode); check config.json.")
             if isinstance(m, nn.Linear):
-                q = _QuantizedLinear.from_linear(m, group_size, bits, mode)
+                q = QuantizedLinearKept.from_linear(m, group_size, bits, mode)
             elif isinstance(m, nn.Embedding):
-                q = _QuantizedEmbedding.from_embedding(m, group_size, bits, mode)
+                q = QuantizedEmbeddingKept.from_embedding(m, group_size, bits, mode)
             else:
                 q = m.to_quantized(group_size=group_size, bits=bits, mode=mode)
                 if path + ".global_scale" in weights:

@@ -45,7 +45,8 @@ import mlx.nn as nn
 from ... import _fast
 from ...layers.rope import Llama3RoPE, YarnRoPE
 from ...models import materialize_graph_constants
-from ...models.gemma4 import FULL, SLIDING, ProportionalRoPE, QuantizedSwitchLinear, SwitchLinear
+from ...layers.switch import QuantizedSwitchLinear, SwitchLinear
+from ...models.gemma4 import FULL, SLIDING, ProportionalRoPE
 from ...state.kv import KVCache, RotatingKVCache
 
 #: Families with a C++ step (module name of the graph's family file).
