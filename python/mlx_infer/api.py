@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from . import defaults
+
 if TYPE_CHECKING:
     from .artifacts.loader import LoadedModel
 
@@ -29,7 +31,7 @@ def load(path: str | Path | None = None, *, dtype: str | None = None) -> "Loaded
     return load_model(path, dtype=dtype)
 
 
-def generate_text(model: "LoadedModel", prompt: str, *, max_tokens: int = 256,
+def generate_text(model: "LoadedModel", prompt: str, *, max_tokens: int = defaults.MAX_TOKENS,
                   temperature: float = 0.0, seed: int | None = None, chat: bool = False) -> str:
     """Generate a continuation of ``prompt`` and return it as text."""
     from .generation.autoregressive import generate

@@ -13,6 +13,7 @@ from pathlib import Path
 from contextlib import contextmanager
 from typing import Iterator, NoReturn, Sequence
 
+from . import defaults
 from .artifacts.default_model import DEFAULT_VARIANT
 from .errors import MlxInferError
 
@@ -461,7 +462,7 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{DEFAULT_VARIANT}; see 'mlx-infer cache')")
     g.add_argument("--prompt", "-p", default=None,
                    help="the prompt text ('-' reads stdin); --resume DIR takes it from the checkpoint")
-    g.add_argument("--max-tokens", "-m", type=int, default=100, help="most tokens to generate")
+    g.add_argument("--max-tokens", "-m", type=int, default=defaults.CLI_MAX_TOKENS, help="most tokens to generate")
     g.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0 = greedy)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
@@ -498,9 +499,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="serve an OpenAI-compatible API (continuous batching)")
     s.add_argument("--model", default=None, help="model directory or .gguf file (none: the embedded Gemma 3 270M)")
-    s.add_argument("--host", default="127.0.0.1", help="bind address (loopback only unless told)")
-    s.add_argument("--port", type=int, default=8080, help="TCP port")
-    s.add_argument("--max-batch", type=int, default=32, help="most requests running at once")
+    s.add_argument("--host", default=defaults.HOST, help="bind address (loopback only unless told)")
+    s.add_argument("--port", type=int, default=defaults.PORT, help="TCP port")
+    s.add_argument("--max-batch", type=int, default=defaults.MAX_BATCH, help="most requests running at once")
     s.add_argument("--memory-budget", type=float, default=None, metavar="GB",
                    help="memory for KV pages and activations, weights excluded (default: sized from the "
                         "device: 0.9 of a GPU's memory or 0.25 of available RAM, minus what this and other "
@@ -510,14 +511,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--public", default=None, metavar="LIST",
                    help="with --api-key, endpoints open without it: comma list of health, metrics, docs "
                         "(none given: health; '' for none)")
-    s.add_argument("--max-tokens", type=int, default=512,
+    s.add_argument("--max-tokens", type=int, default=defaults.SERVER_MAX_TOKENS,
                    help="default max tokens of a chat completion, and the most any request may ask")
-    s.add_argument("--prefill-step-size", type=int, default=512, help="prompt tokens per engine iteration")
-    s.add_argument("--drain-timeout", type=float, default=5.0, metavar="S",
+    s.add_argument("--prefill-step-size", type=int, default=defaults.ENGINE_PREFILL_STEP_SIZE, help="prompt tokens per engine iteration")
+    s.add_argument("--drain-timeout", type=float, default=defaults.DRAIN_TIMEOUT_S, metavar="S",
                    help="on Ctrl-C/SIGTERM, seconds requests in flight get to finish before they are aborted")
-    s.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
+    s.add_argument("--header-timeout", type=float, default=defaults.HEADER_TIMEOUT_S, metavar="S",
                    help="seconds a client may take to send a request's headers")
-    s.add_argument("--body-timeout", type=float, default=30.0, metavar="S",
+    s.add_argument("--body-timeout", type=float, default=defaults.BODY_TIMEOUT_S, metavar="S",
                    help="seconds a client may take to send a request's body")
     s.add_argument("--log-level", default="info", type=str.lower,
                    choices=["critical", "error", "warning", "info", "debug"], help="server log level (any case)")
@@ -552,7 +553,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--generation-tokens", "-g", type=int, default=1024, help="tokens to generate")
     b.add_argument("--batch-size", "-b", type=int, default=1, help="batch size")
     b.add_argument("--num-trials", "-n", type=int, default=5, help="timed trials per engine")
-    b.add_argument("--prefill-step-size", type=int, default=2048, help="prompt tokens per prefill chunk")
+    b.add_argument("--prefill-step-size", type=int, default=defaults.PREFILL_STEP_SIZE, help="prompt tokens per prefill chunk")
     b.add_argument("--compare", default=None, help="engines to compare with: mlx-lm[,llama.cpp]")
     b.add_argument("--stock-kernels", action="store_true",
                    help="run mlx-infer on MLX's stock CPU kernels (engine mlx-infer-stock)")

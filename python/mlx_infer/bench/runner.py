@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
+from .. import defaults
 from ..errors import MlxInferError
 from .engines import TrialResult
 
@@ -24,7 +25,7 @@ class BenchConfig:
     generation_tokens: int = 1024
     batch_size: int = 1
     num_trials: int = 5
-    prefill_step_size: int = 2048
+    prefill_step_size: int = defaults.PREFILL_STEP_SIZE
     seed: int = 0
     suite: str = "bench"
 

@@ -33,13 +33,14 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from .. import defaults
 from ..errors import MlxInferError
 from ..state.paged import DEFAULT_WINDOW_SLACK, model_geometry
 
-DEFAULT_MAX_BATCH = 32
-DEFAULT_PAGE_SIZE = 16
-DEFAULT_PREFILL_STEP_SIZE = 512
-DEFAULT_MEMORY_BUDGET_GB: float | None = None  # None: sized from the device
+DEFAULT_MAX_BATCH = defaults.MAX_BATCH
+DEFAULT_PAGE_SIZE = defaults.PAGE_SIZE
+DEFAULT_PREFILL_STEP_SIZE = defaults.ENGINE_PREFILL_STEP_SIZE
+DEFAULT_MEMORY_BUDGET_GB: float | None = defaults.MEMORY_BUDGET_GB  # None: sized from the device
 #: Share of the device's memory the default sizing lets the engine use, per device type.
 DEFAULT_MEMORY_FRACTION = {"gpu": 0.9, "cpu": 0.25}
 #: The least memory kept free for activations (prefill chunks, the step's logits) and MLX's buffer cache.
@@ -47,7 +48,7 @@ ACTIVATION_RESERVE_BYTES = 1 << 30
 #: :func:`activation_reserve`'s factor over one iteration's estimate: the pipelined decode
 #: queues step n+1 while step n's buffers are alive, and MLX's buffer cache keeps freed ones.
 ACTIVATION_SAFETY = 2
-DEFAULT_MAX_QUEUE = 4096
+DEFAULT_MAX_QUEUE = defaults.MAX_QUEUE
 #: Fraction of the memory budget given to KV pages; the rest is headroom for
 #: activations (prefill chunks, the batched decode step's gathers and logits).
 KV_FRACTION = 0.8

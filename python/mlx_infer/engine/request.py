@@ -18,10 +18,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 
+from .. import defaults
 from ..errors import MlxInferError
 from ..sampling import SamplingParams
 
-DEFAULT_MAX_TOKENS = 256
+DEFAULT_MAX_TOKENS = defaults.MAX_TOKENS
 
 #: Why a request ended: EOS or a stop string, the token limit, the caller, or an engine failure.
 FINISH_REASONS = ("stop", "length", "cancelled", "error")

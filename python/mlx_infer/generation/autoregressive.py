@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import mlx.core as mx
 
+from .. import defaults
 from ..errors import MlxInferError, PromptTooLongError
 from ..sampling import RequestRNG, SamplingParams, make_sampler
 from .prompt_cache import PromptCache
@@ -38,8 +39,8 @@ from .stopping import CancelToken, StopMatcher
 if TYPE_CHECKING:
     from ..artifacts.loader import LoadedModel
 
-DEFAULT_MAX_TOKENS = 256
-DEFAULT_PREFILL_STEP_SIZE = 2048
+DEFAULT_MAX_TOKENS = defaults.MAX_TOKENS
+DEFAULT_PREFILL_STEP_SIZE = defaults.PREFILL_STEP_SIZE
 GREEDY = SamplingParams()
 
 

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
 
 import mlx.core as mx
 
+from .. import defaults
 from ..errors import MlxInferError, PromptTooLongError
 from ..sampling import RequestRNG, SamplingParams
 from .autoregressive import GeneratedToken, GenerateStats, Generation, prompt_ids_for, stream_text
@@ -58,7 +59,7 @@ from .stopping import CancelToken
 if TYPE_CHECKING:
     from ..artifacts.loader import LoadedModel
 
-DEFAULT_MAX_TOKENS = 256
+DEFAULT_MAX_TOKENS = defaults.MAX_TOKENS
 #: EOS ids every denoising request stops on (the checkpoint's ``<eos>`` and ``<end_of_turn>``).
 DEFAULT_EOS_TOKEN_IDS = frozenset({1, 106})
 DEFAULT_STEPS = 48

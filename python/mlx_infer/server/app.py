@@ -40,6 +40,7 @@ from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .. import defaults
 from ..engine import Engine, EngineClosedError, EngineRequest, QueueFullError, RequestHandle, RequestTooLargeError
 from ..errors import MlxInferError, PromptTooLongError
 from ..sampling import SamplingParams
@@ -52,9 +53,8 @@ from .tools import ToolPlan, template_messages
 from . import protocol as P
 from .guard import Drain, Guard, GuardConfig, error_body
 
-DEFAULT_MAX_TOKENS = 512
-#: Completions default to 16 tokens, as OpenAI's API does.
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+DEFAULT_MAX_TOKENS = defaults.SERVER_MAX_TOKENS
+COMPLETIONS_DEFAULT_MAX_TOKENS = defaults.COMPLETIONS_MAX_TOKENS
 _DISCONNECT_POLL_S = 0.1
 logger = logging.getLogger("mlx_infer.server")
 

@@ -30,6 +30,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
+from .. import defaults
+
 logger = logging.getLogger("mlx_infer.server")
 
 Scope = dict[str, Any]
@@ -37,15 +39,15 @@ Message = dict[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
-MAX_BODY_BYTES = 8 * 2**20
-BODY_TIMEOUT_S = 30.0
+MAX_BODY_BYTES = defaults.MAX_BODY_BYTES
+BODY_TIMEOUT_S = defaults.BODY_TIMEOUT_S
 #: The public paths ``--public`` can name: ``docs`` opens the interactive docs and the schema.
 PUBLIC_CHOICES: dict[str, tuple[str, ...]] = {
     "health": ("/health",),
     "metrics": ("/metrics",),
     "docs": ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"),
 }
-DEFAULT_PUBLIC = ("health",)
+DEFAULT_PUBLIC = defaults.PUBLIC_ENDPOINTS
 
 
 def error_body(status: int, message: str, *, type: str | None = None, code: str | None = None,

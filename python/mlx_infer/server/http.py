@@ -22,11 +22,12 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from .. import defaults
 from ..errors import MlxInferError
 from .guard import Drain, error_body
 
-HEADER_TIMEOUT_S = 10.0
-DRAIN_TIMEOUT_S = 5.0
+HEADER_TIMEOUT_S = defaults.HEADER_TIMEOUT_S
+DRAIN_TIMEOUT_S = defaults.DRAIN_TIMEOUT_S
 #: After the drain, at most this long for aborted requests to send their last event (they
 #: need no engine step for it, only the event loop: a loaded machine can starve it for a while).
 ABORT_GRACE_S = 3.0

@@ -10,12 +10,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .. import defaults
 from ..errors import MlxInferError
 from .guard import BODY_TIMEOUT_S, DEFAULT_PUBLIC, PUBLIC_CHOICES, GuardConfig
 from .http import DRAIN_TIMEOUT_S, HEADER_TIMEOUT_S, bind, make_server
 
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 8080
+DEFAULT_HOST = defaults.HOST
+DEFAULT_PORT = defaults.PORT
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,13 +50,13 @@ class ServeOptions:
     model: str | None = None
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
-    max_batch: int = 32
+    max_batch: int = defaults.MAX_BATCH
     memory_budget_gb: float | None = None
     api_key: str | None = None
     public: tuple[str, ...] = DEFAULT_PUBLIC
-    max_tokens: int = 512
-    prefill_step_size: int = 512
-    page_size: int = 16
+    max_tokens: int = defaults.SERVER_MAX_TOKENS
+    prefill_step_size: int = defaults.ENGINE_PREFILL_STEP_SIZE
+    page_size: int = defaults.PAGE_SIZE
     log_level: str = "info"
     drain_timeout_s: float = DRAIN_TIMEOUT_S
     header_timeout_s: float = HEADER_TIMEOUT_S

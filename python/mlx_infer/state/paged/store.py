@@ -8,6 +8,7 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 
+from ... import defaults
 from ... import _fast
 from ...errors import MlxInferError
 from ..kv import RotatingKVCache
@@ -16,7 +17,7 @@ from .scheme import LayerKV, load_kv_config, uniform_scheme
 from .sequence import PagedLayerCache, PagedSequence
 from .storage import LayerStorage
 
-DEFAULT_PAGE_SIZE = 16
+DEFAULT_PAGE_SIZE = defaults.PAGE_SIZE
 
 
 def model_geometry(model: Any) -> tuple[list[int | None], int, int]:
@@ -34,7 +35,7 @@ def model_geometry(model: Any) -> tuple[list[int | None], int, int]:
 
 #: Tokens a sliding-window group keeps beyond its window, so a caller can roll
 #: back (truncate / trim) that far past the last step.
-DEFAULT_WINDOW_SLACK = 16
+DEFAULT_WINDOW_SLACK = defaults.WINDOW_SLACK
 
 
 @dataclass(frozen=True)

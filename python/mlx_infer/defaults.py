@@ -1,0 +1,48 @@
+"""Every default value of mlx-infer, in one place, with why it is what it is.
+
+The API, the engine, the server and the CLI read their defaults from here (import only: this module imports
+nothing, so the CLI can build its parser without loading the server or MLX). Where two entry points differ on
+purpose (the CLI's ``--max-tokens`` is mlx-lm's 100, the API's is 256), both are here, next to each other.
+"""
+
+from __future__ import annotations
+
+# -- generation ------------------------------------------------------------------------------------------------
+#: Tokens ``generate()`` / ``generate_text()`` / an engine request produce when not told.
+MAX_TOKENS = 256
+#: ``mlx-infer generate --max-tokens``: mlx-lm's ``mlx_lm.generate`` default, so the same command does the same.
+CLI_MAX_TOKENS = 100
+#: Prompt tokens per prefill forward of one request (``generate``, ``bench``): mlx-lm's ``prefill_step_size``.
+PREFILL_STEP_SIZE = 2048
+
+# -- the engine (continuous batching) --------------------------------------------------------------------------
+#: Requests running at once (prefilling or decoding).
+MAX_BATCH = 32
+#: Prompt tokens per engine iteration: smaller than ``PREFILL_STEP_SIZE`` so a joining prompt stalls the decoding
+#: streams for at most one short chunk (vLLM's chunked prefill makes the same trade).
+ENGINE_PREFILL_STEP_SIZE = 512
+#: Tokens per KV page (vLLM's block size).
+PAGE_SIZE = 16
+#: Extra tokens a sliding-window layer keeps beyond its window, so a short rollback stays exact.
+WINDOW_SLACK = 16
+#: Requests waiting for admission before ``submit`` refuses more.
+MAX_QUEUE = 4096
+#: KV memory budget in GB; ``None`` sizes it from the device (engine/config.py: ``kv_budget``).
+MEMORY_BUDGET_GB: float | None = None
+
+# -- the server ------------------------------------------------------------------------------------------------
+HOST = "127.0.0.1"
+PORT = 8080
+#: A chat completion's ``max_tokens`` when the request gives none, and (``serve --max-tokens``) every request's cap.
+SERVER_MAX_TOKENS = 512
+#: A completion's ``max_tokens`` when the request gives none: OpenAI's API default.
+COMPLETIONS_MAX_TOKENS = 16
+#: On SIGINT/SIGTERM, seconds requests in flight get to finish before they are aborted.
+DRAIN_TIMEOUT_S = 5.0
+#: Seconds a client may take to send a request's headers, and its body.
+HEADER_TIMEOUT_S = 10.0
+BODY_TIMEOUT_S = 30.0
+#: Largest request body accepted (413 beyond).
+MAX_BODY_BYTES = 8 * 2**20
+#: Endpoints open without ``--api-key``'s key.
+PUBLIC_ENDPOINTS = ("health",)
