@@ -260,25 +260,31 @@ class OursHTTP:
         import httpx
 
         self.ttfts: list[float] = []
+        self.events: list[tuple[float, int, bool]] = []  # (arrival, request number, finished): the decode window
 
         async def main() -> int:
-            queue = list(prompts)
+            queue = list(enumerate(prompts))
             total = 0
             limits = httpx.Limits(max_connections=streams + 4)
             async with httpx.AsyncClient(base_url=self.url, timeout=600, limits=limits) as client:
                 async def stream() -> None:
                     nonlocal total
                     while queue:
-                        body = {"model": self.model, "prompt": queue.pop(0), "max_tokens": gen, "stream": True,
+                        rid, prompt = queue.pop(0)
+                        body = {"model": self.model, "prompt": prompt, "max_tokens": gen, "stream": True,
                                 "ignore_eos": True, "temperature": 0, "stream_options": {"include_usage": True}}
                         t0, first = time.perf_counter(), True
                         async with client.stream("POST", "/v1/completions", json=body) as resp:
                             async for line in resp.aiter_lines():
                                 if line.startswith("data: {"):
                                     chunk = json.loads(line[6:])
-                                    if first and chunk.get("choices"):
-                                        self.ttfts.append(time.perf_counter() - t0)
-                                        first = False
+                                    if chunk.get("choices"):
+                                        now = time.perf_counter()
+                                        if first:
+                                            self.ttfts.append(now - t0)
+                                            first = False
+                                        self.events.append(
+                                            (now, rid, chunk["choices"][0].get("finish_reason") is not None))
                                     usage = chunk.get("usage")
                                     total += usage["completion_tokens"] if usage else 0
                 await asyncio.gather(*(stream() for _ in range(streams)))
