@@ -396,7 +396,7 @@ def main() -> None:
     p.add_argument("--gather", action="store_true",
                    help="add a token-ids column whose paged step gathers K/V (attention='gather')")
     p.add_argument("--no-text", action="store_true",
-                   help="skip the detokenizing mlx-infer column (random-weight models: benchmarks/gpu_served.py)")
+                   help="skip the detokenizing mlx-infer column (random-weight models: --shape)")
     p.add_argument("--stock-kernels", action="store_true",
                    help="load mlx-infer's model on MLX's stock kernels (as mlx-lm runs): the engine alone compared")
     p.add_argument("--json", default=None, help="write the results document here")

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The engine-on-the-GPU measurements (issues 16 and 17), in two device calls of < 10 minutes each.
+# Run on the H200 after `source .gpu2/install.sh` (see the developers' guide); results go to $OUT.
+#
+#   bash benchmarks/h200_engine.sh a   # llama-1B and gemma3-270m: served table with the HTTP column, default sizing
+#   bash benchmarks/h200_engine.sh b   # llama-8B served table; a joining request's TTFT; host time per step
+#
+# Every command has its own timeout so a phase ends inside the call's limit and keeps what finished.
+set -uo pipefail
+out=${OUT:-/tmp/h200-out}; mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+run() {  # run SECONDS NAME COMMAND...: log to $out/NAME.log
+  local secs=$1 name=$2; shift 2
+  echo "== $name: $*" | tee -a "$out/phase.log"
+  timeout "$secs" "$@" > "$out/$name.log" 2>&1; echo "== $name rc=$?" | tee -a "$out/phase.log"
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >> "$out/phase.log" 2>&1
+python -c "import mlx.core as mx, mlx_lm; print('mlx', mx.__version__, 'mlx-lm', mlx_lm.__version__)" >> "$out/phase.log"
+served="python benchmarks/served.py -p 512 -g 128 -r 1 -n 2 --no-text --streams 1,8,32,64,128"
+case "${1:-a}" in
+  a)
+    run 270 llama-1b $served --shape llama-1b --http --json "$out/h200-served-llama-1b.json"
+    run 240 gemma3-270m $served --shape gemma3-270m --http --json "$out/h200-served-gemma3-270m.json"
+    ;;
+  b)
+    run 330 llama-8b $served --shape llama-8b --streams 1,8,32,64 --json "$out/h200-served-llama-8b.json"
+    run 120 join-ttft python benchmarks/join_ttft.py --shape llama-1b -p 512 -n 3
+    run 60 host-step python benchmarks/host_step.py --streams 32,64
+    ;;
+  *) echo "usage: $0 a|b" >&2; exit 2 ;;
+esac
