@@ -51,7 +51,7 @@ from mlx.utils import tree_flatten
 
 from mlx_infer.bench.report import results_document, write_json
 from mlx_infer.generation.autoregressive import generate_tokens
-from mlx_infer.generation.batch import generate_batch
+from mlx_infer.generation.static_batch import generate_batch
 from mlx_infer.generation.bindings.decode_step import CompiledDecodeStep, DecodePolicy
 from mlx_infer.models import get_model_classes
 

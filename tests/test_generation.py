@@ -103,7 +103,7 @@ def test_empty_prompt(loaded):
 
 def test_seeded_request_draws_the_same_alone_and_in_a_batch(loaded):
     """Batch independence: each row has its own key sequence and sampler."""
-    from mlx_infer.generation.batch import generate_batch
+    from mlx_infer.generation.static_batch import generate_batch
 
     prompts = [list(range(10, 22)), list(range(40, 52)), list(range(70, 82))]
     params = [SamplingParams(temperature=1.2, seed=5), SamplingParams(temperature=0.9, seed=6, top_k=20),

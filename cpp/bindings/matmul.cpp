@@ -6,6 +6,7 @@
 
 #include <string>
 
+#include "mlx_infer/cpu_attention.h"
 #include "mlx_infer/matmul.h"
 
 namespace nb = nanobind;

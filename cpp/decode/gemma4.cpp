@@ -6,6 +6,7 @@
 // a KVAccess: DecodeStep's buffers or a paged store's pages (paged_step.cpp).
 #include "gemma4.h"
 
+#include "mlx_infer/cpu_attention.h"
 #include "mlx_infer/matmul.h"
 
 #include <algorithm>

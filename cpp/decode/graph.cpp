@@ -5,6 +5,7 @@
 
 #include "gemma4.h"
 
+#include "mlx_infer/cpu_attention.h"
 #include "mlx_infer/matmul.h"
 
 #include <algorithm>

@@ -55,24 +55,6 @@ mx::array fast_quantized_matmul(
     const std::string& mode = "affine",
     mx::StreamOrDevice s = {});
 
-/// `mx::fast::scaled_dot_product_attention(q, k, v, scale, mask_mode, mask)`.
-///
-/// q (B, H, L, D), k (B, KVH, S, D), v (B, KVH, S, Dv), H a multiple of KVH,
-/// one float dtype; mask_mode "" (none), "causal" (key s visible to query l
-/// when s <= l + S - L) or "array" (bool: true = attend; float: added to the
-/// scaled scores; broadcastable to (B, H, L, S)). Scores, softmax and the
-/// weighted sum run in float32; keys past the causal limit are skipped, not
-/// masked. A query that sees no key gets a zero row (MLX: NaN). Other inputs
-/// and GPU streams get MLX's op.
-mx::array fast_sdpa(
-    const mx::array& q,
-    const mx::array& k,
-    const mx::array& v,
-    float scale,
-    const std::string& mask_mode = "",
-    const std::optional<mx::array>& mask = std::nullopt,
-    mx::StreamOrDevice s = {});
-
 /// `act(gate) * up`, act "gelu_approx" (mlx.nn.gelu_approx, the tanh form) or
 /// "silu": a gated MLP's activation in one pass, in float32 with vectorized
 /// exp. gate and up share shape and dtype; otherwise, and on GPU streams, the

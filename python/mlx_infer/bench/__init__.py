@@ -6,9 +6,9 @@ the first over the time after the first. Engines alternate trial by trial
 (A B A B ...) so drift in the machine hits all of them alike.
 """
 
-from .engines import ENGINES, Engine, TrialResult, make_engine
+from .engines import ENGINES, BenchEngine, TrialResult, make_engine
 from .report import RESULTS_SCHEMA_KEYS, results_document, write_markdown, write_plot
 from .runner import BenchConfig, run_bench
 
-__all__ = ["ENGINES", "Engine", "TrialResult", "make_engine", "BenchConfig", "run_bench",
+__all__ = ["ENGINES", "BenchEngine", "TrialResult", "make_engine", "BenchConfig", "run_bench",
            "results_document", "write_markdown", "write_plot", "RESULTS_SCHEMA_KEYS"]

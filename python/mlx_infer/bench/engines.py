@@ -26,7 +26,7 @@ class TrialResult:
         return asdict(self)
 
 
-class Engine(Protocol):
+class BenchEngine(Protocol):
     """Loads a model once, then runs trials on token-id prompts."""
 
     name: str
@@ -65,7 +65,7 @@ class MlxInferEngine:
 
     def run(self, prompts: list[list[int]], generation_tokens: int, prefill_step_size: int) -> TrialResult:
         from ..generation.autoregressive import generate_tokens
-        from ..generation.batch import generate_batch
+        from ..generation.static_batch import generate_batch
 
         mx.reset_peak_memory()
         t0 = time.perf_counter()

@@ -27,7 +27,7 @@ Public API: :class:`PagedKVStore` (``add_sequence``, ``make_cache``, ``batch``),
 :class:`LayerKV` and :func:`load_kv_config` for quantized / mixed schemes.
 """
 
-from .batch import PagedBatch, PagedBatchLayerCache
+from .batch_cache import PagedBatch, PagedBatchLayerCache
 from .scheme import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, LayerKV, load_kv_config, uniform_scheme
 from .sequence import PagedKVExhausted, PagedLayerCache, PagedSequence
 from .store import DEFAULT_PAGE_SIZE, DEFAULT_WINDOW_SLACK, LayerGroup, PagedKVStore, PagedModel, model_geometry

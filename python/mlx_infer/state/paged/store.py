@@ -12,7 +12,7 @@ from ... import defaults
 from ... import _fast
 from ...errors import MlxInferError
 from ..kv import RotatingKVCache
-from .batch import PagedBatch
+from .batch_cache import PagedBatch
 from .scheme import LayerKV, load_kv_config, uniform_scheme
 from .sequence import PagedLayerCache, PagedSequence
 from .storage import LayerStorage

@@ -10,9 +10,9 @@
 #include <utility>
 #include <vector>
 
-#include "array_util.h"
-#include "kernels.h"
-#include "mlx_infer/matmul.h"
+#include "../matmul/array_util.h"
+#include "../matmul/kernels.h"
+#include "mlx_infer/cpu_attention.h"
 
 namespace mlx_infer {
 
