@@ -55,6 +55,7 @@ from .batch import DecodeBatch
 from .config import EngineConfig, kv_budget, pool_pages
 from .metrics import PROMETHEUS_ORDER, EngineMetrics, pool_gauges, prometheus_text
 from .request import EngineRequest, RequestHandle, RequestResult, TokenEvent, wake
+from .grammar_jump import commit_span
 from .mixed import advance, mixed_batch, mixed_inputs, pick_chunks
 from .rows import Step, queue_outputs, sample_rows, step_inputs
 from .scheduler import DECODE, DONE, PREFILL, LiveRequest, Scheduler
@@ -112,8 +113,10 @@ class Engine:
         self.store = PagedKVStore.for_model(
             self.model, num_pages=pool_pages(self.model, config, self.context_length, self.kv_budget),
             page_size=config.page_size, dtype=config.kv_dtype, kv_scheme=config.kv_scheme)
+        composition = composition or Composition()
+        self.grammar_jump = composition.grammar_jump  # forced spans in one forward (engine/grammar_jump.py)
         self.paged_decode, self.paged_decode_reason = self._paged_decode(
-            composition or Composition(), decode_policy or PagedDecodePolicy())
+            composition, decode_policy or PagedDecodePolicy())
         self.metrics = EngineMetrics()
         self.scheduler = Scheduler(
             self.store, max_batch=config.max_batch,
@@ -390,6 +393,7 @@ class Engine:
             tokens = mx.array([r.all_ids[r.prefilled:r.prefilled + n] for r in rows], mx.uint32)  # (B, n)
             h = self.model.model(tokens, cache=caches)  # (B, n, hidden): K/V written to pages
             mx.async_eval(h)
+            self.metrics.forward()
             budget -= n * len(rows)
             did = True
             self.metrics.prefilled(n * len(rows))
@@ -470,6 +474,7 @@ class Engine:
             logits = self.paged_decode.step(inputs, batch)  # (M, vocab); eager fallback inside
         else:
             logits = self.model(inputs[:, None], cache=batch.caches)[:, -1, :]  # (B, vocab)
+        self.metrics.forward()
         batch.commit()
         if chunks:
             advance(chunks, self.scheduler, self.metrics)
@@ -540,7 +545,7 @@ class Engine:
                             top = list(zip(out.top_ids[0].tolist(), out.top_logprobs[0].tolist()))
                     if self.vocab_size is not None and not 0 <= tokens[i] < self.vocab_size:
                         raise MlxInferError(f"sampled token id {tokens[i]} is outside the vocabulary")
-                    self._emit(r, tokens[i], lp, top)
+                    self._emit(r, tokens[i], lp, top, forced=out is not None and out.forced)
                 except Exception as e:  # one row's values or text, not the batch: fail that request alone
                     self._finish(r, "error", error=f"{type(e).__name__}: {e}")
         finally:
@@ -550,14 +555,14 @@ class Engine:
             if n:
                 self.metrics.generated(n)
 
-    def _emit(self, r: LiveRequest, token: int, logprob: float | None,
-              top: list[tuple[int, float]] | None) -> None:
+    def _emit(self, r: LiveRequest, token: int, logprob: float | None, top: list[tuple[int, float]] | None,
+              *, forced: bool = False, jump: bool = True) -> None:
         r.all_ids.append(token)
         index = r.generated - 1
         eos = token in self.eos and not r.request.ignore_eos
         done = False
         if r.constraint is not None:
-            r.constraint.advance(token)
+            r.constraint.advance(token, forced=forced)
             done = r.constraint.done  # the grammar is complete: nothing may follow
         finish = "stop" if eos or done else ("length" if r.generated >= r.limit else None)
         text = ""
@@ -575,9 +580,13 @@ class Engine:
             r.logprobs.append(logprob)
             if top is not None:
                 r.top_logprobs.append(top)
-        event = TokenEvent(r.request.request_id, token, index, text, finish, logprob, top)
+        if forced:
+            self.metrics.forced()
+        event = TokenEvent(r.request.request_id, token, index, text, finish, logprob, top, forced)
         if finish is None:
             r.handle._deliver(event, wakeups=self._wakeups)
+            if jump and r.constraint is not None and self.grammar_jump:
+                commit_span(self, r)  # the tokens the grammar forces now, fed as one prefill chunk
         else:
             self._finish(r, finish, event=event)
 
@@ -607,7 +616,8 @@ class Engine:
             logprobs=r.logprobs if p.logprobs else None,
             top_logprobs=r.top_logprobs if p.logprobs and p.top_logprobs else None,
             preemptions=r.preemptions, ttft_ms=((r.t_first or now) - r.t_submit) * 1e3,
-            total_ms=(now - r.t_submit) * 1e3, error=error)
+            total_ms=(now - r.t_submit) * 1e3, error=error,
+            forced_tokens=r.constraint.forced_committed if r.constraint is not None else 0)
         if event is None:
             event = TokenEvent(r.request.request_id, None, r.generated, "", reason)
         r.handle._deliver(event, result, wakeups=self._wakeups)

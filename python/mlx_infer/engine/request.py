@@ -94,6 +94,7 @@ class TokenEvent:
         finish_reason: set on the last event: one of :data:`FINISH_REASONS`.
         logprob: the token's log-probability (with ``sampling.logprobs``).
         top_logprobs: ``[(id, logprob), ...]`` most likely first (with ``top_logprobs``).
+        forced: the request's constraint forced the token (not sampled; logprob 0).
     """
 
     request_id: str
@@ -103,6 +104,7 @@ class TokenEvent:
     finish_reason: str | None = None
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
+    forced: bool = False
 
 
 @dataclass
@@ -122,6 +124,7 @@ class RequestResult:
         ttft_ms: submit to first token.
         total_ms: submit to finish.
         error: what failed, when ``finish_reason == "error"``.
+        forced_tokens: generated tokens the request's constraint forced (see engine/grammar_jump.py).
     """
 
     request_id: str
@@ -136,6 +139,7 @@ class RequestResult:
     ttft_ms: float = 0.0
     total_ms: float = 0.0
     error: str | None = None
+    forced_tokens: int = 0
 
     @property
     def completion_tokens(self) -> int:
