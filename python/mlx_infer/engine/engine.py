@@ -347,7 +347,9 @@ class Engine:
             except Exception as e:  # this request's parameters, not the engine: fail it alone
                 self._finish(live, "error", error=f"{type(e).__name__}: {e}")
                 continue
-            live.detok = self.tokenizer.detokenizer(skip_special_tokens=live.request.skip_special_tokens)
+            live.detok = self.tokenizer.detokenizer(
+                skip_special_tokens=live.request.skip_special_tokens,
+                spaces_between_special_tokens=live.request.spaces_between_special_tokens)
             live.matcher = StopMatcher(live.request.stop)
             live.needs_history = bool(live.sampler.processors)
             live.simple = p.greedy and not live.needs_history and not p.logprobs and live.constraint is None

@@ -223,7 +223,9 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
                                                  stop=P.stop_strings(req.stop), ignore_eos=bool(req.ignore_eos),
                                                  namespace=model_id, constraint=constraint,
                                                  skip_special_tokens=req.skip_special_tokens is not False
-                                                 and not keep_special))
+                                                 and not keep_special,
+                                                 spaces_between_special_tokens=req.spaces_between_special_tokens
+                                                 is not False))
         except PromptTooLongError as e:
             raise P.OpenAIError(400, str(e), param="messages" if hasattr(req, "messages") else "prompt",
                                 code="context_length_exceeded") from None
