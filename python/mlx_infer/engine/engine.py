@@ -57,6 +57,7 @@ from .metrics import PROMETHEUS_ORDER, EngineMetrics, pool_gauges, prometheus_te
 from .request import EngineRequest, RequestHandle, RequestResult, TokenEvent, wake
 from .grammar_jump import commit_span
 from .mixed import advance, mixed_batch, mixed_inputs, pick_chunks
+from .prompt_scores import score_chunk, wants_scores
 from .rows import Step, queue_outputs, sample_rows, step_inputs
 from .scheduler import DECODE, DONE, PREFILL, LiveRequest, Scheduler
 
@@ -205,6 +206,8 @@ class Engine:
             if max(request.prompt_ids) >= self.vocab_size:
                 raise MlxInferError(f"prompt token ids must be < the vocabulary size {self.vocab_size}.")
             request.sampling.validate(self.vocab_size)
+        if request.prompt_logprobs is not None and not self._head:
+            raise MlxInferError("prompt_logprobs needs a graph with logits_from_hidden; this one has none.")
         if request.sampling.seed is not None and request.sampling.seed >= 2**64:
             raise MlxInferError(f"seed must be < 2**64, got {request.sampling.seed}.")
         constraint = None
@@ -396,6 +399,7 @@ class Engine:
             h = self.model.model(tokens, cache=caches)  # (B, n, hidden): K/V written to pages
             mx.async_eval(h)
             self.metrics.forward()
+            score_chunk(self.model, rows, h, self.vocab_size)  # prompt logprobs, for the rows that asked
             budget -= n * len(rows)
             did = True
             self.metrics.prefilled(n * len(rows))
@@ -510,7 +514,8 @@ class Engine:
     def _mixes(self) -> bool:
         """Whether prompt chunks ride in the decode step (not after the compiled step failed:
         the eager graph would gather every chunk row's keys)."""
-        return self._mixing and not self.paged_decode.failed
+        return self._mixing and not self.paged_decode.failed and not any(
+            r.state == PREFILL and wants_scores(r) for r in self.scheduler.running)  # scored chunks: own forward
 
     def _batch_for(self, rows: list[LiveRequest]) -> DecodeBatch:
         key = tuple(r.seq.seq_id for r in rows)
@@ -619,7 +624,8 @@ class Engine:
             top_logprobs=r.top_logprobs if p.logprobs and p.top_logprobs else None,
             preemptions=r.preemptions, ttft_ms=((r.t_first or now) - r.t_submit) * 1e3,
             total_ms=(now - r.t_submit) * 1e3, error=error,
-            forced_tokens=r.constraint.forced_committed if r.constraint is not None else 0)
+            forced_tokens=r.constraint.forced_committed if r.constraint is not None else 0,
+            prompt_logprobs=r.handle.prompt_logprobs)
         if event is None:
             event = TokenEvent(r.request.request_id, None, r.generated, "", reason)
         r.handle._deliver(event, result, wakeups=self._wakeups)

@@ -47,6 +47,9 @@ class EngineRequest:
             text (vLLM's field; the server's default is ``True``, as vLLM's).
         spaces_between_special_tokens: vLLM's field (see
             :class:`~mlx_infer.input.tokenizer.StreamingDetokenizer`); ``True`` by default.
+        prompt_logprobs: score the prompt (vLLM's field): each prompt token's teacher-forced
+            logprob and this many most likely alternatives (0..20), computed by the prefill over
+            the request's own pages (engine/prompt_scores.py); ``None``: not scored.
     """
 
     prompt_ids: Sequence[int]
@@ -60,6 +63,7 @@ class EngineRequest:
     constraint: Any = None
     skip_special_tokens: bool = False
     spaces_between_special_tokens: bool = True
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         ids = list(self.prompt_ids)
@@ -81,6 +85,9 @@ class EngineRequest:
             raise MlxInferError("stop strings need detokenize=True (they match the generated text).")
         if not self.request_id:
             object.__setattr__(self, "request_id", uuid.uuid4().hex)
+        k = self.prompt_logprobs
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 20):
+            raise MlxInferError(f"prompt_logprobs must be an integer in 0..20 (or None), got {k!r}.")
 
 
 @dataclass(frozen=True)
@@ -128,6 +135,8 @@ class RequestResult:
         total_ms: submit to finish.
         error: what failed, when ``finish_reason == "error"``.
         forced_tokens: generated tokens the request's constraint forced (see engine/grammar_jump.py).
+        prompt_logprobs: the prompt's scores with ``EngineRequest.prompt_logprobs``
+            (a :class:`~mlx_infer.engine.prompt_scores.PromptLogprobs`), else ``None``.
     """
 
     request_id: str
@@ -143,6 +152,7 @@ class RequestResult:
     total_ms: float = 0.0
     error: str | None = None
     forced_tokens: int = 0
+    prompt_logprobs: Any = None
 
     @property
     def completion_tokens(self) -> int:
@@ -181,6 +191,8 @@ class RequestHandle:
         self._events: list[TokenEvent] = []
         self._result: RequestResult | None = None
         self._queues: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = []
+        #: With ``request.prompt_logprobs``: the prompt's scores, set before the first token's event.
+        self.prompt_logprobs: Any = None
 
     # -- engine side --------------------------------------------------------
 

@@ -68,6 +68,7 @@ class LiveRequest:
         self.simple = False  # greedy, no processors, no logprobs: one batched argmax
         self.needs_history = False
         self.constraint: Any = None  # the request's ConstraintState (compiled at submit)
+        self.prompt_scores: Any = None  # (logprobs, tops) per prompt position (engine/prompt_scores.py)
         self.text: list[str] = []
         self.logprobs: list[float] = []
         self.top_logprobs: list[list[tuple[int, float]]] = []
@@ -170,7 +171,9 @@ class Scheduler:
 
     def _start(self, live: LiveRequest) -> None:
         ids = live.all_ids
-        seq = self.store.add_sequence(ids if self.prefix_cache else None, namespace=live.request.namespace)
+        # A request scoring its prompt computes every position: no prefix hit (engine/prompt_scores.py).
+        reuse = self.prefix_cache and getattr(live.request, "prompt_logprobs", None) is None
+        seq = self.store.add_sequence(ids if reuse else None, namespace=live.request.namespace)
         live.seq = seq
         live.caches = self.store.make_cache(seq)
         live.prefilled = seq.cached_tokens
