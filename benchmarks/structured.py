@@ -122,7 +122,7 @@ def engine_step_ms(loaded, batch: int, steps: int = 8, prompt_tokens: int = 64) 
     try:
         base = loaded.tokenizer.encode("Give me a JSON example record. " * 16)[:prompt_tokens - 1]
         for i in range(batch):
-            engine.submit(EngineRequest(prompt_ids=[*base, 10 + i], max_tokens=steps + 3, ignore_eos=True))
+            engine.submit(EngineRequest(prompt_ids=[10 + i, *base], max_tokens=steps + 3, ignore_eos=True))  # no shared page
         times = []
         while engine.has_work():
             decoding = all(r.state == "decode" for r in engine.scheduler.running) and not engine.scheduler.waiting
