@@ -163,3 +163,23 @@ def test_server_same_replies_fewer_forwards(servers):
     assert forwards[True] < forwards[False]
     metrics = httpx.get(servers[True].url + "/metrics", timeout=30).text
     assert "mlx_infer_grammar_jump_forwards_saved_total" in metrics
+
+
+def test_serve_switch(tmp_path, monkeypatch):
+    import mlx_infer.server as server_pkg
+    from mlx_infer import cli
+    from mlx_infer.server import ServeOptions
+    from mlx_infer.server.run import build
+
+    d = make_tiny_model_dir(tmp_path, "llama")
+    for flag, want in (([], True), (["--no-grammar-jump"], False)):
+        seen = {}
+        monkeypatch.setattr(server_pkg, "serve", lambda options: seen.setdefault("options", options))
+        args = cli.build_parser().parse_args(["serve", "--model", str(d), *flag])
+        args.func(args)
+        assert seen["options"].grammar_jump is want
+        _, engine, _ = build(ServeOptions(model=str(d), grammar_jump=want, memory_budget_gb=0.5))
+        try:
+            assert engine.grammar_jump is want
+        finally:
+            engine.stop()
