@@ -18,7 +18,9 @@ An iteration of the engine thread::
     5. read       step n-1's tokens are read while step n runs (pipelined);
                   text, stop strings, logprobs, finish; finished requests
                   free their pages at once; first tokens of step 3 are read
-                  after this iteration's decode step is queued
+                  after this iteration's decode step is queued; tokens a
+                  constraint forces next are emitted at once and fed as one
+                  prefill chunk by step 3 (engine/grammar_jump.py)
 
 Mixed steps (``EngineConfig.mixed_steps``, engine/mixed.py): while requests
 decode, step 3 is skipped and the decode step of 4 carries the prompt chunks
