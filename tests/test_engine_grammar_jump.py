@@ -111,7 +111,8 @@ def test_span_cut_by_max_tokens_and_preemption(tiny):
         _same(on, off)
         assert on.finish_reason == "length" and len(on.token_ids) == limit
     # a pool so small that rows are preempted (and recomputed) while spans are pending
-    reqs = [EngineRequest(prompt_ids=prompt * 3, max_tokens=120, constraint=c) for _ in range(4)]
+    reqs = [EngineRequest(prompt_ids=[10 + i] + prompt * 3, max_tokens=120, constraint=c)  # no shared page
+            for i in range(4)]
     on, s_on, _, _ = _run(tiny, reqs, jump=True, num_pages=14, max_batch=4)
     off, _, _, _ = _run(tiny, reqs, jump=False, num_pages=14, max_batch=4)
     for a, b in zip(on, off):
