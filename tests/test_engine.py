@@ -218,7 +218,8 @@ def test_metrics_in_prometheus_text(tiny):
 
 
 def _live(n_tokens: int, order: int) -> LiveRequest:
-    req = EngineRequest(prompt_ids=list(range(5, 5 + n_tokens)), max_tokens=4)
+    # distinct prompts (a shared first page would make the later one wait to reuse it)
+    req = EngineRequest(prompt_ids=[100 * order + i for i in range(n_tokens)], max_tokens=4)
     return LiveRequest(req, handle=None, order=order, limit=4)  # type: ignore[arg-type]
 
 
@@ -256,7 +257,7 @@ def test_scheduler_single_token_prompt_starts_decoding():
     r = _live(1, 1)
     sched.enqueue(r)
     sched.admit()
-    assert r.state == DECODE and r.next_input == 5
+    assert r.state == DECODE and r.next_input == 100
 
 
 def test_memory_is_released_after_requests(tiny):
@@ -334,3 +335,23 @@ def test_mixed_windows_engine_releases_window_pages_and_reuses_prefixes(tiny):
     assert first.token_ids == want and third.token_ids == want
     assert first.cached_tokens == 0 and second.cached_tokens == 44 and third.cached_tokens == 56
     assert second.token_ids == [t.token for t in alone(loaded, other, 8)]
+
+
+def test_scheduler_holds_a_prompt_whose_first_page_is_being_prefilled():
+    store = PagedKVStore(num_layers=1, num_pages=17, page_size=4)
+    sched = Scheduler(store, max_batch=4)
+    ids = list(range(5, 15))
+    a = LiveRequest(EngineRequest(prompt_ids=ids, max_tokens=4), None, 1, 4)  # type: ignore[arg-type]
+    b = LiveRequest(EngineRequest(prompt_ids=ids + [3], max_tokens=4), None, 2, 4)  # type: ignore[arg-type]
+    other = LiveRequest(EngineRequest(prompt_ids=ids, max_tokens=4, namespace="x"), None, 3, 4)  # type: ignore[arg-type]
+    for r in (a, b, other):
+        sched.enqueue(r)
+    admitted, _ = sched.admit()
+    assert admitted == [a] and list(sched.waiting) == [b, other]  # b waits for a's first pages
+    a.seq.reserve(len(ids))
+    a.seq.offsets[:] = [len(ids)]
+    a.prefilled, a.state = len(ids), DECODE
+    sched.register_prompt(a, len(ids))  # a's prefill is done: its full pages are indexed
+    admitted, _ = sched.admit()
+    assert admitted == [b, other]  # (other was queued behind b; another namespace reuses nothing)
+    assert b.cached_tokens == 8 and b.prefilled == 8 and other.cached_tokens == 0

@@ -226,7 +226,7 @@ def test_streamed_echo_only(server):
 
 
 def test_prompt_logprobs_while_the_engine_decodes(server):
-    """Scoring runs on its own thread beside the engine's: values unchanged while a generation runs."""
+    """Scoring rides the engine's prefill beside a running generation: values unchanged (batched with it)."""
     import threading
 
     ids = server.loaded.tokenizer.encode(PROMPT)

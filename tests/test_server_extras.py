@@ -26,7 +26,7 @@ def server(tmp_path_factory):
     engine = Engine(loaded, EngineConfig(page_size=8)).start()
     srv = ServerThread(create_app(engine, model_id="tiny", allowed_origins=("http://app.example",))).start()
     plain = ServerThread(create_app(engine, model_id="tiny")).start()
-    yield SimpleNamespace(url=srv.url, plain=plain.url, loaded=loaded, dir=d)
+    yield SimpleNamespace(url=srv.url, plain=plain.url, loaded=loaded, dir=d, engine=engine)
     srv.stop()
     plain.stop()
     engine.stop()
@@ -157,3 +157,18 @@ def test_echo_and_continue_final_message(server):
     assert n == len(want)
     r = httpx.post(server.url + "/v1/chat/completions", json={**body, "add_generation_prompt": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+
+
+def test_n_choices_share_the_prompts_pages(server):
+    """n = 2: the second choice reuses the first's prompt pages (prefilled once, full pages shared)."""
+    ids = server.loaded.tokenizer.encode("Zz qq shared prompt pages, n of two. " * 3)  # no other test's prefix
+    assert len(ids) > 40
+    before = server.engine.stats()
+    r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": ids + [7], "n": 2, "seed": 3,
+                                                         "temperature": 1.0, "max_tokens": 4}, timeout=60)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2
+    after = server.engine.stats()
+    computed = after["prefill_tokens_total"] - before["prefill_tokens_total"]
+    shared = (len(ids) + 1 - 1) // 8 * 8  # the full pages of the prompt (its last token is always computed)
+    assert after["cached_tokens_total"] - before["cached_tokens_total"] == shared
+    assert computed == 2 * (len(ids) + 1) - shared

@@ -444,7 +444,7 @@ def _serve(args: argparse.Namespace) -> int:
                        body_timeout_s=args.body_timeout, served_model_name=args.served_model_name,
                        allowed_origins=tuple(o.strip() for o in (args.allowed_origins or "").split(",") if o.strip()),
                        temp=args.temp, top_p=args.top_p, top_k=args.top_k,
-                       min_p=args.min_p, chat_template=template,
+                       min_p=args.min_p, chat_template=template, grammar_jump=not args.no_grammar_jump,
                        **({"public": public} if public is not None else {})))
     return 0
 
@@ -534,6 +534,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model id clients pass (default: the model's directory or file name)")
     s.add_argument("--allowed-origins", default=None, metavar="LIST",
                    help="CORS: comma-separated origins to answer ('*' for any; default: CORS off)")
+    s.add_argument("--no-grammar-jump", action="store_true",
+                   help="feed tokens a constraint forces one decode step each (default: one forward per span)")
     s.set_defaults(func=_serve)
 
     c = sub.add_parser("convert", help="write a GGUF or HF model as an MLX directory")

@@ -18,7 +18,9 @@ An iteration of the engine thread::
     5. read       step n-1's tokens are read while step n runs (pipelined);
                   text, stop strings, logprobs, finish; finished requests
                   free their pages at once; first tokens of step 3 are read
-                  after this iteration's decode step is queued
+                  after this iteration's decode step is queued; tokens a
+                  constraint forces next are emitted at once and fed as one
+                  prefill chunk by step 3 (engine/grammar_jump.py)
 
 Mixed steps (``EngineConfig.mixed_steps``, engine/mixed.py): while requests
 decode, step 3 is skipped and the decode step of 4 carries the prompt chunks
@@ -55,7 +57,9 @@ from .batch import DecodeBatch
 from .config import EngineConfig, kv_budget, pool_pages
 from .metrics import PROMETHEUS_ORDER, EngineMetrics, pool_gauges, prometheus_text
 from .request import EngineRequest, RequestHandle, RequestResult, TokenEvent, wake
+from .grammar_jump import commit_span
 from .mixed import advance, mixed_batch, mixed_inputs, pick_chunks
+from .prompt_scores import score_chunk, wants_scores
 from .rows import Step, queue_outputs, sample_rows, step_inputs
 from .scheduler import DECODE, DONE, PREFILL, LiveRequest, Scheduler
 
@@ -112,8 +116,10 @@ class Engine:
         self.store = PagedKVStore.for_model(
             self.model, num_pages=pool_pages(self.model, config, self.context_length, self.kv_budget),
             page_size=config.page_size, dtype=config.kv_dtype, kv_scheme=config.kv_scheme)
+        composition = composition or Composition()
+        self.grammar_jump = composition.grammar_jump  # forced spans in one forward (engine/grammar_jump.py)
         self.paged_decode, self.paged_decode_reason = self._paged_decode(
-            composition or Composition(), decode_policy or PagedDecodePolicy())
+            composition, decode_policy or PagedDecodePolicy())
         self.metrics = EngineMetrics()
         self.scheduler = Scheduler(
             self.store, max_batch=config.max_batch,
@@ -202,6 +208,8 @@ class Engine:
             if max(request.prompt_ids) >= self.vocab_size:
                 raise MlxInferError(f"prompt token ids must be < the vocabulary size {self.vocab_size}.")
             request.sampling.validate(self.vocab_size)
+        if request.prompt_logprobs is not None and not self._head:
+            raise MlxInferError("prompt_logprobs needs a graph with logits_from_hidden; this one has none.")
         if request.sampling.seed is not None and request.sampling.seed >= 2**64:
             raise MlxInferError(f"seed must be < 2**64, got {request.sampling.seed}.")
         constraint = None
@@ -344,7 +352,9 @@ class Engine:
             except Exception as e:  # this request's parameters, not the engine: fail it alone
                 self._finish(live, "error", error=f"{type(e).__name__}: {e}")
                 continue
-            live.detok = self.tokenizer.detokenizer(skip_special_tokens=live.request.skip_special_tokens)
+            live.detok = self.tokenizer.detokenizer(
+                skip_special_tokens=live.request.skip_special_tokens,
+                spaces_between_special_tokens=live.request.spaces_between_special_tokens)
             live.matcher = StopMatcher(live.request.stop)
             live.needs_history = bool(live.sampler.processors)
             live.simple = p.greedy and not live.needs_history and not p.logprobs and live.constraint is None
@@ -390,6 +400,8 @@ class Engine:
             tokens = mx.array([r.all_ids[r.prefilled:r.prefilled + n] for r in rows], mx.uint32)  # (B, n)
             h = self.model.model(tokens, cache=caches)  # (B, n, hidden): K/V written to pages
             mx.async_eval(h)
+            self.metrics.forward()
+            score_chunk(self.model, rows, h, self.vocab_size)  # prompt logprobs, for the rows that asked
             budget -= n * len(rows)
             did = True
             self.metrics.prefilled(n * len(rows))
@@ -470,6 +482,7 @@ class Engine:
             logits = self.paged_decode.step(inputs, batch)  # (M, vocab); eager fallback inside
         else:
             logits = self.model(inputs[:, None], cache=batch.caches)[:, -1, :]  # (B, vocab)
+        self.metrics.forward()
         batch.commit()
         if chunks:
             advance(chunks, self.scheduler, self.metrics)
@@ -503,7 +516,8 @@ class Engine:
     def _mixes(self) -> bool:
         """Whether prompt chunks ride in the decode step (not after the compiled step failed:
         the eager graph would gather every chunk row's keys)."""
-        return self._mixing and not self.paged_decode.failed
+        return self._mixing and not self.paged_decode.failed and not any(
+            r.state == PREFILL and wants_scores(r) for r in self.scheduler.running)  # scored chunks: own forward
 
     def _batch_for(self, rows: list[LiveRequest]) -> DecodeBatch:
         key = tuple(r.seq.seq_id for r in rows)
@@ -540,7 +554,7 @@ class Engine:
                             top = list(zip(out.top_ids[0].tolist(), out.top_logprobs[0].tolist()))
                     if self.vocab_size is not None and not 0 <= tokens[i] < self.vocab_size:
                         raise MlxInferError(f"sampled token id {tokens[i]} is outside the vocabulary")
-                    self._emit(r, tokens[i], lp, top)
+                    self._emit(r, tokens[i], lp, top, forced=out is not None and out.forced)
                 except Exception as e:  # one row's values or text, not the batch: fail that request alone
                     self._finish(r, "error", error=f"{type(e).__name__}: {e}")
         finally:
@@ -550,14 +564,14 @@ class Engine:
             if n:
                 self.metrics.generated(n)
 
-    def _emit(self, r: LiveRequest, token: int, logprob: float | None,
-              top: list[tuple[int, float]] | None) -> None:
+    def _emit(self, r: LiveRequest, token: int, logprob: float | None, top: list[tuple[int, float]] | None,
+              *, forced: bool = False, jump: bool = True) -> None:
         r.all_ids.append(token)
         index = r.generated - 1
         eos = token in self.eos and not r.request.ignore_eos
         done = False
         if r.constraint is not None:
-            r.constraint.advance(token)
+            r.constraint.advance(token, forced=forced)
             done = r.constraint.done  # the grammar is complete: nothing may follow
         finish = "stop" if eos or done else ("length" if r.generated >= r.limit else None)
         text = ""
@@ -575,9 +589,13 @@ class Engine:
             r.logprobs.append(logprob)
             if top is not None:
                 r.top_logprobs.append(top)
-        event = TokenEvent(r.request.request_id, token, index, text, finish, logprob, top)
+        if forced:
+            self.metrics.forced()
+        event = TokenEvent(r.request.request_id, token, index, text, finish, logprob, top, forced)
         if finish is None:
             r.handle._deliver(event, wakeups=self._wakeups)
+            if jump and r.constraint is not None and self.grammar_jump:
+                commit_span(self, r)  # the tokens the grammar forces now, fed as one prefill chunk
         else:
             self._finish(r, finish, event=event)
 
@@ -607,7 +625,9 @@ class Engine:
             logprobs=r.logprobs if p.logprobs else None,
             top_logprobs=r.top_logprobs if p.logprobs and p.top_logprobs else None,
             preemptions=r.preemptions, ttft_ms=((r.t_first or now) - r.t_submit) * 1e3,
-            total_ms=(now - r.t_submit) * 1e3, error=error)
+            total_ms=(now - r.t_submit) * 1e3, error=error,
+            forced_tokens=r.constraint.forced_committed if r.constraint is not None else 0,
+            prompt_logprobs=r.handle.prompt_logprobs)
         if event is None:
             event = TokenEvent(r.request.request_id, None, r.generated, "", reason)
         r.handle._deliver(event, result, wakeups=self._wakeups)

@@ -24,6 +24,9 @@ class EngineMetrics:
     decode_steps_total: int = 0
     preemptions_total: int = 0
     rejected_total: int = 0
+    forwards_total: int = 0
+    forced_tokens_total: int = 0
+    grammar_jump_forwards_saved_total: int = 0
     _gen: deque = field(default_factory=deque)  # (time, tokens) of recent decode steps
     _pre: deque = field(default_factory=deque)  # (time, tokens) of recent prefill chunks
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -47,6 +50,23 @@ class EngineMetrics:
             self.generation_tokens_total += n
             self.decode_steps_total += 1
             self._push(self._gen, n)
+
+    def forward(self) -> None:
+        """One model forward ran (a prefill chunk's, or a decode step's)."""
+        with self._lock:
+            self.forwards_total += 1
+
+    def forced(self) -> None:
+        """A constraint forced one emitted token (see engine/grammar_jump.py)."""
+        with self._lock:
+            self.forced_tokens_total += 1
+
+    def jumped(self, span: int) -> None:
+        """``span`` forced tokens were emitted outside a step (grammar jump): each is a row forward saved."""
+        with self._lock:
+            self.generation_tokens_total += span
+            self.grammar_jump_forwards_saved_total += span
+            self._push(self._gen, span)
 
     def _push(self, q: deque, n: int) -> None:
         now = time.monotonic()
@@ -79,6 +99,9 @@ class EngineMetrics:
                 "decode_steps_total": self.decode_steps_total,
                 "preemptions_total": self.preemptions_total,
                 "rejected_total": self.rejected_total,
+                "forwards_total": self.forwards_total,
+                "forced_tokens_total": self.forced_tokens_total,
+                "grammar_jump_forwards_saved_total": self.grammar_jump_forwards_saved_total,
                 "generation_tokens_per_second": self._rate(self._gen),
                 "prompt_tokens_per_second": self._rate(self._pre),
                 "prefix_hit_rate": self.prefix_hit_rate,
@@ -96,6 +119,9 @@ _HELP = {
     "decode_steps_total": ("counter", "Batched decode steps run."),
     "preemptions_total": ("counter", "Requests preempted (pages freed, recomputed later)."),
     "rejected_total": ("counter", "Requests refused at submit (queue full)."),
+    "forwards_total": ("counter", "Model forwards run (prefill chunks and decode steps)."),
+    "forced_tokens_total": ("counter", "Generated tokens a constraint forced (committed without sampling)."),
+    "grammar_jump_forwards_saved_total": ("counter", "Row forwards grammar jump saved (forced tokens fed in one)."),
     "generation_tokens_per_second": ("gauge", f"Generated tokens/s over the last {RATE_WINDOW_S:.0f} s."),
     "prompt_tokens_per_second": ("gauge", f"Prefilled tokens/s over the last {RATE_WINDOW_S:.0f} s."),
     "prefix_hit_rate": ("gauge", "cached_tokens_total / prompt_tokens_total."),
@@ -128,7 +154,8 @@ def prometheus_text(values: dict[str, Any], prefix: str = "mlx_infer_") -> str:
 #: The metrics ``Engine.prometheus`` exports, in order.
 PROMETHEUS_ORDER = ("queue_depth", "running", "requests_total", "prompt_tokens_total", "cached_tokens_total",
                     "prefill_tokens_total", "generation_tokens_total", "decode_steps_total", "preemptions_total",
-                    "rejected_total", "generation_tokens_per_second", "prompt_tokens_per_second",
+                    "rejected_total", "forwards_total", "forced_tokens_total",
+                    "grammar_jump_forwards_saved_total", "generation_tokens_per_second", "prompt_tokens_per_second",
                     "prefix_hit_rate", "kv_pages_total", "kv_pages_used", "kv_pages_free", "kv_pages_cached",
                     "kv_page_usage", "memory_active_bytes", "memory_peak_bytes")
 

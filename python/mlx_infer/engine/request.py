@@ -46,6 +46,11 @@ class EngineRequest:
             (JSON schema, regex, choice, grammar); the request ends when it is complete.
         skip_special_tokens: special tokens (``<pad>``, added tokens marked special) add no
             text (vLLM's field; the server's default is ``True``, as vLLM's).
+        spaces_between_special_tokens: vLLM's field (see
+            :class:`~mlx_infer.input.tokenizer.StreamingDetokenizer`); ``True`` by default.
+        prompt_logprobs: score the prompt (vLLM's field): each prompt token's teacher-forced
+            logprob and this many most likely alternatives (0..20), computed by the prefill over
+            the request's own pages (engine/prompt_scores.py); ``None``: not scored.
     """
 
     prompt_ids: Sequence[int]
@@ -58,6 +63,8 @@ class EngineRequest:
     detokenize: bool = True
     constraint: Any = None
     skip_special_tokens: bool = False
+    spaces_between_special_tokens: bool = True
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         ids = list(self.prompt_ids)
@@ -79,6 +86,9 @@ class EngineRequest:
             raise MlxInferError("stop strings need detokenize=True (they match the generated text).")
         if not self.request_id:
             object.__setattr__(self, "request_id", uuid.uuid4().hex)
+        k = self.prompt_logprobs
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 20):
+            raise MlxInferError(f"prompt_logprobs must be an integer in 0..20 (or None), got {k!r}.")
 
 
 @dataclass(frozen=True)
@@ -95,6 +105,7 @@ class TokenEvent:
         finish_reason: set on the last event: one of :data:`FINISH_REASONS`.
         logprob: the token's log-probability (with ``sampling.logprobs``).
         top_logprobs: ``[(id, logprob), ...]`` most likely first (with ``top_logprobs``).
+        forced: the request's constraint forced the token (not sampled; logprob 0).
     """
 
     request_id: str
@@ -104,6 +115,7 @@ class TokenEvent:
     finish_reason: str | None = None
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
+    forced: bool = False
 
 
 @dataclass
@@ -123,6 +135,9 @@ class RequestResult:
         ttft_ms: submit to first token.
         total_ms: submit to finish.
         error: what failed, when ``finish_reason == "error"``.
+        forced_tokens: generated tokens the request's constraint forced (see engine/grammar_jump.py).
+        prompt_logprobs: the prompt's scores with ``EngineRequest.prompt_logprobs``
+            (a :class:`~mlx_infer.engine.prompt_scores.PromptLogprobs`), else ``None``.
     """
 
     request_id: str
@@ -137,6 +152,8 @@ class RequestResult:
     ttft_ms: float = 0.0
     total_ms: float = 0.0
     error: str | None = None
+    forced_tokens: int = 0
+    prompt_logprobs: Any = None
 
     @property
     def completion_tokens(self) -> int:
@@ -175,6 +192,8 @@ class RequestHandle:
         self._events: list[TokenEvent] = []
         self._result: RequestResult | None = None
         self._queues: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = []
+        #: With ``request.prompt_logprobs``: the prompt's scores, set before the first token's event.
+        self.prompt_logprobs: Any = None
 
     # -- engine side --------------------------------------------------------
 

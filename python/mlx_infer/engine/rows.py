@@ -9,6 +9,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..sampling import SampleOutput
+from .grammar_jump import forced_output
 from .scheduler import LiveRequest
 
 
@@ -58,20 +59,23 @@ def sample_rows(rows: list[LiveRequest], logits: mx.array) -> tuple[mx.array, li
     if all(r.simple for r in rows):
         return mx.argmax(logits, axis=-1), None  # (B,) uint32
     greedy = mx.argmax(logits, axis=-1) if any(r.simple for r in rows) else None
-    bits = None
-    if any(r.constraint is not None for r in rows):  # the batch's masks, in parallel, while the forward runs
-        from ..constraints import fill_bitmasks
+    # A token the grammar forces is committed, not sampled (no key drawn; engine/grammar_jump.py).
+    forced = [None if r.simple else forced_output(r) for r in rows]
+    masked = [r.constraint if f is None else None for r, f in zip(rows, forced)]
+    if any(c is not None for c in masked):  # the batch's masks, in parallel, while the forward runs
+        from ..constraints import apply_bitmask, fill_bitmasks
 
         mx.async_eval(logits)
-        bits = fill_bitmasks([r.constraint for r in rows])  # (B, words)
+        bits = fill_bitmasks(masked)  # (B, words): unconstrained rows allow everything
+        # The sampler's first stage (the constraint), for the whole batch in one op on the device.
+        logits = apply_bitmask(logits, bits)  # (B, vocab)
     pieces, outs = [], []
     for i, r in enumerate(rows):
         if r.simple:
             pieces.append(greedy[i:i + 1])
             outs.append(None)
             continue
-        out = r.sampler.step(logits[i:i + 1], r.all_ids if r.needs_history else (), r.rng,
-                             bitmask=bits[i:i + 1] if r.constraint is not None else None)
+        out = forced[i] or r.sampler.step(logits[i:i + 1], r.all_ids if r.needs_history else (), r.rng)
         pieces.append(out.token if out.token.dtype == mx.uint32 else out.token.astype(mx.uint32))
         outs.append(out)
     return mx.concatenate(pieces), outs

@@ -20,7 +20,9 @@ decides who may hold pages at all::
                       survived.
 
 The head of the queue blocks the rest (no overtaking), so a long prompt is
-never starved by a stream of short ones.
+never starved by a stream of short ones. A head whose first page a running prompt is still
+prefilling waits for that prefill, then reuses its indexed pages (``n`` choices share their
+prompt's pages).
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ class LiveRequest:
         self.simple = False  # greedy, no processors, no logprobs: one batched argmax
         self.needs_history = False
         self.constraint: Any = None  # the request's ConstraintState (compiled at submit)
+        self.prompt_scores: Any = None  # (logprobs, tops) per prompt position (engine/prompt_scores.py)
         self.text: list[str] = []
         self.logprobs: list[float] = []
         self.top_logprobs: list[list[tuple[int, float]]] = []
@@ -147,6 +150,8 @@ class Scheduler:
             if not self.fits(len(live.all_ids) + 1):
                 unfit.append(self.waiting.popleft())
                 continue
+            if self._prefix_pending(live):
+                break  # its first pages are being computed by a running prompt: reuse them once indexed
             free, promised = self.store.free_pages(), self._promised()
             if any(f - p < n + len(self.running) for f, p, n in zip(free, promised, need)):
                 break
@@ -157,6 +162,21 @@ class Scheduler:
             self._start(live)
             admitted.append(live)
         return admitted, unfit
+
+    def _prefix_pending(self, live: LiveRequest) -> bool:
+        """Whether a running request is still prefilling ``live``'s first page (same namespace).
+
+        Requests with one prompt (``n`` choices, a batch of lm-eval prompts on one context) then
+        share its pages: the later one is admitted once the first's prefill has indexed them,
+        instead of computing the same prefix beside it.
+        """
+        P = self.store.page_size
+        if (not self.prefix_cache or len(live.all_ids) <= P
+                or getattr(live.request, "prompt_logprobs", None) is not None):  # a scorer computes all anyway
+            return False
+        head = live.all_ids[:P]
+        return any(r.state == PREFILL and r.request.namespace == live.request.namespace and r.all_ids[:P] == head
+                   for r in self.running)
 
     def _promised(self) -> list[int]:
         """Pages of each group admitted requests still need to finish their prefill (not allocated yet)."""
@@ -170,7 +190,9 @@ class Scheduler:
 
     def _start(self, live: LiveRequest) -> None:
         ids = live.all_ids
-        seq = self.store.add_sequence(ids if self.prefix_cache else None, namespace=live.request.namespace)
+        # A request scoring its prompt computes every position: no prefix hit (engine/prompt_scores.py).
+        reuse = self.prefix_cache and getattr(live.request, "prompt_logprobs", None) is None
+        seq = self.store.add_sequence(ids if reuse else None, namespace=live.request.namespace)
         live.seq = seq
         live.caches = self.store.make_cache(seq)
         live.prefilled = seq.cached_tokens

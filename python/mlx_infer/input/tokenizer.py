@@ -87,10 +87,19 @@ class Tokenizer:
         """The ``tokenizers`` JSON of this tokenizer (what structured output's matcher reads)."""
         return self._tok.to_str()
 
-    def detokenizer(self, *, skip_special_tokens: bool = False) -> "StreamingDetokenizer":
+    def added_tokens(self) -> dict[int, str]:
+        """``{id: content}`` of the added tokens (special or not), read once."""
+        if getattr(self, "_added", None) is None:
+            self._added = {i: t.content for i, t in self._tok.get_added_tokens_decoder().items()}
+        return self._added
+
+    def detokenizer(self, *, skip_special_tokens: bool = False,
+                    spaces_between_special_tokens: bool = True) -> "StreamingDetokenizer":
         """A fresh incremental decoder for one generation (``skip_special_tokens``: special
-        tokens, the added tokens marked special such as ``<pad>``, add no text)."""
-        return StreamingDetokenizer(self, skip_special_tokens=skip_special_tokens)
+        tokens, the added tokens marked special such as ``<pad>``, add no text;
+        ``spaces_between_special_tokens``: see :class:`StreamingDetokenizer`)."""
+        return StreamingDetokenizer(self, skip_special_tokens=skip_special_tokens,
+                                    spaces_between_special_tokens=spaces_between_special_tokens)
 
 
 class StreamingDetokenizer:
@@ -99,13 +108,24 @@ class StreamingDetokenizer:
     Text is decoded from the start of the current segment, and only what was
     not emitted yet is returned; the segment restarts after each newline so the
     cost stays linear in practice.
+
+    ``spaces_between_special_tokens`` (vLLM's field and meaning, as its incremental detokenizer
+    over a fast tokenizer applies it): ``True`` (default) keeps the text the tokenizer's decoder
+    writes; ``False``, with special tokens kept, makes an added token that directly follows
+    another added token contribute its content alone, without the space some decoders (none,
+    WordPiece, ...) put between tokens. Byte-level and Metaspace decoders put none, so there the
+    two agree.
     """
 
-    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = False):
+    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = False,
+                 spaces_between_special_tokens: bool = True):
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
         self._segment: list[int] = []
         self._emitted = 0  # characters of the segment's text already returned
+        # Skipped special tokens add no text, so there is nothing to join (vLLM: the same).
+        self._added = None if skip_special_tokens or spaces_between_special_tokens else tokenizer.added_tokens()
+        self._last_added = False
 
     def add(self, token: int) -> str:
         """Feed one token; return the newly complete text (maybe empty)."""
@@ -118,6 +138,11 @@ class StreamingDetokenizer:
             self._segment, self._emitted = [], 0
         else:
             self._emitted = len(text)
+        if self._added is not None:
+            content = self._added.get(token)
+            if content is not None and self._last_added:
+                piece = content  # whatever the decoder put before it is dropped
+            self._last_added = content is not None
         return piece
 
     def flush(self) -> str:

@@ -128,6 +128,8 @@ class SampleOutput:
         token_logprob: ``logprobs`` at ``token`` (B,).
         top_ids: the ``top_logprobs`` most likely ids (B, n), most likely first.
         top_logprobs: their log-probabilities (B, n).
+        forced: a constraint forced the token (committed without sampling: no key drawn,
+            logprob 0, the token its only top entry).
     """
 
     token: mx.array
@@ -135,6 +137,7 @@ class SampleOutput:
     token_logprob: mx.array | None = None
     top_ids: mx.array | None = None
     top_logprobs: mx.array | None = None
+    forced: bool = False
 
 
 class Sampler:

@@ -45,7 +45,8 @@ from ..engine import Engine, EngineClosedError, EngineRequest, QueueFullError, R
 from ..errors import MlxInferError, PromptTooLongError
 from ..sampling import SamplingParams
 from ..engine import RequestResult
-from .prompt_logprobs import PromptScorer, check_scorable, echo_logprobs
+from ..engine.prompt_scores import PromptLogprobs
+from .prompt_logprobs import check_scorable, echo_logprobs
 from .streaming import merge
 from .structured import constraint_of
 from .extras import add_cors, add_token_routes, template_kwargs
@@ -171,7 +172,6 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
     tokenizer = engine.tokenizer
     fmt = P.LogprobFormatter(tokenizer)
     vocab_size = engine.vocab_size
-    scorer = PromptScorer(engine.model, vocab_size, engine.config.prefill_step_size)
     created = P.now()
 
     # -- errors -----------------------------------------------------------------
@@ -213,7 +213,7 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
                                 param="model", code="model_not_found")
 
     def submit(prompt_ids: list[int], req: P._Sampling, sampling: Any, max_tokens: int,
-               constraint: Any = None, keep_special: bool = False) -> RequestHandle:
+               constraint: Any = None, keep_special: bool = False, prompt_logprobs: int | None = None) -> RequestHandle:
         if drain.draining:
             raise P.OpenAIError(503, "The server is shutting down; retry on another instance.", type="server_error",
                                 code="server_shutdown")
@@ -223,7 +223,9 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
                                                  stop=P.stop_strings(req.stop), ignore_eos=bool(req.ignore_eos),
                                                  namespace=model_id, constraint=constraint,
                                                  skip_special_tokens=req.skip_special_tokens is not False
-                                                 and not keep_special))
+                                                 and not keep_special,
+                                                 spaces_between_special_tokens=req.spaces_between_special_tokens
+                                                 is not False, prompt_logprobs=prompt_logprobs))
         except PromptTooLongError as e:
             raise P.OpenAIError(400, str(e), param="messages" if hasattr(req, "messages") else "prompt",
                                 code="context_length_exceeded") from None
@@ -271,7 +273,7 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
             release(handle)
 
     def submit_all(jobs: list[tuple]) -> list[RequestHandle]:
-        """Submit every ``(prompt_ids, req, sampling, limit[, constraint, keep_special])`` job, or none."""
+        """Submit every ``(prompt_ids, req, sampling, limit[, constraint, keep_special, prompt_logprobs])`` job, or none."""
         handles = []
         try:
             for job in jobs:
@@ -373,56 +375,65 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
         logprobs, top = P.completion_logprobs(req)
         sampling = P.sampling_from(req, defaults, logprobs=logprobs, top_logprobs=top, vocab_size=vocab_size)
         echo_only = bool(req.echo) and req.max_tokens == 0  # score the prompt, generate nothing (as vLLM)
+        # echo with logprobs: the prompt tokens' own logprobs lead, scored by the engine's prefill over the
+        # request's pages (engine/prompt_scores.py), so the prompt's KV counts against the pool like any other
+        score_k = top if req.echo and logprobs else None
         if echo_only:
             for ids in all_ids:
                 try:
                     check_scorable(ids, vocab_size, context)
                 except ValueError as e:
                     raise P.OpenAIError(400, str(e), param="prompt", code="invalid_value") from None
-        jobs = [(ids, 0 if echo_only else P.max_tokens_of(req, COMPLETIONS_DEFAULT_MAX_TOKENS, cap=cap,
-                                                           prompt_tokens=len(ids), context=context))
-                for ids in all_ids]
+        # echo-only scoring runs one token past the prompt (the prefill that scores it samples it), dropped
+        limits = [1 if echo_only else P.max_tokens_of(req, COMPLETIONS_DEFAULT_MAX_TOKENS, cap=cap,
+                                                      prompt_tokens=len(ids), context=context) for ids in all_ids]
         rid, t = P.new_id("cmpl"), P.now()
-        # echo with logprobs: the prompt tokens' own logprobs lead (teacher-forced, see prompt_logprobs.py)
-        scores = None
+        n = req.n or 1
+        samplings = choice_samplings(sampling, req.n)
+        # every choice scores its own prompt: its scores arrive with its own first token
+        jobs = [] if echo_only and score_k is None else [(ids, req, s, limit, None, False, score_k)
+                                                        for ids, limit in zip(all_ids, limits) for s in samplings]
 
-        async def score() -> list[Any] | None:
-            return [await scorer.score(ids, top) for ids in all_ids] if req.echo and logprobs else None
+        def shown(r: RequestResult) -> RequestResult:
+            """What a choice reports: an echo-only choice generated nothing."""
+            if not echo_only:
+                return r
+            return dataclasses.replace(r, token_ids=[], text="", logprobs=[], top_logprobs=None,
+                                       finish_reason="length")
+
+        def scores_of(source: Any, ids: list[int]) -> PromptLogprobs:
+            got = getattr(source, "prompt_logprobs", None)  # None: a one-token prompt has nothing to score
+            return got or PromptLogprobs(token_ids=list(ids), logprobs=[None] * len(ids), top=[None] * len(ids))
 
         def choice(text: str, reason: str | None, lp: Any = None, index: int = 0) -> dict[str, Any]:
             return {"index": index, "text": text, "logprobs": lp, "finish_reason": reason}
 
         def choice_logprobs(r: Any, k: int) -> Any:
-            if scores is not None:
-                return echo_logprobs(fmt.text, scores[k], r.token_ids, r.logprobs or [], r.top_logprobs, top)
+            if score_k is not None:
+                return echo_logprobs(fmt.text, scores_of(r, all_ids[k]), r.token_ids, r.logprobs or [],
+                                     r.top_logprobs, top)
             return fmt.completion(r.token_ids, r.logprobs, r.top_logprobs) if logprobs else None
 
-        if echo_only and not req.stream:
-            scores = await score()
-            results = [RequestResult(request_id=rid, prompt_tokens=len(ids), finish_reason="length")
-                       for ids in all_ids for _ in range(req.n or 1)]
-            return {"id": rid, "object": "text_completion", "created": t, "model": model_id,
-                    "choices": [choice(echoes[i // (req.n or 1)], "length", choice_logprobs(r, i // (req.n or 1)), i)
-                                for i, r in enumerate(results)],
-                    "usage": total_usage(results, req.n)}
-        n = req.n or 1
         if req.stream:  # every choice in one stream (prompt k's choices are k*n .. k*n+n-1)
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            scores = await score()
-            samplings = choice_samplings(sampling, req.n)
-            handles = [] if echo_only else submit_all([(ids, req, s, limit) for ids, limit in jobs for s in samplings])
+            handles = submit_all(jobs)
 
             async def choice_chunks(i: int, h: RequestHandle | None) -> AsyncIterator[dict[str, Any]]:
                 offset = 0
-                if echoes[i // n]:
-                    lp = None
-                    if scores is not None:
-                        lp = echo_logprobs(fmt.text, scores[i // n], [], [], None, top)
-                        offset = sum(map(len, lp["tokens"]))
-                    yield choice(echoes[i // n], "length" if h is None else None, lp, i)
-                if h is None:  # max_tokens 0: the prompt alone
+                echo = echoes[i // n]
+                if echo and score_k is None:
+                    yield choice(echo, "length" if h is None else None, None, i)
+                if h is None:  # max_tokens 0 without logprobs: the prompt alone
                     return
+                first = True
                 async for ev in h:
+                    if first and score_k is not None:  # the prompt's scores are set before its first event
+                        first = False
+                        lp = echo_logprobs(fmt.text, scores_of(h, all_ids[i // n]), [], [], None, top)
+                        offset = sum(map(len, lp["tokens"]))
+                        yield choice(echo, "length" if echo_only else None, lp, i)
+                        if echo_only:
+                            return
                     lp = None
                     if logprobs and ev.token is not None:
                         lp = fmt.completion([ev.token], [ev.logprob], [ev.top_logprobs] if top else None, offset)
@@ -434,31 +445,24 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
                 return {"id": rid, "object": "text_completion", "created": t, "model": model_id, "choices": choices}
 
             async def chunks() -> AsyncIterator[dict[str, Any]]:
-                count = len(jobs) * n
+                count = len(all_ids) * n
                 async for c in merge([choice_chunks(i, handles[i] if handles else None) for i in range(count)]):
                     yield wrap([c])
                 if include_usage:
-                    results = [h.result() for h in handles] or [
+                    results = [shown(h.result()) for h in handles] or [
                         RequestResult(request_id=rid, prompt_tokens=len(ids)) for ids in all_ids for _ in range(n)]
                     yield {**wrap([]), "usage": total_usage(results, req.n)}
             return sse(handles, chunks(), lambda reason, left: wrap([choice("", reason, None, i) for i in left]))
 
-        if len(jobs) > 1 or n > 1:
-            samplings = choice_samplings(sampling, req.n)
-            results = await wait_all([(ids, req, s, limit) for ids, limit in jobs for s in samplings], request)
-            scores = await score()
-            return {"id": rid, "object": "text_completion", "created": t, "model": model_id,
-                    "choices": [choice(echoes[i // n] + r.text, P.finish_reason(r.finish_reason),
-                                       choice_logprobs(r, i // n), i)
-                                for i, r in enumerate(results)],
-                    "usage": total_usage(results, req.n)}
-        ids, limit = jobs[0]
-        handle = submit(ids, req, sampling, limit)
-        r = await wait(handle, request)
-        scores = await score()
+        if jobs:
+            results = [shown(r) for r in await wait_all(jobs, request)]
+        else:  # max_tokens 0 without logprobs: the prompt alone
+            results = [RequestResult(request_id=rid, prompt_tokens=len(ids), finish_reason="length")
+                       for ids in all_ids for _ in range(n)]
         return {"id": rid, "object": "text_completion", "created": t, "model": model_id,
-                "choices": [choice(echoes[0] + r.text, P.finish_reason(r.finish_reason), choice_logprobs(r, 0))],
-                "usage": P.usage(r.prompt_tokens, r.completion_tokens, r.cached_tokens)}
+                "choices": [choice(echoes[i // n] + r.text, P.finish_reason(r.finish_reason),
+                                   choice_logprobs(r, i // n), i) for i, r in enumerate(results)],
+                "usage": total_usage(results, req.n)}
 
     @app.post("/v1/chat/completions")
     async def chat(req: P.ChatCompletionRequest, request: Request) -> Any:

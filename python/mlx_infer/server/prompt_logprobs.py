@@ -4,39 +4,30 @@ What lm-eval-harness's log-likelihood requests ask (``echo: true, logprobs: k,
 max_tokens: 0 or 1``): the log-probability the model gives each prompt token
 after the tokens before it, teacher-forced, with the ``k`` most likely tokens
 at each position. The first token has no context: its logprob and top entry
-are ``null``, as OpenAI and vLLM answer. Values are the model's raw
-log-softmax (no temperature, penalty or bias: those shape sampling, not the
-model's likelihood), as vLLM's prompt logprobs.
+are ``null``, as OpenAI and vLLM answer.
 
-The prompt runs once through the model outside the engine's KV pool, on one
-thread with its own MLX stream (MLX streams are per thread; the weights
-are shared read-only with the engine thread), in chunks of at most
-:func:`chunk_size` positions so the ``(positions, vocab)`` log-softmax stays
-bounded; the KV cache carries context across chunks, so every position sees
-the whole prefix.
+The server asks the engine for them (``EngineRequest.prompt_logprobs``, scored by the
+prefill over the request's own KV pages, so the prompt is admitted against the pool:
+engine/prompt_scores.py). Here: :func:`echo_logprobs` lays them out as the legacy
+``logprobs`` object, :func:`check_scorable` checks an echo-only prompt, and
+:func:`prompt_logprobs` computes the same values with a plain cache outside any engine (a
+library helper and the tests' second opinion), in chunks of at most :func:`chunk_size`
+positions so the ``(positions, vocab)`` log-softmax stays bounded.
 """
 
 from __future__ import annotations
 
-import asyncio
 import threading
-from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 
+from ..engine.prompt_scores import PromptLogprobs
+
 #: Most float32 ``(positions, vocab)`` log-softmax entries one chunk holds (256 MiB).
 MAX_CHUNK_ENTRIES = 2**26
 
-
-@dataclass(frozen=True)
-class PromptLogprobs:
-    """Per prompt token: its logprob (``None`` for the first) and the top ``k``
-    ``[(id, logprob)]`` most likely first (``None`` for the first, or when ``k`` is 0)."""
-
-    token_ids: list[int]
-    logprobs: list[float | None]
-    top: list[list[tuple[int, float]] | None]
+__all__ = ["PromptLogprobs", "chunk_size", "prompt_logprobs", "echo_logprobs", "check_scorable"]
 
 
 def chunk_size(vocab_size: int, limit: int = 512) -> int:
@@ -83,59 +74,6 @@ def prompt_logprobs(model: Any, ids: list[int], top: int, *, chunk: int = 512,
         else:
             tops += [None] * (end - start)
     return PromptLogprobs(token_ids=list(ids), logprobs=lps, top=tops)
-
-
-class PromptScorer:
-    """Runs :func:`prompt_logprobs` one prompt at a time, each on a thread of its own with its own
-    MLX stream, cleared before the thread ends (MLX keeps per-thread stream state, and a thread
-    that leaves it behind may abort interpreter exit: ml-explore/mlx#3126).
-
-    Args:
-        model: the engine's model (shared read-only).
-        vocab_size: sizes the chunks (see :func:`chunk_size`).
-        chunk_limit: most positions per forward (the engine's prefill step size).
-    """
-
-    def __init__(self, model: Any, vocab_size: int | None, chunk_limit: int = 512):
-        self.model = model
-        self.chunk = chunk_size(vocab_size or 0, chunk_limit)
-        self._one = threading.Lock()  # one scoring at a time (memory), even past a cancelled await
-
-    def _run(self, ids: list[int], top: int, cancelled: threading.Event, done: Any) -> None:
-        with self._one:
-            stream = mx.new_stream(mx.default_device())
-            try:
-                with mx.stream(stream):
-                    out: Any = prompt_logprobs(self.model, ids, top, chunk=self.chunk, cancelled=cancelled)
-            except Exception as e:  # handed to the awaiting request
-                out = e
-            finally:
-                mx.synchronize(stream)
-                mx.clear_streams()
-        done(out)
-
-    async def score(self, ids: list[int], top: int) -> PromptLogprobs:
-        """The prompt logprobs of ``ids``; a cancelled await (the client left) stops the scoring."""
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[Any] = loop.create_future()
-        cancelled = threading.Event()
-
-        def settle(out: Any) -> None:
-            if not fut.done():
-                fut.set_exception(out) if isinstance(out, Exception) else fut.set_result(out)
-
-        def done(out: Any) -> None:
-            try:
-                loop.call_soon_threadsafe(settle, out)
-            except RuntimeError:  # the serving loop is gone
-                pass
-
-        threading.Thread(target=self._run, args=(ids, top, cancelled, done), name="mlx-infer-prompt-logprobs",
-                         daemon=True).start()
-        try:
-            return await fut
-        finally:
-            cancelled.set()
 
 
 def echo_logprobs(text: Any, prompt: PromptLogprobs, tokens: list[int], lps: list[float],

@@ -6,7 +6,8 @@ or ``true`` are not coerced) and reject unknown fields (400, in OpenAI's words:
 :class:`~mlx_infer.sampling.SamplingParams`, :func:`sampling_from` and the
 checks here, whose errors become 400s. Extensions beyond the OpenAI fields (as
 mlx_lm.server and vLLM accept them): ``top_k``, ``min_p``,
-``repetition_penalty``, ``ignore_eos``, ``skip_special_tokens``, and the structured-output fields
+``repetition_penalty``, ``ignore_eos``, ``skip_special_tokens``,
+``spaces_between_special_tokens``, and the structured-output fields
 (``structured_outputs``, ``guided_*``, ``grammar``, ``json_schema``: server/structured.py).
 """
 
@@ -77,6 +78,7 @@ class _Sampling(BaseModel):
     response_format: dict[str, Any] | None = None
     ignore_eos: bool | None = False
     skip_special_tokens: bool | None = True  # vLLM's: special tokens add no text unless false
+    spaces_between_special_tokens: bool | None = True  # vLLM's (see input/tokenizer.py StreamingDetokenizer)
     # structured output (see server/structured.py): vLLM's and llama.cpp's fields
     structured_outputs: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None

@@ -45,6 +45,8 @@ class ServeOptions:
             model's generation_config.json, else greedy / off).
         chat_template: a Jinja chat template for ``/v1/chat/completions`` (for a model without one, or to
             replace its own); ``None``: the model's.
+        grammar_jump: commit the tokens a constraint forces as one forward (the engine's
+            ``Composition.grammar_jump``; engine/grammar_jump.py).
     """
 
     model: str | None = None
@@ -68,6 +70,7 @@ class ServeOptions:
     top_k: int | None = None
     min_p: float | None = None
     chat_template: str | None = None
+    grammar_jump: bool = True
 
     def check(self) -> None:
         """Raise :class:`MlxInferError` naming the first bad option (before any model loads)."""
@@ -123,6 +126,7 @@ def build(options: ServeOptions) -> tuple[Any, Any, str]:
     """Load the model, start an engine and build the app: ``(app, engine, model_id)``."""
     from ..artifacts.loader import load_model
     from ..engine import Engine, EngineConfig
+    from ..generation.bindings.autoregressive import Composition
     from .app import check_generation_defaults, create_app
 
     options.check()
@@ -138,7 +142,7 @@ def build(options: ServeOptions) -> tuple[Any, Any, str]:
     check_generation_defaults(dict(loaded.generation_config or {}))  # before an engine takes memory
     config = EngineConfig(max_batch=options.max_batch, memory_budget_gb=options.memory_budget_gb,
                           prefill_step_size=options.prefill_step_size, page_size=options.page_size)
-    engine = Engine(loaded, config).start()
+    engine = Engine(loaded, config, composition=Composition(grammar_jump=options.grammar_jump)).start()
     try:
         model_id = options.served_model_name or model_name(loaded, options.model)
         aliases = tuple({options.model} - {None}) if options.model and not options.served_model_name else ()

@@ -48,12 +48,15 @@ class Composition:
         compiled_decode: use the compiled C++ decode step where the graph has one.
         prefill_chunk: explicit prefill chunk (tokens), or ``None`` for the policy's choice.
         prefill_tail_split: run the prompt's last token as the first decode step.
+        grammar_jump: tokens a constraint forces are fed as one forward, not one step each
+            (the engine's switch; ``generate(grammar_jump=...)`` is the single-request one).
     """
 
     kv_scheme: str | None = None
     compiled_decode: bool = True
     prefill_chunk: int | None = None
     prefill_tail_split: bool = True
+    grammar_jump: bool = True
 
     def __post_init__(self) -> None:
         if self.kv_scheme is not None and self.kv_scheme not in KV_SCHEMES:
