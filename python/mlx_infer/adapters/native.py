@@ -1,0 +1,97 @@
+"""The bank as inputs of the compiled C++ steps (``cpp/include/mlx_infer/lora.h``).
+
+A target's module path maps to the step's canonical linear name
+(``model.layers.3.self_attn.q_proj`` -> ``layers.3.q``, as ``graph_spec`` names them);
+the step then takes, per target, the bank's stacks ``a (S, in, r)``, ``b (S, r, out)``,
+``scales (S,)`` and DoRA's ``g (S, out)``, and per step each row's slot. A target the step
+has no name for (the LM head, say) keeps the step off (the eager graph runs it).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import mlx.core as mx
+
+from .apply import current_selection
+from .bank import AdapterBank
+
+_SHORT = {
+    "self_attn.q_proj": "q", "self_attn.k_proj": "k", "self_attn.v_proj": "v", "self_attn.o_proj": "o",
+    "mlp.gate_proj": "gate", "mlp.up_proj": "up", "mlp.down_proj": "down",
+    "per_layer_input_gate": "pli_gate", "per_layer_projection": "pli_proj",
+}
+_PATH = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+class AdapterTargetUnsupported(ValueError):
+    """An adapter targets a layer the compiled step does not run as a named linear."""
+
+
+def canonical_name(path: str) -> str | None:
+    """The compiled step's name of the linear at module path ``path`` (``None``: it has none)."""
+    m = _PATH.match(path)
+    if m is None or m[2] not in _SHORT:
+        return None
+    return f"layers.{m[1]}.{_SHORT[m[2]]}"
+
+
+def step_inputs(bank: AdapterBank, weight_names: Any) -> tuple[list[str], list, list, list, list]:
+    """``(targets, a, b, scales, g)`` for ``set_adapters`` of a step whose weights are ``weight_names``.
+
+    A target whose linear the step does not run (a KV-shared layer's k/v in Gemma 4, which the
+    eager graph does not call either) is left out.
+
+    Raises:
+        AdapterTargetUnsupported: a target with no canonical name (the step would skip it).
+    """
+    targets, a, b, scales, g = [], [], [], [], []
+    for path, s in sorted(bank.stacks.items()):
+        name = canonical_name(path)
+        if name is None:
+            raise AdapterTargetUnsupported(f"adapters target {path!r}, which the compiled step does not run "
+                                           "as a named linear")
+        if f"{name}.weight" not in weight_names:
+            continue
+        targets.append(name)
+        a.append(s.a)
+        b.append(s.b)
+        scales.append(s.scales)
+        g.append(s.g)
+    return targets, a, b, scales, g
+
+
+def row_slots(bank: AdapterBank, rows: int, selection: Any = None) -> mx.array:
+    """``(rows,)`` int32 bank slots from a selection (default: the current one, see apply.py)."""
+    sel = current_selection() if selection is None else selection
+    if sel is None:
+        sel = bank.default_slot
+    if isinstance(sel, int):
+        return mx.full((rows,), sel, mx.int32)
+    return sel.astype(mx.int32)
+
+
+class NativeAdapters:
+    """Keeps one C++ step's adapter inputs in step with its model's bank."""
+
+    def __init__(self, bank: AdapterBank | None, weight_names: Any):
+        self.bank = bank
+        self.names = set(weight_names)
+        self.version: int | None = None
+        self.active = False
+
+    def refresh(self, native: Any) -> None:
+        """``native.set_adapters`` again when the bank changed since the last call."""
+        if self.bank is None or self.bank.version == self.version:
+            return
+        targets, a, b, scales, g = step_inputs(self.bank, self.names)
+        native.set_adapters(targets, a, b, scales, g)
+        self.version = self.bank.version
+        self.active = bool(targets)
+
+    def slots(self, rows: int, selection: Any = None) -> mx.array | None:
+        """The step's ``adapter_slots`` for ``rows`` rows (``None`` without adapters)."""
+        if not self.active:
+            return None
+        return row_slots(self.bank, rows, selection)
