@@ -75,11 +75,16 @@ def row_slots(bank: AdapterBank, rows: int, selection: Any = None) -> mx.array:
 class NativeAdapters:
     """Keeps one C++ step's adapter inputs in step with its model's bank."""
 
-    def __init__(self, bank: AdapterBank | None, weight_names: Any):
-        self.bank = bank
+    def __init__(self, model: Any, weight_names: Any):
+        self.model = model
         self.names = set(weight_names)
         self.version: int | None = None
         self.active = False
+
+    @property
+    def bank(self) -> AdapterBank | None:
+        """The model's bank (looked up each time: a server may create it after the step)."""
+        return getattr(self.model, "adapter_bank", None)
 
     def refresh(self, native: Any) -> None:
         """``native.set_adapters`` again when the bank changed since the last call."""

@@ -45,6 +45,8 @@ class EngineRequest:
             (JSON schema, regex, choice, grammar); the request ends when it is complete.
         skip_special_tokens: special tokens (``<pad>``, added tokens marked special) add no
             text (vLLM's field; the server's default is ``True``, as vLLM's).
+        adapter: the name of an adapter in the model's bank (:mod:`mlx_infer.adapters`) this
+            request runs under; ``None``: the model's default adapter, if any.
     """
 
     prompt_ids: Sequence[int]
@@ -57,6 +59,7 @@ class EngineRequest:
     detokenize: bool = True
     constraint: Any = None
     skip_special_tokens: bool = False
+    adapter: str | None = None
 
     def __post_init__(self) -> None:
         ids = list(self.prompt_ids)

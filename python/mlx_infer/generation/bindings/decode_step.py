@@ -475,7 +475,7 @@ class CompiledDecodeStep:
         self._head_dims = [cfg.layer_head_dims[i] if cfg.layer_head_dims else cfg.head_dim for i in owners]
         self._step: Any = _fast.DecodeStep(cfg, weights, quant)
         # The bank's stacks are inputs of the step (adapters/native.py); rows pick slots per step.
-        self._adapters = NativeAdapters(bank, weights)
+        self._adapters = NativeAdapters(model, weights)
         try:
             self._adapters.refresh(self._step)
         except AdapterTargetUnsupported as exc:

@@ -40,7 +40,6 @@ import mlx.core as mx
 
 from ... import _fast
 from ...adapters.apply import adapter_rows
-from ...adapters.bank import bank_of
 from ...adapters.native import AdapterTargetUnsupported, NativeAdapters
 from .decode_step import DecodePolicy, DecodeStepUnsupported, graph_spec
 
@@ -159,7 +158,7 @@ class CompiledPagedDecodeStep:
         self.group_windows = list(group_windows)
         self.native: Any = _fast.PagedDecodeStep(cfg, paged, weights, quant)
         # The bank's stacks are inputs of the step; each row's slot comes with the batch.
-        self.adapters = NativeAdapters(bank_of(model), weights)
+        self.adapters = NativeAdapters(model, weights)
         try:
             self.adapters.refresh(self.native)
         except AdapterTargetUnsupported as exc:
