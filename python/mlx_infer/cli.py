@@ -199,6 +199,9 @@ def _generate(args: argparse.Namespace) -> int:
         cpu_kernels = False if args.stock_kernels else default_cpu_kernels()
         with _status(f"loading {args.model or 'the default model'}"):
             loaded = load_model(args.model, dtype=args.dtype, cpu_kernels=cpu_kernels)
+        from .cli_adapters import apply_generate_flags
+
+        apply_generate_flags(args, loaded)  # --adapter-path
         chat = _chat_for(args, loaded)
         prompt = _prompt(args, chat)
         constraint = _constraint(args)
@@ -494,6 +497,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--checkpoint-every", type=int, default=16, help="tokens between checkpoint saves")
     g.add_argument("--verbose", type=_str2bool, default=True, metavar="BOOL",
                    help="print stats on stderr (false/f/0/no/off turn them off; anything else is true, as mlx-lm)")
+    from .cli_adapters import add_fuse_parser, add_generate_flags, add_serve_flags
+
+    add_generate_flags(g)
     g.set_defaults(func=_generate)
 
     s = sub.add_parser("serve", help="serve an OpenAI-compatible API (continuous batching)")
@@ -533,6 +539,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model id clients pass (default: the model's directory or file name)")
     s.add_argument("--allowed-origins", default=None, metavar="LIST",
                    help="CORS: comma-separated origins to answer ('*' for any; default: CORS off)")
+    add_serve_flags(s)
     s.set_defaults(func=_serve)
 
     c = sub.add_parser("convert", help="write a GGUF or HF model as an MLX directory")
@@ -564,6 +571,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .cli_cache import add_cache_parser
 
     add_cache_parser(sub)
+    add_fuse_parser(sub)
     return p
 
 
