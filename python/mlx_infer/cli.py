@@ -434,6 +434,7 @@ def _serve(args: argparse.Namespace) -> int:
         from .server import ServeOptions, serve
     except ImportError:
         raise MlxInferError("serve needs the server extra: pip install 'mlx-infer[server]'.") from None
+    from .cli_adapters import parse_loras
 
     public = tuple(p.strip() for p in args.public.split(",") if p.strip()) if args.public is not None else None
     template = args.chat_template
@@ -447,6 +448,7 @@ def _serve(args: argparse.Namespace) -> int:
                        allowed_origins=tuple(o.strip() for o in (args.allowed_origins or "").split(",") if o.strip()),
                        temp=args.temp, top_p=args.top_p, top_k=args.top_k,
                        min_p=args.min_p, chat_template=template,
+                       loras=tuple(parse_loras(args.lora)), max_loras=args.max_loras,
                        **({"public": public} if public is not None else {})))
     return 0
 

@@ -88,11 +88,13 @@ class NativeAdapters:
 
     def refresh(self, native: Any) -> None:
         """``native.set_adapters`` again when the bank changed since the last call."""
-        if self.bank is None or self.bank.version == self.version:
+        bank = self.bank
+        if bank is None or bank.version == self.version:
             return
-        targets, a, b, scales, g = step_inputs(self.bank, self.names)
+        version = bank.version  # read first: a change while reading the stacks shows up next step
+        targets, a, b, scales, g = step_inputs(bank, self.names)
         native.set_adapters(targets, a, b, scales, g)
-        self.version = self.bank.version
+        self.version = version
         self.active = bool(targets)
 
     def slots(self, rows: int, selection: Any = None) -> mx.array | None:

@@ -47,6 +47,7 @@ from ..engine import RequestResult
 from .prompt_logprobs import PromptScorer, check_scorable, echo_logprobs
 from .streaming import merge
 from .structured import constraint_of
+from .adapters import adapter_models, adapter_names, adapter_of, add_adapter_routes
 from .extras import add_cors, add_token_routes, template_kwargs
 from .tools import ToolPlan, template_messages
 from . import protocol as P
@@ -208,7 +209,7 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
         return error_response(P.OpenAIError(e.status_code, detail, code=code))
 
     def check_model(name: str) -> None:
-        if name not in names:
+        if name not in names and name not in adapter_names(engine):
             raise P.OpenAIError(404, f"The model '{name}' does not exist; this server serves '{model_id}'.",
                                 param="model", code="model_not_found")
 
@@ -222,6 +223,7 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
             handle = engine.submit(EngineRequest(prompt_ids=prompt_ids, sampling=sampling, max_tokens=max_tokens,
                                                  stop=P.stop_strings(req.stop), ignore_eos=bool(req.ignore_eos),
                                                  namespace=model_id, constraint=constraint,
+                                                 adapter=adapter_of(engine, req, names),
                                                  skip_special_tokens=req.skip_special_tokens is not False
                                                  and not keep_special))
         except PromptTooLongError as e:
@@ -339,15 +341,20 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created,
-                                            "owned_by": "mlx-infer", "max_model_len": context}]}
+                                            "owned_by": "mlx-infer", "max_model_len": context}]
+                + adapter_models(engine, model_id, created)}
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str) -> dict[str, Any]:
         check_model(name)
+        adapter = next((m for m in adapter_models(engine, model_id, created) if m["id"] == name), None)
+        if adapter is not None and name not in names:
+            return adapter
         return {"id": model_id, "object": "model", "created": created, "owned_by": "mlx-infer",
                 "max_model_len": context}
 
     add_token_routes(app, engine, check_model)
+    add_adapter_routes(app, engine, names)
     warm_constraint_tokenizer(engine)
 
     @app.post("/v1/completions")
