@@ -111,6 +111,23 @@ def linear_dims(module: nn.Module) -> tuple[int, int] | None:
     return None
 
 
+def adapter_dir(path: str | Path) -> Path:
+    """``path`` as an existing directory, or an AdapterError saying why not."""
+    try:
+        p = Path(path)
+        try:
+            p = p.expanduser()
+        except RuntimeError:  # "~" with no home directory: take the path as written
+            pass
+        ok = p.is_dir()
+    except (OSError, ValueError) as e:
+        raise AdapterError(f"adapter path {str(path)!r} cannot be read ({e}); pass an adapter directory.") from None
+    if not ok:
+        raise AdapterError(f"adapter path {str(path)!r} is not a directory; pass the directory holding "
+                           f"{CONFIG} and the adapter weights.")
+    return p
+
+
 def _read_config(path: Path) -> dict[str, Any]:
     cfg = path / CONFIG
     if not cfg.is_file():
@@ -158,10 +175,7 @@ def load_adapter(path: str | Path, model: nn.Module, *, name: str | None = None)
     Raises:
         AdapterError: naming the file, key or tensor at fault and how to fix it.
     """
-    p = Path(path).expanduser()
-    if not p.is_dir():
-        raise AdapterError(f"adapter path {str(p)!r} is not a directory; pass the directory holding "
-                           f"{CONFIG} and the adapter weights.")
+    p = adapter_dir(path)
     config = _read_config(p)
     name = name or p.name
     if (p / MLX_WEIGHTS).is_file():

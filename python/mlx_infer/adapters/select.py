@@ -9,7 +9,7 @@ import mlx.nn as nn
 
 from .apply import adapter_rows
 from .bank import AdapterBank, ensure_bank
-from .formats import AdapterError
+from .formats import AdapterError, adapter_dir
 
 
 def attach_adapter(model: nn.Module, adapter: str | Path, *, name: str | None = None) -> str:
@@ -21,10 +21,12 @@ def attach_adapter(model: nn.Module, adapter: str | Path, *, name: str | None = 
     bank = ensure_bank(model)
     if isinstance(adapter, str) and adapter in bank.sources:
         return adapter
-    p = Path(adapter).expanduser()
-    if not p.exists():
+    try:
+        p = adapter_dir(adapter)
+    except AdapterError:
         known = ", ".join(bank.names) or "none"
-        raise AdapterError(f"adapter {str(adapter)!r} is neither a loaded adapter (loaded: {known}) nor a directory.")
+        raise AdapterError(f"adapter {str(adapter)!r} is neither a loaded adapter (loaded: {known}) nor an "
+                           "adapter directory.") from None
     for n, src in bank.sources.items():
         if src.resolve() == p.resolve() and (name is None or name == n):
             return n

@@ -91,6 +91,9 @@ def add_adapter_routes(app: FastAPI, engine: Any, reserved: set[str]) -> None:
         except AdapterError as e:
             status, code = (409, "adapter_exists") if "already loaded" in str(e) else (400, "invalid_adapter")
             raise P.OpenAIError(status, str(e), param="path" if status == 400 else "name", code=code) from None
+        except (OSError, ValueError, RuntimeError) as e:  # a path the OS refuses: the client's input
+            raise P.OpenAIError(400, f"cannot load an adapter from {path!r}: {e}", param="path",
+                                code="invalid_adapter") from None
         return {"name": adapter.name, "path": str(adapter.path), "format": adapter.format, "kind": adapter.kind,
                 "rank": adapter.rank, "targets": len(adapter.targets)}
 

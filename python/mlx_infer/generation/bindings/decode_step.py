@@ -528,7 +528,8 @@ class CompiledDecodeStep:
             if state is not self._bound or self._offsets(state) != self._bound_offsets:
                 self._take_over(state)
             self._adapters.refresh(self._step)
-            return self._step.step(tokens, self._adapters.slots(self._step.batch_size))
+            slots = self._adapters.slots(self._step.batch_size)
+            return self._step.step(tokens) if slots is None else self._step.step(tokens, slots)
         except Exception as exc:  # noqa: BLE001 - any failure falls back, reported once
             return self._fail(exc, tokens, state)
 

@@ -212,9 +212,10 @@ class CompiledPagedDecodeStep:
                 rows = self._logit_rows(tokens.shape[0])
             self.adapters.refresh(self.native)
             slots = self.adapters.slots(tokens.shape[0], getattr(batch, "adapter_slots", None))
+            extra = () if slots is None else (slots,)  # each row's bank slot, with adapters
             logits, keys, values = self.native.step(
                 tokens, batch.offset, rows, groups, [s.keys[0] for s in storages], [s.values[0] for s in storages],
-                slots)
+                *extra)
         except Exception as exc:  # noqa: BLE001 - any failure falls back, reported once
             return self._fail(exc, tokens, batch)
         for s, k, v in zip(storages, keys, values):  # the commit
