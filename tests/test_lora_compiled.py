@@ -105,3 +105,22 @@ def test_rows_with_different_adapters_share_one_step_and_swaps_do_not_retrace(ro
     mx.eval(logits)
     assert not step.failed, step.last_error
     assert step.traces == traces, "a same-shape adapter swap traced the compiled step again"
+
+
+def test_large_bank_runs_the_gathered_product(root):
+    """A bank past DENSE_MAX_COLS (slots x rank) stores only the per-slot stacks: gather_mm per row."""
+    from mlx_infer.adapters import AdapterBank
+    from mlx_infer.adapters.bank import DENSE_MAX_COLS
+
+    d = root / "llama-large"
+    make_tiny_model_dir(d, "llama")
+    loaded = load_model(d)
+    bank = AdapterBank(loaded.model, capacity=40)
+    p = make_mlx_adapter(d, root / "large-r16", seed=45, rank=16, keys=KEYS, b_std=1.0)
+    name = attach_adapter(loaded.model, p)
+    assert all(not s.dense for s in bank.stacks.values()) and 41 * 16 > DENSE_MAX_COLS
+    eager = [t.token for t in generate_tokens(loaded.model, PROMPT, max_tokens=N, adapter=name)]
+    step = bind_autoregressive(loaded).create_decode()
+    got = [t.token for t in generate_tokens(loaded.model, PROMPT, max_tokens=N, adapter=name, decode=step)]
+    assert not step.failed, step.last_error
+    assert got == eager

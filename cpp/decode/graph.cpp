@@ -412,10 +412,10 @@ Linear read_linear(const std::unordered_map<std::string, mx::array>& w,
   return l;
 }
 
-std::unordered_set<std::string> linear_names(const DecodeStep::Graph& g) {
-  std::unordered_set<std::string> out;
+std::unordered_map<std::string, int> linear_outs(const DecodeStep::Graph& g) {
+  std::unordered_map<std::string, int> out;
   auto add = [&out](const Linear& l) {
-    if (l.present() && !l.name.empty()) out.insert(l.name);
+    if (l.present() && !l.name.empty()) out.emplace(l.name, l.w->shape(0));
   };
   for (const auto& lw : g.layers) {
     for (const auto* l : {&lw.q, &lw.k, &lw.v, &lw.o, &lw.gate, &lw.up, &lw.down}) add(*l);

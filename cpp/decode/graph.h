@@ -145,8 +145,8 @@ mx::array scalar(double v, mx::Dtype dtype);
 mx::array apply_linear(const Linear& l, const mx::array& x);
 /// The layer's own product, no adapter.
 mx::array base_linear(const Linear& l, const mx::array& x);
-/// Names of the linears the forward runs (those an adapter may target).
-std::unordered_set<std::string> linear_names(const DecodeStep::Graph& g);
+/// The linears the forward runs (those an adapter may target): name -> output features.
+std::unordered_map<std::string, int> linear_outs(const DecodeStep::Graph& g);
 /// nn.Embedding / nn.QuantizedEmbedding lookup: ids (B, 1) -> (B, 1, width).
 mx::array embed_lookup(const Linear& e, const mx::array& ids);
 /// Embedding.as_linear (the tied head).

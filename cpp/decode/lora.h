@@ -18,16 +18,25 @@ struct Linear;
 struct LoraLayout {
   struct Entry {
     int a, b, scales, g;  // g = -1 when absent
+    int group;            // -1, or the group of linears sharing its input (one update for all)
+    int part;             // its part of the group's update
   };
-  std::unordered_map<std::string, Entry> entries;
+  struct Group {
+    int members = 0;
+    std::vector<int> outs;  // per member, in order
+  };
+  std::unordered_map<std::string, Entry> entries;  // by linear name (a group's members each)
+  std::vector<Group> groups;
   int count = 0;  // arrays in the section, slots included
   std::string key;  // targets and g presence: a new key needs a new trace
 };
 
-/// Validates ``in`` against the step's linears (``names``) and the bank's slot count;
-/// returns the layout and appends nothing. Raises std::invalid_argument naming the problem.
+/// Validates ``in`` against the step's linears (``outs``: name -> output features) and the
+/// bank's slot count; returns the layout. A target named ``a+b+c`` is a group of linears that
+/// share one input (q|k|v, gate|up): one dense update for all, split by member.
+/// Raises std::invalid_argument naming the problem.
 std::shared_ptr<const LoraLayout> make_lora_layout(const LoraInputs& in,
-                                                   const std::unordered_set<std::string>& names);
+                                                   const std::unordered_map<std::string, int>& outs);
 /// The section's arrays after ``slots`` (B,) int32, in layout order.
 std::vector<mx::array> lora_arrays(const LoraInputs& in);
 /// (B,) int32 slots, checked against the bank (values are not checked: a traced input).

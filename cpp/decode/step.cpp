@@ -144,7 +144,7 @@ void DecodeStep::set_adapters(const LoraInputs& adapters) {
     }
     return;
   }
-  auto layout = make_lora_layout(adapters, linear_names(*graph_));
+  auto layout = make_lora_layout(adapters, linear_outs(*graph_));
   auto arrays = lora_arrays(adapters);
   const bool retrace = !lora_ || lora_->key != layout->key;
   lora_ = std::move(layout);

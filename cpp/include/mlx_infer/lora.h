@@ -7,15 +7,19 @@
 //
 //   a       (S, in, r)    stacked A of the S bank slots (slot 0 = no adapter: zeros)
 //   b       (S, r, out)   stacked B
+//     or, a small bank, a (S r, in) and b (out, S r) as linear weights: the slots
+//     concatenated, b already multiplied by each slot's scale (the dense product below,
+//     on the CPU kernels when the layer runs on them)
 //   scales  (S,) float32
 //   g       (S, out)      optional: DoRA's m / ||W + scale (a b)^T|| (1 for non-DoRA slots)
 //
 // and per step ``slots`` (B,) int32, the slot of each row. The update, per row, with
 // the same ops as python/mlx_infer/adapters/apply.py's per-row path:
 //
-//   xa = gather_mm(x, a, rhs=slots); z = gather_mm(xa, b, rhs=slots)
-//   y  = base(x) + (scales[slots] * z).astype(x.dtype)
-//   DoRA: y = g[slots] * (x W^T + (scales[slots] * z)) + bias
+//   gathered: xa = gather_mm(x, a, rhs=slots); z = gather_mm(xa, b, rhs=slots)
+//             y  = base(x) + (scales[slots] * z).astype(x.dtype)
+//   dense:    xa = (x @ a^T) * mask, mask[b, c] = (c / r == slots[b]);  y = base(x) + (xa @ b^T).astype(x.dtype)
+//   DoRA: y = g[slots] * (x W^T + delta) + bias
 #pragma once
 
 #include <optional>

@@ -10,7 +10,15 @@ uses is the *selection*, set around a forward with :func:`adapter_rows`:
   (``y + (scale * ((x @ a) @ b)).astype(x.dtype)``; DoRA as ``mlx_lm.tuner.dora``), so a
   single-adapter forward is bit-identical to mlx-lm's;
 - a ``(B,)`` int array of slots: row ``b`` uses slot ``slots[b]`` (0 = no adapter), over the
-  bank's stacked tensors (rank padded with zeros)::
+  bank's stacked tensors (rank padded with zeros). A small bank (``S * r <= DENSE_MAX_COLS``)
+  runs two products over every slot at once, the other slots' columns masked to zero::
+
+      xa = (x (B, L, in) @ A_cat^T (in, S r)) * mask[slots]      (B, L, S r)
+      y  = base(x) + (xa @ B_cat^T (S r, out)).astype(x.dtype)   B_cat scaled by each slot's scale
+
+  (A_cat and B_cat are stored as linear weights and run on the CPU kernels when the base layer does)
+
+  a larger one gathers each row's own A and B::
 
       xa = gather_mm(x (B, L, in), A (S, in, r), rhs=slots)      (B, L, r)
       z  = gather_mm(xa, B (S, r, out), rhs=slots)               (B, L, out)
@@ -102,14 +110,33 @@ def _uniform(module: nn.Module, base: Any, x: mx.array, t: "LoraTarget", gain: m
     return out
 
 
+def _product(module: nn.Module, x: mx.array, w: mx.array) -> mx.array:
+    """``x @ w.T`` on the kernels the base layer runs on (the CPU kernels when it was swapped)."""
+    if type(module).__name__.startswith("Fast") and x.dtype == w.dtype:
+        return _fast.fast_linear(x, w, None)
+    return x @ w.T
+
+
+def slot_mask(slots: mx.array, slots_total: int, rank: int, dtype: mx.Dtype) -> mx.array:
+    """``(B, 1, S * r)``: 1 on the columns of each row's slot, 0 elsewhere."""
+    cols = mx.arange(slots_total * rank, dtype=mx.int32) // rank  # (S*r,) the slot of each column
+    return (slots.astype(mx.int32)[:, None] == cols[None, :]).astype(dtype)[:, None, :]
+
+
 def _rows(module: nn.Module, base: Any, x: mx.array, stack: Any, slots: mx.array) -> mx.array:
     """Per-row adapters over the stacked tensors (see the module doc)."""
     lead = x.shape[:-1]
     x3 = x.reshape(lead[0], -1, x.shape[-1])  # (B, L, in)
-    xa = mx.gather_mm(x3, stack.a, rhs_indices=slots)  # (B, L, r)
-    z = mx.gather_mm(xa, stack.b, rhs_indices=slots)  # (B, L, out)
-    s = mx.take(stack.scales, slots, axis=0).reshape(-1, 1, 1)  # (B, 1, 1)
-    delta = (s * z).astype(x.dtype)
+    if stack.dense:  # every slot's columns at once, the others masked out; scales are in b_cat
+        S, _, r = stack.a.shape
+        xa = _product(module, x3, stack.a_cat)  # (B, L, S*r)
+        xa = xa * slot_mask(slots, S, r, xa.dtype)
+        delta = _product(module, xa, stack.b_cat).astype(x.dtype)  # (B, L, out)
+    else:
+        xa = mx.gather_mm(x3, stack.a, rhs_indices=slots)  # (B, L, r)
+        z = mx.gather_mm(xa, stack.b, rhs_indices=slots)  # (B, L, out)
+        s = mx.take(stack.scales, slots, axis=0).reshape(-1, 1, 1)  # (B, 1, 1)
+        delta = (s * z).astype(x.dtype)
     if stack.g is None:
         y = base(module, x3) + delta
     else:

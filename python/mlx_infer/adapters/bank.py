@@ -40,6 +40,8 @@ from .formats import Adapter, AdapterError, LoraTarget, linear_dims, load_adapte
 DEFAULT_CAPACITY = 8
 #: Ranks are padded up to a multiple of this in the stacks.
 RANK_BUCKET = 8
+#: Banks with ``slots * r_max`` up to this many columns use the concatenated (dense) product.
+DENSE_MAX_COLS = 512
 
 
 class AdapterNotFoundError(AdapterError):
@@ -52,14 +54,27 @@ class AdapterInUseError(AdapterError):
 
 @dataclass
 class Stack:
-    """One target's stacked update over the bank's slots (see the module doc)."""
+    """One target's stacked update over the bank's slots (see the module doc).
+
+    Two layouts of the same values; the per-row product reads ``a``/``b`` (a gather per
+    row) or, when ``S * r_max`` is at most :data:`DENSE_MAX_COLS`, the concatenated
+    ``a_cat``/``b_cat`` (two matmuls over every slot at once, the other slots' columns
+    masked to zero: far fewer, larger products, which is what small banks run fastest).
+    """
 
     a: mx.array  # (S, in, r_max)
     b: mx.array  # (S, r_max, out)
     scales: mx.array  # (S,) float32
     g: mx.array | None  # (S, out) or None
+    # Stored as linear weights (``y = x @ w.T``), the layout the CPU kernels take:
+    a_cat: mx.array | None = None  # (S * r_max, in): slot s's rows s*r .. s*r + r - 1 are its A^T
+    b_cat: mx.array | None = None  # (out, S * r_max): slot s's columns are its B^T times its scale
     targets: list[LoraTarget | None] = field(default_factory=list)  # per slot, unpadded
     gains: list[mx.array | None] = field(default_factory=list)  # per slot, DoRA gain (out,)
+
+    @property
+    def dense(self) -> bool:
+        return self.a_cat is not None
 
 
 class AdapterBank:
@@ -248,12 +263,19 @@ class AdapterBank:
                 gain = dora_gain(module, t) if t.m is not None else None
                 gains.append(gain)
                 g_rows.append(mx.ones((out,), mx.float32) if gain is None else gain.astype(mx.float32))
-            stack = Stack(a=mx.stack(a_rows), b=mx.stack(b_rows), scales=mx.array(scales, mx.float32),
-                          g=mx.stack(g_rows) if dora else None, targets=targets, gains=gains)
+            a, b = mx.stack(a_rows), mx.stack(b_rows)  # (S, in, r), (S, r, out)
+            sc = mx.array(scales, mx.float32)
+            stack = Stack(a=a, b=b, scales=sc, g=mx.stack(g_rows) if dora else None, targets=targets, gains=gains)
+            S = len(targets)
+            if S * r_max <= DENSE_MAX_COLS:
+                stack.a_cat = mx.contiguous(a.transpose(0, 2, 1).reshape(S * r_max, inp))  # (S*r, in)
+                scaled = (b * sc[:, None, None].astype(dtype)).reshape(S * r_max, out)  # (S*r, out)
+                stack.b_cat = mx.contiguous(scaled.T)  # (out, S*r)
             stacks[key] = stack
         arrays: list[Any] = []
         for s in stacks.values():
             arrays += [s.a, s.b, s.scales] + ([s.g] if s.g is not None else []) + [g for g in s.gains if g is not None]
+            arrays += [s.a_cat, s.b_cat] if s.dense else []
         mx.eval(arrays)
         for key in set(self.stacks) - set(stacks):
             unhook(self._modules[key])
