@@ -80,3 +80,33 @@ def test_fuse_equals_mlx_lm_fuse(root, kind):
         with_adapter = [t.token for t in generate_tokens(loaded.model, prompt, max_tokens=6, adapter=name)]
         fused = [t.token for t in generate_tokens(load_model(ours, cpu_kernels=False).model, prompt, max_tokens=6)]
         assert fused == with_adapter
+
+
+def test_serve_lora_flags(root, capsys):
+    from mlx_infer.cli import build_parser
+    from mlx_infer.cli_adapters import parse_loras
+
+    args = build_parser().parse_args(["serve", "--lora", "sql=/a/b", "chat=/c", "--lora", "/d/e", "--max-loras", "3"])
+    assert parse_loras(args.lora) == [("sql", "/a/b"), ("chat", "/c"), ("e", "/d/e")] and args.max_loras == 3
+    rc = main(["serve", "--model", str(root / "llama"), "--port", "0", "--lora", f"bad={root / 'nowhere'}"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--lora bad=" in err and "is not a directory" in err and err.count("\n") == 1
+    rc = main(["serve", "--model", str(root / "llama"), "--port", "0", "--lora", "x=/a", "x=/b"])
+    assert rc == 2 and "twice" in capsys.readouterr().err
+
+
+def test_compiled_step_on_a_quantized_base(root):
+    from mlx_infer.adapters import attach_adapter
+    from mlx_infer.generation.bindings.autoregressive import bind_autoregressive
+
+    a = make_mlx_adapter(root / "llama-q4", root / "q4-compiled", seed=52, b_std=1.0,
+                         keys=["self_attn.q_proj", "self_attn.k_proj", "mlp.gate_proj", "mlp.up_proj"])
+    for kernels in (False, True):
+        loaded = load_model(root / "llama-q4", cpu_kernels=kernels)
+        name = attach_adapter(loaded.model, a)
+        prompt = [5, 17, 33, 2]
+        eager = [t.token for t in generate_tokens(loaded.model, prompt, max_tokens=8, adapter=name)]
+        step = bind_autoregressive(loaded).create_decode()
+        got = [t.token for t in generate_tokens(loaded.model, prompt, max_tokens=8, adapter=name, decode=step)]
+        assert not step.failed, step.last_error
+        assert got == eager, kernels
