@@ -26,7 +26,8 @@ uses is the *selection*, set around a forward with :func:`adapter_rows`:
       DoRA slots: y = g[slots] * (x W^T + ...) + bias, g = m / ||W + scale (A B)^T|| per row of W
                   (g = 1 for the others)
 
-  the same ops, in the same order, as the compiled C++ steps (cpp/decode/lora.cpp).
+  the same ops as the compiled C++ steps (cpp/decode/lora.cpp), which also run one update for
+  each group of linears that share their input (q|k|v, gate|up; adapters/native.py).
 """
 
 from __future__ import annotations
