@@ -2,14 +2,16 @@
 
     python benchmarks/lora_decode.py --json benchmarks/results/cpu-lora-decode.json
 
-One process, CPU, the tests' tiny llama and gemma3 configs (tests/tiny.py). Two loads of
+One process, CPU, the tests' tiny llama and gemma3 configs (tests/tiny.py; ``--shapes
+270m-width`` widens their layers to Gemma 3 270M's). Two loads of
 the same model directory: ``base`` (no adapter bank) and ``lora`` (a bank of 4 random
 mlx-lm adapters, rank ``--rank``, on every linear layer of every block: q, k, v, o, gate,
 up, down). Each engine serves ``-b`` greedy requests (random ``-p``-token prompts, ``-g``
 tokens each, EOS ignored); in ``lora`` request i uses adapter i mod 4, so every step mixes
 all four in one compiled paged step. Engines are built once, warmed up by a full run (every
 trace happens there), then alternate run by run; rows are medians of ``-n`` runs of decode
-tokens/s over the whole batch (prefill excluded, as benchmarks/paged_decode.py).
+tokens/s over the whole batch (prefill excluded, as benchmarks/paged_decode.py); the ratio
+is also given as the median of per-trial ratios (the two runs of a trial are adjacent).
 
 Reported per model: both throughputs, their ratio, the step time of each (B / tok/s) and
 their difference: the per-step cost of the low-rank products (two gather_mm per target per
@@ -38,6 +40,13 @@ from mlx_infer.artifacts.loader import load_model  # noqa: E402
 from mlx_infer.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
 from mlx_infer.engine.scheduler import DECODE  # noqa: E402
 
+#: Model shapes: the tests' tiny configs, and Gemma 3 270M's layer width (hidden 640, MLP 2048,
+#: 4 heads of 256, 1 KV head) on the tiny configs' 2-3 layers and 320-token vocabulary.
+SHAPES = {
+    "tiny": {},
+    "270m-width": {"hidden_size": 640, "intermediate_size": 2048, "num_attention_heads": 4,
+                   "num_key_value_heads": 1, "head_dim": 256, "query_pre_attn_scalar": 256},
+}
 KEYS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
         "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
 ADAPTERS = 4
@@ -79,16 +88,20 @@ def main() -> None:
     ap.add_argument("-n", "--runs", type=int, default=3)
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--families", nargs="+", default=["llama", "gemma3"])
+    ap.add_argument("--shapes", nargs="+", choices=tuple(SHAPES), default=["tiny"])
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp())
     rng = np.random.default_rng(0)
     rows = []
-    for family in args.families:
-        d = make_tiny_model_dir(root / family, family)
+    for shape, family in [(sh, f) for sh in args.shapes for f in args.families]:
+        over = dict(SHAPES[shape])
+        if family != "gemma3":
+            over.pop("query_pre_attn_scalar", None)
+        d = make_tiny_model_dir(root / f"{shape}-{family}", family, **over)
         base = load_model(d)
         lora = load_model(d)
-        names = [attach_adapter(lora.model, make_mlx_adapter(d, root / f"{family}-a{i}", seed=i, rank=args.rank,
+        names = [attach_adapter(lora.model, make_mlx_adapter(d, root / f"{shape}-{family}-a{i}", seed=i, rank=args.rank,
                                                              keys=KEYS), name=f"a{i}") for i in range(ADAPTERS)]
         vocab = base.model.args.vocab_size
         prompts = [rng.integers(5, vocab, size=args.prompt).tolist() for _ in range(args.batch)]
@@ -109,9 +122,11 @@ def main() -> None:
         med = {m: statistics.median(x) for m, x in tps.items()}
         step_ms = {m: 1e3 * args.batch / v for m, v in med.items()}
         row = {
-            "model": f"tiny-{family}", "batch": args.batch, "adapters": ADAPTERS, "rank": args.rank,
+            "model": f"{family}", "shape": shape, "batch": args.batch, "adapters": ADAPTERS, "rank": args.rank,
             "targets_per_layer": len(KEYS), "base_tps": round(med["base"], 1), "lora_tps": round(med["lora"], 1),
             "ratio": round(med["lora"] / med["base"], 3),
+            # trial i's two runs are adjacent in time: their ratio shrugs off load drift between trials
+            "ratio_per_trial_median": round(statistics.median(l / b for l, b in zip(tps["lora"], tps["base"])), 3),
             "base_runs": [round(x, 1) for x in tps["base"]], "lora_runs": [round(x, 1) for x in tps["lora"]],
             "base_step_ms": round(step_ms["base"], 3), "lora_step_ms": round(step_ms["lora"], 3),
             "lowrank_step_ms": round(step_ms["lora"] - step_ms["base"], 3),
@@ -119,8 +134,8 @@ def main() -> None:
             "retraces": engines["lora"].paged_decode.retraces,
         }
         rows.append(row)
-        print(f"tiny-{family}: base {row['base_tps']} tok/s, 4 adapters {row['lora_tps']} tok/s "
-              f"(x{row['ratio']}); step {row['base_step_ms']} -> {row['lora_step_ms']} ms "
+        print(f"{shape} {family}: base {row['base_tps']} tok/s, 4 adapters {row['lora_tps']} tok/s "
+              f"(x{row['ratio']}, per-trial x{row['ratio_per_trial_median']}); step {row['base_step_ms']} -> {row['lora_step_ms']} ms "
               f"(low-rank products {row['lowrank_step_ms']} ms, {row['lowrank_macs_per_step']:,} MACs)", flush=True)
         for e in engines.values():
             e.stop()
