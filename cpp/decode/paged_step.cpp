@@ -227,23 +227,26 @@ PagedDecodeStep::PagedDecodeStep(
   graph_ = std::make_shared<DecodeStep::Graph>();
   graph_->cfg = std::move(config);
   load_graph_weights(*graph_, weights, quantization);
-  compile_step();
+  compiled_ = compile_forward(nullptr);
 }
 
-// One compiled function per adapter layout (see DecodeStep::compile_step).
 void PagedDecodeStep::compile_step() {
-  compiled_ = nullptr;
-  seen_.clear();
+  compiled_lora_ = lora_ ? compile_forward(lora_) : nullptr;
+  std::erase_if(seen_, [](const std::vector<int>& sig) { return sig.back() == 1; });  // the old layout's
+}
+
+// One compiled function per adapter layout (see DecodeStep::compile_forward).
+std::function<std::vector<mx::array>(const std::vector<mx::array>&)> PagedDecodeStep::compile_forward(
+    std::shared_ptr<const LoraLayout> lora) const {
   if (!paged_.compile) {
-    return;
+    return nullptr;
   }
   auto g = graph_;
   auto groups = paged_.layer_groups;
   int G = num_groups_;
   bool kernel = paged_.attention == "kernel";
   auto backend = backend_;
-  auto lora = lora_;
-  compiled_ = mx::compile(
+  return mx::compile(
       [g, groups, G, kernel, backend, lora](const std::vector<mx::array>& in) {
         if (!in.empty() && in[0].is_tracer()) {
           g->traces += 1;  // runs only while tracing
@@ -365,26 +368,30 @@ PagedStepOutput PagedDecodeStep::step(
     inputs.push_back(values[i]);
   }
 
-  if (lora_) {
+  // Without slots no row has an adapter: the step runs without the update (nothing to pay).
+  const bool adapted = lora_ && adapter_slots.has_value();
+  if (adapted) {
     inputs.push_back(pad_rows(lora_slots(adapter_slots, R, "PagedDecodeStep.step"), R_run - R, 0));
     inputs.insert(inputs.end(), lora_arrays_.begin(), lora_arrays_.end());
     for (const auto& a : lora_arrays_) {
       signature.insert(signature.end(), a.shape().begin(), a.shape().end());
     }
   }
+  signature.push_back(adapted ? 1 : 0);  // last: which compiled function (compile_step drops the old 1s)
 
   std::vector<mx::array> outputs;
-  if (compiled_) {
+  const auto& compiled = adapted ? compiled_lora_ : compiled_;
+  if (compiled) {
     const bool known = seen_.count(signature) > 0;
     const int before = graph_->traces;
-    outputs = compiled_(inputs);
+    outputs = compiled(inputs);
     if (known && graph_->traces > before) {
       retraces_ += 1;
     }
     seen_.insert(std::move(signature));
   } else {
     outputs = paged_forward(*graph_, paged_.layer_groups, num_groups_, paged_.attention == "kernel", inputs,
-                            backend_.get(), lora_.get());
+                            backend_.get(), adapted ? lora_.get() : nullptr);
   }
   inputs.clear();  // the graph holds the storage now; the caller's commit drops its own reference
 

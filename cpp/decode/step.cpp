@@ -113,19 +113,19 @@ DecodeStep::DecodeStep(
   graph_ = std::make_shared<Graph>();
   graph_->cfg = std::move(config);
   load_graph_weights(*graph_, weights, quantization);
-  compile_step();
+  compiled_ = compile_forward(nullptr);
 }
 
-// A new compiled function per adapter layout (its targets decide what the trace computes;
-// each mx::compile of a capturing lambda has its own cache, dropped with the function).
-void DecodeStep::compile_step() {
-  compiled_ = nullptr;
+// The whole-step function for one adapter layout (none: no adapters). Each mx::compile of a
+// capturing lambda has its own cache, dropped with the function, so a new layout never replays
+// another's trace.
+std::function<std::vector<mx::array>(const std::vector<mx::array>&)> DecodeStep::compile_forward(
+    std::shared_ptr<const LoraLayout> lora) const {
   if (!graph_->cfg.compile) {
-    return;
+    return nullptr;
   }
   auto g = graph_;
-  auto lora = lora_;
-  compiled_ = mx::compile(
+  return mx::compile(
       [g, lora](const std::vector<mx::array>& in) {
         if (!in.empty() && in[0].is_tracer()) {
           g->traces += 1;  // runs only while tracing: one per (B, capacity) seen
@@ -133,6 +133,10 @@ void DecodeStep::compile_step() {
         return decode_forward(*g, in, AttentionRead{}, lora.get());
       },
       /*shapeless=*/false);
+}
+
+void DecodeStep::compile_step() {
+  compiled_lora_ = lora_ ? compile_forward(lora_) : nullptr;
 }
 
 void DecodeStep::set_adapters(const LoraInputs& adapters) {
@@ -342,20 +346,23 @@ mx::array DecodeStep::step(const mx::array& tokens, const std::optional<mx::arra
     }
   }
 
-  if (lora_) {
+  // Without slots no row has an adapter: the step runs without the update (nothing to pay).
+  const bool adapted = lora_ && adapter_slots.has_value();
+  if (adapted) {
     inputs.push_back(lora_slots(adapter_slots, B, "DecodeStep.step"));
     inputs.insert(inputs.end(), lora_arrays_.begin(), lora_arrays_.end());
   }
+  const auto& compiled = adapted ? compiled_lora_ : compiled_;
 
   std::vector<mx::array> outputs;
-  if (compiled_ && B >= cfg.compile_min_batch) {
-    outputs = compiled_(inputs);
+  if (compiled && B >= cfg.compile_min_batch) {
+    outputs = compiled(inputs);
   } else {
     AttentionRead read;
     if (std::all_of(lengths_.begin(), lengths_.end(), [&](int n) { return n == lengths_[0]; })) {
       read.uniform_length = lengths_[0] + 1;
     }
-    outputs = decode_forward(*graph_, inputs, read, lora_.get());
+    outputs = decode_forward(*graph_, inputs, read, adapted ? lora_.get() : nullptr);
   }
   inputs.clear();
 

@@ -138,8 +138,8 @@ class DecodeStep {
       const std::vector<int>& lengths);
 
   /// Feeds ``tokens`` (B,) (one per row) and returns logits ``(B, vocab)``, lazily.
-  /// With adapters set (set_adapters), ``adapter_slots`` (B,) picks each row's bank slot
-  /// (none: slot 0, no adapter).
+  /// With adapters set (set_adapters), ``adapter_slots`` (B,) picks each row's bank slot;
+  /// none: no row has an adapter, and the step runs without the update.
   mx::array step(const mx::array& tokens, const std::optional<mx::array>& adapter_slots = std::nullopt);
 
   /// The adapter bank's stacked tensors (mlx_infer/lora.h), inputs of every later step; empty
@@ -173,6 +173,9 @@ class DecodeStep {
   std::function<std::vector<mx::array>(const std::vector<mx::array>&)> compiled_;
   std::shared_ptr<const LoraLayout> lora_;  // set by set_adapters
   std::vector<mx::array> lora_arrays_;     // its arrays, after the per-step slots
+  std::function<std::vector<mx::array>(const std::vector<mx::array>&)> compiled_lora_;  // with lora_
+  std::function<std::vector<mx::array>(const std::vector<mx::array>&)> compile_forward(
+      std::shared_ptr<const LoraLayout> lora) const;
   void compile_step();
   std::vector<mx::array> kv_;  // k0, v0, k1, v1, ...
   std::optional<mx::array> positions_;  // (B,) int32, device copy of lengths_

@@ -132,7 +132,8 @@ class PagedDecodeStep {
       const std::optional<mx::array>& adapter_slots = std::nullopt);
 
   /// The adapter bank's stacked tensors as inputs of every later step (see DecodeStep::set_adapters);
-  /// ``adapter_slots`` (R,) of step() then picks each row's bank slot (none: slot 0).
+  /// ``adapter_slots`` (R,) of step() then picks each row's bank slot (none: no row has an
+  /// adapter, and the step runs without the update).
   void set_adapters(const LoraInputs& adapters);
 
   /// Times the compiled step was traced (one per input-shape signature seen).
@@ -157,6 +158,9 @@ class PagedDecodeStep {
   std::function<std::vector<mx::array>(const std::vector<mx::array>&)> compiled_;
   std::shared_ptr<const LoraLayout> lora_;
   std::vector<mx::array> lora_arrays_;
+  std::function<std::vector<mx::array>(const std::vector<mx::array>&)> compiled_lora_;  // with lora_
+  std::function<std::vector<mx::array>(const std::vector<mx::array>&)> compile_forward(
+      std::shared_ptr<const LoraLayout> lora) const;
   void compile_step();
   std::set<std::vector<int>> seen_;
   int retraces_ = 0;

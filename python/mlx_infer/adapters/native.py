@@ -142,7 +142,13 @@ class NativeAdapters:
         self.active = bool(targets)
 
     def slots(self, rows: int, selection: Any = None) -> mx.array | None:
-        """The step's ``adapter_slots`` for ``rows`` rows (``None`` without adapters)."""
+        """The step's ``adapter_slots`` for ``rows`` rows; ``None`` when no row has an adapter
+        (the step then runs without the update)."""
         if not self.active:
             return None
-        return row_slots(self.bank, rows, selection)
+        sel = current_selection() if selection is None else selection
+        if sel is None:
+            sel = self.bank.default_slot
+        if isinstance(sel, int) and sel == 0:
+            return None
+        return row_slots(self.bank, rows, sel)
