@@ -4,7 +4,7 @@ The adapter is made and saved by PEFT itself (``get_peft_model`` + ``save_pretra
 ``adapter_config.json`` + ``adapter_model.safetensors``), with random ``lora_B`` (zero at
 init). Different backends (torch vs MLX, float32): logits within 1e-4 absolute + 1e-4
 relative, greedy tokens equal. Covered: plain scaling (alpha / r), rsLoRA (alpha / sqrt(r)),
-``rank_pattern`` / ``alpha_pattern`` and DoRA.
+``rank_pattern`` / ``alpha_pattern`` and DoRA on llama; plain LoRA on qwen2, qwen3 and gemma3.
 """
 
 from __future__ import annotations
@@ -32,9 +32,24 @@ CASES = {
 }
 
 
+_DIRS: dict[str, Path] = {}
+
+
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return make_tiny_model_dir(tmp_path_factory.mktemp("peft") / "llama", "llama")
+def root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("peft")
+
+
+@pytest.fixture
+def model_dir(root) -> Path:
+    return family_dir(root, "llama")
+
+
+def family_dir(root: Path, family: str) -> Path:
+    if family not in _DIRS:
+        spread = {"vector_noise": True, "embed_scale": 0.5} if family == "gemma3" else {}
+        _DIRS[family] = make_tiny_model_dir(root / family, family, **spread)
+    return _DIRS[family]
 
 
 def make_peft_adapter(model_dir: Path, out: Path, seed: int, **kw):
@@ -74,5 +89,17 @@ def test_peft_adapter_matches_peft(model_dir, tmp_path, case):
     with adapter_rows(bank_of(loaded.model).acquire(name)):
         ours = np.array(loaded.model(mx.array(IDS)))
     assert np.abs(base - ref).max() > 1e-2, "the adapter changed nothing: the test would hide a no-op"
+    np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=1e-4)
+    assert (ours.argmax(-1) == ref.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma3"])
+def test_peft_adapter_matches_peft_for_other_families(root, tmp_path, family):
+    d = family_dir(root, family)
+    adir, ref = make_peft_adapter(d, tmp_path / family, seed=71, **CASES["lora"])
+    loaded = load_model(d, cpu_kernels=False)
+    name = attach_adapter(loaded.model, adir)
+    with adapter_rows(bank_of(loaded.model).acquire(name)):
+        ours = np.array(loaded.model(mx.array(IDS)))
     np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=1e-4)
     assert (ours.argmax(-1) == ref.argmax(-1)).all()
