@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -58,15 +57,18 @@ def _tensors(d: Path) -> dict[str, mx.array]:
 
 
 @pytest.mark.parametrize("kind", ["lora", "dora", "q4-lora", "q4-lora-dequantize"])
-def test_fuse_equals_mlx_lm_fuse(root, kind):
+def test_fuse_equals_mlx_lm_fuse(root, kind, monkeypatch):
     model = root / ("llama-q4" if kind.startswith("q4") else "llama")
     a = make_mlx_adapter(model, root / f"fuse-{kind}", seed=51, dora="dora" in kind,
                          keys=["self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj"])
     extra = ["--dequantize"] if kind.endswith("dequantize") else []
     ours, theirs = root / f"ours-{kind}", root / f"theirs-{kind}"
     assert main(["fuse", "--model", str(model), "--adapter-path", str(a), "--save-path", str(ours)] + extra) == 0
-    subprocess.run([sys.executable, "-m", "mlx_lm", "fuse", "--model", str(model), "--adapter-path", str(a),
-                    "--save-path", str(theirs)] + extra, check=True, capture_output=True)
+    from mlx_lm import fuse as mlx_lm_fuse  # in-process: `mlx_lm.fuse --model ... --save-path ...`
+
+    monkeypatch.setattr(sys, "argv", ["mlx_lm.fuse", "--model", str(model), "--adapter-path", str(a),
+                                      "--save-path", str(theirs)] + extra)
+    mlx_lm_fuse.main()
     mine, ref = _tensors(ours), _tensors(theirs)
     assert sorted(mine) == sorted(ref)
     for k in ref:
