@@ -156,8 +156,11 @@ namespace {
 mx::array dense_update(const Linear& l, const mx::array& x3, const mx::array& A, const mx::array& Bm,
                        const mx::array& slots, int S, int k) {
   // A and B are linear weights: on the CPU kernels when the layer is.
+  // In the promoted dtype, as ``x @ a`` promotes (a bfloat16 model's float32 adapter: float32).
   auto product = [&l](const mx::array& v, const mx::array& w) {
-    return l.fast && v.dtype() == w.dtype() ? fast_linear(v, w, std::nullopt) : mx::matmul(v, mx::transpose(w));
+    if (!l.fast) return mx::matmul(v, mx::transpose(w));
+    const auto dt = mx::promote_types(v.dtype(), w.dtype());
+    return fast_linear(mx::astype(v, dt), mx::astype(w, dt), std::nullopt);
   };
   const int rows = A.shape(0);
   auto xa = product(x3, A);  // (B, L, k S r)

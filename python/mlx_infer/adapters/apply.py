@@ -112,9 +112,11 @@ def _uniform(module: nn.Module, base: Any, x: mx.array, t: "LoraTarget", gain: m
 
 
 def _product(module: nn.Module, x: mx.array, w: mx.array) -> mx.array:
-    """``x @ w.T`` on the kernels the base layer runs on (the CPU kernels when it was swapped)."""
-    if type(module).__name__.startswith("Fast") and x.dtype == w.dtype:
-        return _fast.fast_linear(x, w, None)
+    """``x @ w.T`` on the kernels the base layer runs on (the CPU kernels when it was swapped), in
+    the promoted dtype as ``x @ w.T`` promotes (a bfloat16 model's float32 adapter: float32)."""
+    if type(module).__name__.startswith("Fast"):
+        dt = x.dtype if x.dtype == w.dtype else mx.float32  # floating dtypes that differ promote to float32
+        return _fast.fast_linear(x.astype(dt), w.astype(dt), None)
     return x @ w.T
 
 
