@@ -1,9 +1,13 @@
-"""LoRA / DoRA adapters: loading (formats), the resident bank (bank) and the update (apply).
+"""LoRA / DoRA adapters (issue 21).
 
-Rows with different adapters, or none, run in one forward: the eager graph reads each row's
-bank slot from :func:`adapter_rows`; the compiled C++ steps take the bank's stacked tensors
-and the per-row slots as inputs (``cpp/include/mlx_infer/lora.h``), so the compiled step
-stays on with adapters. See ``docs`` in each module.
+- :mod:`.formats`: mlx-lm and PEFT adapter directories, validated against the base model;
+- :mod:`.bank`: the resident adapters of a model, stacked per target (LRU, capacity, bytes);
+- :mod:`.apply`: the update inside the eager graph, per row (:func:`adapter_rows`);
+- :mod:`.native`: the bank as inputs of the compiled C++ steps (``cpp/include/mlx_infer/lora.h``);
+- :mod:`.select`: picking an adapter for a generation; :mod:`.fuse`: ``mlx-infer fuse``.
+
+Rows with different adapters, or none, run in one forward, eager or compiled: nothing about
+an adapter is baked into a traced graph, so the compiled steps stay on with adapters.
 """
 
 from .apply import adapter_rows, current_selection
