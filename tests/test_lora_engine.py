@@ -117,3 +117,23 @@ def test_unknown_adapter_fails_that_request_only(setup):
         r_bad, r_good = engine.generate([bad, good], timeout=120)
     assert r_bad.finish_reason == "error" and "no adapter named 'nope'" in r_bad.error
     assert r_good.error is None and r_good.token_ids == alone[names[0], 0]
+
+
+def test_adapters_count_against_the_kv_budget(setup, monkeypatch):
+    from mlx_infer.engine import config as engine_config
+    from mlx_infer.engine.config import kv_budget
+
+    # a fixed device: available RAM moves between two readings
+    monkeypatch.setattr(engine_config, "device_memory", lambda: ("cpu", 8 * 2**30, "RAM"))
+    loaded, names, alone = setup
+    bank = bank_of(loaded.model)
+    assert bank.nbytes > 0
+    budget = kv_budget(loaded.model, EngineConfig())
+    assert "adapters" in budget.source
+    bank_attr = loaded.model.adapter_bank
+    object.__delattr__(loaded.model, "adapter_bank")
+    try:
+        without = kv_budget(loaded.model, EngineConfig())
+    finally:
+        object.__setattr__(loaded.model, "adapter_bank", bank_attr)
+    assert without.bytes - budget.bytes == bank.nbytes
