@@ -70,6 +70,12 @@ def test_models_list_and_selection(served):
     assert complete(client, "a0") == text["a0"]
     assert complete(client, "a1") == text["a1"]
     assert complete(client, model_id, adapter="a1") == text["a1"]
+    r = client.completions.create(model="a0", prompt=PROMPT, max_tokens=2, temperature=0)
+    assert r.model == "a0"  # the adapter that served it (vLLM's convention)
+    chat = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": "a1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert chat.status_code == 200 and chat.json()["model"] == "a1"
+    assert client.completions.create(model=model_id, prompt=PROMPT, max_tokens=2).model == model_id
     with pytest.raises(openai.NotFoundError):
         complete(client, model_id, adapter="nope")
     with pytest.raises(openai.NotFoundError):

@@ -134,3 +134,9 @@ def adapter_names(engine: Any) -> set[str]:
     """Names of the registered adapters (valid ``model`` values besides the base model's)."""
     bank = bank_of(engine.model)
     return set(bank.names) if bank is not None else set()
+
+
+def served_name(engine: Any, req: Any, model_names: set[str], model_id: str) -> str:
+    """The ``model`` a response names: the adapter serving it (vLLM's convention), else the model's id."""
+    name = adapter_of(engine, req, model_names)
+    return name if name is not None else model_id

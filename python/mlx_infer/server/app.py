@@ -47,7 +47,7 @@ from ..engine import RequestResult
 from .prompt_logprobs import PromptScorer, check_scorable, echo_logprobs
 from .streaming import merge
 from .structured import constraint_of
-from .adapters import adapter_models, adapter_names, adapter_of, add_adapter_routes
+from .adapters import adapter_models, adapter_names, adapter_of, add_adapter_routes, served_name
 from .extras import add_cors, add_token_routes, template_kwargs
 from .tools import ToolPlan, template_messages
 from . import protocol as P
@@ -361,6 +361,7 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
     async def completions(req: P.CompletionRequest, request: Request) -> Any:
         P.check_common(req)  # first: it also rejects unencodable text, the model name's included
         check_model(req.model)
+        served = served_name(engine, req, names, model_id)  # an adapter's name when it serves (vLLM)
         prompts: list[Any] = [req.prompt]
         if isinstance(req.prompt, list) and req.prompt and not isinstance(req.prompt[0], int):
             prompts = list(req.prompt)  # a batch: one choice (n choices) per prompt, in order
@@ -408,7 +409,7 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
             scores = await score()
             results = [RequestResult(request_id=rid, prompt_tokens=len(ids), finish_reason="length")
                        for ids in all_ids for _ in range(req.n or 1)]
-            return {"id": rid, "object": "text_completion", "created": t, "model": model_id,
+            return {"id": rid, "object": "text_completion", "created": t, "model": served,
                     "choices": [choice(echoes[i // (req.n or 1)], "length", choice_logprobs(r, i // (req.n or 1)), i)
                                 for i, r in enumerate(results)],
                     "usage": total_usage(results, req.n)}
@@ -438,7 +439,7 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
                         yield choice(ev.text, P.finish_reason(ev.finish_reason), lp, i)
 
             def wrap(choices: list[dict[str, Any]]) -> dict[str, Any]:
-                return {"id": rid, "object": "text_completion", "created": t, "model": model_id, "choices": choices}
+                return {"id": rid, "object": "text_completion", "created": t, "model": served, "choices": choices}
 
             async def chunks() -> AsyncIterator[dict[str, Any]]:
                 count = len(jobs) * n
@@ -454,7 +455,7 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
             samplings = choice_samplings(sampling, req.n)
             results = await wait_all([(ids, req, s, limit) for ids, limit in jobs for s in samplings], request)
             scores = await score()
-            return {"id": rid, "object": "text_completion", "created": t, "model": model_id,
+            return {"id": rid, "object": "text_completion", "created": t, "model": served,
                     "choices": [choice(echoes[i // n] + r.text, P.finish_reason(r.finish_reason),
                                        choice_logprobs(r, i // n), i)
                                 for i, r in enumerate(results)],
@@ -463,7 +464,7 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
         handle = submit(ids, req, sampling, limit)
         r = await wait(handle, request)
         scores = await score()
-        return {"id": rid, "object": "text_completion", "created": t, "model": model_id,
+        return {"id": rid, "object": "text_completion", "created": t, "model": served,
                 "choices": [choice(echoes[0] + r.text, P.finish_reason(r.finish_reason), choice_logprobs(r, 0))],
                 "usage": P.usage(r.prompt_tokens, r.completion_tokens, r.cached_tokens)}
 
@@ -471,6 +472,7 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
     async def chat(req: P.ChatCompletionRequest, request: Request) -> Any:
         P.check_common(req)  # first: it also rejects unencodable text, the model name's included
         check_model(req.model)
+        served = served_name(engine, req, names, model_id)  # an adapter's name when it serves (vLLM)
         messages = P.chat_messages(req.messages)
         if not tokenizer.chat_template:
             raise P.OpenAIError(400, f"The model {model_id!r} has no chat template (it is a base model), so it "
@@ -525,7 +527,7 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
             handles = submit_all(jobs)
 
             def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
-                return {"id": rid, "object": "chat.completion.chunk", "created": t, "model": model_id,
+                return {"id": rid, "object": "chat.completion.chunk", "created": t, "model": served,
                         "choices": choices}
 
             def delta(i: int, d: dict[str, Any], reason: str | None, lp: Any = None) -> dict[str, Any]:
@@ -557,13 +559,13 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
 
         if (req.n or 1) > 1:
             results = await wait_all(jobs, request)
-            return {"id": rid, "object": "chat.completion", "created": t, "model": model_id,
+            return {"id": rid, "object": "chat.completion", "created": t, "model": served,
                     "choices": [chat_choice(r, i) for i, r in enumerate(results)],
                     "usage": total_usage(results, req.n)}
         handle = submit(*jobs[0])
 
         r = await wait(handle, request)
-        return {"id": rid, "object": "chat.completion", "created": t, "model": model_id,
+        return {"id": rid, "object": "chat.completion", "created": t, "model": served,
                 "choices": [chat_choice(r, 0)],
                 "usage": P.usage(r.prompt_tokens, r.completion_tokens, r.cached_tokens)}
 
