@@ -421,9 +421,11 @@ def test_binding_creates_the_compiled_step_only_when_allowed():
     assert off.create_decode() is None
     assert "composition" in off.decode_unavailable_reason()
 
+    # Adapters no longer turn the compiled step off (issue 21: they are inputs of the step,
+    # tests/test_lora_compiled.py); the binding lists the graph's adapter bank.
     adapted = bind_autoregressive(model)
     adapted.adapters = ("lora-a",)
-    assert adapted.create_decode() is None
+    assert isinstance(adapted.create_decode(), CompiledDecodeStep)
 
     with pytest.raises(MlxInferError, match="kv_scheme"):
         Composition(kv_scheme="q4")

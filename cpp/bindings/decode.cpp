@@ -17,10 +17,32 @@ using namespace nb::literals;
 namespace mx = mlx::core;
 using mlx_infer::DecodeConfig;
 using mlx_infer::DecodeStep;
+using mlx_infer::LoraInputs;
 using mlx_infer::PagedDecodeConfig;
 using mlx_infer::PagedDecodeStep;
 using mlx_infer::PagedGroupInputs;
 using mlx_infer::RopeSpec;
+
+namespace {
+
+LoraInputs lora_inputs(std::vector<std::string> targets, std::vector<mx::array> a, std::vector<mx::array> b,
+                       std::vector<mx::array> scales, std::vector<std::optional<mx::array>> g) {
+  return LoraInputs{std::move(targets), std::move(a), std::move(b), std::move(scales), std::move(g)};
+}
+
+constexpr const char* kSetAdaptersDoc = R"(The adapter bank's stacked tensors, inputs of every later step
+(see mlx_infer/lora.h); empty lists remove them. A new set of targets retraces the compiled step,
+new values of the same shapes do not.
+
+Args:
+    targets: canonical linear names (``layers.0.q``).
+    a: per target ``(S, in, r)``; b: per target ``(S, r, out)``; scales: per target ``(S,)``.
+    g: per target ``(S, out)`` DoRA gains, or None.
+
+Raises:
+    ValueError: a target the step has no linear for, or shapes that do not agree.)";
+
+}  // namespace
 
 void bind_decode(nb::module_& m) {
   nb::class_<RopeSpec>(m, "RopeSpec",
@@ -110,8 +132,18 @@ Args:
         that slot ``S - 1`` holds its last token.
     values: likewise.
     lengths: tokens held per row (list[int], B entries).)")
-      .def("step", &DecodeStep::step, "tokens"_a,
+      .def(
+          "set_adapters",
+          [](DecodeStep& self, std::vector<std::string> targets, std::vector<mx::array> a,
+             std::vector<mx::array> b, std::vector<mx::array> scales, std::vector<std::optional<mx::array>> g) {
+            self.set_adapters(lora_inputs(std::move(targets), std::move(a), std::move(b), std::move(scales),
+                                          std::move(g)));
+          },
+          "targets"_a, "a"_a, "b"_a, "scales"_a, "g"_a, kSetAdaptersDoc)
+      .def_prop_ro("adapter_targets", &DecodeStep::adapter_targets, "Targets of the adapters set.")
+      .def("step", &DecodeStep::step, "tokens"_a, "adapter_slots"_a = nb::none(),
            R"(Feeds one token per row; returns lazy logits ``(B, vocab)``.
+``adapter_slots`` ``(B,)``: each row's bank slot (with adapters set; None = slot 0, no adapter).
 
 Raises:
     ValueError: bad tokens or no cache loaded.
@@ -163,16 +195,18 @@ thread-safe.)")
           "step",
           [](PagedDecodeStep& self, const mx::array& tokens, const mx::array& positions, const mx::array& logit_rows,
              const std::vector<std::tuple<mx::array, mx::array, mx::array>>& groups,
-             const std::vector<mx::array>& keys, const std::vector<mx::array>& values) {
+             const std::vector<mx::array>& keys, const std::vector<mx::array>& values,
+             const std::optional<mx::array>& adapter_slots) {
             std::vector<PagedGroupInputs> gs;
             gs.reserve(groups.size());
             for (const auto& [tables, lengths, slots] : groups) {
               gs.push_back(PagedGroupInputs{tables, lengths, slots});
             }
-            auto out = self.step(tokens, positions, logit_rows, gs, keys, values);
+            auto out = self.step(tokens, positions, logit_rows, gs, keys, values, adapter_slots);
             return std::make_tuple(out.logits, std::move(out.keys), std::move(out.values));
           },
           "tokens"_a, "positions"_a, "logit_rows"_a, "groups"_a, "keys"_a, "values"_a,
+          "adapter_slots"_a = nb::none(),
           R"(One query token per row; returns ``(logits (M, vocab), keys, values)``, lazily.
 
 Args:
@@ -183,12 +217,21 @@ Args:
         row r's pages in the group's storage (0-padded), ``position + 1``, and
         ``page * page_size + offset`` where its new K/V goes.
     keys, values: per layer the storage ``(pages, kv_heads, page_size, head_dim)``.
+    adapter_slots: ``(R,)`` each row's bank slot (with adapters set; None = slot 0, no adapter).
 
 Returns:
     The logits and each layer's updated key and value storage.
 
 Raises:
     ValueError: inputs of the wrong count, shape or dtype (quantized storage included).)")
+      .def(
+          "set_adapters",
+          [](PagedDecodeStep& self, std::vector<std::string> targets, std::vector<mx::array> a,
+             std::vector<mx::array> b, std::vector<mx::array> scales, std::vector<std::optional<mx::array>> g) {
+            self.set_adapters(lora_inputs(std::move(targets), std::move(a), std::move(b), std::move(scales),
+                                          std::move(g)));
+          },
+          "targets"_a, "a"_a, "b"_a, "scales"_a, "g"_a, kSetAdaptersDoc)
       .def_prop_ro("traces", &PagedDecodeStep::traces,
                    "Times the compiled step was traced (one per input-shape signature).")
       .def_prop_ro("retraces", &PagedDecodeStep::retraces,

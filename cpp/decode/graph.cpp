@@ -4,6 +4,7 @@
 #include "graph.h"
 
 #include "gemma4.h"
+#include "lora.h"
 
 #include "mlx_infer/cpu_attention.h"
 #include "mlx_infer/matmul.h"
@@ -23,8 +24,15 @@ mx::array scalar(double v, mx::Dtype dtype) {
   return mx::array(static_cast<float>(v), dtype);
 }
 
-// nn.Linear / nn.QuantizedLinear (and their CPU-kernel twins in mlx_infer.layers.linear).
 mx::array apply_linear(const Linear& l, const mx::array& x) {
+  if (auto y = lora_linear(l, x)) {
+    return *y;
+  }
+  return base_linear(l, x);
+}
+
+// nn.Linear / nn.QuantizedLinear (and their CPU-kernel twins in mlx_infer.layers.linear).
+mx::array base_linear(const Linear& l, const mx::array& x) {
   if (l.fast) {
     if (l.quantized()) {
       auto y = fast_quantized_matmul(x, *l.w, *l.scales, l.biases, true, l.group_size, l.bits, l.mode);
@@ -319,11 +327,14 @@ mx::array decode_layers(
 std::vector<mx::array> decode_forward(
     const DecodeStep::Graph& g,
     const std::vector<mx::array>& inputs,
-    const AttentionRead& read) {
-  if (static_cast<int>(inputs.size()) != 2 + 2 * num_buffers(g)) {
+    const AttentionRead& read,
+    const LoraLayout* lora) {
+  const int kv_end = 2 + 2 * num_buffers(g);
+  if (static_cast<int>(inputs.size()) != kv_end + (lora ? lora->count : 0)) {
     throw std::invalid_argument(
-        "[decode_forward] expected tokens, positions and 2 KV buffers per KV-owning layer.");
+        "[decode_forward] expected tokens, positions, 2 KV buffers per KV-owning layer and the adapters' arrays.");
   }
+  LoraScope scope(lora, &inputs, kv_end);
   std::vector<mx::array> outputs;
   outputs.reserve(inputs.size());
   outputs.push_back(mx::array(0));  // logits, set below
@@ -385,6 +396,7 @@ Linear read_linear(const std::unordered_map<std::string, mx::array>& w,
                    const std::vector<std::string>& fast, const std::string& name,
                    bool required) {
   Linear l;
+  l.name = name;
   l.fast = std::find(fast.begin(), fast.end(), name) != fast.end();
   l.w = required ? std::optional<mx::array>(require_weight(w, name + ".weight"))
                  : find_weight(w, name + ".weight");
@@ -401,6 +413,22 @@ Linear read_linear(const std::unordered_map<std::string, mx::array>& w,
   return l;
 }
 
+std::unordered_map<std::string, int> linear_outs(const DecodeStep::Graph& g) {
+  std::unordered_map<std::string, int> out;
+  auto add = [&out](const Linear& l) {
+    if (l.present() && !l.name.empty()) out.emplace(l.name, l.w->shape(0));
+  };
+  for (const auto& lw : g.layers) {
+    for (const auto* l : {&lw.q, &lw.k, &lw.v, &lw.o, &lw.gate, &lw.up, &lw.down}) add(*l);
+  }
+  if (g.gemma4) {
+    for (const auto& lw : g.gemma4->layers) {
+      for (const auto* l : {&lw.q, &lw.k, &lw.v, &lw.o, &lw.gate, &lw.up, &lw.down, &lw.pli_gate, &lw.pli_proj}) add(*l);
+    }
+  }
+  return out;
+}
+
 namespace {
 
 bool same_kind(const Linear& a, const Linear& b) {
@@ -414,6 +442,7 @@ bool same_kind(const Linear& a, const Linear& b) {
 // Rows of W (and of its scales, biases and bias) concatenated: one matmul for several outputs.
 Linear fuse(const std::vector<const Linear*>& ls) {
   Linear out = *ls[0];
+  out.name.clear();  // a fused form takes no adapter
   auto cat = [&](auto member) {
     std::vector<mx::array> parts;
     for (auto* l : ls) {

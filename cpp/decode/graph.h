@@ -5,6 +5,7 @@
 #include <optional>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "mlx_infer/decode.h"
@@ -21,6 +22,7 @@ struct Linear {
   int bits = 0;
   std::string mode = "affine";
   bool fast = false;  // product on mlx-infer's CPU kernels (mlx_infer/matmul.h), as the model's layer
+  std::string name;   // canonical name (``layers.3.q``): what adapters target; empty for fused forms
 
   bool present() const { return w.has_value(); }
   bool quantized() const { return scales.has_value(); }
@@ -35,6 +37,7 @@ struct LayerWeights {
 };
 
 struct Gemma4Weights;  // gemma4.h
+struct LoraLayout;     // lora.h
 
 struct DecodeStep::Graph {
   DecodeConfig cfg;
@@ -118,10 +121,12 @@ std::vector<int> buffer_windows(const DecodeStep::Graph& g);
 /// inputs:  tokens (B,), positions (B,) int32, then K and V of each KV-owning
 ///          layer in order (kv_layers): k_0, v_0, k_1, v_1, ...
 /// outputs: logits (B, vocab), positions + 1, k_0', v_0', ...
+///          then, with adapters, ``lora->count`` arrays (slots (B,), then the layout's; lora.h)
 std::vector<mx::array> decode_forward(
     const DecodeStep::Graph& g,
     const std::vector<mx::array>& inputs,
-    const AttentionRead& read);
+    const AttentionRead& read,
+    const LoraLayout* lora = nullptr);
 
 /// Raises std::invalid_argument naming the first field of ``c`` that is out of range.
 void validate_decode_config(const DecodeConfig& c);
@@ -135,8 +140,13 @@ void load_graph_weights(
 // -- building blocks shared by the families' forwards (graph.cpp) --
 
 mx::array scalar(double v, mx::Dtype dtype);
-/// nn.Linear / nn.QuantizedLinear (and their CPU-kernel twins).
+/// nn.Linear / nn.QuantizedLinear (and their CPU-kernel twins), plus the active adapters'
+/// update when a LoraScope targets ``l`` (lora.h).
 mx::array apply_linear(const Linear& l, const mx::array& x);
+/// The layer's own product, no adapter.
+mx::array base_linear(const Linear& l, const mx::array& x);
+/// The linears the forward runs (those an adapter may target): name -> output features.
+std::unordered_map<std::string, int> linear_outs(const DecodeStep::Graph& g);
 /// nn.Embedding / nn.QuantizedEmbedding lookup: ids (B, 1) -> (B, 1, width).
 mx::array embed_lookup(const Linear& e, const mx::array& ids);
 /// Embedding.as_linear (the tied head).

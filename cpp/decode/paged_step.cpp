@@ -9,6 +9,7 @@
 #include <stdexcept>
 
 #include "graph.h"
+#include "lora.h"
 #include "mlx_infer/paged_attention.h"
 
 namespace mlx_infer {
@@ -130,7 +131,9 @@ class PagedKV final : public KVAccess {
 
 std::vector<mx::array> paged_forward(const DecodeStep::Graph& g, const std::vector<int>& layer_groups,
                                      int num_groups, bool kernel, const std::vector<mx::array>& inputs,
-                                     std::string* backend) {
+                                     std::string* backend, const LoraLayout* lora) {
+  // Adapter arrays (slots, then the layout's) follow the storage: kStepInputs, groups, 2 per buffer.
+  LoraScope scope(lora, &inputs, kStepInputs + kGroupInputs * num_groups + 2 * num_buffers(g));
   std::vector<mx::array> outputs;
   outputs.reserve(1 + 2 * num_buffers(g));
   outputs.push_back(mx::array(0));  // logits, set below
@@ -224,20 +227,51 @@ PagedDecodeStep::PagedDecodeStep(
   graph_ = std::make_shared<DecodeStep::Graph>();
   graph_->cfg = std::move(config);
   load_graph_weights(*graph_, weights, quantization);
-  if (paged_.compile) {
-    auto g = graph_;
-    auto groups = paged_.layer_groups;
-    int G = num_groups_;
-    bool kernel = paged_.attention == "kernel";
-    auto backend = backend_;
-    compiled_ = mx::compile(
-        [g, groups, G, kernel, backend](const std::vector<mx::array>& in) {
-          if (!in.empty() && in[0].is_tracer()) {
-            g->traces += 1;  // runs only while tracing
-          }
-          return paged_forward(*g, groups, G, kernel, in, backend.get());
-        },
-        /*shapeless=*/false);
+  compiled_ = compile_forward(nullptr);
+}
+
+void PagedDecodeStep::compile_step() {
+  compiled_lora_ = lora_ ? compile_forward(lora_) : nullptr;
+  std::erase_if(seen_, [](const std::vector<int>& sig) { return sig.back() == 1; });  // the old layout's
+}
+
+// One compiled function per adapter layout (see DecodeStep::compile_forward).
+std::function<std::vector<mx::array>(const std::vector<mx::array>&)> PagedDecodeStep::compile_forward(
+    std::shared_ptr<const LoraLayout> lora) const {
+  if (!paged_.compile) {
+    return nullptr;
+  }
+  auto g = graph_;
+  auto groups = paged_.layer_groups;
+  int G = num_groups_;
+  bool kernel = paged_.attention == "kernel";
+  auto backend = backend_;
+  return mx::compile(
+      [g, groups, G, kernel, backend, lora](const std::vector<mx::array>& in) {
+        if (!in.empty() && in[0].is_tracer()) {
+          g->traces += 1;  // runs only while tracing
+        }
+        return paged_forward(*g, groups, G, kernel, in, backend.get(), lora.get());
+      },
+      /*shapeless=*/false);
+}
+
+void PagedDecodeStep::set_adapters(const LoraInputs& adapters) {
+  if (adapters.empty()) {
+    if (lora_) {
+      lora_.reset();
+      lora_arrays_.clear();
+      compile_step();
+    }
+    return;
+  }
+  auto layout = make_lora_layout(adapters, linear_outs(*graph_));
+  auto arrays = lora_arrays(adapters);
+  const bool retrace = !lora_ || lora_->key != layout->key;
+  lora_ = std::move(layout);
+  lora_arrays_ = std::move(arrays);
+  if (retrace) {
+    compile_step();
   }
 }
 
@@ -257,7 +291,8 @@ PagedStepOutput PagedDecodeStep::step(
     const mx::array& logit_rows,
     const std::vector<PagedGroupInputs>& groups,
     const std::vector<mx::array>& keys,
-    const std::vector<mx::array>& values) {
+    const std::vector<mx::array>& values,
+    const std::optional<mx::array>& adapter_slots) {
   const auto geometry = buffer_geometry(*graph_);  // per KV-owning layer
   const int L = static_cast<int>(geometry.size());
   if (tokens.ndim() > 2 || tokens.size() < 1 || !mx::issubdtype(tokens.dtype(), mx::integer)) {
@@ -333,18 +368,30 @@ PagedStepOutput PagedDecodeStep::step(
     inputs.push_back(values[i]);
   }
 
+  // Without slots no row has an adapter: the step runs without the update (nothing to pay).
+  const bool adapted = lora_ && adapter_slots.has_value();
+  if (adapted) {
+    inputs.push_back(pad_rows(lora_slots(adapter_slots, R, "PagedDecodeStep.step"), R_run - R, 0));
+    inputs.insert(inputs.end(), lora_arrays_.begin(), lora_arrays_.end());
+    for (const auto& a : lora_arrays_) {
+      signature.insert(signature.end(), a.shape().begin(), a.shape().end());
+    }
+  }
+  signature.push_back(adapted ? 1 : 0);  // last: which compiled function (compile_step drops the old 1s)
+
   std::vector<mx::array> outputs;
-  if (compiled_) {
+  const auto& compiled = adapted ? compiled_lora_ : compiled_;
+  if (compiled) {
     const bool known = seen_.count(signature) > 0;
     const int before = graph_->traces;
-    outputs = compiled_(inputs);
+    outputs = compiled(inputs);
     if (known && graph_->traces > before) {
       retraces_ += 1;
     }
     seen_.insert(std::move(signature));
   } else {
     outputs = paged_forward(*graph_, paged_.layer_groups, num_groups_, paged_.attention == "kernel", inputs,
-                            backend_.get());
+                            backend_.get(), adapted ? lora_.get() : nullptr);
   }
   inputs.clear();  // the graph holds the storage now; the caller's commit drops its own reference
 

@@ -5,6 +5,7 @@
 #include <stdexcept>
 
 #include "graph.h"
+#include "lora.h"
 
 namespace mlx_infer {
 
@@ -112,17 +113,58 @@ DecodeStep::DecodeStep(
   graph_ = std::make_shared<Graph>();
   graph_->cfg = std::move(config);
   load_graph_weights(*graph_, weights, quantization);
-  if (graph_->cfg.compile) {
-    auto g = graph_;
-    compiled_ = mx::compile(
-        [g](const std::vector<mx::array>& in) {
-          if (!in.empty() && in[0].is_tracer()) {
-            g->traces += 1;  // runs only while tracing: one per (B, capacity) seen
-          }
-          return decode_forward(*g, in, AttentionRead{});
-        },
-        /*shapeless=*/false);
+  compiled_ = compile_forward(nullptr);
+}
+
+// The whole-step function for one adapter layout (none: no adapters). Each mx::compile of a
+// capturing lambda has its own cache, dropped with the function, so a new layout never replays
+// another's trace.
+std::function<std::vector<mx::array>(const std::vector<mx::array>&)> DecodeStep::compile_forward(
+    std::shared_ptr<const LoraLayout> lora) const {
+  if (!graph_->cfg.compile) {
+    return nullptr;
   }
+  auto g = graph_;
+  return mx::compile(
+      [g, lora](const std::vector<mx::array>& in) {
+        if (!in.empty() && in[0].is_tracer()) {
+          g->traces += 1;  // runs only while tracing: one per (B, capacity) seen
+        }
+        return decode_forward(*g, in, AttentionRead{}, lora.get());
+      },
+      /*shapeless=*/false);
+}
+
+void DecodeStep::compile_step() {
+  compiled_lora_ = lora_ ? compile_forward(lora_) : nullptr;
+}
+
+void DecodeStep::set_adapters(const LoraInputs& adapters) {
+  if (adapters.empty()) {
+    if (lora_) {
+      lora_.reset();
+      lora_arrays_.clear();
+      compile_step();
+    }
+    return;
+  }
+  auto layout = make_lora_layout(adapters, linear_outs(*graph_));
+  auto arrays = lora_arrays(adapters);
+  const bool retrace = !lora_ || lora_->key != layout->key;
+  lora_ = std::move(layout);
+  lora_arrays_ = std::move(arrays);
+  if (retrace) {
+    compile_step();
+  }
+}
+
+std::vector<std::string> DecodeStep::adapter_targets() const {
+  std::vector<std::string> out;
+  if (lora_) {
+    for (const auto& [name, _] : lora_->entries) out.push_back(name);
+  }
+  std::sort(out.begin(), out.end());
+  return out;
 }
 
 DecodeStep::~DecodeStep() = default;
@@ -255,7 +297,7 @@ void DecodeStep::load_prefix(
   steps_ = 0;
 }
 
-mx::array DecodeStep::step(const mx::array& tokens) {
+mx::array DecodeStep::step(const mx::array& tokens, const std::optional<mx::array>& adapter_slots) {
   const auto& cfg = graph_->cfg;
   if (!loaded()) {
     throw std::invalid_argument("[DecodeStep.step] no cache loaded: call load_prefix first "
@@ -304,15 +346,23 @@ mx::array DecodeStep::step(const mx::array& tokens) {
     }
   }
 
+  // Without slots no row has an adapter: the step runs without the update (nothing to pay).
+  const bool adapted = lora_ && adapter_slots.has_value();
+  if (adapted) {
+    inputs.push_back(lora_slots(adapter_slots, B, "DecodeStep.step"));
+    inputs.insert(inputs.end(), lora_arrays_.begin(), lora_arrays_.end());
+  }
+  const auto& compiled = adapted ? compiled_lora_ : compiled_;
+
   std::vector<mx::array> outputs;
-  if (compiled_ && B >= cfg.compile_min_batch) {
-    outputs = compiled_(inputs);
+  if (compiled && B >= cfg.compile_min_batch) {
+    outputs = compiled(inputs);
   } else {
     AttentionRead read;
     if (std::all_of(lengths_.begin(), lengths_.end(), [&](int n) { return n == lengths_[0]; })) {
       read.uniform_length = lengths_[0] + 1;
     }
-    outputs = decode_forward(*graph_, inputs, read);
+    outputs = decode_forward(*graph_, inputs, read, adapted ? lora_.get() : nullptr);
   }
   inputs.clear();
 

@@ -11,7 +11,8 @@ if TYPE_CHECKING:
     from .artifacts.loader import LoadedModel
 
 
-def load(path: str | Path | None = None, *, dtype: str | None = None) -> "LoadedModel":
+def load(path: str | Path | None = None, *, dtype: str | None = None,
+         adapter: str | Path | None = None) -> "LoadedModel":
     """Load a model and its tokenizer.
 
     Args:
@@ -22,13 +23,22 @@ def load(path: str | Path | None = None, *, dtype: str | None = None) -> "Loaded
         dtype: cast floating weights to this dtype (``"float32"``,
             ``"bfloat16"``, ``"float16"``); ``None`` keeps the checkpoint's. With the
             default model, ``"float32"`` loads its float32 reference instead.
+        adapter: an adapter directory (mlx-lm's ``adapters.safetensors`` or PEFT's
+            ``adapter_model.safetensors`` with ``adapter_config.json``), validated against the
+            model and applied to every generation that names no other (see :mod:`mlx_infer.adapters`).
 
     Returns:
         A :class:`~mlx_infer.artifacts.loader.LoadedModel`.
     """
     from .artifacts.loader import load_model
 
-    return load_model(path, dtype=dtype)
+    loaded = load_model(path, dtype=dtype)
+    if adapter is not None:
+        from .adapters import attach_adapter, bank_of
+
+        name = attach_adapter(loaded.model, adapter)
+        bank_of(loaded.model).default = name
+    return loaded
 
 
 def generate_text(model: "LoadedModel", prompt: str, *, max_tokens: int = defaults.MAX_TOKENS,

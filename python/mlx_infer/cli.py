@@ -200,6 +200,9 @@ def _generate(args: argparse.Namespace) -> int:
         cpu_kernels = False if args.stock_kernels else default_cpu_kernels()
         with _status(f"loading {args.model or 'the default model'}"):
             loaded = load_model(args.model, dtype=args.dtype, cpu_kernels=cpu_kernels)
+        from .cli_adapters import apply_generate_flags
+
+        apply_generate_flags(args, loaded)  # --adapter-path
         chat = _chat_for(args, loaded)
         prompt = _prompt(args, chat)
         constraint = _constraint(args)
@@ -432,6 +435,7 @@ def _serve(args: argparse.Namespace) -> int:
         from .server import ServeOptions, serve
     except ImportError:
         raise MlxInferError("serve needs the server extra: pip install 'mlx-infer[server]'.") from None
+    from .cli_adapters import parse_loras
 
     public = tuple(p.strip() for p in args.public.split(",") if p.strip()) if args.public is not None else None
     template = args.chat_template
@@ -445,6 +449,7 @@ def _serve(args: argparse.Namespace) -> int:
                        allowed_origins=tuple(o.strip() for o in (args.allowed_origins or "").split(",") if o.strip()),
                        temp=args.temp, top_p=args.top_p, top_k=args.top_k,
                        min_p=args.min_p, chat_template=template, grammar_jump=not args.no_grammar_jump,
+                       loras=tuple(parse_loras(args.lora)), max_loras=args.max_loras,
                        **({"public": public} if public is not None else {})))
     return 0
 
@@ -495,6 +500,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--checkpoint-every", type=int, default=16, help="tokens between checkpoint saves")
     g.add_argument("--verbose", type=_str2bool, default=True, metavar="BOOL",
                    help="print stats on stderr (false/f/0/no/off turn them off; anything else is true, as mlx-lm)")
+    from .cli_adapters import add_fuse_parser, add_generate_flags, add_serve_flags
+
+    add_generate_flags(g)
     g.set_defaults(func=_generate)
 
     s = sub.add_parser("serve", help="serve an OpenAI-compatible API (continuous batching)")
@@ -536,6 +544,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CORS: comma-separated origins to answer ('*' for any; default: CORS off)")
     s.add_argument("--no-grammar-jump", action="store_true",
                    help="feed tokens a constraint forces one decode step each (default: one forward per span)")
+    add_serve_flags(s)
     s.set_defaults(func=_serve)
 
     c = sub.add_parser("convert", help="write a GGUF or HF model as an MLX directory")
@@ -567,6 +576,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .cli_cache import add_cache_parser
 
     add_cache_parser(sub)
+    add_fuse_parser(sub)
     return p
 
 

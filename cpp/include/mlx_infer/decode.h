@@ -38,6 +38,8 @@
 
 #include <mlx/mlx.h>
 
+#include "mlx_infer/lora.h"
+
 namespace mlx_infer {
 
 namespace mx = mlx::core;
@@ -101,6 +103,8 @@ std::vector<int> kv_layers(const DecodeConfig& c);
 /// Quantization of one linear: (group_size, bits, mode).
 using QuantSpec = std::tuple<int, int, std::string>;
 
+struct LoraLayout;  // cpp/decode/lora.h
+
 /// A one-token decode step over its own KV buffers. Not thread-safe.
 class DecodeStep {
  public:
@@ -134,7 +138,15 @@ class DecodeStep {
       const std::vector<int>& lengths);
 
   /// Feeds ``tokens`` (B,) (one per row) and returns logits ``(B, vocab)``, lazily.
-  mx::array step(const mx::array& tokens);
+  /// With adapters set (set_adapters), ``adapter_slots`` (B,) picks each row's bank slot;
+  /// none: no row has an adapter, and the step runs without the update.
+  mx::array step(const mx::array& tokens, const std::optional<mx::array>& adapter_slots = std::nullopt);
+
+  /// The adapter bank's stacked tensors (mlx_infer/lora.h), inputs of every later step; empty
+  /// inputs remove them. A new set of targets retraces; new values of the same shapes do not.
+  void set_adapters(const LoraInputs& adapters);
+  /// Targets of the adapters set (canonical linear names).
+  std::vector<std::string> adapter_targets() const;
 
   /// Per KV-owning layer ``(keys, values)`` in the buffer layout (see the file comment).
   std::vector<std::pair<mx::array, mx::array>> kv_state() const;
@@ -159,6 +171,12 @@ class DecodeStep {
  private:
   std::shared_ptr<Graph> graph_;
   std::function<std::vector<mx::array>(const std::vector<mx::array>&)> compiled_;
+  std::shared_ptr<const LoraLayout> lora_;  // set by set_adapters
+  std::vector<mx::array> lora_arrays_;     // its arrays, after the per-step slots
+  std::function<std::vector<mx::array>(const std::vector<mx::array>&)> compiled_lora_;  // with lora_
+  std::function<std::vector<mx::array>(const std::vector<mx::array>&)> compile_forward(
+      std::shared_ptr<const LoraLayout> lora) const;
+  void compile_step();
   std::vector<mx::array> kv_;  // k0, v0, k1, v1, ...
   std::optional<mx::array> positions_;  // (B,) int32, device copy of lengths_
   std::vector<int> lengths_;

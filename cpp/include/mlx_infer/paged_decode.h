@@ -60,6 +60,7 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <unordered_map>
@@ -127,7 +128,13 @@ class PagedDecodeStep {
       const mx::array& logit_rows,
       const std::vector<PagedGroupInputs>& groups,
       const std::vector<mx::array>& keys,
-      const std::vector<mx::array>& values);
+      const std::vector<mx::array>& values,
+      const std::optional<mx::array>& adapter_slots = std::nullopt);
+
+  /// The adapter bank's stacked tensors as inputs of every later step (see DecodeStep::set_adapters);
+  /// ``adapter_slots`` (R,) of step() then picks each row's bank slot (none: no row has an
+  /// adapter, and the step runs without the update).
+  void set_adapters(const LoraInputs& adapters);
 
   /// Times the compiled step was traced (one per input-shape signature seen).
   int traces() const;
@@ -149,6 +156,12 @@ class PagedDecodeStep {
   PagedDecodeConfig paged_;
   int num_groups_ = 0;
   std::function<std::vector<mx::array>(const std::vector<mx::array>&)> compiled_;
+  std::shared_ptr<const LoraLayout> lora_;
+  std::vector<mx::array> lora_arrays_;
+  std::function<std::vector<mx::array>(const std::vector<mx::array>&)> compiled_lora_;  // with lora_
+  std::function<std::vector<mx::array>(const std::vector<mx::array>&)> compile_forward(
+      std::shared_ptr<const LoraLayout> lora) const;
+  void compile_step();
   std::set<std::vector<int>> seen_;
   int retraces_ = 0;
   int steps_ = 0;

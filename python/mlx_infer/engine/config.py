@@ -216,6 +216,10 @@ def kv_budget(model: Any, config: EngineConfig) -> KVBudget:
         source = f"{fraction:g} x {what} {capacity / gib:.1f} GiB"
     kv -= reserve
     source += f" - activations {reserve / gib:.2f} GiB"
+    bank = getattr(model, "adapter_bank", None)  # its stacks span every slot: resident adapters fit in this
+    if bank is not None and bank.nbytes:
+        kv -= bank.nbytes
+        source += f" - adapters {bank.nbytes / gib:.3f} GiB"
     if kv <= 0:
         raise MlxInferError(f"The device leaves no memory for KV pages ({source} <= 0); pass "
                             "--memory-budget (GB), a larger memory fraction, or free the device.")

@@ -53,6 +53,7 @@ from ..generation.stopping import StopMatcher
 from ..models import materialize_graph_constants
 from ..sampling import RequestRNG, make_sampler
 from ..state.paged import PagedKVStore
+from .adapters import batch_slots, hold_adapter, release_adapter, rows_context, slots_for
 from .batch import DecodeBatch
 from .config import EngineConfig, kv_budget, pool_pages
 from .metrics import PROMETHEUS_ORDER, EngineMetrics, pool_gauges, prometheus_text
@@ -349,6 +350,7 @@ class Engine:
             try:
                 live.sampler = make_sampler(p, eos_token_ids=tuple(self.eos), newline_token_ids=self.newlines)
                 live.rng = RequestRNG(p.seed)
+                hold_adapter(self.model, live)  # engine/adapters.py: slot and namespace
             except Exception as e:  # this request's parameters, not the engine: fail it alone
                 self._finish(live, "error", error=f"{type(e).__name__}: {e}")
                 continue
@@ -398,7 +400,8 @@ class Engine:
             else:
                 caches = batch.caches
             tokens = mx.array([r.all_ids[r.prefilled:r.prefilled + n] for r in rows], mx.uint32)  # (B, n)
-            h = self.model.model(tokens, cache=caches)  # (B, n, hidden): K/V written to pages
+            with rows_context(slots_for(rows)):
+                h = self.model.model(tokens, cache=caches)  # (B, n, hidden): K/V written to pages
             mx.async_eval(h)
             self.metrics.forward()
             score_chunk(self.model, rows, h, self.vocab_size)  # prompt logprobs, for the rows that asked
@@ -423,7 +426,8 @@ class Engine:
         if not ended:
             return did, None
         rows = [r for r, _ in ended]
-        logits = self.model.logits_from_hidden(mx.stack([x for _, x in ended])[:, None])[:, 0]  # (M, vocab)
+        with rows_context(slots_for(rows)):
+            logits = self.model.logits_from_hidden(mx.stack([x for _, x in ended])[:, None])[:, 0]  # (M, vocab)
         tokens, outs = sample_rows(rows, logits)
         queue_outputs(tokens, outs)
         for i, r in enumerate(rows):
@@ -478,10 +482,13 @@ class Engine:
         ended: list[LiveRequest] = []
         if chunks:
             inputs, ended = mixed_inputs(inputs, batch, chunks)  # (R,): decode rows, chunk rows, padding
+        slots = slots_for(rows + [c.r for c in chunks], [1] * len(rows) + [c.n for c in chunks], batch.rows)
+        batch_slots(batch, slots)  # each row's adapter (engine/adapters.py)
         if self.paged_decode is not None:
             logits = self.paged_decode.step(inputs, batch)  # (M, vocab); eager fallback inside
         else:
-            logits = self.model(inputs[:, None], cache=batch.caches)[:, -1, :]  # (B, vocab)
+            with rows_context(slots):
+                logits = self.model(inputs[:, None], cache=batch.caches)[:, -1, :]  # (B, vocab)
         self.metrics.forward()
         batch.commit()
         if chunks:
@@ -610,6 +617,7 @@ class Engine:
         if r.state == DONE:
             return
         self.scheduler.release(r)  # pages back to the pool now
+        release_adapter(self.model, r)
         r.state = DONE
         r.next_input = None
         with self._lock:

@@ -51,6 +51,8 @@ class EngineRequest:
         prompt_logprobs: score the prompt (vLLM's field): each prompt token's teacher-forced
             logprob and this many most likely alternatives (0..20), computed by the prefill over
             the request's own pages (engine/prompt_scores.py); ``None``: not scored.
+        adapter: the name of an adapter in the model's bank (:mod:`mlx_infer.adapters`) this
+            request runs under; ``None``: the model's default adapter, if any.
     """
 
     prompt_ids: Sequence[int]
@@ -65,6 +67,7 @@ class EngineRequest:
     skip_special_tokens: bool = False
     spaces_between_special_tokens: bool = True
     prompt_logprobs: int | None = None
+    adapter: str | None = None
 
     def __post_init__(self) -> None:
         ids = list(self.prompt_ids)

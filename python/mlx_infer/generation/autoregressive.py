@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 import mlx.core as mx
 
 from .. import defaults
+from ..adapters.bank import bank_of
+from ..adapters.select import selected
 from ..errors import MlxInferError, PromptTooLongError
 from ..sampling import RequestRNG, SamplingParams, make_sampler
 from .prompt_cache import PromptCache
@@ -191,6 +193,7 @@ def generate_tokens(
     constraint: Any | None = None,
     grammar_jump: bool = True,
     on_prefill: Callable[[int, int], None] | None = None,
+    adapter: str | None = None,
 ) -> Generation:
     """Generate token ids after ``prompt_ids``.
 
@@ -222,6 +225,9 @@ def generate_tokens(
         grammar_jump: feed tokens the constraint forces as one forward (else one step each).
         on_prefill: called ``(done, total)`` after each prefill chunk (prompt tokens in the cache out of
             the ``len(prompt_ids) - 1`` the prefill computes), e.g. for a progress bar.
+        adapter: the name of an adapter in the model's bank (:mod:`mlx_infer.adapters`) to run
+            with; ``None``: the bank's default (``load(path, adapter=...)``), or none. The
+            prompt-cache namespace then includes the adapter's identity.
 
     Returns:
         A :class:`Generation` (iterator of :class:`GeneratedToken` with ``stats`` and ``state``).
@@ -232,6 +238,14 @@ def generate_tokens(
     if not isinstance(sampling, SamplingParams):
         raise MlxInferError(f"sampling must be a SamplingParams, got {type(sampling).__name__}.")
     eos = frozenset(eos_token_ids)
+    bank = bank_of(model)
+    if adapter is None and bank is not None:
+        adapter = bank.default
+    if adapter is not None:
+        if bank is None:
+            raise MlxInferError(f"adapter {adapter!r} was asked for but the model has no adapters loaded; "
+                                "pass adapter= to load() or generate() with an adapter directory.")
+        namespace = bank.namespace(adapter) + ("|" + namespace if namespace else "")
     sampler = make_sampler(sampling, eos_token_ids=tuple(eos), newline_token_ids=tuple(newline_token_ids))
     if cache is None and prompt_cache is not None:
         cache, _ = prompt_cache.fetch(prompt_ids, namespace)
@@ -252,6 +266,7 @@ def generate_tokens(
     else:
         run = _run(model, state, sampler, limit, eos, prefill_step_size, cancel, start_index, pipeline,
                    stats, decode, on_prefill)
+    run = selected(bank, adapter, run)
     if prompt_cache is not None:
         run = _storing(run, state, prompt_cache, namespace)
     return Generation(run, stats, state)
@@ -432,6 +447,7 @@ def generate(
     constraint: Any | None = None,
     grammar_jump: bool = True,
     on_prefill: Callable[[int, int], None] | None = None,
+    adapter: str | None = None,
 ) -> Generation:
     """Generate text after ``prompt`` (a string, or chat messages); items carry their text.
 
@@ -441,9 +457,16 @@ def generate(
     ``prefill_step_size`` ``None`` takes the binding's prefill policy (workspace-bounded).
     ``constraint`` (a :class:`~mlx_infer.constraints.Constraint`) constrains the text to a JSON
     schema, regex, choice or grammar; ``grammar_jump`` commits the tokens it forces in one forward.
-    ``on_prefill``: see :func:`generate_tokens`.
+    ``on_prefill``: see :func:`generate_tokens`. ``adapter``: an adapter name in the model's
+    bank or an adapter directory (loaded and validated on first use); ``None``: the model's
+    default adapter (``load(path, adapter=...)``), if any.
     """
     from .bindings.autoregressive import bind_autoregressive
+
+    if adapter is not None:
+        from ..adapters import attach_adapter
+
+        adapter = attach_adapter(loaded.model, adapter)
 
     ids = prompt_ids_for(loaded, prompt, chat=chat)
     binding = bind_autoregressive(loaded)
@@ -461,6 +484,6 @@ def generate(
         context_length=loaded.context_length, prefill_step_size=prefill_step_size, cancel=cancel,
         prompt_cache=prompt_cache, decode=binding.create_decode() if compiled else None,
         constraint=state, grammar_jump=grammar_jump,
-        on_prefill=on_prefill,
+        on_prefill=on_prefill, adapter=adapter,
     )
     return stream_text(loaded, inner, stop=stop)

@@ -49,6 +49,7 @@ from ..engine.prompt_scores import PromptLogprobs
 from .prompt_logprobs import check_scorable, echo_logprobs
 from .streaming import merge
 from .structured import constraint_of
+from .adapters import adapter_models, adapter_names, adapter_of, add_adapter_routes, served_name
 from .extras import add_cors, add_token_routes, template_kwargs
 from .tools import ToolPlan, template_messages
 from . import protocol as P
@@ -208,7 +209,7 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
         return error_response(P.OpenAIError(e.status_code, detail, code=code))
 
     def check_model(name: str) -> None:
-        if name not in names:
+        if name not in names and name not in adapter_names(engine):
             raise P.OpenAIError(404, f"The model '{name}' does not exist; this server serves '{model_id}'.",
                                 param="model", code="model_not_found")
 
@@ -222,6 +223,7 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
             handle = engine.submit(EngineRequest(prompt_ids=prompt_ids, sampling=sampling, max_tokens=max_tokens,
                                                  stop=P.stop_strings(req.stop), ignore_eos=bool(req.ignore_eos),
                                                  namespace=model_id, constraint=constraint,
+                                                 adapter=adapter_of(engine, req, names),
                                                  skip_special_tokens=req.skip_special_tokens is not False
                                                  and not keep_special,
                                                  spaces_between_special_tokens=req.spaces_between_special_tokens
@@ -341,21 +343,27 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created,
-                                            "owned_by": "mlx-infer", "max_model_len": context}]}
+                                            "owned_by": "mlx-infer", "max_model_len": context}]
+                + adapter_models(engine, model_id, created)}
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str) -> dict[str, Any]:
         check_model(name)
+        adapter = next((m for m in adapter_models(engine, model_id, created) if m["id"] == name), None)
+        if adapter is not None and name not in names:
+            return adapter
         return {"id": model_id, "object": "model", "created": created, "owned_by": "mlx-infer",
                 "max_model_len": context}
 
     add_token_routes(app, engine, check_model)
+    add_adapter_routes(app, engine, names)
     warm_constraint_tokenizer(engine)
 
     @app.post("/v1/completions")
     async def completions(req: P.CompletionRequest, request: Request) -> Any:
         P.check_common(req)  # first: it also rejects unencodable text, the model name's included
         check_model(req.model)
+        served = served_name(engine, req, names, model_id)  # an adapter's name when it serves (vLLM)
         prompts: list[Any] = [req.prompt]
         if isinstance(req.prompt, list) and req.prompt and not isinstance(req.prompt[0], int):
             prompts = list(req.prompt)  # a batch: one choice (n choices) per prompt, in order
@@ -442,7 +450,7 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
                         yield choice(ev.text, P.finish_reason(ev.finish_reason), lp, i)
 
             def wrap(choices: list[dict[str, Any]]) -> dict[str, Any]:
-                return {"id": rid, "object": "text_completion", "created": t, "model": model_id, "choices": choices}
+                return {"id": rid, "object": "text_completion", "created": t, "model": served, "choices": choices}
 
             async def chunks() -> AsyncIterator[dict[str, Any]]:
                 count = len(all_ids) * n
@@ -459,7 +467,7 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
         else:  # max_tokens 0 without logprobs: the prompt alone
             results = [RequestResult(request_id=rid, prompt_tokens=len(ids), finish_reason="length")
                        for ids in all_ids for _ in range(n)]
-        return {"id": rid, "object": "text_completion", "created": t, "model": model_id,
+        return {"id": rid, "object": "text_completion", "created": t, "model": served,
                 "choices": [choice(echoes[i // n] + r.text, P.finish_reason(r.finish_reason),
                                    choice_logprobs(r, i // n), i) for i, r in enumerate(results)],
                 "usage": total_usage(results, req.n)}
@@ -468,6 +476,7 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
     async def chat(req: P.ChatCompletionRequest, request: Request) -> Any:
         P.check_common(req)  # first: it also rejects unencodable text, the model name's included
         check_model(req.model)
+        served = served_name(engine, req, names, model_id)  # an adapter's name when it serves (vLLM)
         messages = P.chat_messages(req.messages)
         if not tokenizer.chat_template:
             raise P.OpenAIError(400, f"The model {model_id!r} has no chat template (it is a base model), so it "
@@ -522,7 +531,7 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
             handles = submit_all(jobs)
 
             def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
-                return {"id": rid, "object": "chat.completion.chunk", "created": t, "model": model_id,
+                return {"id": rid, "object": "chat.completion.chunk", "created": t, "model": served,
                         "choices": choices}
 
             def delta(i: int, d: dict[str, Any], reason: str | None, lp: Any = None) -> dict[str, Any]:
@@ -554,13 +563,13 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
 
         if (req.n or 1) > 1:
             results = await wait_all(jobs, request)
-            return {"id": rid, "object": "chat.completion", "created": t, "model": model_id,
+            return {"id": rid, "object": "chat.completion", "created": t, "model": served,
                     "choices": [chat_choice(r, i) for i, r in enumerate(results)],
                     "usage": total_usage(results, req.n)}
         handle = submit(*jobs[0])
 
         r = await wait(handle, request)
-        return {"id": rid, "object": "chat.completion", "created": t, "model": model_id,
+        return {"id": rid, "object": "chat.completion", "created": t, "model": served,
                 "choices": [chat_choice(r, 0)],
                 "usage": P.usage(r.prompt_tokens, r.completion_tokens, r.cached_tokens)}
 

@@ -79,6 +79,7 @@ class _Sampling(BaseModel):
     ignore_eos: bool | None = False
     skip_special_tokens: bool | None = True  # vLLM's: special tokens add no text unless false
     spaces_between_special_tokens: bool | None = True  # vLLM's (see input/tokenizer.py StreamingDetokenizer)
+    adapter: str | None = None  # a loaded adapter (server/adapters.py); "model": NAME does the same
     # structured output (see server/structured.py): vLLM's and llama.cpp's fields
     structured_outputs: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None

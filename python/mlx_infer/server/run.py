@@ -47,6 +47,8 @@ class ServeOptions:
             replace its own); ``None``: the model's.
         grammar_jump: commit the tokens a constraint forces as one forward (the engine's
             ``Composition.grammar_jump``; engine/grammar_jump.py).
+        loras: ``(name, path)`` adapters to serve (``--lora NAME=PATH``), each a model in /v1/models.
+        max_loras: most adapters resident at once (idle ones unload least recently used first).
     """
 
     model: str | None = None
@@ -71,10 +73,13 @@ class ServeOptions:
     min_p: float | None = None
     chat_template: str | None = None
     grammar_jump: bool = True
+    loras: tuple[tuple[str, str], ...] = ()
+    max_loras: int = 8
 
     def check(self) -> None:
         """Raise :class:`MlxInferError` naming the first bad option (before any model loads)."""
         for flag, value in (("--max-batch", self.max_batch), ("--max-tokens", self.max_tokens),
+                            ("--max-loras", self.max_loras),
                             ("--prefill-step-size", self.prefill_step_size), ("--page-size", self.page_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise MlxInferError(f"{flag} must be a positive integer, got {value!r}.")
@@ -140,6 +145,14 @@ def build(options: ServeOptions) -> tuple[Any, Any, str]:
     if options.chat_template is not None:
         loaded.tokenizer.chat_template = options.chat_template
     check_generation_defaults(dict(loaded.generation_config or {}))  # before an engine takes memory
+    from ..adapters import AdapterBank
+
+    bank = AdapterBank(loaded.model, capacity=options.max_loras)  # POST /v1/adapters may add more
+    for name, path in options.loras:
+        try:
+            bank.register(name, path)
+        except MlxInferError as e:
+            raise MlxInferError(f"--lora {name}={path}: {e}") from None
     config = EngineConfig(max_batch=options.max_batch, memory_budget_gb=options.memory_budget_gb,
                           prefill_step_size=options.prefill_step_size, page_size=options.page_size)
     engine = Engine(loaded, config, composition=Composition(grammar_jump=options.grammar_jump)).start()

@@ -8,11 +8,14 @@ paging, ``make_cache()``, the prefill policy and ``create_decode(policy)``.
 
 ``create_decode`` returns the compiled C++ step
 (:class:`~mlx_infer.generation.bindings.decode_step.CompiledDecodeStep`) only
-when all three hold, else ``None`` (the loop then decodes eagerly):
+when both hold, else ``None`` (the loop then decodes eagerly):
 
 1. the graph declares ``compiled_decode=True``;
-2. the composition keeps ``compiled_decode`` on;
-3. no adapter is active (an adapter would be baked into the compiled graph).
+2. the composition keeps ``compiled_decode`` on.
+
+Adapters do not turn it off: the compiled steps take the adapter bank's stacked
+   tensors and each row's slot as inputs (mlx_infer/adapters/native.py), so nothing is
+   baked into the traced graph.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from mlx.utils import tree_flatten
 from ... import _fast
 from ...contracts import (GRAPH_ABI_HIDDEN_BSH, STATE_ABI_CACHE_LIST, GraphDeclaration,
                           GraphDescriptor)
+from ...adapters.bank import bank_of
 from ...errors import MlxInferError
 from .decode_step import KV_DTYPES, CompiledDecodeStep, DecodePolicy, DecodeStepUnsupported
 
@@ -99,7 +103,7 @@ class AutoregressiveBinding:
         memory: bytes held by the weights.
         composition: the per-run choices.
         prefill_policy: chunk sizing for prefill.
-        adapters: names of active adapters (none yet).
+        adapters: names of the adapters registered on the graph (its bank).
         paging: the paged-KV setup, or ``None`` (plain caches).
     """
 
@@ -134,8 +138,6 @@ class AutoregressiveBinding:
             return "the graph declares no compiled decode step"
         if not self.composition.compiled_decode:
             return "the composition turned compiled decode off"
-        if self.adapters:
-            return f"adapters are active ({', '.join(self.adapters)})"
         if self.paging is not None:
             return "paged KV is in use"
         return self._decode_unsupported
@@ -203,6 +205,7 @@ def bind_autoregressive(loaded_or_model: Any, composition: Composition | None = 
         artifact = ""
         eos = frozenset(eos_token_ids or ())
     declaration: GraphDeclaration = getattr(model, "declaration", GraphDeclaration())
+    bank = bank_of(model)
     binding = AutoregressiveBinding(
         descriptor=_descriptor(model, artifact),
         graph=model,
@@ -210,7 +213,8 @@ def bind_autoregressive(loaded_or_model: Any, composition: Composition | None = 
         decode=lambda tokens, cache: model(tokens, cache=cache),
         logits_from_hidden=model.logits_from_hidden,
         eos_token_ids=eos,
-        memory=sum(v.nbytes for _, v in tree_flatten(model.parameters())),
+        memory=sum(v.nbytes for _, v in tree_flatten(model.parameters())) + (bank.nbytes if bank else 0),
+        adapters=tuple(bank.names) if bank else (),
         composition=composition,
         prefill_policy=PrefillPolicy(geometry=_geometry(model), explicit=composition.prefill_chunk,
                                      bounded_workspace=declaration.bounded_prefill_workspace),

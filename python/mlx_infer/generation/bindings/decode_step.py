@@ -36,13 +36,15 @@ layers only, in the order of ``model.make_cache()``.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from ... import _fast
+from ...adapters.bank import bank_of
+from ...adapters.native import AdapterTargetUnsupported, NativeAdapters
 from ...layers.rope import Llama3RoPE, YarnRoPE
 from ...models import materialize_graph_constants
 from ...layers.switch import QuantizedSwitchLinear, SwitchLinear
@@ -462,6 +464,9 @@ class CompiledDecodeStep:
 
     def __init__(self, model: Any, *, kv_scheme: str | None = None,
                  policy: DecodePolicy = DecodePolicy()):
+        bank = bank_of(model)
+        if bank is not None:
+            policy = replace(policy, fuse_projections=False)  # a fused q|k|v takes no adapter
         cfg, weights, quant = graph_spec(model, kv_scheme=kv_scheme, policy=policy)
         self._model = model
         self._cfg = cfg
@@ -470,6 +475,12 @@ class CompiledDecodeStep:
         self._kv_heads = [cfg.layer_kv_heads[i] if cfg.layer_kv_heads else cfg.num_kv_heads for i in owners]
         self._head_dims = [cfg.layer_head_dims[i] if cfg.layer_head_dims else cfg.head_dim for i in owners]
         self._step: Any = _fast.DecodeStep(cfg, weights, quant)
+        # The bank's stacks are inputs of the step (adapters/native.py); rows pick slots per step.
+        self._adapters = NativeAdapters(model, weights)
+        try:
+            self._adapters.refresh(self._step)
+        except AdapterTargetUnsupported as exc:
+            raise DecodeStepUnsupported(str(exc)) from None
         self._bound: Any = None
         self._bound_offsets: list[int] | None = None
         self._rows: list[list[Any]] = []
@@ -517,7 +528,9 @@ class CompiledDecodeStep:
         try:
             if state is not self._bound or self._offsets(state) != self._bound_offsets:
                 self._take_over(state)
-            return self._step.step(tokens)
+            self._adapters.refresh(self._step)
+            slots = self._adapters.slots(self._step.batch_size)
+            return self._step.step(tokens) if slots is None else self._step.step(tokens, slots)
         except Exception as exc:  # noqa: BLE001 - any failure falls back, reported once
             return self._fail(exc, tokens, state)
 

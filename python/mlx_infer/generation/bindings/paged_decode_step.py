@@ -32,13 +32,16 @@ from __future__ import annotations
 
 import logging
 import warnings
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
 import mlx.core as mx
 
 from ... import _fast
-from .decode_step import DecodePolicy, graph_spec
+from ...adapters.apply import adapter_rows
+from ...adapters.native import AdapterTargetUnsupported, NativeAdapters
+from .decode_step import DecodePolicy, DecodeStepUnsupported, graph_spec
 
 log = logging.getLogger("mlx_infer.engine")
 
@@ -142,7 +145,7 @@ class CompiledPagedDecodeStep:
         reason = paged_unsupported_reason(store)
         if reason is not None:
             raise ValueError(reason)
-        cfg, weights, quant = graph_spec(model, policy=DecodePolicy(compile=False))
+        cfg, weights, quant = graph_spec(model, policy=DecodePolicy(compile=False))  # fuse_projections off
         paged = _fast.PagedDecodeConfig()
         paged.layer_groups = layer_groups(store.layer_windows, group_windows)
         paged.compile = policy.compile
@@ -154,6 +157,12 @@ class CompiledPagedDecodeStep:
         self.policy = policy
         self.group_windows = list(group_windows)
         self.native: Any = _fast.PagedDecodeStep(cfg, paged, weights, quant)
+        # The bank's stacks are inputs of the step; each row's slot comes with the batch.
+        self.adapters = NativeAdapters(model, weights)
+        try:
+            self.adapters.refresh(self.native)
+        except AdapterTargetUnsupported as exc:
+            raise DecodeStepUnsupported(str(exc)) from None
         self.failures = 0
         self.last_error: BaseException | None = None
         self.eager_steps = 0  # steps this object ran eagerly (storage not yet allocated, or failed)
@@ -201,8 +210,12 @@ class CompiledPagedDecodeStep:
             rows = getattr(batch, "logit_rows", None)  # a mixed step: only some rows get logits
             if rows is None:
                 rows = self._logit_rows(tokens.shape[0])
+            self.adapters.refresh(self.native)
+            slots = self.adapters.slots(tokens.shape[0], getattr(batch, "adapter_slots", None))
+            extra = () if slots is None else (slots,)  # each row's bank slot, with adapters
             logits, keys, values = self.native.step(
-                tokens, batch.offset, rows, groups, [s.keys[0] for s in storages], [s.values[0] for s in storages])
+                tokens, batch.offset, rows, groups, [s.keys[0] for s in storages], [s.values[0] for s in storages],
+                *extra)
         except Exception as exc:  # noqa: BLE001 - any failure falls back, reported once
             return self._fail(exc, tokens, batch)
         for s, k, v in zip(storages, keys, values):  # the commit
@@ -229,6 +242,8 @@ class CompiledPagedDecodeStep:
 
     def _eager(self, tokens: mx.array, batch: PagedDecodeBatch) -> mx.array:
         self.eager_steps += 1
-        logits = self.model(tokens[:, None], cache=batch.caches)[:, -1, :]  # (R, vocab)
+        selection = getattr(batch, "adapter_slots", None)
+        with adapter_rows(selection) if selection is not None else nullcontext():
+            logits = self.model(tokens[:, None], cache=batch.caches)[:, -1, :]  # (R, vocab)
         rows = getattr(batch, "logit_rows", None)
         return logits if rows is None else logits[rows]  # (M, vocab)

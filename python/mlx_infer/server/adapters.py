@@ -1,0 +1,142 @@
+"""Adapters over HTTP: listed as models, chosen per request, loaded and unloaded at run time.
+
+vLLM's conventions: each adapter is a model in ``/v1/models`` (``parent``: the base model)
+and a request picks it by ``"model": NAME``; an ``"adapter": NAME`` field does the same
+with the base model's id. Run time::
+
+    GET    /v1/adapters                 the registered adapters (name, path, resident, in use)
+    POST   /v1/adapters                 {"name": ..., "path": ...}: load and validate; 400 on a bad
+                                        adapter (the server keeps serving), 409 on a taken name
+    DELETE /v1/adapters/{name}          unload; 404 unknown, 409 while a request uses it
+    POST   /v1/load_lora_adapter        vLLM's {"lora_name", "lora_path"}
+    POST   /v1/unload_lora_adapter      vLLM's {"lora_name"}
+
+Loading reads and checks the files on a worker thread; the bank's own lock orders it with
+the engine thread's use (engine/adapters.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import FastAPI
+from pydantic import BaseModel
+
+from ..adapters import AdapterBank, AdapterError, AdapterInUseError, AdapterNotFoundError, bank_of
+from . import protocol as P
+
+
+class LoadAdapter(BaseModel):
+    model_config = P._STRICT
+
+    name: str
+    path: str
+
+
+class VllmLoad(BaseModel):
+    model_config = P._STRICT
+
+    lora_name: str
+    lora_path: str
+
+
+class VllmUnload(BaseModel):
+    model_config = P._STRICT
+
+    lora_name: str
+
+
+def adapter_of(engine: Any, req: Any, model_names: set[str]) -> str | None:
+    """The adapter a request asks for (``model`` naming an adapter, or its ``adapter`` field).
+
+    Raises:
+        OpenAIError: 404 for an adapter nobody loaded.
+    """
+    bank = bank_of(engine.model)
+    names = set(bank.names) if bank is not None else set()
+    field = getattr(req, "adapter", None)
+    if field is not None:
+        if field not in names:
+            raise P.OpenAIError(404, f"The adapter '{field}' is not loaded (loaded: {', '.join(sorted(names)) or 'none'}).",
+                                param="adapter", code="model_not_found")
+        return field
+    return req.model if req.model in names and req.model not in model_names else None
+
+
+def adapter_models(engine: Any, model_id: str, created: int) -> list[dict[str, Any]]:
+    """``/v1/models`` entries of the registered adapters (vLLM's shape)."""
+    bank = bank_of(engine.model)
+    if bank is None:
+        return []
+    return [{"id": n, "object": "model", "created": created, "owned_by": "mlx-infer", "root": str(p),
+             "parent": model_id, "max_model_len": engine.context_length} for n, p in bank.sources.items()]
+
+
+def add_adapter_routes(app: FastAPI, engine: Any, reserved: set[str]) -> None:
+    """Register the run-time adapter routes (see the module doc). ``reserved``: the base model's names."""
+
+    def bank() -> AdapterBank:
+        b = bank_of(engine.model)
+        return b if b is not None else AdapterBank(engine.model)
+
+    async def load(name: str, path: str) -> dict[str, Any]:
+        if not name or name in reserved:
+            raise P.OpenAIError(400, f"'{name}' cannot name an adapter: it is empty or the base model's id.",
+                                param="name", code="invalid_value")
+        try:
+            adapter = await asyncio.to_thread(bank().register, name, path)
+        except AdapterInUseError as e:
+            raise P.OpenAIError(409, str(e), code="adapters_busy") from None
+        except AdapterError as e:
+            status, code = (409, "adapter_exists") if "already loaded" in str(e) else (400, "invalid_adapter")
+            raise P.OpenAIError(status, str(e), param="path" if status == 400 else "name", code=code) from None
+        except (OSError, ValueError, RuntimeError) as e:  # a path the OS refuses: the client's input
+            raise P.OpenAIError(400, f"cannot load an adapter from {path!r}: {e}", param="path",
+                                code="invalid_adapter") from None
+        return {"name": adapter.name, "path": str(adapter.path), "format": adapter.format, "kind": adapter.kind,
+                "rank": adapter.rank, "targets": len(adapter.targets)}
+
+    def unload(name: str) -> dict[str, Any]:
+        try:
+            bank().unload(name)
+        except AdapterNotFoundError as e:
+            raise P.OpenAIError(404, str(e), param="name", code="adapter_not_found") from None
+        except AdapterInUseError as e:
+            raise P.OpenAIError(409, str(e), param="name", code="adapter_in_use") from None
+        return {"name": name, "unloaded": True}
+
+    @app.get("/v1/adapters")
+    async def list_adapters() -> dict[str, Any]:
+        b = bank_of(engine.model)
+        data = [] if b is None else [{"name": n, "path": str(p), "resident": n in b.resident, "in_use": b.in_use(n)}
+                                     for n, p in b.sources.items()]
+        return {"object": "list", "data": data}
+
+    @app.post("/v1/adapters")
+    async def post_adapter(req: LoadAdapter) -> dict[str, Any]:
+        return await load(req.name, req.path)
+
+    @app.delete("/v1/adapters/{name}")
+    async def delete_adapter(name: str) -> dict[str, Any]:
+        return unload(name)
+
+    @app.post("/v1/load_lora_adapter")
+    async def vllm_load(req: VllmLoad) -> dict[str, Any]:
+        return await load(req.lora_name, req.lora_path)
+
+    @app.post("/v1/unload_lora_adapter")
+    async def vllm_unload(req: VllmUnload) -> dict[str, Any]:
+        return unload(req.lora_name)
+
+
+def adapter_names(engine: Any) -> set[str]:
+    """Names of the registered adapters (valid ``model`` values besides the base model's)."""
+    bank = bank_of(engine.model)
+    return set(bank.names) if bank is not None else set()
+
+
+def served_name(engine: Any, req: Any, model_names: set[str], model_id: str) -> str:
+    """The ``model`` a response names: the adapter serving it (vLLM's convention), else the model's id."""
+    name = adapter_of(engine, req, model_names)
+    return name if name is not None else model_id
