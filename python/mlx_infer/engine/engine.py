@@ -145,6 +145,9 @@ class Engine:
         self.mixed_steps = 0  # steps that carried prefill chunks
         self._gauges: dict[str, Any] = {}
         self._update_gauges()
+        from ..parallel.engine_rank import attach_lockstep
+
+        self._lockstep = attach_lockstep(self)  # a sharded graph: every rank iterates in lockstep
 
     # -- lifecycle ----------------------------------------------------------
 
@@ -165,6 +168,8 @@ class Engine:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        if self._lockstep is not None:
+            self._lockstep.finish()
         self._drain()
 
     def __enter__(self) -> "Engine":
@@ -276,12 +281,12 @@ class Engine:
             with mx.stream(stream):
                 while not self._stopping.is_set():
                     try:
-                        busy = self.step()
+                        busy = self._lockstep.step(self.step) if self._lockstep else self.step()
                     except Exception as e:  # a bug or an MLX failure: fail the requests, keep serving
                         log.exception("engine iteration failed")
                         self._fail_all(f"{type(e).__name__}: {e}")
                         busy = False
-                    if not busy:
+                    if not busy and not (self._lockstep and not self._lockstep.pg.is_leader):
                         self._wake.wait(0.05)
                         self._wake.clear()
         finally:
@@ -336,6 +341,8 @@ class Engine:
         with self._lock:
             new, self._inbox = list(self._inbox), deque()
             cancels, self._cancels = self._cancels, set()
+        if self._lockstep is not None:  # rank 0's intake, on every rank
+            new, cancels = self._lockstep.exchange(new, cancels)
         for live in new:
             p = live.request.sampling
             try:

@@ -179,6 +179,7 @@ def graph_spec(model: Any, *, kv_scheme: str | None = None,
     cfg.windows = [int(window) if layer.use_sliding else 0 for layer in inner.layers]
     cfg.ropes = [_rope_spec(layer.self_attn.rope) for layer in inner.layers]
     _apply_policy(cfg, kv_scheme, policy)
+    _apply_tensor_parallel(cfg, model)
 
     weights: dict[str, mx.array] = {}
     quant: dict[str, tuple] = {}
@@ -229,6 +230,18 @@ def _apply_policy(cfg: Any, kv_scheme: str | None, policy: DecodePolicy) -> None
     cfg.compile = policy.compile
     cfg.compile_min_batch = policy.resolved_compile_min_batch()
     cfg.fuse_projections = policy.fuse_projections
+
+
+def _apply_tensor_parallel(cfg: Any, model: Any) -> None:
+    """A sharded graph (:mod:`mlx_infer.parallel`): the step runs its collectives over the same group."""
+    from ...parallel.layers import tensor_parallel_of
+
+    tp = tensor_parallel_of(model)
+    if tp is None:
+        return
+    cfg.tp_backend = tp.pg.backend
+    cfg.vocab_parallel = tp.vocab_parallel
+    cfg.vocab_start = tp.vocab_start
 
 
 def _add_experts(name: str, module: nn.Module, weights: dict, quant: dict) -> None:

@@ -1,0 +1,125 @@
+"""The collectives a sharded graph runs, attached to its existing modules.
+
+A sharded module keeps its class's parameters and product (stock, quantized or
+mlx-infer's CPU kernels) and gains the collective after it, through a subclass
+made once per class (the same name and module, so ``isinstance`` checks and the
+compiled step's reading of the layer types see what they saw before):
+
+- row-parallel linear (``o_proj``, ``down_proj``): ``all_sum`` of the partial products;
+- vocabulary-parallel embedding: the local rows' lookup (zeros for tokens
+  another rank holds), ``all_sum``; its ``as_linear`` (the tied head): the
+  local logits, ``all_gather``-ed into the full vocabulary;
+- vocabulary-parallel LM head: the same gather.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .group import ParallelGroup
+from .shard import ShardPlan
+
+_CLASSES: dict[tuple[type, str], type] = {}
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """What a sharded graph carries (``model.tensor_parallel``): its group and how it was split."""
+
+    pg: ParallelGroup
+    vocab_parallel: bool
+    vocab_start: int
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+
+def gather_last(y: mx.array, group: Any, size: int) -> mx.array:
+    """Concatenate every rank's ``(..., n)`` along the last axis: ``(..., size * n)``, rank order."""
+    lead, n = y.shape[:-1], y.shape[-1]
+    flat = y.reshape(-1, n)  # (M, n)
+    g = mx.distributed.all_gather(flat, group=group)  # (size * M, n)
+    g = g.reshape(size, flat.shape[0], n).transpose(1, 0, 2)  # (M, size, n)
+    return g.reshape(*lead, size * n)
+
+
+def _row_call(base: type):
+    def __call__(self: Any, x: mx.array) -> mx.array:
+        return mx.distributed.all_sum(base.__call__(self, x), group=self._tp.pg.group)
+    return {"__call__": __call__}
+
+
+def _head_call(base: type):
+    def __call__(self: Any, x: mx.array) -> mx.array:
+        return gather_last(base.__call__(self, x), self._tp.pg.group, self._tp.pg.size)
+    return {"__call__": __call__}
+
+
+def _vocab_embedding(base: type):
+    def __call__(self: Any, ids: mx.array) -> mx.array:
+        n = self["weight"].shape[0]
+        local = ids - self._tp.vocab_start
+        mine = (local >= 0) & (local < n)  # tokens whose row this rank holds
+        h = base.__call__(self, mx.where(mine, local, 0))  # (..., E)
+        h = h * mine[..., None].astype(h.dtype)
+        return mx.distributed.all_sum(h, group=self._tp.pg.group)
+
+    def as_linear(self: Any, x: mx.array) -> mx.array:
+        return gather_last(base.as_linear(self, x), self._tp.pg.group, self._tp.pg.size)
+
+    return {"__call__": __call__, "as_linear": as_linear}
+
+
+_ROLES = {"row": _row_call, "head": _head_call, "vocab_embedding": _vocab_embedding}
+
+
+def _parallel_class(base: type, role: str) -> type:
+    key = (base, role)
+    cls = _CLASSES.get(key)
+    if cls is None:
+        attrs = _ROLES[role](base)
+        attrs.update({"__module__": base.__module__, "__qualname__": base.__qualname__,
+                      "_tp_role": role, "_tp_base": base})
+        cls = type(base.__name__, (base,), attrs)
+        _CLASSES[key] = cls
+    return cls
+
+
+def tp_role(module: nn.Module) -> str | None:
+    """``"row"``, ``"head"``, ``"vocab_embedding"`` for a sharded module, else ``None``."""
+    return type(module).__dict__.get("_tp_role")
+
+
+def _attach(module: nn.Module, role: str, tp: TensorParallel) -> None:
+    if tp_role(module) is not None:
+        return
+    module.__class__ = _parallel_class(type(module), role)
+    object.__setattr__(module, "_tp", tp)
+
+
+def install_tensor_parallel(model: nn.Module, plan: ShardPlan) -> TensorParallel:
+    """Give the loaded, sharded ``model`` its local head counts and its collectives (in place)."""
+    pg = plan.pg
+    vocab_start = 0
+    if plan.vocab_parallel:
+        vocab_start = pg.rank * (int(model.args.vocab_size) // pg.size)
+    tp = TensorParallel(pg, plan.vocab_parallel, vocab_start, tuple(plan.notes))
+    modules = dict(model.named_modules())
+    for path, (heads, kv_heads) in plan.heads.items():
+        modules[path].n_heads = heads
+        modules[path].n_kv_heads = kv_heads
+    for path in plan.row_parallel:
+        _attach(modules[path], "row", tp)
+    if plan.vocab_parallel:
+        _attach(modules["model.embed_tokens"], "vocab_embedding", tp)
+        if "lm_head" in modules:
+            _attach(modules["lm_head"], "head", tp)
+    object.__setattr__(model, "tensor_parallel", tp)
+    return tp
+
+
+def tensor_parallel_of(model: Any) -> TensorParallel | None:
+    """The model's :class:`TensorParallel`, or ``None`` for a whole (one-process) graph."""
+    return getattr(model, "tensor_parallel", None)
