@@ -137,3 +137,21 @@ def test_dead_rank_fails_the_leader_within_the_timeout(tmp_path_factory, tmp_pat
     assert reason == "error" and "distributed run failed" in error
     assert 0 < len(tokens) < 10_000
     assert elapsed < 30
+
+
+def test_cli_generate_under_mlx_launch(tmp_path_factory):
+    """`mlx-infer generate` unchanged under mlx.launch: the same text as one process, printed once (rank 0),
+    the startup line on stderr; sampling with no seed works too (rank 0's seed is shared)."""
+    model = _model(tmp_path_factory, "llama")
+    cli = [sys.executable, "-m", "mlx_infer.cli", "generate", "--model", str(model), "--prompt",
+           "The capital of France is", "--max-tokens", "12"]
+    one = subprocess.run(cli, capture_output=True, text=True, timeout=60)
+    assert one.returncode == 0, one.stderr
+    two = subprocess.run([str(LAUNCH), "--backend", "ring", "-n", "2", *cli], capture_output=True, text=True, timeout=90)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert two.stdout == one.stdout and one.stdout.strip()
+    assert "tensor parallel over 2 ranks (ring backend)" in two.stderr
+    sampled = subprocess.run([str(LAUNCH), "--backend", "ring", "-n", "2", *cli, "--temp", "0.9"],
+                             capture_output=True, text=True, timeout=90)
+    assert sampled.returncode == 0, sampled.stderr[-3000:]
+    assert sampled.stdout.strip()

@@ -404,7 +404,13 @@ def load_model_dir(model_dir: Path, *, source: str | None = None, dtype: str | N
     if plan is not None:
         from ..parallel.layers import install_tensor_parallel
 
-        install_tensor_parallel(model, plan)
+        tp = install_tensor_parallel(model, plan)
+        if pg.is_leader:
+            import sys
+
+            from ..parallel.serve_rank import startup_line
+
+            print(startup_line(tp), file=sys.stderr, flush=True)
     # Any thread (the engine's, the server's) may run the graph: nothing lazy may stay behind.
     materialize_graph_constants(model)
 

@@ -34,6 +34,8 @@ class TensorParallel:
     vocab_parallel: bool
     vocab_start: int
     notes: tuple[str, ...] = field(default_factory=tuple)
+    rank_bytes: tuple[int, ...] = ()  # every rank's parameter bytes, rank order
+    replicated_bytes: int = 0  # of those, what every rank holds whole
 
 
 def gather_last(y: mx.array, group: Any, size: int) -> mx.array:
@@ -105,7 +107,14 @@ def install_tensor_parallel(model: nn.Module, plan: ShardPlan) -> TensorParallel
     vocab_start = 0
     if plan.vocab_parallel:
         vocab_start = pg.rank * (int(model.args.vocab_size) // pg.size)
-    tp = TensorParallel(pg, plan.vocab_parallel, vocab_start, tuple(plan.notes))
+    from mlx.utils import tree_flatten
+
+    from .shard import replicated_bytes
+
+    local = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    rank_bytes = mx.distributed.all_gather(mx.array([local], mx.int64), group=pg.group).tolist()
+    tp = TensorParallel(pg, plan.vocab_parallel, vocab_start, tuple(plan.notes), tuple(rank_bytes),
+                        replicated_bytes(model, plan))
     modules = dict(model.named_modules())
     for path, (heads, kv_heads) in plan.heads.items():
         modules[path].n_heads = heads

@@ -118,10 +118,18 @@ def model_name(loaded: Any, requested: str | None) -> str:
     return Path(requested).expanduser().name.removesuffix(".gguf") or str(requested)
 
 
+def engine_config(options: ServeOptions) -> Any:
+    """The engine settings the options ask for."""
+    from ..engine import EngineConfig
+
+    return EngineConfig(max_batch=options.max_batch, memory_budget_gb=options.memory_budget_gb,
+                        prefill_step_size=options.prefill_step_size, page_size=options.page_size)
+
+
 def build(options: ServeOptions) -> tuple[Any, Any, str]:
     """Load the model, start an engine and build the app: ``(app, engine, model_id)``."""
     from ..artifacts.loader import load_model
-    from ..engine import Engine, EngineConfig
+    from ..engine import Engine
     from .app import check_generation_defaults, create_app
 
     options.check()
@@ -135,9 +143,7 @@ def build(options: ServeOptions) -> tuple[Any, Any, str]:
     if options.chat_template is not None:
         loaded.tokenizer.chat_template = options.chat_template
     check_generation_defaults(dict(loaded.generation_config or {}))  # before an engine takes memory
-    config = EngineConfig(max_batch=options.max_batch, memory_budget_gb=options.memory_budget_gb,
-                          prefill_step_size=options.prefill_step_size, page_size=options.page_size)
-    engine = Engine(loaded, config).start()
+    engine = Engine(loaded, engine_config(options)).start()
     try:
         model_id = options.served_model_name or model_name(loaded, options.model)
         aliases = tuple({options.model} - {None}) if options.model and not options.served_model_name else ()
@@ -174,6 +180,12 @@ def serve(options: ServeOptions) -> None:
         MlxInferError: a bad option, a model that cannot load, an address that cannot be bound.
     """
     options.check()
+    from ..parallel import current_group
+
+    if not current_group().is_leader:  # a tensor-parallel follower: no HTTP, rank 0's engine steps
+        from ..parallel.serve_rank import follow_serving
+
+        return follow_serving(options, engine_config(options))
     sock = bind(options.host, options.port)  # before loading: a busy port fails in a second
     try:
         app, engine, model_id = build(options)
