@@ -19,17 +19,25 @@ from pathlib import Path
 
 import pytest
 
-from tiny import make_tiny_model_dir
+from tiny import GEMMA4_SWITCHES, make_tiny_model_dir
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 LAUNCH = Path(sys.executable).with_name("mlx.launch")
-SPREAD = {"gemma3": {"vector_noise": True, "embed_scale": 0.5}}  # no near-ties in the tiny gemma3's greedy stream
+# no near-ties in the tiny gemmas' greedy streams
+SPREAD = {"gemma3": {"vector_noise": True, "embed_scale": 0.5}, "gemma4": {"embed_scale": 0.5}}
 
 
-def _model(tmp_path_factory, family: str, **overrides) -> Path:
+def _model(tmp_path_factory, family: str, *, q: int = 0, **overrides) -> Path:
+    """A tiny model of ``family``; ``q``: 4 or 8 for MLX-quantized weights (group size 32)."""
     kw = dict(SPREAD.get(family, {}), **overrides)
-    name = family + "".join(f"-{k}{v}" for k, v in overrides.items())
-    return make_tiny_model_dir(tmp_path_factory.mktemp(name), family, **kw)
+    name = family + "".join(f"-{k}" for k in overrides)
+    path = make_tiny_model_dir(tmp_path_factory.mktemp(name), family, **kw)
+    if q:
+        from mlx_infer.artifacts.convert import convert
+
+        path = convert(path, tmp_path_factory.mktemp(name + f"-q{q}"), quantize_bits=q, group_size=32,
+                       progress=False, overwrite=True)
+    return path
 
 
 def _results(text: str) -> list[dict]:
@@ -37,16 +45,17 @@ def _results(text: str) -> list[dict]:
                   key=lambda r: r["rank"])
 
 
-def run_single(model: Path, mode: str) -> dict:
-    p = subprocess.run([sys.executable, str(WORKER), str(model), mode], capture_output=True, text=True, timeout=60)
+def run_single(model: Path, mode: str, env: dict | None = None) -> dict:
+    p = subprocess.run([sys.executable, str(WORKER), str(model), mode], capture_output=True, text=True, timeout=60,
+                       env=env)
     assert p.returncode == 0, p.stderr[-3000:]
     (out,) = _results(p.stdout)
     return out
 
 
-def run_launched(model: Path, mode: str, n: int = 2, timeout: int = 90) -> list[dict]:
+def run_launched(model: Path, mode: str, n: int = 2, timeout: int = 90, env: dict | None = None) -> list[dict]:
     p = subprocess.run([str(LAUNCH), "--backend", "ring", "-n", str(n), sys.executable, str(WORKER), str(model), mode],
-                       capture_output=True, text=True, timeout=timeout)
+                       capture_output=True, text=True, timeout=timeout, env=env)
     assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-3000:])
     outs = _results(p.stdout)
     assert [o["rank"] for o in outs] == list(range(n)), p.stderr[-3000:]
@@ -62,25 +71,42 @@ def _check_bytes(one: dict, ranks: list[dict], slack: float = 1.03) -> None:
         assert one["weight_bytes"] / n <= r["weight_bytes"] <= one["weight_bytes"] / n * slack, (one, r)
 
 
-@pytest.mark.parametrize("family,overrides", [
-    ("llama", {}), ("qwen2", {}), ("qwen3", {}), ("mistral", {}), ("gemma3", {}),
-    ("llama", {"num_key_value_heads": 1}),  # fewer KV heads than ranks: replicated
-])
-def test_generate_two_ranks_same_tokens(tmp_path_factory, family, overrides):
-    model = _model(tmp_path_factory, family, **overrides)
-    one = run_single(model, "generate")
-    assert one["compiled=True"] == one["compiled=False"]
-    ranks = run_launched(model, "generate")
-    for r in ranks:
-        assert r["compiled=False"] == one["compiled=False"], (family, r)
-        assert r["compiled=True"] == one["compiled=False"], (family, r)
+KV1 = {"num_key_value_heads": 1}  # fewer KV heads than ranks: replicated
+CASES = {  # name -> (family, quantized bits, overrides, byte slack, CPU kernels)
+    "llama": ("llama", 0, {}, 1.03, False), "qwen2": ("qwen2", 0, {}, 1.03, False),
+    "qwen3": ("qwen3", 0, {}, 1.03, False), "mistral": ("mistral", 0, {}, 1.03, False),
+    "gemma3": ("gemma3", 0, {}, 1.03, False),
     # one KV head of 1 on both ranks: k/v (1/8 of a layer's attention+MLP here) are held whole
-    _check_bytes(one, ranks, slack=1.1 if overrides else 1.03)
+    "llama-kv1": ("llama", 0, KV1, 1.1, False),
+    "gemma4-dense": ("gemma4", 0, GEMMA4_SWITCHES["dense"], 1.03, False),
+    # experts split whole (expert parallel); the global layers' single KV head replicated
+    "gemma4-moe": ("gemma4", 0, GEMMA4_SWITCHES["moe"], 1.05, False),
+    "gemma4-kv_shared": ("gemma4", 0, GEMMA4_SWITCHES["kv_shared"], 1.08, False),  # per-layer projections whole
+    "gemma4-ple": ("gemma4", 0, GEMMA4_SWITCHES["ple"], 1.08, False),
+    "llama-q4": ("llama", 4, {}, 1.05, False),
+    "gemma4-moe-q4": ("gemma4", 4, GEMMA4_SWITCHES["moe"], 1.08, False),
+    "qwen3-cpu-kernels": ("qwen3", 0, {}, 1.03, True),  # the default on a CPU: mlx-infer's matmul kernels
+}
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
-def test_engine_two_ranks_same_tokens(tmp_path_factory, family):
-    model = _model(tmp_path_factory, family)
+@pytest.mark.parametrize("case", list(CASES))
+def test_generate_two_ranks_same_tokens(tmp_path_factory, case):
+    family, q, overrides, slack, kernels = CASES[case]
+    model = _model(tmp_path_factory, family, q=q, **overrides)
+    env = dict(os.environ, MLX_INFER_CPU_KERNELS="1" if kernels else "0")
+    one = run_single(model, "generate", env)
+    assert one["compiled=True"] == one["compiled=False"]
+    ranks = run_launched(model, "generate", env=env)
+    for r in ranks:
+        assert r["compiled=False"] == one["compiled=False"], (case, r)
+        assert r["compiled=True"] == one["compiled=False"], (case, r)
+    _check_bytes(one, ranks, slack=slack)
+
+
+@pytest.mark.parametrize("case", ["llama", "gemma3", "gemma4-moe-q4"])
+def test_engine_two_ranks_same_tokens(tmp_path_factory, case):
+    family, q, overrides, _, _ = CASES[case]
+    model = _model(tmp_path_factory, family, q=q, **overrides)
     one = run_single(model, "engine")
     assert one["paged_decode=True"] and not one["paged_decode=False"]
     leader, follower = run_launched(model, "engine")

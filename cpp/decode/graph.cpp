@@ -82,12 +82,12 @@ mx::array tp_sum(const DecodeStep::Graph& g, const mx::array& x) {
   return g.tp ? mx::distributed::all_sum(x, *g.tp) : x;
 }
 
-mx::array tp_embed_lookup(const DecodeStep::Graph& g, const Linear& e, const mx::array& ids) {
+mx::array tp_embed_lookup(const DecodeStep::Graph& g, const Linear& e, const mx::array& ids, int start) {
   if (!g.tp || !g.cfg.vocab_parallel) {
     return embed_lookup(e, ids);
   }
   const int rows = e.w->shape(0);
-  auto local = mx::subtract(ids, mx::array(g.cfg.vocab_start, ids.dtype()));  // (B, 1)
+  auto local = mx::subtract(ids, mx::array(start, ids.dtype()));  // (B, 1)
   auto mine = mx::logical_and(mx::greater_equal(local, mx::array(0, ids.dtype())),
                               mx::less(local, mx::array(rows, ids.dtype())));
   auto h = embed_lookup(e, mx::where(mine, local, mx::array(0, ids.dtype())));  // (B, 1, E)
@@ -269,7 +269,7 @@ mx::array decode_layers(
                                 " layers (family '" + cfg.family + "' has its own forward).");
   }
 
-  auto h = tp_embed_lookup(g, g.embed, mx::reshape(tokens, {B, 1}));  // (B, 1, E)
+  auto h = tp_embed_lookup(g, g.embed, mx::reshape(tokens, {B, 1}), cfg.vocab_start);  // (B, 1, E)
   if (cfg.embed_scale != 0.0f) {
     h = mx::multiply(h, scalar(cfg.embed_scale, h.dtype()));
   }

@@ -144,8 +144,8 @@ mx::array embed_lookup(const Linear& e, const mx::array& ids);
 mx::array embed_as_linear(const Linear& e, const mx::array& x);
 /// Tensor parallel: all_sum over the group of a row-parallel product (identity in one process).
 mx::array tp_sum(const DecodeStep::Graph& g, const mx::array& x);
-/// embed_lookup, vocabulary-parallel when cfg.vocab_parallel (masked local rows, all_sum).
-mx::array tp_embed_lookup(const DecodeStep::Graph& g, const Linear& e, const mx::array& ids);
+/// embed_lookup, vocabulary-parallel when cfg.vocab_parallel (masked local rows from ``start``, all_sum).
+mx::array tp_embed_lookup(const DecodeStep::Graph& g, const Linear& e, const mx::array& ids, int start);
 /// Local logits (..., V/N) gathered into (..., V) when cfg.vocab_parallel.
 mx::array tp_gather_logits(const DecodeStep::Graph& g, const mx::array& logits);
 /// Joins cfg.tp_backend's group (already initialised by Python) into g.tp.

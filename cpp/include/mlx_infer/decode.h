@@ -88,6 +88,8 @@ struct DecodeConfig {
   std::string tp_backend;       // "" = one process; else the mx::distributed backend of the group
   bool vocab_parallel = false;  // embed / lm_head hold vocabulary rows [vocab_start, +rows):
   int vocab_start = 0;          // lookup = masked local rows + all_sum; logits = all_gather
+  int per_layer_vocab_start = 0;  // gemma4: the same for the per-layer input table
+  int expert_start = 0;           // gemma4: experts held here are [expert_start, +local); all_sum after
 
   // gemma4 only; the defaults give every layer its own (num_kv_heads, head_dim) buffer.
   std::vector<int> layer_kv_heads;   // per layer; empty = num_kv_heads everywhere

@@ -33,6 +33,8 @@ class TensorParallel:
     pg: ParallelGroup
     vocab_parallel: bool
     vocab_start: int
+    per_layer_vocab_start: int = 0  # gemma4's per-layer input table, when split
+    expert_start: int = 0  # the first expert this rank holds (expert parallel)
     notes: tuple[str, ...] = field(default_factory=tuple)
     rank_bytes: tuple[int, ...] = ()  # every rank's parameter bytes, rank order
     replicated_bytes: int = 0  # of those, what every rank holds whole
@@ -59,10 +61,20 @@ def _head_call(base: type):
     return {"__call__": __call__}
 
 
+def _experts(base: type):
+    def __call__(self: Any, x: mx.array, indices: mx.array, weights: mx.array) -> mx.array:
+        n = self.switch_glu.gate_proj["weight"].shape[0]
+        local = indices - self._tp_expert_start  # (B, L, k)
+        mine = (local >= 0) & (local < n)  # routed to an expert this rank holds
+        part = base.__call__(self, x, mx.where(mine, local, 0), weights * mine.astype(weights.dtype))
+        return mx.distributed.all_sum(part, group=self._tp.pg.group)  # (B, L, D)
+    return {"__call__": __call__}
+
+
 def _vocab_embedding(base: type):
     def __call__(self: Any, ids: mx.array) -> mx.array:
         n = self["weight"].shape[0]
-        local = ids - self._tp.vocab_start
+        local = ids - self._tp_vocab_start
         mine = (local >= 0) & (local < n)  # tokens whose row this rank holds
         h = base.__call__(self, mx.where(mine, local, 0))  # (..., E)
         h = h * mine[..., None].astype(h.dtype)
@@ -74,7 +86,7 @@ def _vocab_embedding(base: type):
     return {"__call__": __call__, "as_linear": as_linear}
 
 
-_ROLES = {"row": _row_call, "head": _head_call, "vocab_embedding": _vocab_embedding}
+_ROLES = {"row": _row_call, "head": _head_call, "vocab_embedding": _vocab_embedding, "experts": _experts}
 
 
 def _parallel_class(base: type, role: str) -> type:
@@ -90,7 +102,7 @@ def _parallel_class(base: type, role: str) -> type:
 
 
 def tp_role(module: nn.Module) -> str | None:
-    """``"row"``, ``"head"``, ``"vocab_embedding"`` for a sharded module, else ``None``."""
+    """``"row"``, ``"head"``, ``"vocab_embedding"``, ``"experts"`` for a sharded module, else ``None``."""
     return type(module).__dict__.get("_tp_role")
 
 
@@ -113,18 +125,26 @@ def install_tensor_parallel(model: nn.Module, plan: ShardPlan) -> TensorParallel
 
     local = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     rank_bytes = mx.distributed.all_gather(mx.array([local], mx.int64), group=pg.group).tolist()
-    tp = TensorParallel(pg, plan.vocab_parallel, vocab_start, tuple(plan.notes), tuple(rank_bytes),
-                        replicated_bytes(model, plan))
+    expert_start = 0
+    if plan.experts:
+        expert_start = pg.rank * dict(model.named_modules())[plan.experts[0]].switch_glu.gate_proj["weight"].shape[0]
+    tp = TensorParallel(pg, plan.vocab_parallel, vocab_start, plan.vocab_tables.get("model.embed_tokens_per_layer", 0),
+                        expert_start, tuple(plan.notes), tuple(rank_bytes), replicated_bytes(model, plan))
     modules = dict(model.named_modules())
     for path, (heads, kv_heads) in plan.heads.items():
         modules[path].n_heads = heads
         modules[path].n_kv_heads = kv_heads
     for path in plan.row_parallel:
         _attach(modules[path], "row", tp)
-    if plan.vocab_parallel:
-        _attach(modules["model.embed_tokens"], "vocab_embedding", tp)
-        if "lm_head" in modules:
-            _attach(modules["lm_head"], "head", tp)
+    for path, start in plan.vocab_tables.items():
+        _attach(modules[path], "vocab_embedding", tp)
+        object.__setattr__(modules[path], "_tp_vocab_start", start)
+    if plan.vocab_parallel and "lm_head" in modules:
+        _attach(modules["lm_head"], "head", tp)
+    for path in plan.experts:
+        _attach(modules[path], "experts", tp)
+        n = modules[path].switch_glu.gate_proj["weight"].shape[0]
+        object.__setattr__(modules[path], "_tp_expert_start", pg.rank * n)
     object.__setattr__(model, "tensor_parallel", tp)
     return tp
 

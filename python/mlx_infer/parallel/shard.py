@@ -14,8 +14,18 @@ module                          rank ``r`` of ``N`` holds                   afte
 ``down_proj`` (sharded-to-all)  columns of the same hidden slice            ``all_sum``
 ``embed_tokens``                rows ``r/N .. (r+1)/N`` of the vocabulary   lookup: ``all_sum``
 ``lm_head`` / tied head         the same vocabulary rows                    ``all_gather``
-norms, q/k norms, RoPE          replicated (vectors: a few KB)
+Gemma 4 experts (expert         experts ``r/N .. (r+1)/N`` (gate/up/down)   local experts' share
+parallel)                                                                   of the routed sum,
+                                                                            ``all_sum``
+Gemma 4 per-layer table         its vocabulary rows, as ``embed_tokens``    lookup: ``all_sum``
+norms, q/k norms, RoPE, the     replicated (vectors, and small matrices)
+router, per-layer projections
 ==============================  =========================================  =====================
+
+Experts are split whole (expert parallel), not sliced: every rank routes every
+token (the router is replicated), runs its own experts on the tokens routed to
+them (a routing weight of zero for the others) and the ``all_sum`` adds the
+ranks' shares.
 
 The vocabulary is split, not replicated: in small-hidden, large-vocab models
 the table is most of the weights (Gemma 3 270M: 168M of 268M parameters), so
@@ -46,7 +56,7 @@ from ..errors import UnsupportedModelError
 from .group import ParallelGroup
 
 #: Families whose graphs can be split (module name of the family file).
-TP_FAMILIES = ("llama", "gemma3")
+TP_FAMILIES = ("llama", "gemma3", "gemma4")
 
 
 @dataclass(frozen=True)
@@ -83,6 +93,8 @@ class ShardPlan:
     slices: dict[str, Slice] = field(default_factory=dict)
     heads: dict[str, tuple[int, int]] = field(default_factory=dict)
     row_parallel: list[str] = field(default_factory=list)  # modules followed by all_sum
+    experts: list[str] = field(default_factory=list)  # expert-parallel Experts modules
+    vocab_tables: dict[str, int] = field(default_factory=dict)  # vocab-split embedding path -> first row here
     vocab_parallel: bool = False
     notes: list[str] = field(default_factory=list)
 
@@ -167,16 +179,43 @@ def make_plan(model: nn.Module, pg: ParallelGroup) -> ShardPlan:
     for i, layer in enumerate(inner.layers):
         _attention(plan, f"model.layers.{i}.self_attn", layer.self_attn)
         _mlp(plan, f"model.layers.{i}.mlp", layer.mlp)
+        if getattr(layer, "enable_moe", False):
+            _experts(plan, f"model.layers.{i}.experts", layer.experts)
     V = int(model.args.vocab_size)
-    if V % pg.size == 0:
+    r, N = pg.rank, pg.size
+    if V % N == 0:
         plan.vocab_parallel = True
-        r, N = pg.rank, pg.size
         _linear_slices(plan, "model.embed_tokens", inner.embed_tokens, 0, r, r + 1, N)
+        plan.vocab_tables["model.embed_tokens"] = r * (V // N)
         if "lm_head" in model:
             _linear_slices(plan, "lm_head", model.lm_head, 0, r, r + 1, N)
     else:
-        plan.notes.append(f"vocabulary replicated: {V} tokens do not split over {pg.size} ranks")
+        plan.notes.append(f"vocabulary replicated: {V} tokens do not split over {N} ranks")
+    if getattr(inner, "per_layer_width", 0):
+        Vp = int(inner.embed_tokens_per_layer["weight"].shape[0])
+        if Vp % N == 0:
+            _linear_slices(plan, "model.embed_tokens_per_layer", inner.embed_tokens_per_layer, 0, r, r + 1, N)
+            plan.vocab_tables["model.embed_tokens_per_layer"] = r * (Vp // N)
+        elif plan.vocab_parallel:  # the compiled step splits both tables or neither
+            raise UnsupportedModelError(f"the per-layer input table ({Vp} rows) does not split over {N} "
+                                        "processes while the vocabulary does; use a process count that divides both.")
+        else:
+            plan.notes.append(f"per-layer input table replicated: {Vp} rows do not split over {N} ranks")
     return plan
+
+
+def _experts(plan: ShardPlan, path: str, experts: nn.Module) -> None:
+    N, r = plan.pg.size, plan.pg.rank
+    glu = experts.switch_glu
+    E = int(glu.gate_proj["weight"].shape[0])
+    if E % N:
+        raise UnsupportedModelError(f"{path}: {E} experts cannot be split over {N} processes; use a process "
+                                    f"count that divides {E}.")
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        for name in ("weight", "scales", "biases"):
+            if name in glu[proj]:
+                plan.slices[f"{path}.switch_glu.{proj}.{name}"] = Slice(0, r, r + 1, N)
+    plan.experts.append(path)
 
 
 def local_shapes(model: nn.Module, plan: ShardPlan) -> dict[str, tuple[int, ...]]:

@@ -242,6 +242,8 @@ def _apply_tensor_parallel(cfg: Any, model: Any) -> None:
     cfg.tp_backend = tp.pg.backend
     cfg.vocab_parallel = tp.vocab_parallel
     cfg.vocab_start = tp.vocab_start
+    cfg.per_layer_vocab_start = tp.per_layer_vocab_start
+    cfg.expert_start = tp.expert_start
 
 
 def _add_experts(name: str, module: nn.Module, weights: dict, quant: dict) -> None:
@@ -291,6 +293,7 @@ def _gemma4_spec(model: Any, kv_scheme: str | None,
         cfg.num_experts = int(args.num_experts)
         cfg.top_k_experts = int(args.top_k_experts)
     _apply_policy(cfg, kv_scheme, policy)
+    _apply_tensor_parallel(cfg, model)
     cfg.fuse_projections = False  # the gemma4 forward runs each projection on its own
 
     weights: dict[str, mx.array] = {}
