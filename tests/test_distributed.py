@@ -181,3 +181,21 @@ def test_cli_generate_under_mlx_launch(tmp_path_factory):
                              capture_output=True, text=True, timeout=90)
     assert sampled.returncode == 0, sampled.stderr[-3000:]
     assert sampled.stdout.strip()
+
+
+@pytest.mark.parametrize("case", ["llama", "gemma3"])
+def test_pipeline_parallel_generate(tmp_path_factory, case):
+    """MLX_INFER_PARALLEL=pipeline: layers split across the ranks (gemma3: 1 + 2 of 3 layers, the tied
+    embedding on both ends), the same greedy tokens as one process; the engine refuses it clearly."""
+    family, q, overrides, _, _ = CASES[case]
+    model = _model(tmp_path_factory, family, q=q, **overrides)
+    one = run_single(model, "generate")
+    env = dict(os.environ, MLX_INFER_PARALLEL="pipeline")
+    ranks = run_launched(model, "generate", env=env)
+    for r in ranks:
+        assert r["compiled=False"] == r["compiled=True"] == one["compiled=False"], (case, r)
+    # each rank holds its layers (+ the embedding at the ends): less than the whole model
+    assert all(r["weight_bytes"] < one["weight_bytes"] for r in ranks)
+    p = subprocess.run([str(LAUNCH), "--backend", "ring", "-n", "2", sys.executable, str(WORKER), str(model), "engine"],
+                       capture_output=True, text=True, timeout=90, env=env)
+    assert "runs tensor parallel only" in p.stderr and "RESULT" not in p.stdout  # (mlx.launch exits 0 regardless)

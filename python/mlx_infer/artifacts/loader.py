@@ -403,8 +403,9 @@ def load_model_dir(model_dir: Path, *, source: str | None = None, dtype: str | N
         swap_in_cpu_kernels(model)
     if plan is not None:
         from ..parallel.layers import install_tensor_parallel
+        from ..parallel.pipeline import install_pipeline
 
-        tp = install_tensor_parallel(model, plan)
+        tp = install_pipeline(model, plan) if plan.pipeline else install_tensor_parallel(model, plan)
         if pg.is_leader:
             import sys
 

@@ -137,12 +137,16 @@ class Lockstep:
 
 def attach_lockstep(engine: Any) -> Lockstep | None:
     """The engine's :class:`Lockstep` when its graph is sharded (``None`` in one process)."""
-    from .layers import tensor_parallel_of
+    from .group import DistributedError
+    from .layers import parallel_group_of
 
-    tp = tensor_parallel_of(engine.model)
-    if tp is None or not tp.pg.distributed:
-        return None
-    return Lockstep(engine, tp.pg)
+    pg = parallel_group_of(engine.model)
+    if pg is not None and getattr(engine.model, "pipeline_parallel", None) is not None:
+        # The paged KV store books every layer's pages each step; a pipelined rank writes only its own.
+        raise DistributedError("the engine (and so `mlx-infer serve`) runs tensor parallel only; pipeline parallel "
+                               "(MLX_INFER_PARALLEL=pipeline) serves `mlx-infer generate`. Unset MLX_INFER_PARALLEL "
+                               "to serve tensor parallel.")
+    return None if pg is None else Lockstep(engine, pg)
 
 
 def follow(engine: Any) -> None:

@@ -33,6 +33,9 @@ DEFAULT_TIMEOUT_S = 30.0
 TIMEOUT_ENV = "MLX_INFER_DIST_TIMEOUT"
 #: Exit status of a process the watchdog (or a lost peer) ended.
 EXIT_PEER_LOST = 75
+#: How a launched run splits the model: ``tensor`` (default) or ``pipeline``; read in :func:`parallel_mode` only.
+MODE_ENV = "MLX_INFER_PARALLEL"
+MODES = ("tensor", "pipeline")
 
 
 class DistributedError(MlxInferError):
@@ -106,6 +109,15 @@ def current_group() -> ParallelGroup:
                         "check the hostfile / ports given to mlx.launch") from None
                 _CURRENT = SINGLE if g.size() == 1 else ParallelGroup(g, g.rank(), g.size(), backend)
         return _CURRENT
+
+
+def parallel_mode() -> str:
+    """``"tensor"`` (the default) or ``"pipeline"``, from ``MLX_INFER_PARALLEL``."""
+    raw = os.environ.get(MODE_ENV, "").strip() or "tensor"
+    if raw not in MODES:
+        raise MlxInferError(f"{MODE_ENV}={raw!r}: use tensor (heads and MLP split across ranks, the default) or "
+                            "pipeline (layers split across ranks).")
+    return raw
 
 
 def collective_timeout() -> float:

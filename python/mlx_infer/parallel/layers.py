@@ -149,6 +149,12 @@ def install_tensor_parallel(model: nn.Module, plan: ShardPlan) -> TensorParallel
     return tp
 
 
+def parallel_group_of(model: Any) -> ParallelGroup | None:
+    """The group a split graph (tensor or pipeline parallel) runs over, or ``None``."""
+    split = getattr(model, "tensor_parallel", None) or getattr(model, "pipeline_parallel", None)
+    return split.pg if split is not None and split.pg.distributed else None
+
+
 def tensor_parallel_of(model: Any) -> TensorParallel | None:
     """The model's :class:`TensorParallel`, or ``None`` for a whole (one-process) graph."""
     return getattr(model, "tensor_parallel", None)

@@ -104,6 +104,8 @@ def read_sharded(files: list[Path], sanitize: Any, plan_for: Any) -> tuple[dict[
     rank = plan.pg.rank
     out: dict[str, mx.array] = {}
     for name, arr in renamed.items():
+        if plan.held is not None and name not in plan.held:
+            continue  # pipeline parallel: another rank's layer
         s = plan.slices.get(name)
         src = source.get(id(arr))
         if src is not None:
@@ -138,9 +140,12 @@ def sharded_weights(model: Any, files: list[Path], pg: Any, quantize: Any) -> tu
     """
     from .shard import local_shapes, make_plan
 
+    from .group import parallel_mode
+    from .pipeline import make_pipeline_plan
+
     def plan_for(names: dict[str, Any]) -> ShardPlan:
         quantize(names)
-        return make_plan(model, pg)
+        return make_pipeline_plan(model, pg) if parallel_mode() == "pipeline" else make_plan(model, pg)
 
     weights, plan = read_sharded(files, model.sanitize, plan_for)
     expected = local_shapes(model, plan)

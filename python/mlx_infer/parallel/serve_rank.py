@@ -42,19 +42,26 @@ def quiet_followers(pg: ParallelGroup | None = None) -> None:
 
 def shared_seed(model: Any, seed: int | None) -> int | None:
     """``seed``, or for a sharded graph with none given rank 0's fresh seed, the same on every rank."""
-    from .layers import tensor_parallel_of
+    from .layers import parallel_group_of
 
-    tp = tensor_parallel_of(model)
-    if seed is not None or tp is None:
+    pg = parallel_group_of(model)
+    if seed is not None or pg is None:
         return seed
     import secrets
 
-    mine = secrets.randbits(62) if tp.pg.is_leader else 0
-    return int(mx.distributed.all_sum(mx.array([mine], mx.int64), group=tp.pg.group).item())
+    mine = secrets.randbits(62) if pg.is_leader else 0
+    return int(mx.distributed.all_sum(mx.array([mine], mx.int64), group=pg.group).item())
 
 
 def startup_line(tp: Any) -> str:
     """What a sharded load states: group size, backend, each rank's weight bytes, what is replicated."""
+    from .pipeline import PipelineParallel
+
+    if isinstance(tp, PipelineParallel):
+        per_rank = ", ".join(f"{b / 2**20:.2f}" for b in tp.rank_bytes)
+        return (f"mlx-infer: pipeline parallel over {tp.pg.size} ranks ({tp.pg.backend} backend): weights per rank "
+                f"[{per_rank}] MiB ({tp.rank_bytes[0]} bytes on rank 0, which holds layers {tp.start}..{tp.stop - 1}; "
+                "the final norm on every rank, the embedding on rank 0 and, when the head is tied, on the last)")
     per_rank = ", ".join(f"{b / 2**20:.2f}" for b in tp.rank_bytes)
     notes = "; ".join(("vocabulary split across ranks" if tp.vocab_parallel else "vocabulary replicated",
                        *tp.notes))

@@ -97,6 +97,8 @@ class ShardPlan:
     vocab_tables: dict[str, int] = field(default_factory=dict)  # vocab-split embedding path -> first row here
     vocab_parallel: bool = False
     notes: list[str] = field(default_factory=list)
+    held: set[str] | None = None  # pipeline parallel: the parameters this rank reads (None: all)
+    pipeline: tuple[int, int] | None = None  # pipeline parallel: the layers [start, stop) held here
 
     def local_shape(self, path: str, shape: tuple[int, ...]) -> tuple[int, ...]:
         """The shape rank ``pg.rank`` holds of the parameter ``path`` of full shape ``shape``."""

@@ -151,6 +151,8 @@ def graph_spec(model: Any, *, kv_scheme: str | None = None,
         DecodeStepUnsupported: the family, a module type or the rope type has no C++ step.
     """
     family = family_of_graph(model)
+    if getattr(model, "pipeline_parallel", None) is not None:
+        raise DecodeStepUnsupported("no compiled decode step for a pipeline-parallel graph (its layers span ranks)")
     if kv_scheme is not None and kv_scheme not in KV_DTYPES:
         raise ValueError(f"kv_scheme must be one of {', '.join(KV_DTYPES)} or None, got {kv_scheme!r}.")
     materialize_graph_constants(model)  # the RoPE tables the specs hand over; the step may run on another thread
