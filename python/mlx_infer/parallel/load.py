@@ -108,7 +108,9 @@ def read_sharded(files: list[Path], sanitize: Any, plan_for: Any) -> tuple[dict[
             continue  # pipeline parallel: another rank's layer
         s = plan.slices.get(name)
         src = source.get(id(arr))
-        if src is not None:
+        if s is None:  # held whole: MLX reads it straight into its own buffer
+            out[name] = arr
+        elif src is not None:
             out[name] = src.read(s, rank)
         else:  # computed by sanitize: slice the lazy array (MLX reads that one tensor whole)
             out[name] = _slice_array(arr, s, rank, name)
