@@ -199,3 +199,40 @@ def test_pipeline_parallel_generate(tmp_path_factory, case):
     p = subprocess.run([str(LAUNCH), "--backend", "ring", "-n", "2", sys.executable, str(WORKER), str(model), "engine"],
                        capture_output=True, text=True, timeout=90, env=env)
     assert "runs tensor parallel only" in p.stderr and "RESULT" not in p.stdout  # (mlx.launch exits 0 regardless)
+
+
+def test_cli_generate_with_a_hung_peer_exits_bounded(tmp_path_factory, tmp_path):
+    """`mlx-infer generate` on two ranks; rank 1 stops (SIGSTOP) mid-generation: rank 0 says why in one line
+    and exits with EXIT_PEER_LOST once the collective timeout (3 s here) has passed."""
+    import signal
+    import socket
+
+    from mlx_infer.parallel.group import EXIT_PEER_LOST
+
+    model = _model(tmp_path_factory, "llama", max_position_embeddings=4096)  # greedy: no EOS in 3000 tokens
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ports]))
+    cli = [sys.executable, "-m", "mlx_infer.cli", "generate", "--model", str(model), "--prompt", "The capital",
+           "--max-tokens", "3000"]
+    env = [dict(_ring_env(r, hostfile), MLX_INFER_DIST_TIMEOUT="3", PYTHONUNBUFFERED="1") for r in range(2)]
+    procs = [subprocess.Popen(cli, env=env[r], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    try:
+        assert procs[0].stdout.read(16)  # text is streaming: the ranks are mid-generation
+        procs[1].send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        out, err = procs[0].communicate(timeout=30)
+        elapsed = time.monotonic() - t0
+        assert procs[0].returncode == EXIT_PEER_LOST, err[-2000:]
+        assert "waited more than 3 s for its peers" in err and "Traceback" not in err
+        assert 2.5 < elapsed < 3 + 5
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)

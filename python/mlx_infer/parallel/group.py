@@ -142,6 +142,31 @@ def fail_group(pg: ParallelGroup, what: str, exc: BaseException | None = None) -
     os._exit(EXIT_PEER_LOST)
 
 
+def is_peer_failure(exc: BaseException) -> bool:
+    """True for the error MLX raises when a collective's peer is gone (in a distributed run)."""
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and current_group().distributed and (
+        "peer" in text or "[ring]" in text or "[nccl]" in text.lower() or "[mpi]" in text.lower()
+        or "[jaccl]" in text.lower())
+
+
+def guarded(items: Iterator[Any], what: str = "a generation step") -> Iterator[Any]:
+    """``items``, each one produced under the group's watchdog (unchanged in one process)."""
+    pg = current_group()
+    if not pg.distributed:
+        yield from items
+        return
+    watchdog = CollectiveWatchdog(pg)
+    it = iter(items)
+    while True:
+        with watchdog.guard(what):
+            try:
+                item = next(it)
+            except StopIteration:
+                return
+        yield item
+
+
 class CollectiveWatchdog:
     """Ends the process when a guarded step waits on its peers past a deadline.
 
