@@ -117,12 +117,18 @@ def test_engine_two_ranks_same_tokens(tmp_path_factory, case):
     assert all(reason == "length" and err is None for _, reason, err in leader["compiled=True"])
 
 
-def test_four_ranks_generate(tmp_path_factory):
+@pytest.mark.parametrize("mode", ["generate", "engine"])
+def test_four_ranks(tmp_path_factory, mode):
     model = _model(tmp_path_factory, "llama")  # 4 heads, 2 KV heads: each KV head on two ranks
-    one = run_single(model, "generate")
-    ranks = run_launched(model, "generate", n=4, timeout=120)
-    for r in ranks:
-        assert r["compiled=True"] == r["compiled=False"] == one["compiled=False"]
+    one = run_single(model, mode)
+    ranks = run_launched(model, mode, n=4, timeout=150)
+    if mode == "generate":
+        for r in ranks:
+            assert r["compiled=True"] == r["compiled=False"] == one["compiled=False"]
+    else:  # concurrent requests, the compiled paged step on and off
+        assert ranks[0]["compiled=True"] == one["compiled=True"]
+        assert ranks[0]["compiled=False"] == one["compiled=False"]
+        assert all(r["compiled=True"] == "follower" for r in ranks[1:])
     _check_bytes(one, ranks, slack=1.1)
 
 

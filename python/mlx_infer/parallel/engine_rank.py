@@ -69,6 +69,13 @@ class Lockstep:
         self.engine = engine
         self.pg = pg
         self.stopping = False
+        if engine.config.memory_limit_gb is not None:
+            from .group import DistributedError
+
+            # Admission would read each rank's own active memory and the ranks' schedules could part.
+            raise DistributedError("EngineConfig.memory_limit_gb holds admissions on this process's active memory, "
+                                   "which differs between ranks; size the pool with memory_budget_gb or num_pages "
+                                   "for a distributed engine.")
         self.watchdog = CollectiveWatchdog(pg, on_expire=self._expire)
         check_same(pg, "the KV page pool size", int(engine.scheduler.capacity_pages))
         check_same(pg, "the batch size", int(engine.config.max_batch))
