@@ -2,7 +2,8 @@
 
 Usage: ``python tests/dist_worker.py MODEL_DIR MODE [MAX_TOKENS]``; MODE is ``generate``
 (eager and compiled ``generate``), ``engine`` (several concurrent requests through the
-engine, compiled paged step on and off) or ``die`` (rank 1 exits mid-generation).
+engine, compiled paged step on and off), ``sampled`` (seeded sampling with penalties and
+logprobs through the engine) or ``die`` (rank 1 exits mid-generation).
 Prints ``RESULT {...}`` on each rank.
 """
 
@@ -32,6 +33,26 @@ def main() -> None:
         for compiled in (False, True):
             out[f"compiled={compiled}"] = [t.token for t in generate(loaded, PROMPTS[0], max_tokens=max_tokens,
                                                                      compiled=compiled)]
+    elif mode == "sampled":  # seeded sampling, penalties, logprobs; and one request left to a server-chosen seed
+        from mlx_infer.engine import Engine, EngineConfig
+        from mlx_infer.engine.request import EngineRequest
+        from mlx_infer.parallel.engine_rank import follow
+        from mlx_infer.sampling import SamplingParams
+
+        ids = [loaded.tokenizer.encode(p) for p in PROMPTS]
+        engine = Engine(loaded, EngineConfig(max_batch=4, num_pages=64, page_size=8))
+        if pg.rank != 0:
+            follow(engine)
+            out["sampled"] = "follower"
+        else:
+            reqs = [EngineRequest(prompt_ids=i, max_tokens=max_tokens, request_id=f"s{k}", ignore_eos=True,
+                                  sampling=SamplingParams(temperature=0.8, top_k=50, repetition_penalty=1.3,
+                                                          seed=None if k == 3 else 100 + k, logprobs=True))
+                    for k, i in enumerate(ids)]
+            with engine:
+                results = engine.generate(reqs, timeout=60)
+            out["sampled"] = [[r.token_ids, r.finish_reason, [round(x, 3) for x in r.logprobs or []]]
+                              for r in results]
     elif mode in ("engine", "die"):
         from mlx_infer.engine import Engine, EngineConfig
         from mlx_infer.engine.request import EngineRequest

@@ -117,6 +117,21 @@ def test_engine_two_ranks_same_tokens(tmp_path_factory, case):
     assert all(reason == "length" and err is None for _, reason, err in leader["compiled=True"])
 
 
+def test_engine_sampling_stays_in_lockstep(tmp_path_factory):
+    """Seeded sampling (temperature, top-k, repetition penalty, logprobs) gives one process's tokens; a request
+    without a seed (rank 0 picks one for every rank) finishes on every rank alike. Logprobs agree to 1e-3
+    (the split sums round differently)."""
+    model = _model(tmp_path_factory, "qwen3")
+    one = run_single(model, "sampled")
+    leader, follower = run_launched(model, "sampled")
+    assert follower["sampled"] == "follower"
+    for (toks, reason, lps), (want_toks, want_reason, want_lps) in zip(leader["sampled"][:3], one["sampled"][:3]):
+        assert toks == want_toks and reason == want_reason == "length"
+        assert lps == pytest.approx(want_lps, abs=1e-3)
+    toks, reason, _ = leader["sampled"][3]
+    assert reason == "length" and len(toks) == 10
+
+
 @pytest.mark.parametrize("mode", ["generate", "engine"])
 def test_four_ranks(tmp_path_factory, mode):
     model = _model(tmp_path_factory, "llama")  # 4 heads, 2 KV heads: each KV head on two ranks

@@ -109,8 +109,11 @@ class Engine:
         self.vocab_size = int(getattr(self.model.args, "vocab_size", 0)) or None
         materialize_graph_constants(self.model)  # a graph not from the loader: the engine thread evaluates it
         self.kv_budget = None if config.num_pages is not None else kv_budget(self.model, config)
-        self.store = PagedKVStore.for_model(
-            self.model, num_pages=pool_pages(self.model, config, self.context_length, self.kv_budget),
+        from ..parallel.engine_rank import leader_value
+
+        self.store = PagedKVStore.for_model(  # a split graph: rank 0's pool size on every rank
+            self.model, num_pages=leader_value(self.model, pool_pages(self.model, config, self.context_length,
+                                                                      self.kv_budget)),
             page_size=config.page_size, dtype=config.kv_dtype, kv_scheme=config.kv_scheme)
         self.paged_decode, self.paged_decode_reason = self._paged_decode(
             composition or Composition(), decode_policy or PagedDecodePolicy())

@@ -48,6 +48,25 @@ def broadcast_bytes(pg: ParallelGroup, payload: bytes | None) -> bytes:
     return bytes(np.array(out, copy=False))
 
 
+def leader_value(model: Any, value: Any) -> Any:
+    """``value`` (an int, or a list of ints) as rank 0 has it, on every rank of a split graph's group
+    (``value`` itself in one process).
+
+    What is sized from this process's free memory (the KV pool) differs between ranks that load at
+    different moments; the lockstep needs one size.
+    """
+    from .layers import parallel_group_of
+
+    pg = parallel_group_of(model)
+    if pg is None:
+        return value
+    many = isinstance(value, (list, tuple))  # one per layer group, or one for all
+    values = list(value) if many else [value]
+    mine = mx.array(values if pg.is_leader else [0] * len(values), mx.int64)
+    out = [int(v) for v in mx.distributed.all_sum(mine, group=pg.group).tolist()]
+    return type(value)(out) if many else out[0]
+
+
 def check_same(pg: ParallelGroup, what: str, value: int) -> None:
     """Raise unless every rank has the same ``value`` (a setting the lockstep depends on)."""
     values = mx.distributed.all_gather(mx.array([value], mx.int64), group=pg.group).tolist()
