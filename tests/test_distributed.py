@@ -198,6 +198,7 @@ def test_cli_generate_under_mlx_launch(tmp_path_factory):
     assert two.returncode == 0, two.stderr[-3000:]
     assert two.stdout == one.stdout and one.stdout.strip()
     assert "tensor parallel over 2 ranks (ring backend)" in two.stderr
+    assert two.stderr.count("generation: 12 tokens") == 1  # the stats too: rank 0 alone
     sampled = subprocess.run([str(LAUNCH), "--backend", "ring", "-n", "2", *cli, "--temp", "0.9"],
                              capture_output=True, text=True, timeout=90)
     assert sampled.returncode == 0, sampled.stderr[-3000:]

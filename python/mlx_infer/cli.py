@@ -188,7 +188,8 @@ def _generate(args: argparse.Namespace) -> int:
     _check_generate_args(args)  # also refuses --checkpoint with --resume
     from .parallel.serve_rank import quiet_followers
 
-    quiet_followers()  # under mlx.launch: rank 0 alone prints
+    if quiet_followers():  # under mlx.launch: rank 0 alone prints the text and the stats
+        args.verbose = False
     if args.resume and any(getattr(args, f) is not None for f in ("json_schema", "regex", "grammar")):
         raise MlxInferError("--json-schema/--regex/--grammar do not work with --resume.")
     if args.resume:

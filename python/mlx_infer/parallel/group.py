@@ -151,13 +151,21 @@ def is_peer_failure(exc: BaseException) -> bool:
 
 
 def guarded(items: Iterator[Any], what: str = "a generation step") -> Iterator[Any]:
-    """``items``, each one produced under the group's watchdog (unchanged in one process)."""
+    """``items``, each after the first produced under the group's watchdog (unchanged in one process).
+
+    The first item carries the whole prompt's prefill, whose time grows with the prompt: it is not
+    timed (a peer that dies during it still fails the collective at once).
+    """
     pg = current_group()
     if not pg.distributed:
         yield from items
         return
     watchdog = CollectiveWatchdog(pg)
     it = iter(items)
+    try:
+        yield next(it)
+    except StopIteration:
+        return
     while True:
         with watchdog.guard(what):
             try:

@@ -33,11 +33,12 @@ def follow_serving(options: Any, engine_config: Any) -> None:
     follow(Engine(loaded, engine_config))
 
 
-def quiet_followers(pg: ParallelGroup | None = None) -> None:
-    """Send a follower's stdout to /dev/null (rank 0 alone prints the text)."""
+def quiet_followers(pg: ParallelGroup | None = None) -> bool:
+    """Send a follower's stdout to /dev/null (rank 0 alone prints the text); True on a follower."""
     pg = pg or current_group()
     if not pg.is_leader:
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the life of the process
+    return not pg.is_leader
 
 
 def shared_seed(model: Any, seed: int | None) -> int | None:
