@@ -103,13 +103,14 @@ def test_generate_two_ranks_same_tokens(tmp_path_factory, case):
     _check_bytes(one, ranks, slack=slack)
 
 
-@pytest.mark.parametrize("case", ["llama", "gemma3", "gemma4-moe-q4"])
+@pytest.mark.parametrize("case", ["llama", "gemma3", "gemma4-moe-q4", "qwen3-cpu-kernels"])
 def test_engine_two_ranks_same_tokens(tmp_path_factory, case):
-    family, q, overrides, _, _ = CASES[case]
+    family, q, overrides, _, kernels = CASES[case]
     model = _model(tmp_path_factory, family, q=q, **overrides)
-    one = run_single(model, "engine")
+    env = dict(os.environ, MLX_INFER_CPU_KERNELS="1" if kernels else "0")
+    one = run_single(model, "engine", env)
     assert one["paged_decode=True"] and not one["paged_decode=False"]
-    leader, follower = run_launched(model, "engine")
+    leader, follower = run_launched(model, "engine", env=env)
     for compiled in ("True", "False"):
         assert leader[f"compiled={compiled}"] == one[f"compiled={compiled}"]
         assert follower[f"compiled={compiled}"] == "follower"
