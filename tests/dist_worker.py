@@ -2,7 +2,7 @@
 
 Usage: ``python tests/dist_worker.py MODEL_DIR MODE [MAX_TOKENS]``; MODE is ``generate``
 (eager and compiled ``generate``), ``engine`` (several concurrent requests through the
-engine, compiled paged step on and off), ``sampled`` (seeded sampling with penalties and
+engine, compiled paged step on and off; ``engine-compiled``: on only), ``sampled`` (seeded sampling with penalties and
 logprobs through the engine) or ``die`` (rank 1 exits mid-generation).
 Prints ``RESULT {...}`` on each rank.
 """
@@ -53,14 +53,14 @@ def main() -> None:
                 results = engine.generate(reqs, timeout=60)
             out["sampled"] = [[r.token_ids, r.finish_reason, [round(x, 3) for x in r.logprobs or []]]
                               for r in results]
-    elif mode in ("engine", "die"):
+    elif mode in ("engine", "engine-compiled", "die"):
         from mlx_infer.engine import Engine, EngineConfig
         from mlx_infer.engine.request import EngineRequest
         from mlx_infer.generation.bindings.autoregressive import Composition
         from mlx_infer.parallel.engine_rank import follow
 
         ids = [loaded.tokenizer.encode(p) for p in PROMPTS]
-        for compiled in ((True, False) if mode == "engine" else (True,)):
+        for compiled in ((True, False) if mode == "engine" else (True,)):  # engine-compiled, die: the compiled step
             engine = Engine(loaded, EngineConfig(max_batch=4, num_pages=64, page_size=8),
                             composition=Composition(compiled_decode=compiled))
             if pg.rank != 0:
