@@ -20,7 +20,7 @@ requests, random prompts). ``--trials`` rounds each, medians reported, after a
 warm-up. Rows follow the results schema (:mod:`mlx_infer.bench.report`) with the
 group facts added: ``ranks``, ``backend``, ``weight_bytes_per_rank``,
 ``peak_gb_per_rank``. ``MLX_INFER_PARALLEL=pipeline`` measures pipeline parallel
-(batch 1 only: the engine runs tensor parallel).
+(eager decode: the compiled step does not run a pipelined graph).
 """
 
 from __future__ import annotations
@@ -149,9 +149,6 @@ def main() -> None:
     pipelined = getattr(loaded.model, "pipeline_parallel", None) is not None
     rows = []
     for batch in [int(b) for b in args.batches.split(",") if b.strip()]:
-        if pipelined and batch > 1:
-            log(f"skipping batch {batch}: the engine runs tensor parallel only")
-            continue
         trials = []
         for t in range(args.trials + 1):  # the first is the warm-up
             ps = prompts(batch, args.prompt_tokens, vocab, seed=t)

@@ -206,9 +206,9 @@ def test_cli_generate_under_mlx_launch(tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", ["llama", "gemma3"])
-def test_pipeline_parallel_generate(tmp_path_factory, case):
+def test_pipeline_parallel(tmp_path_factory, case):
     """MLX_INFER_PARALLEL=pipeline: layers split across the ranks (gemma3: 1 + 2 of 3 layers, the tied
-    embedding on both ends), the same greedy tokens as one process; the engine refuses it clearly."""
+    embedding on both ends), the same greedy tokens as one process through generate and the engine."""
     family, q, overrides, _, _ = CASES[case]
     model = _model(tmp_path_factory, family, q=q, **overrides)
     one = run_single(model, "generate")
@@ -218,9 +218,10 @@ def test_pipeline_parallel_generate(tmp_path_factory, case):
         assert r["compiled=False"] == r["compiled=True"] == one["compiled=False"], (case, r)
     # each rank holds its layers (+ the embedding at the ends): less than the whole model
     assert all(r["weight_bytes"] < one["weight_bytes"] for r in ranks)
-    p = subprocess.run([str(LAUNCH), "--backend", "ring", "-n", "2", sys.executable, str(WORKER), str(model), "engine"],
-                       capture_output=True, text=True, timeout=90, env=env)
-    assert "runs tensor parallel only" in p.stderr and "RESULT" not in p.stdout  # (mlx.launch exits 0 regardless)
+    one = run_single(model, "engine-compiled")
+    leader, _ = run_launched(model, "engine-compiled", env=env)
+    assert leader["compiled=True"] == one["compiled=True"]  # (the pipelined engine decodes eagerly)
+    assert not leader["paged_decode=True"] and one["paged_decode=True"]
 
 
 def test_cli_generate_with_a_hung_peer_exits_bounded(tmp_path_factory, tmp_path):

@@ -74,8 +74,9 @@ def _stop(proc: subprocess.Popen) -> None:
     proc.wait(timeout=10)
 
 
-def test_serve_two_ranks_same_tokens(model_dir):
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+@pytest.mark.parametrize("mode", ["tensor", "pipeline"])
+def test_serve_two_ranks_same_tokens(model_dir, mode):
+    env = dict(os.environ, PYTHONUNBUFFERED="1", MLX_INFER_PARALLEL=mode)
     single = subprocess.Popen([*SERVE, "--model", str(model_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, env=env, start_new_session=True)
     try:
@@ -90,7 +91,7 @@ def test_serve_two_ranks_same_tokens(model_dir):
     finally:
         _stop(proc)
     err = proc.stderr.read()
-    assert re.search(r"tensor parallel over 2 ranks \(ring backend\): weights per rank \[[\d.]+, [\d.]+\] MiB", err)
+    assert re.search(mode + r" parallel over 2 ranks \(ring backend\): weights per rank \[[\d.]+, [\d.]+\] MiB", err)
     assert "/mlx_infer/" not in err  # no traceback of ours (mlx.launch prints its own KeyboardInterrupt)
 
 

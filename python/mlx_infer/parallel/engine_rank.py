@@ -167,11 +167,6 @@ def attach_lockstep(engine: Any) -> Lockstep | None:
     from .layers import parallel_group_of
 
     pg = parallel_group_of(engine.model)
-    if pg is not None and getattr(engine.model, "pipeline_parallel", None) is not None:
-        # The paged KV store books every layer's pages each step; a pipelined rank writes only its own.
-        raise DistributedError("the engine (and so `mlx-infer serve`) runs tensor parallel only; pipeline parallel "
-                               "(MLX_INFER_PARALLEL=pipeline) serves `mlx-infer generate`. Unset MLX_INFER_PARALLEL "
-                               "to serve tensor parallel.")
     return None if pg is None else Lockstep(engine, pg)
 
 

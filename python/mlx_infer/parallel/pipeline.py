@@ -14,10 +14,12 @@ hold pass their input through untouched)::
     all:     logits = all_sum(last rank's logits, zeros elsewhere)
 
 Only one hidden state ``(B, L, hidden)`` crosses each link per forward (tensor
-parallel moves two per layer), and each rank's KV holds its own layers only (the
-other layers' caches are never written). The ranks run one after another: at
+parallel moves two per layer), and each rank's KV holds its own layers (plain caches
+of the other layers stay empty; the engine's paged store gets a one-KV-head
+placeholder for them, see :class:`_Elsewhere`). The ranks run one after another: at
 batch 1 pipeline parallel saves memory, not time. The compiled C++ decode step does
-not run a pipelined graph (``generate`` and the engine decode eagerly under it).
+not run a pipelined graph (``generate``, the engine and so the server decode eagerly
+under it; the engine's ranks run in lockstep as under tensor parallel).
 Llama-family and Gemma 3 graphs; Gemma 4 (its KV-shared layers read another
 layer's K/V) is refused.
 """
@@ -49,7 +51,12 @@ class PipelineParallel:
 
 
 class _Elsewhere(nn.Module):
-    """A layer another rank holds: passes its input through (its cache is never written)."""
+    """A layer another rank holds: passes its input through.
+
+    A plain cache is left unwritten. A paged cache (the engine) books every layer's step, so
+    the layer writes a placeholder there: zeros of one KV head (its pages then hold ``1 / KVH``
+    of a real layer's bytes), read back only to tie the write into the step's graph.
+    """
 
     def __init__(self, layer: nn.Module):
         super().__init__()
@@ -59,7 +66,15 @@ class _Elsewhere(nn.Module):
                                                head_dim=attn.head_dim)
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
-        return x
+        from ..state.kv import KVCache, RotatingKVCache
+
+        if cache is None or isinstance(cache, (KVCache, RotatingKVCache)):
+            return x
+        B, L = x.shape[:2]
+        z = mx.zeros((B, 1, L, self.self_attn.head_dim), x.dtype)  # (B, 1, L, D)
+        k, v = cache.update_and_fetch(z, z)
+        parts = [a for kv in (k, v) for a in (kv if isinstance(kv, tuple) else (kv,))]
+        return mx.depends(x, parts)
 
 
 class _ZeroEmbedding(nn.Module):
