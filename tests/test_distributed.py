@@ -259,3 +259,14 @@ def test_cli_generate_with_a_hung_peer_exits_bounded(tmp_path_factory, tmp_path)
             if p.poll() is None:
                 p.kill()
                 p.wait(timeout=10)
+
+
+@pytest.mark.slow
+def test_real_model_two_ranks(mlx_infer_cache):
+    """The embedded Gemma 3 270M over two ranks (converted once, by rank 0): the reference continuation."""
+    cli = [sys.executable, "-m", "mlx_infer.cli", "generate", "--prompt", "The capital of France is",
+           "--max-tokens", "8"]
+    p = subprocess.run([str(LAUNCH), "--backend", "ring", "-n", "2", *cli], capture_output=True, text=True,
+                       timeout=600, env=dict(os.environ, MLX_INFER_CACHE=str(mlx_infer_cache)))
+    assert p.stdout.startswith(" the capital of the country of France."), p.stderr[-3000:]
+    assert "tensor parallel over 2 ranks" in p.stderr

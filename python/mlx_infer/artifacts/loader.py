@@ -26,7 +26,7 @@ from mlx.utils import tree_flatten
 from ..errors import MlxInferError, ModelLoadError
 from ..input.tokenizer import Tokenizer, load_tokenizer
 from ..models.schema import check_quantization
-from ..parallel.group import current_group
+from ..parallel.group import current_group, leader_first
 from .config import context_length, read_config, read_json_object, read_text
 from .default_model import DEFAULT_VARIANT, VARIANTS, cache_dir, default_model_gguf, gguf_cache_key, variant_dir
 
@@ -88,7 +88,7 @@ def load_model(path: str | Path | None = None, *, dtype: str | None = None,
         raise ModelLoadError(f"Unknown dtype {dtype!r}; choose one of {', '.join(_DTYPES)}.")
     source = "default" if path is None else str(path)
     if path is None:
-        p = default_model_dir(float32=dtype == "float32")
+        p = leader_first(lambda: default_model_dir(float32=dtype == "float32"))
         return load_model_dir(p, source=source, dtype=None if dtype == "float32" else dtype, cpu_kernels=cpu_kernels)
     p = Path(path).expanduser()
     if "\x00" in str(p):
@@ -107,7 +107,8 @@ def load_model(path: str | Path | None = None, *, dtype: str | None = None,
                 f"{p} is neither a GGUF file (its first bytes are not 'GGUF') nor a model "
                 "directory. Pass the directory holding config.json, or a .gguf file."
             )
-        p = converted_gguf_dir(p)
+        gguf = p
+        p = leader_first(lambda: converted_gguf_dir(gguf))  # under mlx.launch: one rank converts
     return load_model_dir(p, source=source, dtype=dtype, cpu_kernels=cpu_kernels)
 
 

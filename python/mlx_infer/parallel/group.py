@@ -111,6 +111,17 @@ def current_group() -> ParallelGroup:
         return _CURRENT
 
 
+def leader_first(fn: Callable[[], Any]) -> Any:
+    """``fn()`` on rank 0, then on the others (a one-time conversion into a cache the ranks may share:
+    they then find it done rather than write it at once). Just ``fn()`` in one process."""
+    pg = current_group()
+    if not pg.distributed:
+        return fn()
+    out = fn() if pg.is_leader else None
+    mx.eval(mx.distributed.all_sum(mx.array([1]), group=pg.group))  # rank 0 is done
+    return out if pg.is_leader else fn()
+
+
 def parallel_mode() -> str:
     """``"tensor"`` (the default) or ``"pipeline"``, from ``MLX_INFER_PARALLEL``."""
     raw = os.environ.get(MODE_ENV, "").strip() or "tensor"
