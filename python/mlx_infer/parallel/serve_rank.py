@@ -18,10 +18,13 @@ import mlx.core as mx
 from .group import ParallelGroup, current_group
 
 
-def follow_serving(options: Any, engine_config: Any) -> None:
-    """A follower rank of ``mlx-infer serve``: load this rank's shard and follow rank 0's engine."""
+def follow_serving(options: Any, make_engine: Any) -> None:
+    """A follower rank of ``mlx-infer serve``: load this rank's shard and follow rank 0's engine.
+
+    ``make_engine(options, loaded)`` builds the engine exactly as rank 0's server does (the same
+    config and composition: the ranks' schedules must agree).
+    """
     from ..artifacts.loader import load_model
-    from ..engine import Engine
     from .engine_rank import follow
 
     import signal
@@ -30,7 +33,7 @@ def follow_serving(options: Any, engine_config: Any) -> None:
     # engine's stop message), so a follower waits for it rather than stopping mid-step.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     loaded = load_model(options.model)
-    follow(Engine(loaded, engine_config))
+    follow(make_engine(options, loaded))
 
 
 def quiet_followers(pg: ParallelGroup | None = None) -> bool:
