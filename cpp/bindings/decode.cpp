@@ -96,6 +96,15 @@ build the graph each step and read exact-length KV views without a mask.)")
               "Linears (``embed``: the tied head) whose products run on mlx-infer's CPU kernels.")
       .def_rw("fuse_projections", &DecodeConfig::fuse_projections,
               "Run q|k|v and gate|up as one matmul each (holds a fused copy of those weights).")
+      .def_rw("tp_backend", &DecodeConfig::tp_backend,
+              "Tensor parallel: the mx.distributed backend of the group ('' = one process).")
+      .def_rw("vocab_parallel", &DecodeConfig::vocab_parallel,
+              "Tensor parallel: embed / lm_head hold vocabulary rows from vocab_start on.")
+      .def_rw("vocab_start", &DecodeConfig::vocab_start, "Tensor parallel: the first vocabulary row held here.")
+      .def_rw("per_layer_vocab_start", &DecodeConfig::per_layer_vocab_start,
+              "Tensor parallel, gemma4: the first row of the per-layer input table held here.")
+      .def_rw("expert_start", &DecodeConfig::expert_start,
+              "Tensor parallel, gemma4: the first expert held here (expert parallel).")
       .def_rw("layer_kv_heads", &DecodeConfig::layer_kv_heads,
               "gemma4: KV heads per layer (empty = num_kv_heads everywhere).")
       .def_rw("layer_head_dims", &DecodeConfig::layer_head_dims,

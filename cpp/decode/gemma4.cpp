@@ -50,8 +50,20 @@ mx::array switch_linear(const Linear& l, const mx::array& x, const mx::array& id
 }
 
 // Experts.__call__ (SwitchGLU, then the routing-weighted sum): x (B, 1, D) -> (B, 1, D).
+// Expert parallel (a sharded graph): this rank's experts only, the others' routing weights zero;
+// the caller all_sums the ranks' shares.
 mx::array experts(const DecodeConfig& cfg, const Gemma4Layer& lw, const mx::array& x_in,
-                  const mx::array& indices, const mx::array& weights) {
+                  const mx::array& global_indices, const mx::array& global_weights, bool expert_parallel) {
+  auto indices = global_indices;
+  auto weights = global_weights;
+  if (expert_parallel) {
+    const int n = lw.expert_gate.w->shape(0);
+    auto local = mx::subtract(indices, mx::array(cfg.expert_start, indices.dtype()));  // (B, 1, k)
+    auto mine = mx::logical_and(mx::greater_equal(local, mx::array(0, local.dtype())),
+                                mx::less(local, mx::array(n, local.dtype())));
+    indices = mx::where(mine, local, mx::array(0, local.dtype()));
+    weights = mx::multiply(weights, mx::astype(mine, weights.dtype()));
+  }
   auto x = mx::expand_dims(x_in, {-2, -3});  // (B, 1, 1, 1, D)
   // Many rows: sorted by expert, as the eager graph does from 64 routed rows on.
   const bool do_sort = indices.size() >= 64;
@@ -105,12 +117,12 @@ mx::array gemma4_layers(
   const int B = tokens.shape(0);
   auto ids = mx::reshape(tokens, {B, 1});
 
-  auto h = embed_lookup(g.embed, ids);  // (B, 1, E)
+  auto h = tp_embed_lookup(g, g.embed, ids, cfg.vocab_start);  // (B, 1, E)
   h = mx::multiply(h, scalar(cfg.embed_scale, h.dtype()));
 
   std::optional<mx::array> pli;  // (B, 1, L, P): token-identity part + projection of the embeddings
   if (P > 0) {
-    auto t = embed_lookup(w.embed_per_layer, ids);  // (B, 1, L*P)
+    auto t = tp_embed_lookup(g, w.embed_per_layer, ids, cfg.per_layer_vocab_start);  // (B, 1, L*P)
     t = mx::reshape(mx::multiply(t, scalar(std::sqrt(static_cast<double>(P)), t.dtype())), {B, 1, L, P});
     auto proj = apply_linear(w.per_layer_proj, h);  // (B, 1, L*P)
     proj = mx::multiply(proj, scalar(std::pow(static_cast<double>(cfg.hidden_size), -0.5), proj.dtype()));
@@ -139,18 +151,18 @@ mx::array gemma4_layers(
     q = rope(mx::transpose(q, {0, 2, 1, 3}), lw.rope, positions);  // (B, H, 1, D)
     auto attn = attend(q, *reads[lw.buffer], cfg.attn_scale, g.fast_attention);
     attn = mx::reshape(mx::transpose(attn, {0, 2, 1, 3}), {B, 1, H * D});  // (B, 1, H*D)
-    h = mx::add(h, rms(apply_linear(lw.o, attn), lw.post_attn_norm, eps));
+    h = mx::add(h, rms(tp_sum(g, apply_linear(lw.o, attn)), lw.post_attn_norm, eps));
 
     auto mlp = [&](const mx::array& in) {  // the dense MLP (the experts' GeGLU stays stock, as eagerly)
       auto gate = apply_linear(lw.gate, in), up = apply_linear(lw.up, in);
-      return apply_linear(lw.down, g.fast_gated ? fast_gated_activation(gate, up, "gelu_approx")
-                                                : gated(cfg, gate, up));
+      return tp_sum(g, apply_linear(lw.down, g.fast_gated ? fast_gated_activation(gate, up, "gelu_approx")
+                                                          : gated(cfg, gate, up)));
     };
     mx::array r = mlp(rms(h, lw.mlp_norm, eps));
     if (cfg.num_experts > 0) {
       auto h1 = rms(r, lw.post_mlp_norm_1, eps);
       auto [idx, weights] = route(cfg, lw, h);
-      auto h2 = experts(cfg, lw, rms(h, lw.mlp_norm_2, eps), idx, weights);
+      auto h2 = tp_sum(g, experts(cfg, lw, rms(h, lw.mlp_norm_2, eps), idx, weights, g.tp.has_value()));
       r = mx::add(h1, rms(h2, lw.post_mlp_norm_2, eps));
     }
     h = mx::add(h, rms(r, lw.post_mlp_norm, eps));
@@ -167,6 +179,7 @@ mx::array gemma4_layers(
   }
   h = rms(h, g.norm, eps);
   auto logits = g.lm_head.present() ? apply_linear(g.lm_head, h) : embed_as_linear(g.embed, h);
+  logits = tp_gather_logits(g, logits);  // (B, 1, vocab)
   if (cfg.final_logit_softcap) {
     auto cap = scalar(*cfg.final_logit_softcap, logits.dtype());
     logits = mx::multiply(mx::tanh(mx::divide(logits, cap)), cap);
@@ -243,10 +256,12 @@ void load_gemma4_weights(
       lw.expert_gate = linear(p + "experts.gate");
       lw.expert_up = linear(p + "experts.up");
       lw.expert_down = linear(p + "experts.down");
+      // Expert parallel: this rank holds num_experts / group size of them.
+      const int held = g.tp ? cfg.num_experts / g.tp->size() : cfg.num_experts;
       for (const auto* e : {&lw.expert_gate, &lw.expert_up, &lw.expert_down}) {
-        if (e->w->ndim() != 3 || e->w->shape(0) != cfg.num_experts || e->fast) {
+        if (e->w->ndim() != 3 || e->w->shape(0) != held || e->fast) {
           throw std::invalid_argument("[DecodeStep] " + p +
-                                      "experts.* must be (num_experts, out, in) and run on MLX's kernels.");
+                                      "experts.* must be (experts held, out, in) and run on MLX's kernels.");
         }
       }
       lw.mlp_norm_2 = need(p + "mlp_norm_2.weight");

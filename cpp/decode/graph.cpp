@@ -77,6 +77,48 @@ mx::array embed_as_linear(const Linear& e, const mx::array& x) {
   return mx::matmul(x, mx::transpose(*e.w));
 }
 
+void init_tensor_parallel(DecodeStep::Graph& g) {
+  if (g.cfg.tp_backend.empty()) {
+    g.tp.reset();
+    return;
+  }
+  // The backend's group is a per-process singleton: Python joined it (mlx_infer.parallel.group),
+  // this returns the same one.
+  g.tp = mx::distributed::init(/*strict=*/true, g.cfg.tp_backend);
+}
+
+mx::array tp_sum(const DecodeStep::Graph& g, const mx::array& x) {
+  return g.tp ? mx::distributed::all_sum(x, *g.tp) : x;
+}
+
+mx::array tp_embed_lookup(const DecodeStep::Graph& g, const Linear& e, const mx::array& ids, int start) {
+  if (!g.tp || !g.cfg.vocab_parallel) {
+    return embed_lookup(e, ids);
+  }
+  const int rows = e.w->shape(0);
+  auto local = mx::subtract(ids, mx::array(start, ids.dtype()));  // (B, 1)
+  auto mine = mx::logical_and(mx::greater_equal(local, mx::array(0, ids.dtype())),
+                              mx::less(local, mx::array(rows, ids.dtype())));
+  auto h = embed_lookup(e, mx::where(mine, local, mx::array(0, ids.dtype())));  // (B, 1, E)
+  h = mx::multiply(h, mx::astype(mx::expand_dims(mine, -1), h.dtype()));  // other ranks' tokens: 0
+  return mx::distributed::all_sum(h, *g.tp);
+}
+
+mx::array tp_gather_logits(const DecodeStep::Graph& g, const mx::array& logits) {
+  if (!g.tp || !g.cfg.vocab_parallel) {
+    return logits;
+  }
+  const int N = g.tp->size();
+  auto shape = logits.shape();
+  const int n = shape.back();
+  auto flat = mx::reshape(logits, {-1, n});  // (M, n)
+  const int M = flat.shape(0);
+  auto all = mx::distributed::all_gather(flat, *g.tp);  // (N * M, n), rank order
+  all = mx::transpose(mx::reshape(all, {N, M, n}), {1, 0, 2});  // (M, N, n)
+  shape.back() = N * n;
+  return mx::reshape(all, shape);  // (..., V)
+}
+
 mx::array rms(const mx::array& x, const std::optional<mx::array>& w, float eps) {
   return mx::fast::rms_norm(x, w, eps);
 }
@@ -236,7 +278,7 @@ mx::array decode_layers(
                                 " layers (family '" + cfg.family + "' has its own forward).");
   }
 
-  auto h = embed_lookup(g.embed, mx::reshape(tokens, {B, 1}));  // (B, 1, E)
+  auto h = tp_embed_lookup(g, g.embed, mx::reshape(tokens, {B, 1}), cfg.vocab_start);  // (B, 1, E)
   if (cfg.embed_scale != 0.0f) {
     h = mx::multiply(h, scalar(cfg.embed_scale, h.dtype()));
   }
@@ -283,7 +325,7 @@ mx::array decode_layers(
                                                                        "", std::nullopt));
     }
     attn = mx::reshape(mx::transpose(attn, {0, 2, 1, 3}), {B, 1, H * D});  // (B, 1, H*D)
-    auto r = apply_linear(lw.o, attn);
+    auto r = tp_sum(g, apply_linear(lw.o, attn));  // (B, 1, E): all heads' sum under tensor parallel
 
     if (lw.post_attn_norm) {  // gemma3 sandwich norms
       h = residual(cfg, h, rms(r, lw.post_attn_norm, cfg.rms_norm_eps));
@@ -304,7 +346,7 @@ mx::array decode_layers(
     auto act = g.fast_gated
         ? fast_gated_activation(gate, up, cfg.activation == "gelu_tanh" ? "gelu_approx" : "silu")
         : gated(cfg, gate, up);
-    r = apply_linear(lw.down, act);
+    r = tp_sum(g, apply_linear(lw.down, act));
     if (lw.post_mlp_norm) {
       h = residual(cfg, h, rms(r, lw.post_mlp_norm, cfg.rms_norm_eps));
     } else {
@@ -317,6 +359,7 @@ mx::array decode_layers(
   }
   h = rms(h, g.norm, cfg.rms_norm_eps);
   auto logits = g.lm_head.present() ? apply_linear(g.lm_head, h) : embed_as_linear(g.embed, h);
+  logits = tp_gather_logits(g, logits);  // (B, 1, vocab)
   if (cfg.final_logit_softcap) {
     auto cap = scalar(*cfg.final_logit_softcap, logits.dtype());
     logits = mx::multiply(mx::tanh(mx::divide(logits, cap)), cap);
@@ -467,6 +510,7 @@ void load_graph_weights(
   const auto& fast = cfg.cpu_kernel_linears;
   g.fast_attention = std::find(fast.begin(), fast.end(), "attention") != fast.end();
   g.fast_gated = std::find(fast.begin(), fast.end(), "gated_activation") != fast.end();
+  init_tensor_parallel(g);
   if (cfg.family == "gemma4") {
     load_gemma4_weights(g, weights, quantization);
     return;

@@ -47,6 +47,7 @@ struct DecodeStep::Graph {
   std::optional<mx::array> norm;
   std::vector<LayerWeights> layers;
   mx::Dtype dtype = mx::float32;  // activations
+  std::optional<mx::distributed::Group> tp;  // set when cfg.tp_backend names a group
   bool fast_attention = false;  // attention / the gated activation on mlx-infer's CPU kernels,
   bool fast_gated = false;      // as the model's swapped modules (cpu_kernel_linears lists them)
   int traces = 0;
@@ -151,6 +152,14 @@ std::unordered_map<std::string, int> linear_outs(const DecodeStep::Graph& g);
 mx::array embed_lookup(const Linear& e, const mx::array& ids);
 /// Embedding.as_linear (the tied head).
 mx::array embed_as_linear(const Linear& e, const mx::array& x);
+/// Tensor parallel: all_sum over the group of a row-parallel product (identity in one process).
+mx::array tp_sum(const DecodeStep::Graph& g, const mx::array& x);
+/// embed_lookup, vocabulary-parallel when cfg.vocab_parallel (masked local rows from ``start``, all_sum).
+mx::array tp_embed_lookup(const DecodeStep::Graph& g, const Linear& e, const mx::array& ids, int start);
+/// Local logits (..., V/N) gathered into (..., V) when cfg.vocab_parallel.
+mx::array tp_gather_logits(const DecodeStep::Graph& g, const mx::array& logits);
+/// Joins cfg.tp_backend's group (already initialised by Python) into g.tp.
+void init_tensor_parallel(DecodeStep::Graph& g);
 mx::array rms(const mx::array& x, const std::optional<mx::array>& w, float eps);
 /// mx::fast::rope at per-row offsets (B,).
 mx::array rope(const mx::array& x, const RopeSpec& r, const mx::array& offset);

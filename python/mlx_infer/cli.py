@@ -187,6 +187,10 @@ def _generate(args: argparse.Namespace) -> int:
     from .generation.autoregressive import generate, prompt_ids_for
 
     _check_generate_args(args)  # also refuses --checkpoint with --resume
+    from .parallel.serve_rank import quiet_followers
+
+    if quiet_followers():  # under mlx.launch: rank 0 alone prints the text and the stats
+        args.verbose = False
     if args.resume and any(getattr(args, f) is not None for f in ("json_schema", "regex", "grammar")):
         raise MlxInferError("--json-schema/--regex/--grammar do not work with --resume.")
     if args.resume:
@@ -225,9 +229,11 @@ def _generate(args: argparse.Namespace) -> int:
                            stop=args.stop or (), constraint=constraint, grammar_jump=not args.no_grammar_jump,
                            on_prefill=_prefill_progress())
     interrupted = False  # Ctrl-C in a plain run: stop, then report what was generated so far
+    from .parallel.group import guarded
+
     with gen:
         try:
-            for item in gen:
+            for item in guarded(gen):  # under mlx.launch: a peer that hangs ends the run, bounded
                 if item.text:
                     sys.stdout.write(item.text)
                     sys.stdout.flush()
@@ -629,6 +635,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\nmlx-infer: interrupted" if sys.stderr.isatty() else "mlx-infer: interrupted", file=sys.stderr)
         return 130
+    except RuntimeError as e:  # under mlx.launch, a peer that died: one line, not a traceback
+        from .parallel.group import current_group, fail_group, is_peer_failure
+
+        if not is_peer_failure(e):
+            raise
+        fail_group(current_group(), f"mlx-infer {args.command} lost a peer", e)
 
 
 if __name__ == "__main__":

@@ -85,6 +85,14 @@ struct DecodeConfig {
   /// kernels (mlx_infer/matmul.h), as the model's own layers do.
   std::vector<std::string> cpu_kernel_linears;
 
+  // Tensor parallel (python/mlx_infer/parallel): the weights are this rank's shard (local
+  // num_heads / num_kv_heads / MLP width); o and down are followed by an all_sum over the group.
+  std::string tp_backend;       // "" = one process; else the mx::distributed backend of the group
+  bool vocab_parallel = false;  // embed / lm_head hold vocabulary rows [vocab_start, +rows):
+  int vocab_start = 0;          // lookup = masked local rows + all_sum; logits = all_gather
+  int per_layer_vocab_start = 0;  // gemma4: the same for the per-layer input table
+  int expert_start = 0;           // gemma4: experts held here are [expert_start, +local); all_sum after
+
   // gemma4 only; the defaults give every layer its own (num_kv_heads, head_dim) buffer.
   std::vector<int> layer_kv_heads;   // per layer; empty = num_kv_heads everywhere
   std::vector<int> layer_head_dims;  // per layer; empty = head_dim everywhere

@@ -160,6 +160,12 @@ class AdapterBank:
             AdapterError: the adapter is malformed or does not fit the model (the bank is unchanged).
             AdapterInUseError: every resident adapter is in use, none can make room.
         """
+        from ..parallel.group import current_group
+
+        if current_group().distributed:  # the base layers are sharded; the adapter's A/B are not (yet)
+            raise AdapterError(f"adapter {name!r}: adapters are not supported when the model is split over "
+                               "processes (mlx.launch); run it in one process, or fuse it into the model first "
+                               "with `mlx-infer fuse`.")
         with self._lock:
             if name in self.sources:
                 raise AdapterError(f"an adapter named {name!r} is already loaded; unload it first or pick another name.")

@@ -26,6 +26,7 @@ from mlx.utils import tree_flatten
 from ..errors import MlxInferError, ModelLoadError
 from ..input.tokenizer import Tokenizer, load_tokenizer
 from ..models.schema import check_quantization
+from ..parallel.group import current_group, leader_first
 from .config import context_length, read_config, read_json_object, read_text
 from .default_model import DEFAULT_VARIANT, VARIANTS, cache_dir, default_model_gguf, gguf_cache_key, variant_dir
 
@@ -87,7 +88,7 @@ def load_model(path: str | Path | None = None, *, dtype: str | None = None,
         raise ModelLoadError(f"Unknown dtype {dtype!r}; choose one of {', '.join(_DTYPES)}.")
     source = "default" if path is None else str(path)
     if path is None:
-        p = default_model_dir(float32=dtype == "float32")
+        p = leader_first(lambda: default_model_dir(float32=dtype == "float32"))
         return load_model_dir(p, source=source, dtype=None if dtype == "float32" else dtype, cpu_kernels=cpu_kernels)
     p = Path(path).expanduser()
     if "\x00" in str(p):
@@ -106,7 +107,8 @@ def load_model(path: str | Path | None = None, *, dtype: str | None = None,
                 f"{p} is neither a GGUF file (its first bytes are not 'GGUF') nor a model "
                 "directory. Pass the directory holding config.json, or a .gguf file."
             )
-        p = converted_gguf_dir(p)
+        gguf = p
+        p = leader_first(lambda: converted_gguf_dir(gguf))  # under mlx.launch: one rank converts
     return load_model_dir(p, source=source, dtype=dtype, cpu_kernels=cpu_kernels)
 
 
@@ -362,12 +364,23 @@ def load_model_dir(model_dir: Path, *, source: str | None = None, dtype: str | N
     config = read_config(model_dir)
     cfg_path = model_dir / "config.json"
     model = build_model(config, cfg_path)
-    weights = model.sanitize(load_weights(model_dir))
-    check_weights(weights, model_dir)
-    try:
-        _quantize_if_needed(model, config, weights)
-    except (TypeError, ValueError, KeyError) as e:
-        raise ModelLoadError(f"{cfg_path}: the quantization settings do not fit this model: {e}") from None
+
+    def quantize(weights: dict[str, Any]) -> None:
+        try:
+            _quantize_if_needed(model, config, weights)
+        except (TypeError, ValueError, KeyError) as e:
+            raise ModelLoadError(f"{cfg_path}: the quantization settings do not fit this model: {e}") from None
+
+    pg, plan = current_group(), None
+    if pg.distributed:  # launched by mlx.launch: read and keep only this rank's shard (mlx_infer.parallel)
+        from ..parallel.load import sharded_weights
+
+        weights, plan = sharded_weights(model, safetensors_files(model_dir), pg, quantize)
+        check_weights(weights, model_dir)
+    else:
+        weights = model.sanitize(load_weights(model_dir))
+        check_weights(weights, model_dir)
+        quantize(weights)
     if dtype is not None:
         target = _DTYPES[dtype]
         weights = {
@@ -375,7 +388,7 @@ def load_model_dir(model_dir: Path, *, source: str | None = None, dtype: str | N
             for k, v in weights.items()
         }
     try:
-        model.load_weights(list(weights.items()), strict=True)
+        model.load_weights(list(weights.items()), strict=plan is None)  # a shard's shapes: checked when read
     except ValueError as e:
         raise ModelLoadError(
             f"The weights in {model_dir} do not match a {config['model_type']} model with this "
@@ -389,6 +402,17 @@ def load_model_dir(model_dir: Path, *, source: str | None = None, dtype: str | N
         from ..layers.linear import swap_in_cpu_kernels
 
         swap_in_cpu_kernels(model)
+    if plan is not None:
+        from ..parallel.layers import install_tensor_parallel
+        from ..parallel.pipeline import install_pipeline
+
+        tp = install_pipeline(model, plan) if plan.pipeline else install_tensor_parallel(model, plan)
+        if pg.is_leader:
+            import sys
+
+            from ..parallel.serve_rank import startup_line
+
+            print(startup_line(tp), file=sys.stderr, flush=True)
     # Any thread (the engine's, the server's) may run the graph: nothing lazy may stay behind.
     materialize_graph_constants(model)
 

@@ -114,8 +114,11 @@ class Engine:
         self.vocab_size = int(getattr(self.model.args, "vocab_size", 0)) or None
         materialize_graph_constants(self.model)  # a graph not from the loader: the engine thread evaluates it
         self.kv_budget = None if config.num_pages is not None else kv_budget(self.model, config)
-        self.store = PagedKVStore.for_model(
-            self.model, num_pages=pool_pages(self.model, config, self.context_length, self.kv_budget),
+        from ..parallel.engine_rank import leader_value
+
+        self.store = PagedKVStore.for_model(  # a split graph: rank 0's pool size on every rank
+            self.model, num_pages=leader_value(self.model, pool_pages(self.model, config, self.context_length,
+                                                                      self.kv_budget)),
             page_size=config.page_size, dtype=config.kv_dtype, kv_scheme=config.kv_scheme)
         composition = composition or Composition()
         self.grammar_jump = composition.grammar_jump  # forced spans in one forward (engine/grammar_jump.py)
@@ -152,6 +155,9 @@ class Engine:
         self.mixed_steps = 0  # steps that carried prefill chunks
         self._gauges: dict[str, Any] = {}
         self._update_gauges()
+        from ..parallel.engine_rank import attach_lockstep
+
+        self._lockstep = attach_lockstep(self)  # a sharded graph: every rank iterates in lockstep
 
     # -- lifecycle ----------------------------------------------------------
 
@@ -172,6 +178,8 @@ class Engine:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        if self._lockstep is not None:
+            self._lockstep.finish()
         self._drain()
 
     def __enter__(self) -> "Engine":
@@ -285,12 +293,12 @@ class Engine:
             with mx.stream(stream):
                 while not self._stopping.is_set():
                     try:
-                        busy = self.step()
+                        busy = self._lockstep.step(self.step) if self._lockstep else self.step()
                     except Exception as e:  # a bug or an MLX failure: fail the requests, keep serving
                         log.exception("engine iteration failed")
                         self._fail_all(f"{type(e).__name__}: {e}")
                         busy = False
-                    if not busy:
+                    if not busy and not (self._lockstep and not self._lockstep.pg.is_leader):
                         self._wake.wait(0.05)
                         self._wake.clear()
         finally:
@@ -345,6 +353,8 @@ class Engine:
         with self._lock:
             new, self._inbox = list(self._inbox), deque()
             cancels, self._cancels = self._cancels, set()
+        if self._lockstep is not None:  # rank 0's intake, on every rank
+            new, cancels = self._lockstep.exchange(new, cancels)
         for live in new:
             p = live.request.sampling
             try:

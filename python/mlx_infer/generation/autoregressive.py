@@ -25,7 +25,7 @@ that prefix.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import mlx.core as mx
@@ -470,6 +470,10 @@ def generate(
 
     ids = prompt_ids_for(loaded, prompt, chat=chat)
     binding = bind_autoregressive(loaded)
+    from ..parallel.serve_rank import shared_seed
+
+    if (seed := shared_seed(loaded.model, sampling.seed)) != sampling.seed:  # a sharded graph: one seed for all ranks
+        sampling = replace(sampling, seed=seed)
     state = None
     if constraint is not None:
         from ..constraints import ConstraintState

@@ -127,11 +127,26 @@ def model_name(loaded: Any, requested: str | None) -> str:
     return Path(requested).expanduser().name.removesuffix(".gguf") or str(requested)
 
 
+def make_engine(options: ServeOptions, loaded: Any) -> Any:
+    """The (unstarted) engine the options ask for; every rank of a distributed server builds this same one."""
+    from ..adapters import AdapterBank
+    from ..engine import Engine, EngineConfig
+    from ..generation.bindings.autoregressive import Composition
+
+    bank = AdapterBank(loaded.model, capacity=options.max_loras)  # POST /v1/adapters may add more
+    for name, path in options.loras:
+        try:
+            bank.register(name, path)
+        except MlxInferError as e:
+            raise MlxInferError(f"--lora {name}={path}: {e}") from None
+    config = EngineConfig(max_batch=options.max_batch, memory_budget_gb=options.memory_budget_gb,
+                          prefill_step_size=options.prefill_step_size, page_size=options.page_size)
+    return Engine(loaded, config, composition=Composition(grammar_jump=options.grammar_jump))
+
+
 def build(options: ServeOptions) -> tuple[Any, Any, str]:
     """Load the model, start an engine and build the app: ``(app, engine, model_id)``."""
     from ..artifacts.loader import load_model
-    from ..engine import Engine, EngineConfig
-    from ..generation.bindings.autoregressive import Composition
     from .app import check_generation_defaults, create_app
 
     options.check()
@@ -145,17 +160,7 @@ def build(options: ServeOptions) -> tuple[Any, Any, str]:
     if options.chat_template is not None:
         loaded.tokenizer.chat_template = options.chat_template
     check_generation_defaults(dict(loaded.generation_config or {}))  # before an engine takes memory
-    from ..adapters import AdapterBank
-
-    bank = AdapterBank(loaded.model, capacity=options.max_loras)  # POST /v1/adapters may add more
-    for name, path in options.loras:
-        try:
-            bank.register(name, path)
-        except MlxInferError as e:
-            raise MlxInferError(f"--lora {name}={path}: {e}") from None
-    config = EngineConfig(max_batch=options.max_batch, memory_budget_gb=options.memory_budget_gb,
-                          prefill_step_size=options.prefill_step_size, page_size=options.page_size)
-    engine = Engine(loaded, config, composition=Composition(grammar_jump=options.grammar_jump)).start()
+    engine = make_engine(options, loaded).start()
     try:
         model_id = options.served_model_name or model_name(loaded, options.model)
         aliases = tuple({options.model} - {None}) if options.model and not options.served_model_name else ()
@@ -192,6 +197,12 @@ def serve(options: ServeOptions) -> None:
         MlxInferError: a bad option, a model that cannot load, an address that cannot be bound.
     """
     options.check()
+    from ..parallel import current_group
+
+    if not current_group().is_leader:  # a tensor-parallel follower: no HTTP, rank 0's engine steps
+        from ..parallel.serve_rank import follow_serving
+
+        return follow_serving(options, make_engine)
     sock = bind(options.host, options.port)  # before loading: a busy port fails in a second
     try:
         app, engine, model_id = build(options)

@@ -154,6 +154,8 @@ def graph_spec(model: Any, *, kv_scheme: str | None = None,
         DecodeStepUnsupported: the family, a module type or the rope type has no C++ step.
     """
     family = family_of_graph(model)
+    if getattr(model, "pipeline_parallel", None) is not None:
+        raise DecodeStepUnsupported("no compiled decode step for a pipeline-parallel graph (its layers span ranks)")
     if kv_scheme is not None and kv_scheme not in KV_DTYPES:
         raise ValueError(f"kv_scheme must be one of {', '.join(KV_DTYPES)} or None, got {kv_scheme!r}.")
     materialize_graph_constants(model)  # the RoPE tables the specs hand over; the step may run on another thread
@@ -182,6 +184,7 @@ def graph_spec(model: Any, *, kv_scheme: str | None = None,
     cfg.windows = [int(window) if layer.use_sliding else 0 for layer in inner.layers]
     cfg.ropes = [_rope_spec(layer.self_attn.rope) for layer in inner.layers]
     _apply_policy(cfg, kv_scheme, policy)
+    _apply_tensor_parallel(cfg, model)
 
     weights: dict[str, mx.array] = {}
     quant: dict[str, tuple] = {}
@@ -234,6 +237,20 @@ def _apply_policy(cfg: Any, kv_scheme: str | None, policy: DecodePolicy) -> None
     cfg.fuse_projections = policy.fuse_projections
 
 
+def _apply_tensor_parallel(cfg: Any, model: Any) -> None:
+    """A sharded graph (:mod:`mlx_infer.parallel`): the step runs its collectives over the same group."""
+    from ...parallel.layers import tensor_parallel_of
+
+    tp = tensor_parallel_of(model)
+    if tp is None:
+        return
+    cfg.tp_backend = tp.pg.backend
+    cfg.vocab_parallel = tp.vocab_parallel
+    cfg.vocab_start = tp.vocab_start
+    cfg.per_layer_vocab_start = tp.per_layer_vocab_start
+    cfg.expert_start = tp.expert_start
+
+
 def _add_experts(name: str, module: nn.Module, weights: dict, quant: dict) -> None:
     """A SwitchLinear ``(experts, out, in)``, or its quantized form, under ``name``."""
     weights[f"{name}.weight"] = module["weight"]
@@ -281,6 +298,7 @@ def _gemma4_spec(model: Any, kv_scheme: str | None,
         cfg.num_experts = int(args.num_experts)
         cfg.top_k_experts = int(args.top_k_experts)
     _apply_policy(cfg, kv_scheme, policy)
+    _apply_tensor_parallel(cfg, model)
     cfg.fuse_projections = False  # the gemma4 forward runs each projection on its own
 
     weights: dict[str, mx.array] = {}

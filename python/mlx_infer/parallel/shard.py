@@ -1,0 +1,231 @@
+"""Tensor-parallel sharding plan of a graph: which slice of each weight a rank holds.
+
+Megatron-style, as mlx-lm's ``shard`` methods (``mlx.nn.layers.distributed``):
+
+==============================  =========================================  =====================
+module                          rank ``r`` of ``N`` holds                   after the product
+==============================  =========================================  =====================
+``q_proj`` (all-to-sharded)     rows of its ``H / N`` query heads           local heads
+``k_proj``/``v_proj``           rows of its ``KVH / N`` KV heads, or, when  local KV heads
+                                ``KVH < N``, the one KV head its query
+                                heads read (replicated on ``N / KVH`` ranks)
+``o_proj`` (sharded-to-all)     columns of its query heads                  ``all_sum``
+``gate_proj``/``up_proj``       rows ``r/N .. (r+1)/N`` of the hidden       local hidden
+``down_proj`` (sharded-to-all)  columns of the same hidden slice            ``all_sum``
+``embed_tokens``                rows ``r/N .. (r+1)/N`` of the vocabulary   lookup: ``all_sum``
+``lm_head`` / tied head         the same vocabulary rows                    ``all_gather``
+Gemma 4 experts (expert         experts ``r/N .. (r+1)/N`` (gate/up/down)   local experts' share
+parallel)                                                                   of the routed sum,
+                                                                            ``all_sum``
+Gemma 4 per-layer table         its vocabulary rows, as ``embed_tokens``    lookup: ``all_sum``
+norms, q/k norms, RoPE, the     replicated (vectors, and small matrices)
+router, per-layer projections
+==============================  =========================================  =====================
+
+Experts are split whole (expert parallel), not sliced: every rank routes every
+token (the router is replicated), runs its own experts on the tokens routed to
+them (a routing weight of zero for the others) and the ``all_sum`` adds the
+ranks' shares.
+
+The vocabulary is split, not replicated: in small-hidden, large-vocab models
+the table is most of the weights (Gemma 3 270M: 168M of 268M parameters), so
+replicating it would leave each rank with more than half the model. Both
+collectives are exact: a token's row lives on one rank (the others add
+zeros), and the gathered logits are the concatenation of the local ones. A
+vocabulary that ``N`` does not divide stays replicated (said in the plan).
+
+A sharded-to-all layer's additive bias is kept on rank 0 only (zeros
+elsewhere), so the ``all_sum`` adds it once. Quantized layers split the same
+way: ``weight``/``scales``/``biases`` are sliced along the same axis, by the
+same fraction (a split must fall on a quantization-group boundary).
+
+A slice is a fraction of one axis (``Slice``); the loader (:mod:`.load`) reads
+just those bytes from the checkpoint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from ..errors import UnsupportedModelError
+from .group import ParallelGroup
+
+#: Families whose graphs can be split (module name of the family file).
+TP_FAMILIES = ("llama", "gemma3", "gemma4")
+
+
+@dataclass(frozen=True)
+class Slice:
+    """Indices ``[lo * n / den, hi * n / den)`` of ``axis`` of a tensor whose ``axis`` has ``n`` entries."""
+
+    axis: int
+    lo: int
+    hi: int
+    den: int
+    zero_unless_leader: bool = False  # sharded-to-all bias: rank 0 keeps it
+
+    def bounds(self, n: int, name: str) -> tuple[int, int]:
+        """``(start, stop)`` on an axis of ``n`` entries; refuses a split that is not whole."""
+        if (self.lo * n) % self.den or (self.hi * n) % self.den:
+            raise UnsupportedModelError(
+                f"cannot split {name} (axis {self.axis}, {n} entries) into {self.den} equal parts; "
+                "use a process count that divides the heads, MLP width and quantization groups.")
+        return self.lo * n // self.den, self.hi * n // self.den
+
+
+@dataclass
+class ShardPlan:
+    """What one rank holds: a slice per sharded parameter; everything else is replicated.
+
+    Attributes:
+        slices: parameter path -> its slice (parameters absent here are whole).
+        heads: attention module path -> (local query heads, local KV heads).
+        vocab_parallel: the embedding / LM head are split by vocabulary.
+        notes: one line per choice worth stating (replicated KV heads, replicated vocabulary).
+    """
+
+    pg: ParallelGroup
+    slices: dict[str, Slice] = field(default_factory=dict)
+    heads: dict[str, tuple[int, int]] = field(default_factory=dict)
+    row_parallel: list[str] = field(default_factory=list)  # modules followed by all_sum
+    experts: list[str] = field(default_factory=list)  # expert-parallel Experts modules
+    vocab_tables: dict[str, int] = field(default_factory=dict)  # vocab-split embedding path -> first row here
+    vocab_parallel: bool = False
+    notes: list[str] = field(default_factory=list)
+    held: set[str] | None = None  # pipeline parallel: the parameters this rank reads (None: all)
+    pipeline: tuple[int, int] | None = None  # pipeline parallel: the layers [start, stop) held here
+
+    def local_shape(self, path: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape rank ``pg.rank`` holds of the parameter ``path`` of full shape ``shape``."""
+        s = self.slices.get(path)
+        if s is None or s.zero_unless_leader:
+            return tuple(shape)
+        out = list(shape)
+        start, stop = s.bounds(shape[s.axis], path)
+        out[s.axis] = stop - start
+        return tuple(out)
+
+
+def _family(model: nn.Module) -> str:
+    return type(model).__module__.rsplit(".", 1)[-1]
+
+
+def _linear_slices(plan: ShardPlan, path: str, module: nn.Module, axis: int, lo: int, hi: int, den: int) -> None:
+    """Slices of a (possibly quantized) linear's parameters; ``axis`` 0 = output rows, -1 = inputs."""
+    for name in ("weight", "scales", "biases"):
+        if name in module:
+            plan.slices[f"{path}.{name}"] = Slice(axis, lo, hi, den)
+    if "bias" in module:
+        if axis == 0:
+            plan.slices[f"{path}.bias"] = Slice(0, lo, hi, den)
+        else:
+            plan.slices[f"{path}.bias"] = Slice(0, 0, 1, 1, zero_unless_leader=True)
+
+
+def _attention(plan: ShardPlan, path: str, attn: nn.Module) -> None:
+    N, r = plan.pg.size, plan.pg.rank
+    H, KVH = int(attn.n_heads), int(attn.n_kv_heads)
+    if H % N:
+        raise UnsupportedModelError(f"{path}: {H} attention heads cannot be split over {N} processes; "
+                                    f"use a process count that divides {H}.")
+    Hl = H // N
+    _linear_slices(plan, f"{path}.q_proj", attn.q_proj, 0, r * Hl, (r + 1) * Hl, H)
+    _linear_slices(plan, f"{path}.o_proj", attn.o_proj, -1, r * Hl, (r + 1) * Hl, H)
+    plan.row_parallel.append(f"{path}.o_proj")
+    if KVH >= N:
+        if KVH % N:
+            raise UnsupportedModelError(f"{path}: {KVH} KV heads cannot be split over {N} processes; use a "
+                                        f"process count that divides {KVH} (or a multiple of it).")
+        KVl, lo = KVH // N, r * (KVH // N)
+    else:
+        if N % KVH:
+            raise UnsupportedModelError(f"{path}: {KVH} KV heads cannot be replicated evenly over {N} "
+                                        f"processes; use a process count that {KVH} divides.")
+        KVl, lo = 1, r // (N // KVH)  # the KV head this rank's query heads read
+        note = f"KV heads replicated: {KVH} KV heads over {N} ranks ({N // KVH} ranks per KV head)"
+        if note not in plan.notes:
+            plan.notes.append(note)
+    for proj in ("k_proj", "v_proj"):
+        if proj in attn:
+            _linear_slices(plan, f"{path}.{proj}", attn[proj], 0, lo, lo + KVl, KVH)
+    plan.heads[path] = (Hl, KVl)
+
+
+def _mlp(plan: ShardPlan, path: str, mlp: nn.Module) -> None:
+    N, r = plan.pg.size, plan.pg.rank
+    _linear_slices(plan, f"{path}.gate_proj", mlp.gate_proj, 0, r, r + 1, N)
+    _linear_slices(plan, f"{path}.up_proj", mlp.up_proj, 0, r, r + 1, N)
+    _linear_slices(plan, f"{path}.down_proj", mlp.down_proj, -1, r, r + 1, N)
+    plan.row_parallel.append(f"{path}.down_proj")
+
+
+def make_plan(model: nn.Module, pg: ParallelGroup) -> ShardPlan:
+    """The sharding plan of ``model`` (built, quantized if it is, not yet loaded) for ``pg.rank``.
+
+    Raises:
+        UnsupportedModelError: the family has no tensor-parallel plan, or a
+            dimension does not split over ``pg.size``.
+    """
+    family = _family(model)
+    if family not in TP_FAMILIES:
+        raise UnsupportedModelError(
+            f"tensor parallel is not supported for the {family!r} family yet (supported: "
+            f"{', '.join(TP_FAMILIES)}); run it in one process.")
+    plan = ShardPlan(pg)
+    inner = model.model
+    for i, layer in enumerate(inner.layers):
+        _attention(plan, f"model.layers.{i}.self_attn", layer.self_attn)
+        _mlp(plan, f"model.layers.{i}.mlp", layer.mlp)
+        if getattr(layer, "enable_moe", False):
+            _experts(plan, f"model.layers.{i}.experts", layer.experts)
+    V = int(model.args.vocab_size)
+    r, N = pg.rank, pg.size
+    if V % N == 0:
+        plan.vocab_parallel = True
+        _linear_slices(plan, "model.embed_tokens", inner.embed_tokens, 0, r, r + 1, N)
+        plan.vocab_tables["model.embed_tokens"] = r * (V // N)
+        if "lm_head" in model:
+            _linear_slices(plan, "lm_head", model.lm_head, 0, r, r + 1, N)
+    else:
+        plan.notes.append(f"vocabulary replicated: {V} tokens do not split over {N} ranks")
+    if getattr(inner, "per_layer_width", 0):
+        Vp = int(inner.embed_tokens_per_layer["weight"].shape[0])
+        if Vp % N == 0:
+            _linear_slices(plan, "model.embed_tokens_per_layer", inner.embed_tokens_per_layer, 0, r, r + 1, N)
+            plan.vocab_tables["model.embed_tokens_per_layer"] = r * (Vp // N)
+        elif plan.vocab_parallel:  # the compiled step splits both tables or neither
+            raise UnsupportedModelError(f"the per-layer input table ({Vp} rows) does not split over {N} "
+                                        "processes while the vocabulary does; use a process count that divides both.")
+        else:
+            plan.notes.append(f"per-layer input table replicated: {Vp} rows do not split over {N} ranks")
+    return plan
+
+
+def _experts(plan: ShardPlan, path: str, experts: nn.Module) -> None:
+    N, r = plan.pg.size, plan.pg.rank
+    glu = experts.switch_glu
+    E = int(glu.gate_proj["weight"].shape[0])
+    if E % N:
+        raise UnsupportedModelError(f"{path}: {E} experts cannot be split over {N} processes; use a process "
+                                    f"count that divides {E}.")
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        for name in ("weight", "scales", "biases"):
+            if name in glu[proj]:
+                plan.slices[f"{path}.switch_glu.{proj}.{name}"] = Slice(0, r, r + 1, N)
+    plan.experts.append(path)
+
+
+def local_shapes(model: nn.Module, plan: ShardPlan) -> dict[str, tuple[int, ...]]:
+    """Every parameter's shape on this rank (the model still holds the full shapes)."""
+    return {k: plan.local_shape(k, tuple(v.shape)) for k, v in tree_flatten(model.parameters())}
+
+
+def replicated_bytes(model: nn.Module, plan: ShardPlan) -> int:
+    """Bytes of the parameters every rank holds whole (norms, and anything the plan leaves unsplit)."""
+    return sum(v.nbytes for k, v in tree_flatten(model.parameters())
+               if k not in plan.slices or plan.slices[k].zero_unless_leader)
