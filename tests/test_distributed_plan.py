@@ -102,3 +102,15 @@ def test_sharded_reader_reads_exactly_the_slice(tmp_path, dtype):
     assert mx.array_equal(cols, full[:, 6:8])
     assert mx.array_equal(t.read(Slice(0, 0, 1, 1, zero_unless_leader=True), rank=1), mx.zeros_like(full))
     np.testing.assert_array_equal(np.array(t.read(None, 0).astype(mx.float32)), np.array(full.astype(mx.float32)))
+
+
+def test_adapters_are_refused_clearly_when_the_model_is_split(monkeypatch, tmp_path):
+    """Under mlx.launch the base layers are sharded and an adapter's A/B would not fit them: a clear error."""
+    from mlx_infer.adapters import AdapterBank, AdapterError
+    from mlx_infer.parallel import group
+
+    bank = AdapterBank(_model("llama"), capacity=1)
+    monkeypatch.setattr(group, "_CURRENT", _pg(0, 2))
+    with pytest.raises(AdapterError, match="split over processes.*mlx-infer fuse"):
+        bank.register("a", tmp_path)  # refused before the path is even read
+    assert bank.names == []
