@@ -21,6 +21,7 @@ MODEL_TYPE_ALIASES: dict[str, str] = {
     "mistral": "llama",
     "qwen2": "llama",
     "qwen3": "llama",
+    "gemma2": "gemma2",
     "gemma3": "gemma3",
     "gemma3_text": "gemma3",
     "gemma4": "gemma4",

@@ -1,0 +1,187 @@
+"""Tiny random checkpoints of the families added for issue 20, written by transformers itself.
+
+Each :class:`Spec` builds a transformers config and model (torch, float32, eager attention),
+perturbs every tensor (HF zero-initializes biases and sets norms to 1, so they would
+not matter otherwise), and saves it with ``save_pretrained`` (safetensors + config.json,
+the layout a Hub checkpoint has) plus the tiny tokenizer of tests/tiny.py. The
+tests (tests/test_families*.py) load that directory with mlx-infer's loader and with
+mlx-lm, and compare against the HF logits computed here.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import json
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import mlx.core as mx
+import numpy as np
+import torch
+import transformers as tf
+
+from tiny import CHAT_TEMPLATE, make_tokenizer_json
+
+VOCAB = 320
+WINDOW = 8  # sliding window of the windowed configs
+SEQ = 24  # prompt + continuation of the cached schedule
+# Cached schedule: prefill longer than the window, decode past it, a chunk, more decode.
+SCHEDULE = (12, 1, 1, 1, 1, 5, 1, 1, 1)
+assert sum(SCHEDULE) == SEQ and SCHEDULE[0] > WINDOW
+
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256, rms_norm_eps=1e-5,
+             initializer_range=0.1, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+
+
+@dataclass
+class Spec:
+    """One tiny config of a family and how its oracles read it.
+
+    Attributes:
+        name: test id.
+        make_config: the transformers config.
+        hf_class: the transformers causal-LM class.
+        mlx_lm_module: ``mlx_lm.models.<module>`` mirroring it, or ``None``.
+        mlx_lm_args: HF config dict -> mlx-lm ``ModelArgs`` dict (transformers 5 nests RoPE settings).
+        windowed: has sliding-window layers (the schedule runs past the window).
+        mlx_lm: ``"exact"`` (bit-identical everywhere), ``"in_window"`` (mlx-lm ignores the window:
+            bit-identical while the sequence fits it), ``"full_only"`` (bit-identical for a whole
+            prompt only; why in ``note``) or ``"none"``.
+        note: why a comparison is restricted.
+    """
+
+    name: str
+    make_config: Callable[[], Any]
+    hf_class: Any
+    mlx_lm_module: str | None
+    mlx_lm_args: Callable[[dict], dict] = lambda d: d
+    windowed: bool = False
+    mlx_lm: str = "exact"
+    note: str = ""
+    gguf_arch: str | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def flat_rope(d: dict) -> dict:
+    """mlx-lm reads ``rope_theta`` / ``rope_scaling`` at the top level; transformers 5 nests them."""
+    rp = d.get("rope_parameters") or {}
+    out = dict(d, rope_theta=rp.get("rope_theta", d.get("rope_theta", 10000.0)))
+    if rp.get("rope_type", "default") != "default":
+        out["rope_scaling"] = dict(rp, type=rp["rope_type"])
+    return out
+
+
+SPECS: dict[str, Spec] = {}
+
+
+def register(*specs: Spec) -> None:
+    for s in specs:
+        SPECS[s.name] = s
+
+
+def _perturb(module: torch.nn.Module, *, embed_scale: float = 1.0, vector_noise: float = 0.05) -> None:
+    """Noise on every tensor (``vector_noise`` on 1-D ones); ``embed_scale`` shrinks the embedding
+    (a tied, sqrt(hidden)-scaled embedding otherwise makes a random model echo its last token)."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            p.add_(torch.randn_like(p) * (vector_noise if p.ndim == 1 else 0.05))
+            if "embed_tokens" in name:
+                p.mul_(embed_scale)
+
+
+def write_tokenizer(path: Path) -> None:
+    (path / "tokenizer.json").write_text(make_tokenizer_json())
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<bos>", "eos_token": "<eos>", "add_bos_token": True, "chat_template": CHAT_TEMPLATE}))
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 1}))
+
+
+@functools.lru_cache(maxsize=None)
+def hf_setup(name: str) -> tuple[Path, dict, np.ndarray, np.ndarray]:
+    """``(checkpoint dir, config dict, token ids (2, SEQ), HF logits (2, SEQ, V))``, once per spec."""
+    spec = SPECS[name]
+    torch.manual_seed(0)
+    config = spec.make_config()
+    config._attn_implementation = "eager"
+    hf = spec.hf_class(config).eval()
+    _perturb(hf, **spec.extra.get("perturb", {}))
+    ids = np.random.RandomState(1).randint(3, VOCAB, size=(2, SEQ)).astype(np.int32)
+    with torch.no_grad():
+        ref = hf(torch.tensor(ids, dtype=torch.long)).logits.float().numpy()
+    path = Path(tempfile.mkdtemp(prefix=f"family-{name}-"))
+    hf.save_pretrained(path)
+    write_tokenizer(path)
+    cfg = json.loads((path / "config.json").read_text())
+    return path, cfg, ids, ref
+
+
+def hf_cached_logits(name: str, schedule=SCHEDULE) -> list[np.ndarray]:
+    """HF's own cached forward over ``schedule`` (its DynamicCache), per chunk."""
+    spec = SPECS[name]
+    path, _, ids, _ = hf_setup(name)
+    hf = spec.hf_class.from_pretrained(path, attn_implementation="eager").eval()
+    out, past, pos = [], None, 0
+    with torch.no_grad():
+        for n in schedule:
+            r = hf(torch.tensor(ids[:, pos:pos + n], dtype=torch.long), past_key_values=past, use_cache=True)
+            past = r.past_key_values
+            out.append(r.logits.float().numpy())
+            pos += n
+    return out
+
+
+def build_ours(name: str, **kw: Any):
+    """mlx-infer's load of the saved directory (stock MLX kernels unless told otherwise)."""
+    from mlx_infer.artifacts.loader import load_model
+
+    return load_model(hf_setup(name)[0], cpu_kernels=kw.pop("cpu_kernels", False), **kw).model
+
+
+def build_mlx_lm(name: str):
+    """mlx-lm's model of the same weights, and a function making its caches."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    spec = SPECS[name]
+    path, cfg, _, _ = hf_setup(name)
+    mod = importlib.import_module(f"mlx_lm.models.{spec.mlx_lm_module}")
+    model = mod.Model(mod.ModelArgs.from_dict(spec.mlx_lm_args(cfg)))
+    weights = mx.load(str(path / "model.safetensors"))
+    if hasattr(model, "sanitize"):
+        weights = model.sanitize(weights)
+    weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
+    model.load_weights(list(weights.items()), strict=True)
+    mx.eval(model.parameters())
+    return model, lambda: make_prompt_cache(model)
+
+
+def run_schedule(model, cache, ids: mx.array, schedule=SCHEDULE) -> list[mx.array]:
+    """Feed ``ids`` in chunks; each chunk's logits ``(B, chunk, V)``."""
+    outs, pos = [], 0
+    for n in schedule:
+        logits = model(ids[:, pos:pos + n], cache=cache)
+        mx.eval(logits)
+        outs.append(logits)
+        pos += n
+    return outs
+
+
+GEMMA_SPREAD = {"perturb": {"embed_scale": 0.3, "vector_noise": 1.0}}
+
+# -- the families ------------------------------------------------------------------------
+
+register(
+    Spec("gemma2", lambda: tf.Gemma2Config(
+        **{**SMALL, "num_hidden_layers": 3}, head_dim=16, query_pre_attn_scalar=16, sliding_window=WINDOW,
+        attn_logit_softcapping=5.0, final_logit_softcapping=3.0),
+         tf.Gemma2ForCausalLM, "gemma2", flat_rope, windowed=True, mlx_lm="in_window",
+         note="mlx-lm's gemma2 treats every layer as global", gguf_arch="gemma2", extra=GEMMA_SPREAD),
+    Spec("gemma2_untied_global", lambda: tf.Gemma2Config(
+        **SMALL, head_dim=16, query_pre_attn_scalar=24, sliding_window=64,
+        layer_types=["full_attention"] * 2, attn_logit_softcapping=None, final_logit_softcapping=None,
+        tie_word_embeddings=False),
+         tf.Gemma2ForCausalLM, None, flat_rope, extra=GEMMA_SPREAD),
+)

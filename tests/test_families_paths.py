@@ -1,0 +1,113 @@
+"""The families of issue 20 through every path: the same greedy tokens.
+
+Each spec of tests/families.py (a checkpoint transformers saved: safetensors +
+config.json) is loaded by the loader and decoded greedily (EOS ignored, :data:`N`
+tokens) on:
+
+- ``eager``   ``generate_tokens`` on the eager graph (the reference); these families
+  have no compiled C++ step, so the binding must refuse it with a reason and
+  ``generate`` runs this path;
+- ``engine``  ``Engine`` over paged KV, two requests batched; the compiled paged step
+  is refused likewise and the engine decodes on the eager graph over the pages;
+- ``server``  one ``/v1/completions`` request through uvicorn on 127.0.0.1;
+
+on MLX's stock kernels and (on a CPU) mlx-infer's CPU kernels, and after
+``convert`` to 4-bit weights (eager == engine on the quantized model).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import mlx.core as mx
+import pytest
+
+from families import SPECS, hf_setup
+from mlx_infer.artifacts.convert import convert
+from mlx_infer.artifacts.loader import load_model
+from mlx_infer.engine import Engine, EngineConfig, EngineRequest
+from mlx_infer.generation.autoregressive import generate_tokens
+from mlx_infer.generation.bindings.autoregressive import bind_autoregressive
+from mlx_infer.server import ServerThread, create_app
+from mlx_infer.state.kv import RotatingKVCache
+from mlx_infer.state.paged.store import model_geometry
+
+N = 10
+PROMPT = [5, 17, 33, 3, 100, 7, 9, 11, 40, 41, 42, 43]  # 12 tokens > the sliding window of 8
+PROMPT_2 = PROMPT[3:12]
+PROMPTS = (PROMPT, PROMPT_2)
+MIN_DISTINCT = 6  # distinct tokens over the reference streams
+KERNELS = ("stock", "cpu") if mx.default_device() == mx.cpu else ("stock",)
+ALL = list(SPECS)
+
+
+def eager_tokens(loaded, prompt: list[int]) -> list[int]:
+    return [t.token for t in generate_tokens(loaded.model, prompt, max_tokens=N)]
+
+
+def engine_tokens(loaded) -> list[list[int]]:
+    with Engine(loaded, EngineConfig(page_size=4)) as engine:
+        assert engine.paged_decode is None and engine.paged_decode_reason  # refused, with a reason
+        reqs = [EngineRequest(prompt_ids=p, max_tokens=N, ignore_eos=True, detokenize=False) for p in PROMPTS]
+        results = engine.generate(reqs, timeout=120)
+    assert [r.error for r in results] == [None, None]
+    return [r.token_ids for r in results]
+
+
+def server_text(loaded) -> str:
+    engine = Engine(loaded, EngineConfig(page_size=4)).start()
+    server = ServerThread(create_app(engine, model_id="tiny")).start()
+    try:
+        r = httpx.post(server.url + "/v1/completions", timeout=120, json={
+            "model": "tiny", "prompt": PROMPT, "max_tokens": N, "temperature": 0, "ignore_eos": True,
+            "skip_special_tokens": False})
+    finally:
+        server.stop()
+        engine.stop()
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["usage"]["completion_tokens"] == N
+    return body["choices"][0]["text"]
+
+
+def reference_text(loaded, tokens: list[int]) -> str:
+    detok = loaded.tokenizer.detokenizer()
+    return "".join(detok.add(t) for t in tokens) + detok.flush()
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("name", ALL)
+def test_same_greedy_tokens_on_every_path(name, kernels):
+    path = hf_setup(name)[0]
+    load = lambda: load_model(path, cpu_kernels=kernels == "cpu")  # noqa: E731 - a fresh load per path
+    loaded = load()
+    binding = bind_autoregressive(loaded)
+    assert binding.create_decode() is None
+    assert "declares no compiled decode" in binding.decode_unavailable_reason()
+    want = [eager_tokens(loaded, p) for p in PROMPTS]
+    assert len(set().union(*want)) >= MIN_DISTINCT, f"a near-constant reference hides nothing: {want}"
+    assert engine_tokens(load()) == want
+    fresh = load()
+    assert server_text(fresh) == reference_text(fresh, want[0])
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_convert_to_4_bit_and_run(name, tmp_path: Path):
+    out = convert(hf_setup(name)[0], tmp_path / "q4", quantize_bits=4, group_size=32, progress=False)
+    loaded = load_model(out, cpu_kernels=False)
+    assert any(k.endswith(".scales") for k in mx.load(str(out / "model.safetensors")))
+    want = [eager_tokens(loaded, p) for p in PROMPTS]
+    assert len(set().union(*want)) >= MIN_DISTINCT - 2, want
+    assert engine_tokens(load_model(out, cpu_kernels=False)) == want
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_paged_windows_follow_the_layers(name):
+    model = load_model(hf_setup(name)[0], cpu_kernels=False).model
+    windows, _, _ = model_geometry(model)
+    caches = model.make_cache()
+    assert len(windows) == len(caches) == len(model.layers)
+    for window, layer, cache in zip(windows, model.layers, caches):
+        assert (window is not None) == getattr(layer, "use_sliding", False) == isinstance(cache, RotatingKVCache)
+    assert any(w is not None for w in windows) == SPECS[name].windowed
