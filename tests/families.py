@@ -185,3 +185,28 @@ register(
         tie_word_embeddings=False),
          tf.Gemma2ForCausalLM, None, flat_rope, extra=GEMMA_SPREAD),
 )
+
+
+def _phi3_mlx_lm(d: dict) -> dict:
+    out = flat_rope(d)
+    rp = d.get("rope_parameters") or {}
+    out["partial_rotary_factor"] = rp.get("partial_rotary_factor", 1.0)
+    out["original_max_position_embeddings"] = rp.get("original_max_position_embeddings",
+                                                     d.get("original_max_position_embeddings", 4096))
+    return out
+
+
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.3, 2.1, 3.7],
+            "long_factor": [1.1, 2.5, 6.0, 14.0], "original_max_position_embeddings": 16,
+            "partial_rotary_factor": 0.5}
+register(
+    Spec("phi3", lambda: tf.Phi3Config(**SMALL, tie_word_embeddings=False), tf.Phi3ForCausalLM, "phi3",
+         _phi3_mlx_lm, gguf_arch="phi3"),
+    Spec("phi3_longrope_partial", lambda: tf.Phi3Config(
+        **{**SMALL, "max_position_embeddings": 64}, tie_word_embeddings=True, original_max_position_embeddings=16,
+        rope_parameters=LONGROPE), tf.Phi3ForCausalLM, "phi3", _phi3_mlx_lm, mlx_lm="full_only",
+         note="mlx-lm's SuScaledRoPE always uses long_factor; transformers (and we) use short_factor while a "
+              "call ends within original_max_position_embeddings", extra={"per_call_rope": True}),
+    Spec("phi3_sliding", lambda: tf.Phi3Config(**SMALL, sliding_window=WINDOW), tf.Phi3ForCausalLM, "phi3",
+         _phi3_mlx_lm, windowed=True, mlx_lm="in_window", note="mlx-lm's phi3 ignores sliding_window"),
+)

@@ -9,7 +9,8 @@ loaded by mlx-infer's loader:
   logits; HF's own cached forward is checked too (it decides longrope per call).
 - mlx-lm 0.32.2, the same weights, its own caches: bit-identical (``mx.array_equal``) where
   the spec says ``exact``; ``in_window`` specs (mlx-lm ignores the window) only while the
-  sequence fits the window; ``full_only`` for a whole prompt only (the spec's note says why).
+  sequence fits the window; ``full_only`` for the whole (longest) prompt only (the spec's
+  note says why).
 """
 
 from __future__ import annotations
@@ -84,7 +85,8 @@ def test_full_prompt_bit_identical_to_mlx_lm(name):
     spec = SPECS[name]
     ours, (theirs, _) = build_ours(name), build_mlx_lm(name)
     short = mx.array(ids[:, :WINDOW - 2])  # shorter than the window
-    assert mx.array_equal(ours(short), theirs(short))
+    if spec.mlx_lm != "full_only":
+        assert mx.array_equal(ours(short), theirs(short))
     if spec.mlx_lm != "in_window":
         full = mx.array(ids)
         a, b = ours(full), theirs(full)
@@ -95,9 +97,14 @@ def test_full_prompt_bit_identical_to_mlx_lm(name):
 def test_cached_steps_bit_identical_to_mlx_lm(name):
     _, _, ids, _ = hf_setup(name)
     spec = SPECS[name]
-    if spec.mlx_lm == "full_only":
-        pytest.skip(f"cached steps differ from mlx-lm by design: {spec.note}")
     ours, (theirs, make_theirs) = build_ours(name), build_mlx_lm(name)
+    if spec.mlx_lm == "full_only":  # the documented difference is there, and measured
+        a = ours(mx.array(ids[:, :12]), cache=ours.make_cache())
+        b = theirs(mx.array(ids[:, :12]), cache=make_theirs())
+        diff = mx.abs(a - b).max().item()
+        print(f"{name}: 12-token prefill differs from mlx-lm by {diff:.3g} ({spec.note})")
+        assert diff > 1e-3
+        return
     schedule = (4, 1, 1, 2) if spec.mlx_lm == "in_window" else SCHEDULE
     a = run_schedule(ours, ours.make_cache(), mx.array(ids), schedule)
     b = run_schedule(theirs, make_theirs(), mx.array(ids), schedule)

@@ -22,6 +22,7 @@ MODEL_TYPE_ALIASES: dict[str, str] = {
     "qwen2": "llama",
     "qwen3": "llama",
     "gemma2": "gemma2",
+    "phi3": "phi3",
     "gemma3": "gemma3",
     "gemma3_text": "gemma3",
     "gemma4": "gemma4",
