@@ -210,3 +210,17 @@ register(
     Spec("phi3_sliding", lambda: tf.Phi3Config(**SMALL, sliding_window=WINDOW), tf.Phi3ForCausalLM, "phi3",
          _phi3_mlx_lm, windowed=True, mlx_lm="in_window", note="mlx-lm's phi3 ignores sliding_window"),
 )
+
+
+def _qwen3_moe_mlx_lm(d: dict) -> dict:
+    return dict(flat_rope(d), num_experts=d.get("num_experts", d.get("num_local_experts")))
+
+
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+register(
+    Spec("qwen3_moe", lambda: tf.Qwen3MoeConfig(**SMALL, **MOE, head_dim=32, tie_word_embeddings=False),
+         tf.Qwen3MoeForCausalLM, "qwen3_moe", _qwen3_moe_mlx_lm, gguf_arch="qwen3moe"),
+    Spec("qwen3_moe_dense_layer_tied", lambda: tf.Qwen3MoeConfig(
+        **{**SMALL, "num_hidden_layers": 3}, **MOE, head_dim=16, mlp_only_layers=[1], norm_topk_prob=False,
+        tie_word_embeddings=True), tf.Qwen3MoeForCausalLM, "qwen3_moe", _qwen3_moe_mlx_lm),
+)

@@ -21,6 +21,7 @@ MODEL_TYPE_ALIASES: dict[str, str] = {
     "mistral": "llama",
     "qwen2": "llama",
     "qwen3": "llama",
+    "qwen3_moe": "qwen3_moe",
     "gemma2": "gemma2",
     "phi3": "phi3",
     "gemma3": "gemma3",
