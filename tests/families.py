@@ -224,3 +224,13 @@ register(
         **{**SMALL, "num_hidden_layers": 3}, **MOE, head_dim=16, mlp_only_layers=[1], norm_topk_prob=False,
         tie_word_embeddings=True), tf.Qwen3MoeForCausalLM, "qwen3_moe", _qwen3_moe_mlx_lm),
 )
+
+register(
+    Spec("olmo2", lambda: tf.Olmo2Config(**SMALL, tie_word_embeddings=False), tf.Olmo2ForCausalLM, "olmo2",
+         flat_rope, gguf_arch="olmo2"),
+    Spec("olmo2_bias_tied_yarn", lambda: tf.Olmo2Config(
+        **SMALL, attention_bias=True, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 32}),
+         tf.Olmo2ForCausalLM, "olmo2", flat_rope),
+)

@@ -23,6 +23,7 @@ MODEL_TYPE_ALIASES: dict[str, str] = {
     "qwen3": "llama",
     "qwen3_moe": "qwen3_moe",
     "gemma2": "gemma2",
+    "olmo2": "olmo2",
     "phi3": "phi3",
     "gemma3": "gemma3",
     "gemma3_text": "gemma3",
