@@ -234,3 +234,14 @@ register(
                          "original_max_position_embeddings": 32}),
          tf.Olmo2ForCausalLM, "olmo2", flat_rope),
 )
+
+GRANITE = dict(embedding_multiplier=3.0, attention_multiplier=0.1, residual_multiplier=0.5, logits_scaling=2.0)
+register(
+    Spec("granite", lambda: tf.GraniteConfig(**SMALL, **GRANITE, tie_word_embeddings=True), tf.GraniteForCausalLM,
+         "granite", flat_rope, gguf_arch="granite", extra=GEMMA_SPREAD),
+    Spec("granite_untied_bias_llama3", lambda: tf.GraniteConfig(
+        **SMALL, **GRANITE, attention_bias=True, mlp_bias=True, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
+         tf.GraniteForCausalLM, "granite", flat_rope),
+)
