@@ -245,3 +245,16 @@ register(
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
          tf.GraniteForCausalLM, "granite", flat_rope),
 )
+
+register(
+    Spec("smollm3", lambda: tf.SmolLM3Config(**{**SMALL, "num_hidden_layers": 4}, no_rope_layer_interval=2,
+                                             tie_word_embeddings=True),
+         tf.SmolLM3ForCausalLM, "smollm3", flat_rope, gguf_arch="smollm3"),
+    Spec("smollm3_untied_bias_sliding", lambda: tf.SmolLM3Config(
+        **{**SMALL, "num_hidden_layers": 3}, no_rope_layers=[1, 0, 1], attention_bias=True,
+        tie_word_embeddings=False, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
+         tf.SmolLM3ForCausalLM, "smollm3", flat_rope, windowed=True, mlx_lm="in_window",
+         note="the whole prompt is bit-identical; cached decode past the window differs by ~1e-6 (one "
+              "ulp): mlx-lm's rotating cache holds the window's keys in another order, so attention sums "
+              "them in another order"),
+)

@@ -188,3 +188,10 @@ class LongRoPE(nn.Module):
             return self._rope(x, offset, self._long_freqs if end > self.original else self._short_freqs)
         long = (end > self.original).reshape(-1, 1, 1, 1)  # (B, 1, 1, 1)
         return mx.where(long, self._rope(x, offset, self._long_freqs), self._rope(x, offset, self._short_freqs))
+
+
+class NoPE(nn.Module):
+    """No rotary embedding: the identity, for layers that attend without positions (SmolLM 3)."""
+
+    def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
+        return x

@@ -23,6 +23,7 @@ MODEL_TYPE_ALIASES: dict[str, str] = {
     "qwen2": "llama",
     "qwen3": "llama",
     "qwen3_moe": "qwen3_moe",
+    "smollm3": "smollm3",
     "gemma2": "gemma2",
     "olmo2": "olmo2",
     "phi3": "phi3",
