@@ -258,3 +258,18 @@ register(
               "ulp): mlx-lm's rotating cache holds the window's keys in another order, so attention sums "
               "them in another order"),
 )
+
+
+def _glm4_mlx_lm(d: dict) -> dict:
+    rp = d.get("rope_parameters") or {}
+    return dict(flat_rope(d), partial_rotary_factor=rp.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.5)))
+
+
+register(
+    Spec("glm4", lambda: tf.Glm4Config(**SMALL, head_dim=16, attention_bias=True, tie_word_embeddings=False),
+         tf.Glm4ForCausalLM, "glm4", _glm4_mlx_lm, gguf_arch="glm4"),
+    Spec("glm4_tied_full_rotary", lambda: tf.Glm4Config(
+        **SMALL, head_dim=16, attention_bias=False, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}),
+         tf.Glm4ForCausalLM, None),
+)

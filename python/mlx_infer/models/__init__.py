@@ -17,6 +17,7 @@ from ..errors import UnsupportedModelError
 
 #: ``config.json`` ``model_type`` -> family module in this package.
 MODEL_TYPE_ALIASES: dict[str, str] = {
+    "glm4": "glm4",
     "granite": "granite",
     "llama": "llama",
     "mistral": "llama",
