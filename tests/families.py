@@ -150,6 +150,11 @@ def build_mlx_lm(name: str):
     mod = importlib.import_module(f"mlx_lm.models.{spec.mlx_lm_module}")
     model = mod.Model(mod.ModelArgs.from_dict(spec.mlx_lm_args(cfg)))
     weights = mx.load(str(path / "model.safetensors"))
+    if spec.extra.get("mlx_lm_reads_our_names"):  # mlx-lm's sanitize reads another layout than transformers'
+        from mlx_infer.models import get_model_classes
+
+        ours_cls, ours_args = get_model_classes(cfg["model_type"])
+        weights = ours_cls(ours_args.from_dict(cfg)).sanitize(weights)
     if hasattr(model, "sanitize"):
         weights = model.sanitize(weights)
     weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
@@ -272,4 +277,19 @@ register(
         **SMALL, head_dim=16, attention_bias=False, tie_word_embeddings=True,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}),
          tf.Glm4ForCausalLM, None),
+)
+
+
+GPT_OSS = dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=WINDOW,
+               rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+register(
+    Spec("gpt_oss", lambda: tf.GptOssConfig(**{**SMALL, "num_hidden_layers": 3, "intermediate_size": 32}, **GPT_OSS),
+         tf.GptOssForCausalLM, "gpt_oss", flat_rope, windowed=True,
+         extra={"mlx_lm_reads_our_names": True}),
+    Spec("gpt_oss_yarn_untruncated", lambda: tf.GptOssConfig(
+        **{**SMALL, "intermediate_size": 32}, **{**GPT_OSS, "rope_parameters": {
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+            "original_max_position_embeddings": 32, "truncate": False}}),
+         tf.GptOssForCausalLM, "gpt_oss", flat_rope, windowed=True, mlx_lm="none",
+         note="mlx-lm's yarn always truncates the ramp (gpt-oss sets truncate: false)"),
 )

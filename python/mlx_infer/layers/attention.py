@@ -65,7 +65,7 @@ def create_attention_mask(h: mx.array, cache: Any = None, window_size: int | Non
 
 
 def scaled_dot_product_attention(queries: mx.array, keys: Any, values: Any, *,
-                                 scale: float, mask: Mask) -> mx.array:
+                                 scale: float, mask: Mask, sinks: mx.array | None = None) -> mx.array:
     """Softmax attention over ``(B, H, L, D)`` queries and ``(B, KVH, S, D)`` keys/values.
 
     Grouped-query attention (``H`` a multiple of ``KVH``) is handled by the kernel.
@@ -79,10 +79,15 @@ def scaled_dot_product_attention(queries: mx.array, keys: Any, values: Any, *,
         scale: multiplier on ``q . k`` (usually ``D ** -0.5``).
         mask: ``None``, ``"causal"`` or a boolean/additive array
             broadcastable to ``(B, H, L, S)``.
+        sinks: ``(H,)`` attention-sink logits, or ``None``.
 
     Returns:
         ``(B, H, L, Dv)``.
     """
+    if sinks is not None:  # one learned logit per head joins every softmax (gpt-oss); MLX's kernel only
+        D = queries.shape[-1]
+        return mx.fast.scaled_dot_product_attention(queries, _dequantized(keys, D), _dequantized(values, D),
+                                                    scale=scale, mask=mask, sinks=sinks)
     if isinstance(keys, tuple):
         return quantized_scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
     if cpu_attention_active():  # a model on mlx-infer's CPU kernels (layers.linear)

@@ -82,8 +82,11 @@ class YarnRoPE(nn.Module):
         def correction_dim(rotations: float) -> float:
             return dims * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
-        low = max(math.floor(correction_dim(beta_fast)), 0)
-        high = min(math.ceil(correction_dim(beta_slow)), dims - 1)
+        # transformers' ``truncate`` (default true) rounds the ramp's ends to whole dimensions; gpt-oss sets it false.
+        low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+        if scaling_config.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dims - 1)
 
         def get_mscale(m: float) -> float:
             return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0

@@ -18,6 +18,7 @@ from ..errors import UnsupportedModelError
 #: ``config.json`` ``model_type`` -> family module in this package.
 MODEL_TYPE_ALIASES: dict[str, str] = {
     "glm4": "glm4",
+    "gpt_oss": "gpt_oss",
     "granite": "granite",
     "llama": "llama",
     "mistral": "llama",
