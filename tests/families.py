@@ -293,3 +293,16 @@ register(
          tf.GptOssForCausalLM, "gpt_oss", flat_rope, windowed=True, mlx_lm="none",
          note="mlx-lm's yarn always truncates the ramp (gpt-oss sets truncate: false)"),
 )
+
+MLA = dict(kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, moe_intermediate_size=32,
+           n_routed_experts=8, num_experts_per_tok=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+register(
+    Spec("deepseek_v3", lambda: tf.DeepseekV3Config(
+        **{**SMALL, "num_hidden_layers": 3, "num_key_value_heads": 4}, **MLA, q_lora_rank=48, n_group=2,
+        topk_group=1, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+        tie_word_embeddings=False), tf.DeepseekV3ForCausalLM, "deepseek_v3", flat_rope),
+    Spec("deepseek_v3_no_q_lora_tied", lambda: tf.DeepseekV3Config(
+        **{**SMALL, "num_key_value_heads": 4}, **MLA, q_lora_rank=None, n_group=1, topk_group=1,
+        n_shared_experts=2, first_k_dense_replace=0, norm_topk_prob=False, tie_word_embeddings=True),
+         tf.DeepseekV3ForCausalLM, None),
+)

@@ -111,3 +111,23 @@ def test_paged_windows_follow_the_layers(name):
     for window, layer, cache in zip(windows, model.layers, caches):
         assert (window is not None) == getattr(layer, "use_sliding", False) == isinstance(cache, RotatingKVCache)
     assert any(w is not None for w in windows) == SPECS[name].windowed
+
+
+def test_mla_pages_hold_the_latent():
+    """DeepSeek V3's paged KV holds the latent (K) and the RoPE key (V), one head, and the
+    engine's page sizing counts exactly those bytes (not 2 * heads * head_dim per token)."""
+    from mlx_infer.engine.config import kv_page_bytes
+
+    loaded = load_model(hf_setup("deepseek_v3")[0], cpu_kernels=False)
+    args = loaded.model.args
+    with Engine(loaded, EngineConfig(page_size=4)) as engine:
+        reqs = [EngineRequest(prompt_ids=PROMPT, max_tokens=2, ignore_eos=True, detokenize=False)]
+        assert engine.generate(reqs, timeout=120)[0].error is None
+        store = engine.store
+        for s in store.storage:
+            assert s.keys[0].shape[1:] == (1, 4, args.kv_lora_rank)  # (pages, 1, P, latent)
+            assert s.values[0].shape[1:] == (1, 4, args.qk_rope_head_dim)  # (pages, 1, P, rope)
+        assert kv_page_bytes(loaded.model, 4) == store.page_bytes
+    per_token = store.page_bytes // 4 // len(store.storage) // 4  # float32 numbers per token per layer
+    assert per_token == args.kv_lora_rank + args.qk_rope_head_dim  # vs 2 * heads * (nope + rope) uncompressed
+    assert per_token < 2 * args.num_attention_heads * (args.qk_nope_head_dim + args.qk_rope_head_dim)

@@ -33,6 +33,7 @@ MODEL_TYPE_ALIASES: dict[str, str] = {
     "gemma3_text": "gemma3",
     "gemma4": "gemma4",
     "gemma4_text": "gemma4",
+    "deepseek_v3": "deepseek_v3",
     "diffusion_gemma": "diffusion_gemma",
     "diffusion_gemma_text": "diffusion_gemma",
 }
