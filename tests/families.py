@@ -223,7 +223,8 @@ def _qwen3_moe_mlx_lm(d: dict) -> dict:
 
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 register(
-    Spec("qwen3_moe", lambda: tf.Qwen3MoeConfig(**SMALL, **MOE, head_dim=32, tie_word_embeddings=False),
+    Spec("qwen3_moe", lambda: tf.Qwen3MoeConfig(**SMALL, **MOE, head_dim=32, norm_topk_prob=True,
+                                                tie_word_embeddings=False),
          tf.Qwen3MoeForCausalLM, "qwen3_moe", _qwen3_moe_mlx_lm, gguf_arch="qwen3moe"),
     Spec("qwen3_moe_dense_layer_tied", lambda: tf.Qwen3MoeConfig(
         **{**SMALL, "num_hidden_layers": 3}, **MOE, head_dim=16, mlp_only_layers=[1], norm_topk_prob=False,
