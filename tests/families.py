@@ -253,7 +253,7 @@ register(
 )
 
 register(
-    Spec("smollm3", lambda: tf.SmolLM3Config(**{**SMALL, "num_hidden_layers": 4}, no_rope_layer_interval=2,
+    Spec("smollm3", lambda: tf.SmolLM3Config(**{**SMALL, "num_hidden_layers": 4}, no_rope_layer_interval=4,
                                              tie_word_embeddings=True),
          tf.SmolLM3ForCausalLM, "smollm3", flat_rope, gguf_arch="smollm3"),
     Spec("smollm3_untied_bias_sliding", lambda: tf.SmolLM3Config(

@@ -1,4 +1,4 @@
-"""GGUF files of the families llama.cpp exports (gemma2, olmo2, granite, qwen3moe), read back.
+"""GGUF files of the families llama.cpp exports (gemma2, olmo2, granite, qwen3moe, smollm3), read back.
 
 Each tiny checkpoint transformers saved (tests/families.py) is written as a GGUF the way
 llama.cpp's ``convert_hf_to_gguf.py`` writes it: tensor names from the gguf package's own
@@ -25,7 +25,7 @@ from mlx_infer.artifacts.loader import load_model
 from test_families_paths import PROMPTS, eager_tokens, engine_tokens
 from test_gguf import llama_permute
 
-GGUF_SPECS = [n for n, s in SPECS.items() if s.gguf_arch in ("gemma2", "olmo2", "granite", "qwen3moe")]
+GGUF_SPECS = [n for n, s in SPECS.items() if s.gguf_arch in ("gemma2", "olmo2", "granite", "qwen3moe", "smollm3")]
 
 
 def _vocab(src) -> dict:
@@ -57,9 +57,9 @@ def write_family_gguf(name: str, path, qtype=Q.F32) -> dict[str, np.ndarray]:
     for k, v in hf.items():
         g = name_map.get_name(k, try_suffixes=(".weight", ".bias"))
         assert g is not None, k
-        if arch == "granite" and ".attn_q." in g:
+        if arch in ("granite", "smollm3") and ".attn_q." in g:  # LlamaModel's converters permute q/k
             v = llama_permute(v, heads, heads)
-        elif arch == "granite" and ".attn_k." in g:
+        elif arch in ("granite", "smollm3") and ".attn_k." in g:
             v = llama_permute(v, heads, kv_heads)
         elif arch == "gemma2" and g.endswith("norm.weight"):
             v = v + np.float32(1.0)

@@ -1,4 +1,4 @@
-"""GGUF support for the families of issue 20 that llama.cpp exports: gemma2, olmo2, granite, qwen3moe.
+"""GGUF support for the families of issue 20 that llama.cpp exports: gemma2, olmo2, granite, qwen3moe, smollm3.
 
 Three pieces per architecture, each undoing what llama.cpp's ``convert_hf_to_gguf.py`` does:
 
@@ -30,9 +30,10 @@ FAMILY_ARCHITECTURES = {
     "olmo2": ("olmo2", "Olmo2ForCausalLM"),
     "granite": ("granite", "GraniteForCausalLM"),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "smollm3": ("smollm3", "SmolLM3ForCausalLM"),
 }
 #: Architectures whose converter (a ``LlamaModel`` subclass) permutes the q/k rows for interleaved RoPE.
-PERMUTED_QK = {"granite"}
+PERMUTED_QK = {"granite", "smollm3"}
 #: Architectures whose converter stores RMSNorm weights as ``1 + w``.
 PLUS_ONE_NORMS = {"gemma2"}
 
@@ -70,6 +71,9 @@ def family_config(m: "Meta", config: dict[str, Any], tensors: dict[str, Any]) ->
             "residual_multiplier": m.number(a + "residual_scale", lo=0.0, lo_open=True, default=1.0),
             "logits_scaling": m.number(a + "logit_scale", lo=0.0, lo_open=True, default=1.0),
         })
+    elif arch == "smollm3":
+        # llama.cpp has no key for it: every 4th layer goes without RoPE (hard-coded, as in SmolLM3-3B).
+        config.update({"attention_bias": "blk.0.attn_q.bias" in tensors, "no_rope_layer_interval": 4})
     elif arch == "qwen3moe":
         experts = m.integer(a + "expert_count", lo=1, hi=1 << 16)
         config.update({
