@@ -286,7 +286,7 @@ GPT_OSS = dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_
 register(
     Spec("gpt_oss", lambda: tf.GptOssConfig(**{**SMALL, "num_hidden_layers": 3, "intermediate_size": 32}, **GPT_OSS),
          tf.GptOssForCausalLM, "gpt_oss", flat_rope, windowed=True,
-         extra={"mlx_lm_reads_our_names": True}),
+         extra={"mlx_lm_reads_our_names": True}, gguf_arch="gpt-oss"),
     Spec("gpt_oss_yarn_untruncated", lambda: tf.GptOssConfig(
         **{**SMALL, "intermediate_size": 32}, **{**GPT_OSS, "rope_parameters": {
             "rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,

@@ -25,7 +25,8 @@ from mlx_infer.artifacts.loader import load_model
 from test_families_paths import PROMPTS, eager_tokens, engine_tokens
 from test_gguf import llama_permute
 
-GGUF_SPECS = [n for n, s in SPECS.items() if s.gguf_arch in ("gemma2", "olmo2", "granite", "qwen3moe", "smollm3")]
+GGUF_SPECS = [n for n, s in SPECS.items()
+              if s.gguf_arch in ("gemma2", "olmo2", "granite", "qwen3moe", "smollm3", "gpt-oss")]
 
 
 def _vocab(src) -> dict:
@@ -50,13 +51,24 @@ def write_family_gguf(name: str, path, qtype=Q.F32) -> dict[str, np.ndarray]:
             for proj in ("gate_proj", "up_proj", "down_proj"):
                 hf[f"model.layers.{i}.mlp.experts.{proj}.weight"] = np.stack(
                     [hf.pop(f"model.layers.{i}.mlp.experts.{e}.{proj}.weight") for e in range(n_exp)])
+    if arch == "gpt-oss":  # the converter de-interleaves gate/up and stores (E, out, in)
+        for i in range(n_layers):
+            p = f"model.layers.{i}.mlp.experts."
+            gu, gub = hf.pop(p + "gate_up_proj"), hf.pop(p + "gate_up_proj_bias")
+            hf[p + "gate_proj.weight"] = gu[..., ::2].swapaxes(-1, -2)
+            hf[p + "up_proj.weight"] = gu[..., 1::2].swapaxes(-1, -2)
+            hf[p + "gate_proj.bias"], hf[p + "up_proj.bias"] = gub[..., ::2], gub[..., 1::2]
+            hf[p + "down_proj.weight"] = hf.pop(p + "down_proj").swapaxes(-1, -2)
+            hf[p + "down_proj.bias"] = hf.pop(p + "down_proj_bias")
     if cfg.get("tie_word_embeddings"):
         hf.pop("lm_head.weight", None)
-    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], n_layers)
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper().replace("-", "_")], n_layers)
     tensors = {}
     for k, v in hf.items():
         g = name_map.get_name(k, try_suffixes=(".weight", ".bias"))
         assert g is not None, k
+        if k.endswith(".sinks"):
+            g += ".weight"  # as llama.cpp's gpt-oss converter names it
         if arch in ("granite", "smollm3") and ".attn_q." in g:  # LlamaModel's converters permute q/k
             v = llama_permute(v, heads, heads)
         elif arch in ("granite", "smollm3") and ".attn_k." in g:
@@ -88,10 +100,12 @@ def write_family_gguf(name: str, path, qtype=Q.F32) -> dict[str, np.ndarray]:
         w.add_embedding_scale(cfg["embedding_multiplier"])
         w.add_residual_scale(cfg["residual_multiplier"])
         w.add_logit_scale(cfg["logits_scaling"])
-    if arch == "qwen3moe":
+    if arch == "gpt-oss":
+        w.add_sliding_window(cfg["sliding_window"])
+    if arch in ("qwen3moe", "gpt-oss"):
         w.add_expert_count(cfg.get("num_experts") or cfg["num_local_experts"])
         w.add_expert_used_count(cfg["num_experts_per_tok"])
-        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        w.add_expert_feed_forward_length(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
     vocab = _vocab(src)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2")

@@ -1,4 +1,4 @@
-"""GGUF support for the families of issue 20 that llama.cpp exports: gemma2, olmo2, granite, qwen3moe, smollm3.
+"""GGUF support for the families of issue 20 that llama.cpp exports: gemma2, olmo2, granite, qwen3moe, smollm3, gpt-oss.
 
 Three pieces per architecture, each undoing what llama.cpp's ``convert_hf_to_gguf.py`` does:
 
@@ -31,6 +31,7 @@ FAMILY_ARCHITECTURES = {
     "granite": ("granite", "GraniteForCausalLM"),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "smollm3": ("smollm3", "SmolLM3ForCausalLM"),
+    "gpt-oss": ("gpt_oss", "GptOssForCausalLM"),
 }
 #: Architectures whose converter (a ``LlamaModel`` subclass) permutes the q/k rows for interleaved RoPE.
 PERMUTED_QK = {"granite", "smollm3"}
@@ -74,6 +75,18 @@ def family_config(m: "Meta", config: dict[str, Any], tensors: dict[str, Any]) ->
     elif arch == "smollm3":
         # llama.cpp has no key for it: every 4th layer goes without RoPE (hard-coded, as in SmolLM3-3B).
         config.update({"attention_bias": "blk.0.attn_q.bias" in tensors, "no_rope_layer_interval": 4})
+    elif arch == "gpt-oss":
+        experts = m.integer(a + "expert_count", lo=1, hi=1 << 16)
+        config.update({
+            "num_local_experts": experts,
+            "num_experts_per_tok": m.integer(a + "expert_used_count", lo=1, hi=experts),
+            "intermediate_size": m.integer(a + "expert_feed_forward_length", lo=1, hi=1 << 20,
+                                           default=config["intermediate_size"]),
+            "sliding_window": m.integer(a + "attention.sliding_window", lo=1, hi=1 << 30, default=128),
+            # llama.cpp hard-codes gpt-oss's pattern (even layers slide) and its SwiGLU limit.
+            "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)],
+            "swiglu_limit": 7.0,
+        })
     elif arch == "qwen3moe":
         experts = m.integer(a + "expert_count", lo=1, hi=1 << 16)
         config.update({
@@ -98,12 +111,14 @@ def hf_names(arch: str, config: dict[str, Any], gguf_names: list[str], path: Pat
     from .loader import build_model
 
     model = build_model(config, path)  # lazy: no parameter is materialized
-    name_map = get_tensor_name_map(MODEL_ARCH[arch.upper()], config["num_hidden_layers"])
+    name_map = get_tensor_name_map(MODEL_ARCH[arch.upper().replace("-", "_")], config["num_hidden_layers"])
     reverse: dict[str, str] = {}
     for ours, _ in tree_flatten(model.parameters()):
         g = name_map.get_name(ours.replace(".switch_mlp.", ".experts."), try_suffixes=(".weight", ".bias"))
         if g is not None:
             reverse[g] = ours
+            if not ours.endswith((".weight", ".bias")):  # gpt-oss's sinks: the converter adds ".weight"
+                reverse[g + ".weight"] = ours
     out = {}
     for g in gguf_names:
         if g not in reverse:
