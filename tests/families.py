@@ -210,7 +210,7 @@ register(
     Spec("phi3_longrope_partial", lambda: tf.Phi3Config(
         **{**SMALL, "max_position_embeddings": 64}, tie_word_embeddings=True, original_max_position_embeddings=16,
         rope_parameters=LONGROPE), tf.Phi3ForCausalLM, "phi3", _phi3_mlx_lm, mlx_lm="full_only",
-         note="mlx-lm's SuScaledRoPE always uses long_factor; transformers (and we) use short_factor while a "
+         gguf_arch="phi3", note="mlx-lm's SuScaledRoPE always uses long_factor; transformers (and we) use short_factor while a "
               "call ends within original_max_position_embeddings", extra={"per_call_rope": True}),
     Spec("phi3_sliding", lambda: tf.Phi3Config(**SMALL, sliding_window=WINDOW), tf.Phi3ForCausalLM, "phi3",
          _phi3_mlx_lm, windowed=True, mlx_lm="in_window", note="mlx-lm's phi3 ignores sliding_window"),

@@ -1,4 +1,4 @@
-"""GGUF files of the families llama.cpp exports (gemma2, olmo2, granite, qwen3moe, smollm3), read back.
+"""GGUF files of the families llama.cpp exports (gemma2, olmo2, granite, qwen3moe, smollm3, gpt-oss, phi3), read back.
 
 Each tiny checkpoint transformers saved (tests/families.py) is written as a GGUF the way
 llama.cpp's ``convert_hf_to_gguf.py`` writes it: tensor names from the gguf package's own
@@ -12,6 +12,7 @@ a Q8_0 file loads and runs eager == engine.
 from __future__ import annotations
 
 import json
+import math
 
 import gguf
 import mlx.core as mx
@@ -26,7 +27,7 @@ from test_families_paths import PROMPTS, eager_tokens, engine_tokens
 from test_gguf import llama_permute
 
 GGUF_SPECS = [n for n, s in SPECS.items()
-              if s.gguf_arch in ("gemma2", "olmo2", "granite", "qwen3moe", "smollm3", "gpt-oss")]
+              if s.gguf_arch in ("gemma2", "olmo2", "granite", "qwen3moe", "smollm3", "gpt-oss", "phi3")]
 
 
 def _vocab(src) -> dict:
@@ -102,6 +103,18 @@ def write_family_gguf(name: str, path, qtype=Q.F32) -> dict[str, np.ndarray]:
         w.add_logit_scale(cfg["logits_scaling"])
     if arch == "gpt-oss":
         w.add_sliding_window(cfg["sliding_window"])
+    if arch == "phi3":
+        rope_dims = int(head_dim * rp.get("partial_rotary_factor", 1.0))
+        w.add_rope_dimension_count(rope_dims)
+        if cfg.get("sliding_window"):
+            w.add_sliding_window(cfg["sliding_window"])
+        if rp.get("rope_type") == "longrope":  # llama.cpp: factors as tensors, the rest as keys
+            orig = rp["original_max_position_embeddings"]
+            scale = cfg["max_position_embeddings"] / orig
+            w.add_rope_scaling_orig_ctx_len(orig)
+            w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(orig)))
+            tensors["rope_factors_long.weight"] = np.array(rp["long_factor"], np.float32)
+            tensors["rope_factors_short.weight"] = np.array(rp["short_factor"], np.float32)
     if arch in ("qwen3moe", "gpt-oss"):
         w.add_expert_count(cfg.get("num_experts") or cfg["num_local_experts"])
         w.add_expert_used_count(cfg["num_experts_per_tok"])

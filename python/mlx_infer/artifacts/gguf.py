@@ -33,9 +33,9 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import ModelLoadError, UnsupportedModelError
-from .gguf_config import SUPPORTED_ARCHITECTURES, build_config, check_tokenizer_metadata, model_type
+from .gguf_config import SUPPORTED_ARCHITECTURES, Meta, build_config, check_tokenizer_metadata, model_type
 from .gguf_tokenizer import build_tokenizer, generation_config
-from .gguf_families import FAMILY_ARCHITECTURES, hf_names, untransform
+from .gguf_families import CONFIG_TENSORS, FAMILY_ARCHITECTURES, hf_names, rope_factors_config, untransform
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "GGUFArtifact", "GGUFHeader", "GGUFTensorInfo", "read_gguf", "read_gguf_header"]
 
@@ -471,7 +471,10 @@ def read_gguf(path: str | os.PathLike, *, dtype: mx.Dtype | str = mx.float32, pr
         n_vocab = len(header.metadata.get("tokenizer.ggml.tokens") or []) or None
         config = build_config(header, infos, n_vocab, rope_freqs)
         if family:
-            mapped = hf_names(arch, config, [n for n in infos if n not in _IGNORED_TENSORS], header.path)
+            rope_factors_config(Meta(header), config, {
+                n: _dequantize(f, infos[n]).astype(np.float64) for n in CONFIG_TENSORS if n in infos})
+            weights_in = [n for n in infos if n not in _IGNORED_TENSORS and n not in CONFIG_TENSORS]
+            mapped = hf_names(arch, config, weights_in, header.path)
         _check_tensor_shapes(header, config, {hf: infos[g] for g, hf in mapped.items()})
         config["torch_dtype"] = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}[target]
         tokenizer_json, tokenizer_config = build_tokenizer(header)

@@ -1,4 +1,4 @@
-"""GGUF support for the families of issue 20 that llama.cpp exports: gemma2, olmo2, granite, qwen3moe, smollm3, gpt-oss.
+"""GGUF support for the families of issue 20 that llama.cpp exports: gemma2, olmo2, granite, qwen3moe, smollm3, gpt-oss, phi3.
 
 Three pieces per architecture, each undoing what llama.cpp's ``convert_hf_to_gguf.py`` does:
 
@@ -32,7 +32,10 @@ FAMILY_ARCHITECTURES = {
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "smollm3": ("smollm3", "SmolLM3ForCausalLM"),
     "gpt-oss": ("gpt_oss", "GptOssForCausalLM"),
+    "phi3": ("phi3", "Phi3ForCausalLM"),
 }
+#: Tensors that are config, not weights: read by :func:`rope_factors_config` (Phi-3's LongRoPE factors).
+CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 #: Architectures whose converter (a ``LlamaModel`` subclass) permutes the q/k rows for interleaved RoPE.
 PERMUTED_QK = {"granite", "smollm3"}
 #: Architectures whose converter stores RMSNorm weights as ``1 + w``.
@@ -75,6 +78,10 @@ def family_config(m: "Meta", config: dict[str, Any], tensors: dict[str, Any]) ->
     elif arch == "smollm3":
         # llama.cpp has no key for it: every 4th layer goes without RoPE (hard-coded, as in SmolLM3-3B).
         config.update({"attention_bias": "blk.0.attn_q.bias" in tensors, "no_rope_layer_interval": 4})
+    elif arch == "phi3":
+        dims = m.integer(a + "rope.dimension_count", lo=1, hi=config["head_dim"], default=config["head_dim"])
+        window = m.integer(a + "attention.sliding_window", lo=0, hi=1 << 30, default=0)
+        config.update({"partial_rotary_factor": dims / config["head_dim"], "sliding_window": window or None})
     elif arch == "gpt-oss":
         experts = m.integer(a + "expert_count", lo=1, hi=1 << 16)
         config.update({
@@ -97,6 +104,28 @@ def family_config(m: "Meta", config: dict[str, Any], tensors: dict[str, Any]) ->
             "norm_topk_prob": m.flag(a + "expert_weights_norm", default=True),
             "decoder_sparse_step": 1, "mlp_only_layers": [],
         })
+
+
+def rope_factors_config(m: "Meta", config: dict[str, Any], factors: dict[str, np.ndarray]) -> None:
+    """Phi-3's LongRoPE: llama.cpp stores the long and short factors as tensors, the rest as keys."""
+    if not factors:
+        return
+    if set(factors) != set(CONFIG_TENSORS):
+        raise UnsupportedModelError(f"{m.header.path} has only {sorted(factors)} of the LongRoPE factor tensors "
+                                    f"{list(CONFIG_TENSORS)}; re-export the file with llama.cpp.")
+    a = f"{m.arch}."
+    rope: dict[str, Any] = {
+        "rope_type": "longrope", "rope_theta": config["rope_theta"],
+        "long_factor": [float(x) for x in factors["rope_factors_long.weight"]],
+        "short_factor": [float(x) for x in factors["rope_factors_short.weight"]],
+        "original_max_position_embeddings": m.integer(a + "rope.scaling.original_context_length", lo=1,
+                                                      hi=1 << 30, default=config["max_position_embeddings"]),
+    }
+    attn = m.number(a + "rope.scaling.attn_factor", lo=0.0, lo_open=True, default=None)
+    if attn is not None:
+        rope["attention_factor"] = float(np.float32(attn))
+    config["rope_scaling"] = rope
+    config["original_max_position_embeddings"] = rope["original_max_position_embeddings"]
 
 
 def hf_names(arch: str, config: dict[str, Any], gguf_names: list[str], path: Path) -> dict[str, str]:
