@@ -1,4 +1,5 @@
-"""GGUF files of the families llama.cpp exports (gemma2, olmo2, granite, qwen3moe, smollm3, gpt-oss, phi3), read back.
+"""GGUF files of the families llama.cpp exports (gemma2, olmo2, granite, qwen3moe, smollm3, gpt-oss, phi3,
+glm4), read back.
 
 Each tiny checkpoint transformers saved (tests/families.py) is written as a GGUF the way
 llama.cpp's ``convert_hf_to_gguf.py`` writes it: tensor names from the gguf package's own
@@ -27,7 +28,7 @@ from test_families_paths import PROMPTS, eager_tokens, engine_tokens
 from test_gguf import llama_permute
 
 GGUF_SPECS = [n for n, s in SPECS.items()
-              if s.gguf_arch in ("gemma2", "olmo2", "granite", "qwen3moe", "smollm3", "gpt-oss", "phi3")]
+              if s.gguf_arch in ("gemma2", "olmo2", "granite", "qwen3moe", "smollm3", "gpt-oss", "phi3", "glm4")]
 
 
 def _vocab(src) -> dict:
@@ -103,6 +104,8 @@ def write_family_gguf(name: str, path, qtype=Q.F32) -> dict[str, np.ndarray]:
         w.add_logit_scale(cfg["logits_scaling"])
     if arch == "gpt-oss":
         w.add_sliding_window(cfg["sliding_window"])
+    if arch == "glm4":
+        w.add_rope_dimension_count(int(head_dim * rp.get("partial_rotary_factor", 0.5)))
     if arch == "phi3":
         rope_dims = int(head_dim * rp.get("partial_rotary_factor", 1.0))
         w.add_rope_dimension_count(rope_dims)

@@ -1,4 +1,4 @@
-"""GGUF support for the families of issue 20 that llama.cpp exports: gemma2, olmo2, granite, qwen3moe, smollm3, gpt-oss, phi3.
+"""GGUF support for the families of issue 20 that llama.cpp exports: gemma2, olmo2, granite, qwen3moe, smollm3, gpt-oss, phi3, glm4.
 
 Three pieces per architecture, each undoing what llama.cpp's ``convert_hf_to_gguf.py`` does:
 
@@ -33,6 +33,7 @@ FAMILY_ARCHITECTURES = {
     "smollm3": ("smollm3", "SmolLM3ForCausalLM"),
     "gpt-oss": ("gpt_oss", "GptOssForCausalLM"),
     "phi3": ("phi3", "Phi3ForCausalLM"),
+    "glm4": ("glm4", "Glm4ForCausalLM"),
 }
 #: Tensors that are config, not weights: read by :func:`rope_factors_config` (Phi-3's LongRoPE factors).
 CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
@@ -82,6 +83,10 @@ def family_config(m: "Meta", config: dict[str, Any], tensors: dict[str, Any]) ->
         dims = m.integer(a + "rope.dimension_count", lo=1, hi=config["head_dim"], default=config["head_dim"])
         window = m.integer(a + "attention.sliding_window", lo=0, hi=1 << 30, default=0)
         config.update({"partial_rotary_factor": dims / config["head_dim"], "sliding_window": window or None})
+    elif arch == "glm4":  # llama.cpp rotates GLM-4 interleaved ("NORM") as HF does: no permutation
+        dims = m.integer(a + "rope.dimension_count", lo=1, hi=config["head_dim"], default=config["head_dim"] // 2)
+        config.update({"partial_rotary_factor": dims / config["head_dim"],
+                       "attention_bias": "blk.0.attn_q.bias" in tensors})
     elif arch == "gpt-oss":
         experts = m.integer(a + "expert_count", lo=1, hi=1 << 16)
         config.update({
