@@ -131,3 +131,18 @@ def test_mla_pages_hold_the_latent():
     per_token = store.page_bytes // 4 // len(store.storage) // 4  # float32 numbers per token per layer
     assert per_token == args.kv_lora_rank + args.qk_rope_head_dim  # vs 2 * heads * (nope + rope) uncompressed
     assert per_token < 2 * args.num_attention_heads * (args.qk_nope_head_dim + args.qk_rope_head_dim)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss", "deepseek_v3", "phi3_longrope_partial"])
+def test_cli_convert_to_4_bit_and_run(name, tmp_path: Path, capsys):
+    """``mlx-infer convert -q`` on the checkpoint (experts, MLA's kv_b_proj, fused projections) loads and decodes."""
+    from mlx_infer.cli import main
+
+    out = tmp_path / "q4"
+    rc = main(["convert", "--model", str(hf_setup(name)[0]), "-o", str(out), "-q", "--q-bits", "4",
+               "--q-group-size", "32"])
+    assert rc == 0, capsys.readouterr().err
+    loaded = load_model(out, cpu_kernels=False)
+    want = [eager_tokens(loaded, p) for p in PROMPTS]
+    assert len(set().union(*want)) >= 3, want
+    assert engine_tokens(load_model(out, cpu_kernels=False)) == want
