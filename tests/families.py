@@ -301,7 +301,7 @@ register(
     Spec("deepseek_v3", lambda: tf.DeepseekV3Config(
         **{**SMALL, "num_hidden_layers": 3, "num_key_value_heads": 4}, **MLA, q_lora_rank=48, n_group=2,
         topk_group=1, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
-        tie_word_embeddings=False), tf.DeepseekV3ForCausalLM, "deepseek_v3", flat_rope),
+        tie_word_embeddings=False), tf.DeepseekV3ForCausalLM, "deepseek_v3", flat_rope, gguf_arch="deepseek2"),
     Spec("deepseek_v3_no_q_lora_tied", lambda: tf.DeepseekV3Config(
         **{**SMALL, "num_key_value_heads": 4}, **MLA, q_lora_rank=None, n_group=1, topk_group=1,
         n_shared_experts=2, first_k_dense_replace=0, norm_topk_prob=False, tie_word_embeddings=True),

@@ -1,5 +1,5 @@
 """GGUF files of the families llama.cpp exports (gemma2, olmo2, granite, qwen3moe, smollm3, gpt-oss, phi3,
-glm4), read back.
+glm4, deepseek2), read back.
 
 Each tiny checkpoint transformers saved (tests/families.py) is written as a GGUF the way
 llama.cpp's ``convert_hf_to_gguf.py`` writes it: tensor names from the gguf package's own
@@ -28,7 +28,8 @@ from test_families_paths import PROMPTS, eager_tokens, engine_tokens
 from test_gguf import llama_permute
 
 GGUF_SPECS = [n for n, s in SPECS.items()
-              if s.gguf_arch in ("gemma2", "olmo2", "granite", "qwen3moe", "smollm3", "gpt-oss", "phi3", "glm4")]
+              if s.gguf_arch in ("gemma2", "olmo2", "granite", "qwen3moe", "smollm3", "gpt-oss", "phi3", "glm4",
+                                         "deepseek2")]
 
 
 def _vocab(src) -> dict:
@@ -62,6 +63,18 @@ def write_family_gguf(name: str, path, qtype=Q.F32) -> dict[str, np.ndarray]:
             hf[p + "gate_proj.bias"], hf[p + "up_proj.bias"] = gub[..., ::2], gub[..., 1::2]
             hf[p + "down_proj.weight"] = hf.pop(p + "down_proj").swapaxes(-1, -2)
             hf[p + "down_proj.bias"] = hf.pop(p + "down_proj_bias")
+    if arch == "deepseek2":  # merged experts; kv_b_proj split into k_b (transposed) and v_b; the router bias renamed
+        nope, v_dim = cfg["qk_nope_head_dim"], cfg["v_head_dim"]
+        for i in range(n_layers):
+            p = f"model.layers.{i}."
+            if p + "mlp.experts.0.gate_proj.weight" in hf:
+                for proj in ("gate_proj", "up_proj", "down_proj"):
+                    hf[p + f"mlp.experts.{proj}.weight"] = np.stack(
+                        [hf.pop(p + f"mlp.experts.{e}.{proj}.weight") for e in range(cfg["n_routed_experts"])])
+                hf[p + "mlp.gate.e_score_correction.bias"] = hf.pop(p + "mlp.gate.e_score_correction_bias")
+            kv_b = hf.pop(p + "self_attn.kv_b_proj.weight").reshape(heads, nope + v_dim, -1)
+            hf[p + "self_attn.k_b_proj.weight"] = kv_b[:, :nope].swapaxes(1, 2)
+            hf[p + "self_attn.v_b_proj.weight"] = kv_b[:, nope:]
     if cfg.get("tie_word_embeddings"):
         hf.pop("lm_head.weight", None)
     name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper().replace("-", "_")], n_layers)
@@ -88,9 +101,31 @@ def write_family_gguf(name: str, path, qtype=Q.F32) -> dict[str, np.ndarray]:
     w.add_block_count(n_layers)
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
+    if arch == "deepseek2":  # MLA as llama.cpp writes it: one KV head of the latent (+ the rope key)
+        rank, rope = cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]
+        w.add_head_count_kv(1)
+        w.add_key_length(rank + rope)
+        w.add_value_length(rank)
+        w.add_key_length_mla(cfg["qk_nope_head_dim"] + rope)
+        w.add_value_length_mla(cfg["v_head_dim"])
+        w.add_kv_lora_rank(rank)
+        if cfg.get("q_lora_rank"):
+            w.add_q_lora_rank(cfg["q_lora_rank"])
+        w.add_rope_dimension_count(rope)
+        w.add_expert_count(cfg["n_routed_experts"])
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        w.add_expert_shared_count(cfg["n_shared_experts"])
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+        w.add_expert_weights_norm(cfg["norm_topk_prob"])
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_expert_group_count(cfg["n_group"])
+        w.add_expert_group_used_count(cfg["topk_group"])
+        w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+    else:
+        w.add_head_count_kv(kv_heads)
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_rope_freq_base(rp.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     if arch == "gemma2":

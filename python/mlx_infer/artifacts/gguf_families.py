@@ -1,4 +1,5 @@
-"""GGUF support for the families of issue 20 that llama.cpp exports: gemma2, olmo2, granite, qwen3moe, smollm3, gpt-oss, phi3, glm4.
+"""GGUF support for the families of issue 20 that llama.cpp exports: gemma2, olmo2, granite, qwen3moe, smollm3, gpt-oss,
+phi3, glm4, deepseek2.
 
 Three pieces per architecture, each undoing what llama.cpp's ``convert_hf_to_gguf.py`` does:
 
@@ -34,7 +35,15 @@ FAMILY_ARCHITECTURES = {
     "gpt-oss": ("gpt_oss", "GptOssForCausalLM"),
     "phi3": ("phi3", "Phi3ForCausalLM"),
     "glm4": ("glm4", "Glm4ForCausalLM"),
+    "deepseek2": ("deepseek_v3", "DeepseekV3ForCausalLM"),
 }
+#: Our parameter-name pieces -> the HF names the gguf table knows them by.
+_LOOKUP_RENAMES = (
+    (".switch_mlp.", ".experts."),  # merged experts
+    (".self_attn.embed_q.", ".self_attn.k_b_proj."),  # DeepSeek's kv_b_proj, split as llama.cpp splits it
+    (".self_attn.unembed_out.", ".self_attn.v_b_proj."),
+    (".e_score_correction_bias", ".e_score_correction.bias"),
+)
 #: Tensors that are config, not weights: read by :func:`rope_factors_config` (Phi-3's LongRoPE factors).
 CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 #: Architectures whose converter (a ``LlamaModel`` subclass) permutes the q/k rows for interleaved RoPE.
@@ -87,6 +96,8 @@ def family_config(m: "Meta", config: dict[str, Any], tensors: dict[str, Any]) ->
         dims = m.integer(a + "rope.dimension_count", lo=1, hi=config["head_dim"], default=config["head_dim"] // 2)
         config.update({"partial_rotary_factor": dims / config["head_dim"],
                        "attention_bias": "blk.0.attn_q.bias" in tensors})
+    elif arch == "deepseek2":
+        _deepseek2_config(m, config)
     elif arch == "gpt-oss":
         experts = m.integer(a + "expert_count", lo=1, hi=1 << 16)
         config.update({
@@ -109,6 +120,39 @@ def family_config(m: "Meta", config: dict[str, Any], tensors: dict[str, Any]) ->
             "norm_topk_prob": m.flag(a + "expert_weights_norm", default=True),
             "decoder_sparse_step": 1, "mlp_only_layers": [],
         })
+
+
+def _deepseek2_config(m: "Meta", config: dict[str, Any]) -> None:
+    """DeepSeek V3 / R1 as llama.cpp writes them since its MLA layout (``attn_k_b`` / ``attn_v_b``)."""
+    a = f"{m.arch}."
+    gating = m.integer(a + "expert_gating_func", lo=0, hi=3, default=2)
+    if gating != 2:
+        raise UnsupportedModelError(f"{m.header.path}: DeepSeek expert gating {gating} is not supported; "
+                                    "supported: sigmoid (2, DeepSeek V3 / R1).")
+    rope = m.integer(a + "rope.dimension_count", lo=1, hi=1 << 13)
+    key = m.integer(a + "attention.key_length_mla", lo=rope + 1, hi=1 << 14, default=None)
+    if key is None:
+        raise UnsupportedModelError(f"{m.header.path} predates llama.cpp's MLA layout (no attention.key_length_mla); "
+                                    "re-export it with a current llama.cpp or load the HF checkpoint.")
+    experts = m.integer(a + "expert_count", lo=1, hi=1 << 16)
+    config.update({
+        "kv_lora_rank": m.integer(a + "attention.kv_lora_rank", lo=1, hi=1 << 14),
+        "q_lora_rank": m.integer(a + "attention.q_lora_rank", lo=1, hi=1 << 16, default=None),
+        "qk_rope_head_dim": rope, "qk_nope_head_dim": key - rope,
+        "v_head_dim": m.integer(a + "attention.value_length_mla", lo=1, hi=1 << 14),
+        "num_key_value_heads": config["num_attention_heads"],
+        "n_routed_experts": experts,
+        "num_experts_per_tok": m.integer(a + "expert_used_count", lo=1, hi=experts),
+        "n_shared_experts": m.integer(a + "expert_shared_count", lo=0, hi=1 << 16, default=0) or None,
+        "moe_intermediate_size": m.integer(a + "expert_feed_forward_length", lo=1, hi=1 << 20),
+        "routed_scaling_factor": m.number(a + "expert_weights_scale", lo=0.0, lo_open=True, default=1.0),
+        "norm_topk_prob": m.flag(a + "expert_weights_norm", default=True),
+        "n_group": m.integer(a + "expert_group_count", lo=1, hi=1 << 16, default=1),
+        "topk_group": m.integer(a + "expert_group_used_count", lo=1, hi=1 << 16, default=1),
+        "first_k_dense_replace": m.integer(a + "leading_dense_block_count", lo=0, hi=1 << 12, default=0),
+        "topk_method": "noaux_tc", "scoring_func": "sigmoid", "rope_interleave": True,
+    })
+    config.pop("head_dim", None)  # key_length is the latent's width here, not a head's
 
 
 def rope_factors_config(m: "Meta", config: dict[str, Any], factors: dict[str, np.ndarray]) -> None:
@@ -148,7 +192,10 @@ def hf_names(arch: str, config: dict[str, Any], gguf_names: list[str], path: Pat
     name_map = get_tensor_name_map(MODEL_ARCH[arch.upper().replace("-", "_")], config["num_hidden_layers"])
     reverse: dict[str, str] = {}
     for ours, _ in tree_flatten(model.parameters()):
-        g = name_map.get_name(ours.replace(".switch_mlp.", ".experts."), try_suffixes=(".weight", ".bias"))
+        lookup = ours
+        for old, new in _LOOKUP_RENAMES:
+            lookup = lookup.replace(old, new)
+        g = name_map.get_name(lookup, try_suffixes=(".weight", ".bias"))
         if g is not None:
             reverse[g] = ours
             if not ours.endswith((".weight", ".bias")):  # gpt-oss's sinks: the converter adds ".weight"
