@@ -185,7 +185,7 @@ register(
          tf.Gemma2ForCausalLM, "gemma2", flat_rope, windowed=True, mlx_lm="in_window",
          note="mlx-lm's gemma2 treats every layer as global", gguf_arch="gemma2", extra=GEMMA_SPREAD),
     Spec("gemma2_untied_global", lambda: tf.Gemma2Config(
-        **SMALL, head_dim=16, query_pre_attn_scalar=24, sliding_window=64,
+        **SMALL, head_dim=32, query_pre_attn_scalar=24, sliding_window=64,
         layer_types=["full_attention"] * 2, attn_logit_softcapping=None, final_logit_softcapping=None,
         tie_word_embeddings=False),
          tf.Gemma2ForCausalLM, None, flat_rope, extra=GEMMA_SPREAD),
@@ -288,7 +288,7 @@ register(
          tf.GptOssForCausalLM, "gpt_oss", flat_rope, windowed=True,
          extra={"mlx_lm_reads_our_names": True}, gguf_arch="gpt-oss"),
     Spec("gpt_oss_yarn_untruncated", lambda: tf.GptOssConfig(
-        **{**SMALL, "intermediate_size": 32}, **{**GPT_OSS, "rope_parameters": {
+        **{**SMALL, "intermediate_size": 32}, **{**GPT_OSS, "head_dim": 32, "rope_parameters": {
             "rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
             "original_max_position_embeddings": 32, "truncate": False}}),
          tf.GptOssForCausalLM, "gpt_oss", flat_rope, windowed=True, mlx_lm="none",

@@ -146,3 +146,24 @@ def test_cli_convert_to_4_bit_and_run(name, tmp_path: Path, capsys):
     want = [eager_tokens(loaded, p) for p in PROMPTS]
     assert len(set().union(*want)) >= 3, want
     assert engine_tokens(load_model(out, cpu_kernels=False)) == want
+
+
+@pytest.mark.parametrize("name", ["gemma2_untied_global", "gpt_oss_yarn_untruncated", "qwen3_moe"])
+def test_engine_with_8_bit_paged_kv(name):
+    """Quantized paged KV reaches the soft-capped and the sink attention as (packed, scales, biases);
+    they dequantize it. Oracle: the plain-KV engine's tokens; 8-bit KV moves these logits (|l| <= 5) by up to
+    0.03-0.06 (measured), so near-ties may flip later tokens: the first ones and half of all must agree."""
+    from mlx_infer.state.paged import LayerKV
+
+    path = hf_setup(name)[0]
+    want = engine_tokens(load_model(path, cpu_kernels=False))
+    with Engine(load_model(path, cpu_kernels=False), EngineConfig(page_size=4, kv_scheme=LayerKV(8, 32))) as engine:
+        assert all(s is None or s.scheme.quantized for s in engine.store.storage)
+        reqs = [EngineRequest(prompt_ids=p, max_tokens=N, ignore_eos=True, detokenize=False) for p in PROMPTS]
+        results = engine.generate(reqs, timeout=120)
+        assert all(s is not None and s.scheme.quantized for s in engine.store.storage)
+    assert [r.error for r in results] == [None, None]
+    got = [r.token_ids for r in results]
+    same = sum(a == b for w, g in zip(want, got) for a, b in zip(w, g))
+    print(f"{name}: 8-bit KV keeps {same}/{2 * N} greedy tokens")
+    assert got[0][:3] == want[0][:3] and same >= N
