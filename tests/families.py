@@ -303,7 +303,8 @@ register(
         topk_group=1, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
         tie_word_embeddings=False), tf.DeepseekV3ForCausalLM, "deepseek_v3", flat_rope, gguf_arch="deepseek2"),
     Spec("deepseek_v3_no_q_lora_tied", lambda: tf.DeepseekV3Config(
-        **{**SMALL, "num_key_value_heads": 4}, **MLA, q_lora_rank=None, n_group=1, topk_group=1,
+        **{**SMALL, "num_key_value_heads": 4}, **{**MLA, "qk_rope_head_dim": 32}, q_lora_rank=None, n_group=1,
+        topk_group=1,
         n_shared_experts=2, first_k_dense_replace=0, norm_topk_prob=False, tie_word_embeddings=True),
          tf.DeepseekV3ForCausalLM, None),
 )

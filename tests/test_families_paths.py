@@ -148,10 +148,11 @@ def test_cli_convert_to_4_bit_and_run(name, tmp_path: Path, capsys):
     assert engine_tokens(load_model(out, cpu_kernels=False)) == want
 
 
-@pytest.mark.parametrize("name", ["gemma2_untied_global", "gpt_oss_yarn_untruncated", "qwen3_moe"])
+@pytest.mark.parametrize("name", ["gemma2_untied_global", "gpt_oss_yarn_untruncated", "qwen3_moe",
+                                  "deepseek_v3_no_q_lora_tied"])
 def test_engine_with_8_bit_paged_kv(name):
-    """Quantized paged KV reaches the soft-capped and the sink attention as (packed, scales, biases);
-    they dequantize it. Oracle: the plain-KV engine's tokens; 8-bit KV moves these logits (|l| <= 5) by up to
+    """Quantized paged KV reaches the soft-capped and the sink attention (and MLA's latent) as
+    (packed, scales, biases); they dequantize it. Oracle: the plain-KV engine's tokens; 8-bit KV moves these logits (|l| <= 5) by up to
     0.03-0.06 (measured), so near-ties may flip later tokens: the first ones and half of all must agree."""
     from mlx_infer.state.paged import LayerKV
 

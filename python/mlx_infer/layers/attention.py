@@ -86,7 +86,7 @@ def scaled_dot_product_attention(queries: mx.array, keys: Any, values: Any, *,
     """
     if sinks is not None:  # one learned logit per head joins every softmax (gpt-oss); MLX's kernel only
         D = queries.shape[-1]
-        return mx.fast.scaled_dot_product_attention(queries, _dequantized(keys, D), _dequantized(values, D),
+        return mx.fast.scaled_dot_product_attention(queries, dequantized(keys, D), dequantized(values, D),
                                                     scale=scale, mask=mask, sinks=sinks)
     if isinstance(keys, tuple):
         return quantized_scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
@@ -142,7 +142,7 @@ def quantized_scaled_dot_product_attention(queries: mx.array, q_keys: tuple[mx.a
     return out
 
 
-def _dequantized(x: Any, dim: int) -> mx.array:
+def dequantized(x: Any, dim: int) -> mx.array:
     """A quantized ``(packed, scales, biases)`` K/V tuple as a dense array (bits read off the shapes)."""
     if not isinstance(x, tuple):
         return x
@@ -170,7 +170,7 @@ def softcapped_attention(queries: mx.array, keys: Any, values: Any, *, scale: fl
         ``(B, H, L, Dv)``.
     """
     B, H, L, D = queries.shape
-    keys, values = _dequantized(keys, D), _dequantized(values, D)
+    keys, values = dequantized(keys, D), dequantized(values, D)
     kvh = keys.shape[1]
     repeats = H // kvh
     queries = queries * scale

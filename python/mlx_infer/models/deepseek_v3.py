@@ -29,7 +29,7 @@ import mlx.nn as nn
 
 from ..contracts import GraphDeclaration
 from ..errors import UnsupportedModelError
-from ..layers.attention import create_attention_mask, scaled_dot_product_attention
+from ..layers.attention import create_attention_mask, dequantized, scaled_dot_product_attention
 from ..layers.rope import SUPPORTED_ROPE_TYPES, initialize_rope, rope_type_of
 from ..layers.switch import SwitchGLU
 from ..state.kv import KVCache
@@ -166,6 +166,9 @@ class Attention(nn.Module):
         kv_latent = mx.expand_dims(kv_latent, axis=1)  # (B, 1, L, R)
         if cache is not None:
             kv_latent, k_pe = cache.update_and_fetch(kv_latent, k_pe)  # (B, 1, S, R), (B, 1, S, rope)
+            # A quantized KV store hands back (packed, scales, biases): the latent is used as a
+            # matrix operand below, so it is dequantized here.
+            kv_latent, k_pe = dequantized(kv_latent, self.kv_lora_rank), dequantized(k_pe, self.rope_dim)
         pe_scores = (q_pe * self.scale) @ k_pe.swapaxes(-1, -2)  # (B, H, L, S)
         if mask is not None:
             pe_scores = mx.where(mask, pe_scores, mx.array(mx.finfo(pe_scores.dtype).min, pe_scores.dtype))
