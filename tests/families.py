@@ -127,7 +127,7 @@ def hf_cached_logits(name: str, schedule=SCHEDULE) -> list[np.ndarray]:
     out, past, pos = [], None, 0
     with torch.no_grad():
         for n in schedule:
-            r = hf(torch.tensor(ids[:, pos:pos + n], dtype=torch.long), past_key_values=past, use_cache=True)
+            r = hf(torch.tensor(ids[:, pos:pos + n], dtype=torch.long), cache=past, use_cache=True)
             past = r.past_key_values
             out.append(r.logits.float().numpy())
             pos += n
