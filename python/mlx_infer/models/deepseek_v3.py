@@ -117,6 +117,26 @@ class MultiLinear(nn.Module):
     def __call__(self, x: mx.array, transpose: bool = True) -> mx.array:
         return x @ self.weight.swapaxes(-1, -2) if transpose else x @ self.weight
 
+    def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine",
+                     **_: Any) -> "QuantizedMultiLinear":
+        """The quantized form (mlx-lm's ``convert`` quantizes ``embed_q`` / ``unembed_out``)."""
+        return QuantizedMultiLinear(self.weight, group_size, bits, mode)
+
+
+class QuantizedMultiLinear(nn.Module):
+    """:class:`MultiLinear` with quantized per-head matrices, via ``quantized_matmul`` (mlx-lm's)."""
+
+    def __init__(self, weight: mx.array, group_size: int, bits: int, mode: str = "affine"):
+        super().__init__()
+        self.group_size, self.bits, self.mode = group_size, bits, mode
+        self.weight, self.scales, *biases = mx.quantize(weight, group_size, bits, mode=mode)
+        self.biases = biases[0] if biases else None
+        self.freeze()
+
+    def __call__(self, x: mx.array, transpose: bool = True) -> mx.array:
+        return mx.quantized_matmul(x, self["weight"], scales=self["scales"], biases=self.get("biases"),
+                                   transpose=transpose, group_size=self.group_size, bits=self.bits, mode=self.mode)
+
 
 class Attention(nn.Module):
     """Multi-head latent attention over a cache of latents and RoPE keys."""
