@@ -16,8 +16,9 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+import pytest
 
-from families import hf_setup
+from families import SPECS, build_mlx_lm, hf_setup
 from mlx_infer.artifacts.loader import load_model
 from mlx_infer.layers.switch import QuantizedSwitchLinear
 from test_families_paths import PROMPTS, eager_tokens, engine_tokens
@@ -78,3 +79,25 @@ def test_mxfp4_experts_load_and_match_their_dequantized_values(tmp_path):
     want = [eager_tokens(d, p) for p in PROMPTS]
     assert [eager_tokens(q, p) for p in PROMPTS] == want
     assert engine_tokens(load_model(qdir, cpu_kernels=False)) == want
+
+
+@pytest.mark.parametrize("mode", ["affine", "mxfp4"])
+def test_mlx_lm_quantized_gpt_oss_directory_loads_bit_identical(mode, tmp_path):
+    """An mlx-community style gpt-oss directory (mlx-lm's names, experts quantized by mlx-lm's
+    ``quantize_model``, affine or mxfp4) loads here and gives mlx-lm's logits bit for bit."""
+    from mlx_lm.utils import quantize_model, save_config, save_model
+
+    src, cfg, ids, _ = hf_setup("gpt_oss")
+    theirs, _ = build_mlx_lm("gpt_oss")
+    config = dict(SPECS["gpt_oss"].mlx_lm_args(cfg))
+    group = 32
+    theirs, config = quantize_model(theirs, config, group, 4, mode=mode)
+    out = tmp_path / "q"
+    save_model(out, theirs)
+    save_config(config, out / "config.json")
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(src / f, out / f)
+    ours = load_model(out, cpu_kernels=False).model
+    assert isinstance(ours.layers[0].mlp.experts["gate_proj"], QuantizedSwitchLinear)
+    x = mx.array(ids)
+    assert mx.array_equal(ours(x), theirs(x))
