@@ -190,3 +190,14 @@ def test_mlx_lm_quantized_directory_loads_bit_identical(name, tmp_path: Path):
     # Within every window (mlx-lm ignores some); past original_max_position_embeddings for LongRoPE.
     x = mx.array(ids if SPECS[name].mlx_lm == "full_only" else ids[:, :6])
     assert mx.array_equal(ours(x), theirs(x))
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_bfloat16_eager_equals_engine(name):
+    """Loaded in bfloat16 (``dtype=``), the engine over paged KV gives the eager graph's greedy tokens."""
+    path = hf_setup(name)[0]
+    loaded = load_model(path, dtype="bfloat16", cpu_kernels=False)
+    assert loaded.model.model.embed_tokens.weight.dtype == mx.bfloat16
+    want = [eager_tokens(loaded, p) for p in PROMPTS]
+    assert len(set().union(*want)) >= 3, want
+    assert engine_tokens(load_model(path, dtype="bfloat16", cpu_kernels=False)) == want

@@ -38,7 +38,14 @@ class SwitchLinear(nn.Module):
             self.bias = mx.zeros((num_experts, output_dims))
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
-        x = mx.gather_mm(x, self["weight"].swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
+        w = self["weight"].swapaxes(-1, -2)  # (experts, in, out)
+        if x.dtype != mx.float32 and mx.default_device() == mx.cpu:
+            # MLX's CPU gather_mm computes in float32 only: widen, multiply, round back once.
+            dtype = x.dtype
+            x = mx.gather_mm(x.astype(mx.float32), w.astype(mx.float32), rhs_indices=indices,
+                             sorted_indices=sorted_indices).astype(dtype)
+        else:
+            x = mx.gather_mm(x, w, rhs_indices=indices, sorted_indices=sorted_indices)
         if "bias" in self:
             x = x + mx.expand_dims(self["bias"][indices], -2)  # per-expert bias
         return x
