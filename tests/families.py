@@ -302,6 +302,13 @@ register(
         **{**SMALL, "num_hidden_layers": 3, "num_key_value_heads": 4}, **MLA, q_lora_rank=48, n_group=2,
         topk_group=1, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
         tie_word_embeddings=False), tf.DeepseekV3ForCausalLM, "deepseek_v3", flat_rope, gguf_arch="deepseek2"),
+    # DeepSeek V3's own RoPE: yarn with mscale == mscale_all_dim (the softmax scale takes mscale^2).
+    Spec("deepseek_v3_yarn", lambda: tf.DeepseekV3Config(
+        **{**SMALL, "num_key_value_heads": 4}, **{**MLA, "rope_parameters": {
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}},
+        q_lora_rank=48, n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
+        tie_word_embeddings=False), tf.DeepseekV3ForCausalLM, "deepseek_v3", flat_rope),
     Spec("deepseek_v3_no_q_lora_tied", lambda: tf.DeepseekV3Config(
         **{**SMALL, "num_key_value_heads": 4}, **{**MLA, "qk_rope_head_dim": 32}, q_lora_rank=None, n_group=1,
         topk_group=1,
