@@ -194,10 +194,17 @@ def test_mlx_lm_quantized_directory_loads_bit_identical(name, tmp_path: Path):
 
 @pytest.mark.parametrize("name", ALL)
 def test_bfloat16_eager_equals_engine(name):
-    """Loaded in bfloat16 (``dtype=``), the engine over paged KV gives the eager graph's greedy tokens."""
+    """Loaded in bfloat16 (``dtype=``), the engine over paged KV gives the eager graph's greedy tokens,
+    one request at a time. Batched, a row's padded attention rounds differently in bfloat16: on
+    deepseek_v3_yarn the second row leaves the eager stream at token 8 of 10, on a top-2 logit gap of
+    0.078 (2-3 bfloat16 ulps); float32 batches are exact (test_same_greedy_tokens_on_every_path)."""
     path = hf_setup(name)[0]
     loaded = load_model(path, dtype="bfloat16", cpu_kernels=False)
     assert loaded.model.model.embed_tokens.weight.dtype == mx.bfloat16
     want = [eager_tokens(loaded, p) for p in PROMPTS]
     assert len(set().union(*want)) >= 3, want
-    assert engine_tokens(load_model(path, dtype="bfloat16", cpu_kernels=False)) == want
+    with Engine(load_model(path, dtype="bfloat16", cpu_kernels=False), EngineConfig(page_size=4)) as engine:
+        for prompt, tokens in zip(PROMPTS, want):
+            req = EngineRequest(prompt_ids=prompt, max_tokens=N, ignore_eos=True, detokenize=False)
+            result = engine.generate([req], timeout=120)[0]
+            assert result.error is None and result.token_ids == tokens
