@@ -192,19 +192,40 @@ def test_mlx_lm_quantized_directory_loads_bit_identical(name, tmp_path: Path):
     assert mx.array_equal(ours(x), theirs(x))
 
 
+BF16_TIE = 0.125  # a top-2 logit gap below this (~4 bfloat16 ulps at |logit| ~ 4) is a near-tie
+
+
+def eager_with_gaps(model, prompt: list[int]) -> tuple[list[int], list[float]]:
+    """Greedy tokens of the eager graph (plain caches) and each step's top-2 logit gap."""
+    cache, tokens, gaps = model.make_cache(), [], []
+    logits = model(mx.array([prompt]), cache=cache)[0, -1]
+    for _ in range(N):
+        top2 = mx.topk(logits.astype(mx.float32), 2).tolist()
+        gaps.append(abs(top2[1] - top2[0]))
+        tokens.append(int(logits.argmax().item()))
+        logits = model(mx.array([[tokens[-1]]]), cache=cache)[0, -1]
+    return tokens, gaps
+
+
 @pytest.mark.parametrize("name", ALL)
 def test_bfloat16_eager_equals_engine(name):
-    """Loaded in bfloat16 (``dtype=``), the engine over paged KV gives the eager graph's greedy tokens,
-    one request at a time. Batched, a row's padded attention rounds differently in bfloat16: on
-    deepseek_v3_yarn the second row leaves the eager stream at token 8 of 10, on a top-2 logit gap of
-    0.078 (2-3 bfloat16 ulps); float32 batches are exact (test_same_greedy_tokens_on_every_path)."""
+    """Loaded in bfloat16 (``dtype=``), the engine over paged KV (two requests batched) gives the eager
+    graph's greedy tokens up to the first near-tie of the eager stream (a top-2 gap under
+    :data:`BF16_TIE`): padded, batched attention sums in another order, which in bfloat16 moves a
+    logit by an ulp or two (measured: deepseek_v3_yarn's second row flips at a 0.078 gap, token 8 of 10,
+    where a step-by-step eager loop flips too);
+    float32 batches are compared exactly (test_same_greedy_tokens_on_every_path)."""
     path = hf_setup(name)[0]
     loaded = load_model(path, dtype="bfloat16", cpu_kernels=False)
     assert loaded.model.model.embed_tokens.weight.dtype == mx.bfloat16
     want = [eager_tokens(loaded, p) for p in PROMPTS]
     assert len(set().union(*want)) >= 3, want
-    with Engine(load_model(path, dtype="bfloat16", cpu_kernels=False), EngineConfig(page_size=4)) as engine:
-        for prompt, tokens in zip(PROMPTS, want):
-            req = EngineRequest(prompt_ids=prompt, max_tokens=N, ignore_eos=True, detokenize=False)
-            result = engine.generate([req], timeout=120)[0]
-            assert result.error is None and result.token_ids == tokens
+    got = engine_tokens(load_model(path, dtype="bfloat16", cpu_kernels=False))
+    for prompt, w, g in zip(PROMPTS, want, got):
+        # A step-by-step eager loop: its gaps say where bfloat16 rounding may pick either token (it can
+        # itself leave generate's stream there: deepseek_v3_yarn's second row does, at token 8).
+        tokens, gaps = eager_with_gaps(loaded.model, prompt)
+        same = next((i for i, (a, b) in enumerate(zip(tokens, w)) if a != b), N)
+        sure = min(next((i for i, gap in enumerate(gaps) if gap < BF16_TIE), N), same)
+        assert same == N or gaps[same] < BF16_TIE, (same, gaps)  # two eager orders part only at a near-tie
+        assert g[:sure + 1] == w[:sure + 1], (sure, gaps)
