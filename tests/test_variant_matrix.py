@@ -203,6 +203,9 @@ def test_matrix_covers_every_family_and_switch():
     families = {f for f, _, _ in VARIANTS.values()}
     assert families == set(CONFIGS)
     served = {family_of(CONFIGS[f]["model_type"]) for f in families}
+    # The eager-only families of issue 20 run every path in tests/test_families_paths.py.
+    from families import SPECS
+    served |= {family_of(spec.make_config().model_type) for spec in SPECS.values()}
     for model_type in SUPPORTED_MODEL_TYPES:  # a new family must join the matrix (denoising graphs have no paths here)
         if get_model_classes(model_type)[0].declaration.method == "autoregressive":
             assert family_of(model_type) in served, model_type

@@ -33,8 +33,9 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import ModelLoadError, UnsupportedModelError
-from .gguf_config import SUPPORTED_ARCHITECTURES, build_config, check_tokenizer_metadata, model_type
+from .gguf_config import SUPPORTED_ARCHITECTURES, Meta, build_config, check_tokenizer_metadata, model_type
 from .gguf_tokenizer import build_tokenizer, generation_config
+from .gguf_families import CONFIG_TENSORS, FAMILY_ARCHITECTURES, hf_names, rope_factors_config, untransform
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "GGUFArtifact", "GGUFHeader", "GGUFTensorInfo", "read_gguf", "read_gguf_header"]
 
@@ -458,7 +459,9 @@ def read_gguf(path: str | os.PathLike, *, dtype: mx.Dtype | str = mx.float32, pr
     check_tokenizer_metadata(header)
     arch = header.architecture
     infos = {t.name: t for t in header.tensors}
-    mapped = {name: _hf_name(arch, name, header.path) for name in infos if name not in _IGNORED_TENSORS}
+    family = arch in FAMILY_ARCHITECTURES  # named and transformed by .gguf_families
+    if not family:
+        mapped = {name: _hf_name(arch, name, header.path) for name in infos if name not in _IGNORED_TENSORS}
     from tqdm.auto import tqdm
 
     with header.path.open("rb") as f:
@@ -467,6 +470,11 @@ def read_gguf(path: str | os.PathLike, *, dtype: mx.Dtype | str = mx.float32, pr
             rope_freqs = _dequantize(f, infos["rope_freqs.weight"]).astype(np.float64)
         n_vocab = len(header.metadata.get("tokenizer.ggml.tokens") or []) or None
         config = build_config(header, infos, n_vocab, rope_freqs)
+        if family:
+            rope_factors_config(Meta(header), config, {
+                n: _dequantize(f, infos[n]).astype(np.float64) for n in CONFIG_TENSORS if n in infos})
+            weights_in = [n for n in infos if n not in _IGNORED_TENSORS and n not in CONFIG_TENSORS]
+            mapped = hf_names(arch, config, weights_in, header.path)
         _check_tensor_shapes(header, config, {hf: infos[g] for g, hf in mapped.items()})
         config["torch_dtype"] = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}[target]
         tokenizer_json, tokenizer_config = build_tokenizer(header)
@@ -481,6 +489,8 @@ def read_gguf(path: str | os.PathLike, *, dtype: mx.Dtype | str = mx.float32, pr
                 w = _reverse_permute(w, kv_heads)
             elif arch == "gemma3" and gname.endswith("norm.weight"):
                 w = w - np.float32(1.0)  # llama.cpp stores Gemma's (1 + w) norm weights as 1 + w
+            elif family:
+                w = untransform(arch, gname, w, config)
             a = mx.array(w)
             if a.dtype != target:
                 a = a.astype(target)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..errors import ModelLoadError, UnsupportedModelError
+from .gguf_families import FAMILY_ARCHITECTURES, family_config
 
 if TYPE_CHECKING:
     from .gguf import GGUFHeader, GGUFTensorInfo
@@ -27,6 +28,7 @@ ARCHITECTURES = {
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
 }
+ARCHITECTURES.update(FAMILY_ARCHITECTURES)
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(sorted(ARCHITECTURES))
 
 _F32_MAX = 3.4028234663852886e38
@@ -326,4 +328,6 @@ def build_config(header: "GGUFHeader", tensors: dict[str, "GGUFTensorInfo"], n_v
             "attn_logit_softcapping": m.number(a + "attn_logit_softcapping", lo=0.0, lo_open=True, default=None),
             "attention_bias": False,
         })
+    if arch in FAMILY_ARCHITECTURES:
+        family_config(m, config, tensors)
     return config

@@ -65,7 +65,7 @@ def create_attention_mask(h: mx.array, cache: Any = None, window_size: int | Non
 
 
 def scaled_dot_product_attention(queries: mx.array, keys: Any, values: Any, *,
-                                 scale: float, mask: Mask) -> mx.array:
+                                 scale: float, mask: Mask, sinks: mx.array | None = None) -> mx.array:
     """Softmax attention over ``(B, H, L, D)`` queries and ``(B, KVH, S, D)`` keys/values.
 
     Grouped-query attention (``H`` a multiple of ``KVH``) is handled by the kernel.
@@ -79,10 +79,15 @@ def scaled_dot_product_attention(queries: mx.array, keys: Any, values: Any, *,
         scale: multiplier on ``q . k`` (usually ``D ** -0.5``).
         mask: ``None``, ``"causal"`` or a boolean/additive array
             broadcastable to ``(B, H, L, S)``.
+        sinks: ``(H,)`` attention-sink logits, or ``None``.
 
     Returns:
         ``(B, H, L, Dv)``.
     """
+    if sinks is not None:  # one learned logit per head joins every softmax (gpt-oss); MLX's kernel only
+        D = queries.shape[-1]
+        return mx.fast.scaled_dot_product_attention(queries, dequantized(keys, D), dequantized(values, D),
+                                                    scale=scale, mask=mask, sinks=sinks)
     if isinstance(keys, tuple):
         return quantized_scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
     if cpu_attention_active():  # a model on mlx-infer's CPU kernels (layers.linear)
@@ -134,4 +139,61 @@ def quantized_scaled_dot_product_attention(queries: mx.array, q_keys: tuple[mx.a
     out = mx.quantized_matmul(scores, *q_values, transpose=False, group_size=group_size, bits=bits)
     if n_repeats > 1:
         out = mx.reshape(out, (B, n_q_heads, L, D))
+    return out
+
+
+def dequantized(x: Any, dim: int) -> mx.array:
+    """A quantized ``(packed, scales, biases)`` K/V tuple as a dense array (bits read off the shapes)."""
+    if not isinstance(x, tuple):
+        return x
+    packed, scales, biases = x
+    bits = packed.shape[-1] * 32 // dim
+    return mx.dequantize(packed, scales, biases, group_size=dim // scales.shape[-1], bits=bits)
+
+
+def softcapped_attention(queries: mx.array, keys: Any, values: Any, *, scale: float, mask: Mask,
+                         softcap: float | None) -> mx.array:
+    """Attention whose scores are soft-capped, ``cap * tanh(scores / cap)`` before the mask (Gemma 2).
+
+    The ops, in order, are mlx-lm's ``gemma2`` attention: the fast kernel has no soft cap,
+    so the scores are materialized. Grouped-query heads are handled by a reshape.
+
+    Args:
+        queries: ``(B, H, L, D)``.
+        keys: ``(B, KVH, S, D)`` (or a quantized KV tuple, dequantized here).
+        values: ``(B, KVH, S, Dv)`` (likewise).
+        scale: multiplier on the queries.
+        mask: ``None``, ``"causal"`` or a boolean/additive array broadcastable to ``(B, H, L, S)``.
+        softcap: the cap, or ``None`` for plain softmax attention.
+
+    Returns:
+        ``(B, H, L, Dv)``.
+    """
+    B, H, L, D = queries.shape
+    keys, values = dequantized(keys, D), dequantized(values, D)
+    kvh = keys.shape[1]
+    repeats = H // kvh
+    queries = queries * scale
+    if repeats > 1:
+        queries = queries.reshape(B, kvh, repeats, L, D)  # (B, KVH, rep, L, D)
+        keys = mx.expand_dims(keys, 2)  # (B, KVH, 1, S, D)
+        values = mx.expand_dims(values, 2)
+    scores = queries @ keys.swapaxes(-1, -2)  # (B, KVH, rep, L, S) or (B, H, L, S)
+    if softcap is not None:
+        scores = mx.tanh(scores / softcap)
+        scores *= softcap
+    if mask is not None:
+        if isinstance(mask, str):
+            qL, kL = scores.shape[-2:]
+            mask = mx.arange(kL - qL, kL)[:, None] >= mx.arange(kL)[None]  # (L, S) bottom-right causal
+        if repeats > 1 and mask.ndim > 3:
+            mask = mx.expand_dims(mask, -3)  # (B, 1, 1, L, S)
+        if mask.dtype == mx.bool_:
+            scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
+        else:
+            scores = scores + mask
+    scores = mx.softmax(scores, precise=True, axis=-1)
+    out = scores @ values
+    if repeats > 1:
+        out = out.reshape(B, H, L, -1)
     return out

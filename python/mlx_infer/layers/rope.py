@@ -82,8 +82,11 @@ class YarnRoPE(nn.Module):
         def correction_dim(rotations: float) -> float:
             return dims * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
-        low = max(math.floor(correction_dim(beta_fast)), 0)
-        high = min(math.ceil(correction_dim(beta_slow)), dims - 1)
+        # transformers' ``truncate`` (default true) rounds the ramp's ends to whole dimensions; gpt-oss sets it false.
+        low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+        if scaling_config.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dims - 1)
 
         def get_mscale(m: float) -> float:
             return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
@@ -143,3 +146,55 @@ def initialize_rope(
     raise UnsupportedModelError(
         f"RoPE type {rope_type!r} is not supported; supported types: {', '.join(SUPPORTED_ROPE_TYPES)}."
     )
+
+
+class LongRoPE(nn.Module):
+    """Phi-3's LongRoPE (``rope_type`` ``longrope``, formerly ``su``): per-frequency rescaling.
+
+    Two tables, ``short_factor`` and ``long_factor`` times the default periods, and one
+    input scale (``attention_factor``, default ``sqrt(1 + log(factor) / log(original))``
+    with ``factor = max_position_embeddings / original``). As transformers does, a call whose
+    last position is past ``original`` rotates every position with the long table, otherwise
+    with the short one (decided per row when ``offset`` is a per-row array). mlx-lm's
+    ``SuScaledRoPE`` always uses the long table: the two agree once a sequence is longer
+    than ``original``. The ops are mlx-lm's, in its order.
+    """
+
+    def __init__(self, dims: int, *, base: float, short_factor: list[float], long_factor: list[float],
+                 original_max_position_embeddings: int, max_position_embeddings: int,
+                 factor: float | None = None, attention_factor: float | None = None):
+        super().__init__()
+        for name, f in (("short_factor", short_factor), ("long_factor", long_factor)):
+            if not isinstance(f, list) or len(f) != dims // 2:
+                raise UnsupportedModelError(
+                    f"longrope {name} must list {dims // 2} numbers (rotary dims / 2), got {f!r:.80}; "
+                    "fix rope_scaling in config.json.")
+        self.dims = dims
+        self.original = original_max_position_embeddings
+        freqs = base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)  # (D/2,)
+        self._short_freqs = mx.array(short_factor, dtype=mx.float32) * freqs
+        self._long_freqs = mx.array(long_factor, dtype=mx.float32) * freqs
+        if factor is None:
+            factor = max_position_embeddings / original_max_position_embeddings
+        if attention_factor is None:
+            attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(self.original))
+        self.scale = attention_factor
+
+    def _rope(self, x: mx.array, offset: int | mx.array, freqs: mx.array) -> mx.array:
+        return mx.fast.rope(x.at[..., : self.dims].multiply(self.scale), self.dims, traditional=False, base=None,
+                            scale=1.0, offset=offset, freqs=freqs)
+
+    def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
+        """``x (B, H, L, D)`` rotated from position ``offset`` (an int or a ``(B,)`` array)."""
+        end = offset + x.shape[-2]  # one past the last position of the call
+        if isinstance(end, int):
+            return self._rope(x, offset, self._long_freqs if end > self.original else self._short_freqs)
+        long = (end > self.original).reshape(-1, 1, 1, 1)  # (B, 1, 1, 1)
+        return mx.where(long, self._rope(x, offset, self._long_freqs), self._rope(x, offset, self._short_freqs))
+
+
+class NoPE(nn.Module):
+    """No rotary embedding: the identity, for layers that attend without positions (SmolLM 3)."""
+
+    def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
+        return x

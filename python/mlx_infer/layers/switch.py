@@ -30,17 +30,29 @@ QuantizedLinearKept, QuantizedEmbeddingKept = _kept(nn.QuantizedLinear), _kept(n
 class SwitchLinear(nn.Module):
     """One linear map per expert: weight ``(experts, out, in)``, applied with ``gather_mm``."""
 
-    def __init__(self, input_dims: int, output_dims: int, num_experts: int):
+    def __init__(self, input_dims: int, output_dims: int, num_experts: int, bias: bool = False):
         super().__init__()
         scale = input_dims**-0.5
         self.weight = mx.random.uniform(-scale, scale, (num_experts, output_dims, input_dims))
+        if bias:
+            self.bias = mx.zeros((num_experts, output_dims))
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
-        return mx.gather_mm(x, self["weight"].swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
+        w = self["weight"].swapaxes(-1, -2)  # (experts, in, out)
+        if x.dtype != mx.float32 and mx.default_device() == mx.cpu:
+            # MLX's CPU gather_mm computes in float32 only: widen, multiply, round back once.
+            dtype = x.dtype
+            x = mx.gather_mm(x.astype(mx.float32), w.astype(mx.float32), rhs_indices=indices,
+                             sorted_indices=sorted_indices).astype(dtype)
+        else:
+            x = mx.gather_mm(x, w, rhs_indices=indices, sorted_indices=sorted_indices)
+        if "bias" in self:
+            x = x + mx.expand_dims(self["bias"][indices], -2)  # per-expert bias
+        return x
 
     def to_quantized(self, group_size: int | None = None, bits: int | None = None, mode: str = "affine",
                      **_: Any) -> "QuantizedSwitchLinear":
-        return QuantizedSwitchLinear(self.weight, group_size, bits, mode)
+        return QuantizedSwitchLinear(self.weight, group_size, bits, mode, bias="bias" in self)
 
 
 class QuantizedSwitchLinear(nn.Module):
@@ -49,29 +61,35 @@ class QuantizedSwitchLinear(nn.Module):
     def to_quantized(self, **_: Any) -> "QuantizedSwitchLinear":
         return self  # already quantized (see _kept)
 
-    def __init__(self, weight: mx.array, group_size: int | None, bits: int | None, mode: str = "affine"):
+    def __init__(self, weight: mx.array, group_size: int | None, bits: int | None, mode: str = "affine",
+                 bias: bool = False):
         super().__init__()
         self.group_size, self.bits = group_size or MODE_DEFAULTS[mode][0], bits or MODE_DEFAULTS[mode][1]
         self.mode = mode
         self.weight, self.scales, *biases = mx.quantize(weight, self.group_size, self.bits, mode=mode)
         self.biases = biases[0] if biases else None
+        if bias:
+            self.bias = mx.zeros(weight.shape[:2])  # (experts, out)
         self.freeze()
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
-        return mx.gather_qmm(x, self["weight"], self["scales"], self.get("biases"), rhs_indices=indices,
-                             transpose=True, group_size=self.group_size, bits=self.bits, mode=self.mode,
-                             global_scale=self.get("global_scale"), sorted_indices=sorted_indices)
+        x = mx.gather_qmm(x, self["weight"], self["scales"], self.get("biases"), rhs_indices=indices,
+                          transpose=True, group_size=self.group_size, bits=self.bits, mode=self.mode,
+                          global_scale=self.get("global_scale"), sorted_indices=sorted_indices)
+        if "bias" in self:
+            x = x + mx.expand_dims(self["bias"][indices], -2)  # per-expert bias
+        return x
 
 
 class SwitchGLU(nn.Module):
     """Expert gated MLP: ``down(activation(gate(x), up(x)))`` for each of a token's top-k experts."""
 
     def __init__(self, dims: int, hidden: int, num_experts: int,
-                 activation: Callable[[mx.array, mx.array], mx.array]):
+                 activation: Callable[[mx.array, mx.array], mx.array], bias: bool = False):
         super().__init__()
-        self.gate_proj = SwitchLinear(dims, hidden, num_experts)
-        self.up_proj = SwitchLinear(dims, hidden, num_experts)
-        self.down_proj = SwitchLinear(hidden, dims, num_experts)
+        self.gate_proj = SwitchLinear(dims, hidden, num_experts, bias)
+        self.up_proj = SwitchLinear(dims, hidden, num_experts, bias)
+        self.down_proj = SwitchLinear(hidden, dims, num_experts, bias)
         self._activation = activation
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:

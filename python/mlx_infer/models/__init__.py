@@ -17,14 +17,23 @@ from ..errors import UnsupportedModelError
 
 #: ``config.json`` ``model_type`` -> family module in this package.
 MODEL_TYPE_ALIASES: dict[str, str] = {
+    "glm4": "glm4",
+    "gpt_oss": "gpt_oss",
+    "granite": "granite",
     "llama": "llama",
     "mistral": "llama",
     "qwen2": "llama",
     "qwen3": "llama",
+    "qwen3_moe": "qwen3_moe",
+    "smollm3": "smollm3",
+    "gemma2": "gemma2",
+    "olmo2": "olmo2",
+    "phi3": "phi3",
     "gemma3": "gemma3",
     "gemma3_text": "gemma3",
     "gemma4": "gemma4",
     "gemma4_text": "gemma4",
+    "deepseek_v3": "deepseek_v3",
     "diffusion_gemma": "diffusion_gemma",
     "diffusion_gemma_text": "diffusion_gemma",
 }

@@ -74,6 +74,7 @@ _ROPE_NUMBERS: dict[str, tuple[float, float, bool, bool]] = {
     "mscale": (-_F32_MAX, _F32_MAX, False, False),
     "mscale_all_dim": (-_F32_MAX, _F32_MAX, False, False),
     "partial_rotary_factor": (0.0, 1.0, True, False),
+    "attention_factor": (0.0, _F32_MAX, True, False),
 }
 _ROPE_NEEDS_FACTOR = ("linear", "llama3", "yarn")
 

@@ -1,0 +1,142 @@
+"""GLM-4 (GLM-4-0414 dense): sandwich norms, partial interleaved RoPE, fused gate|up.
+
+What sets it apart from Llama:
+
+- Four norms per block: ``h = x + post_self_attn_norm(attn(input_norm(x)))``,
+  ``out = h + post_mlp_norm(mlp(post_attention_norm(h)))``.
+- RoPE rotates the first ``partial_rotary_factor`` of each head (default 1/2) in the
+  interleaved ("traditional") layout.
+- Bias on q/k/v (``attention_bias``), none on o_proj; one fused ``gate_up_proj``
+  (:class:`~mlx_infer.models.phi3.MLP`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..contracts import GraphDeclaration
+from ..layers.attention import create_attention_mask, scaled_dot_product_attention
+from ..layers.rope import initialize_rope
+from ..state.kv import KVCache
+from . import llama
+from .phi3 import MLP
+from .schema import check_number, config_fields
+
+
+@dataclass
+class ModelArgs(llama.ModelArgs):
+    """GLM-4 settings: the Llama family's plus the rotated fraction of each head."""
+
+    partial_rotary_factor: float | None = None
+    rope_traditional: bool = True
+    tie_word_embeddings: bool = False
+
+    @classmethod
+    def from_dict(cls, params: dict[str, Any]) -> "ModelArgs":
+        """Build from a config dict, ignoring keys this family does not use."""
+        return cls(**config_fields(cls, params))
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.partial_rotary_factor is None:
+            self.partial_rotary_factor = (self.rope_parameters or {}).get("partial_rotary_factor", 0.5)
+        self.partial_rotary_factor = check_number("partial_rotary_factor", self.partial_rotary_factor,
+                                                  integer=False, lo=0.0, hi=1.0, lo_open=True)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with q/k/v bias and partial interleaved RoPE."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        dim = args.hidden_size
+        self.n_heads = args.num_attention_heads
+        self.n_kv_heads = args.num_key_value_heads
+        self.head_dim = head_dim = args.head_dim
+        self.scale = head_dim**-0.5
+        bias = args.attention_bias
+        self.q_proj = nn.Linear(dim, self.n_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(dim, self.n_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(dim, self.n_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * head_dim, dim, bias=False)
+        self.rope = initialize_rope(int(head_dim * args.partial_rotary_factor), args.rope_theta,
+                                    args.rope_traditional, args.rope_scaling, args.max_position_embeddings)
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        B, L, _ = x.shape
+        queries = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)  # (B, H, L, D)
+        keys = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)  # (B, KVH, L, D)
+        values = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)  # (B, KVH, L, D)
+        if cache is not None:
+            queries = self.rope(queries, offset=cache.offset)
+            keys = self.rope(keys, offset=cache.offset)
+            keys, values = cache.update_and_fetch(keys, values)  # (B, KVH, S, D)
+        else:
+            queries = self.rope(queries)
+            keys = self.rope(keys)
+        out = scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)  # (B, H, L, D)
+        out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)  # (B, L, H*D)
+        return self.o_proj(out)
+
+
+class TransformerBlock(nn.Module):
+    """Sandwich-norm block (a norm before and after each sublayer)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.use_sliding = False
+        self.self_attn = Attention(args)
+        self.mlp = MLP(args.hidden_size, args.intermediate_size)
+        eps = args.rms_norm_eps
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=eps)
+        self.post_self_attn_layernorm = nn.RMSNorm(args.hidden_size, eps=eps)
+        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=eps)
+        self.post_mlp_layernorm = nn.RMSNorm(args.hidden_size, eps=eps)
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        h = x + self.post_self_attn_layernorm(self.self_attn(self.input_layernorm(x), mask, cache))
+        return self.post_mlp_layernorm(self.mlp(self.post_attention_layernorm(h))) + h
+
+
+class Glm4Model(nn.Module):
+    """Embedding, blocks and final norm: tokens to final hidden states."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [TransformerBlock(args) for _ in range(args.num_hidden_layers)]
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, inputs: mx.array | None, cache: list[Any] | None = None,
+                 input_embeddings: mx.array | None = None) -> mx.array:
+        """Return the final-norm hidden states ``(B, L, hidden)``."""
+        h = input_embeddings if input_embeddings is not None else self.embed_tokens(inputs)  # (B, L, E)
+        if cache is None:
+            cache = [None] * len(self.layers)
+        mask = create_attention_mask(h, cache[0])
+        for layer, c in zip(self.layers, cache):
+            h = layer(h, mask, c)
+        return self.norm(h)
+
+
+class Model(llama.Model):
+    """GLM-4 causal LM: ``inputs (B, L) -> logits (B, L, vocab)``; eager decode only."""
+
+    declaration = GraphDeclaration(method="autoregressive", compiled_decode=False)
+
+    def __init__(self, args: ModelArgs):
+        nn.Module.__init__(self)
+        self.args = args
+        self.model_type = args.model_type
+        self.model = Glm4Model(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def make_cache(self) -> list[KVCache]:
+        """One growing cache per layer (every layer is global)."""
+        return [KVCache() for _ in self.layers]

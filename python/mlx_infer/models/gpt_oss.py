@@ -1,0 +1,278 @@
+"""gpt-oss (20B / 120B): attention sinks, alternating sliding/full layers, a biased MoE.
+
+What sets it apart from Llama:
+
+- Each attention head has a learned sink logit (``self_attn.sinks``) that joins its
+  softmax (``mx.fast.scaled_dot_product_attention(..., sinks=)``); q/k/v/o all have biases.
+- ``layer_types`` alternate sliding-window (``sliding_window`` tokens) and full layers.
+- Every MLP is a mixture of experts: a biased router picks the top ``num_experts_per_tok``
+  logits and softmaxes them; the experts are biased SwiGLU with gpt-oss's clamped
+  activation, ``(clip(up, ±limit) + 1) * g * sigmoid(1.702 g)`` with ``g = min(gate, limit)``.
+- Checkpoints store the experts fused and interleaved: transformers' bf16 layout
+  ``mlp.experts.gate_up_proj`` ``(E, hidden, 2I)`` (gate and up alternate along the last
+  axis) with ``down_proj`` ``(E, I, hidden)`` and ``*_bias``; OpenAI's release quantizes them
+  to MXFP4 (``*_blocks`` uint8 ``(E, out, in/32, 16)``, ``*_scales`` ``(E, out, in/32)``), which
+  loads as MLX's ``mxfp4`` mode as is. :meth:`Model.sanitize` maps both to
+  ``mlp.experts.{gate,up,down}_proj`` (mlx-lm's names); mlx-community conversions already use them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..contracts import GraphDeclaration
+from ..errors import ModelLoadError
+from ..layers.attention import create_attention_mask, scaled_dot_product_attention
+from ..layers.rope import SUPPORTED_ROPE_TYPES, initialize_rope, rope_type_of
+from ..layers.switch import QuantizedSwitchLinear, SwitchGLU
+from ..state.kv import KVCache, RotatingKVCache
+from .schema import FULL, SLIDING, check_heads, check_layer_types, check_number, check_rope_dict, config_fields
+
+
+@dataclass
+class ModelArgs:
+    """gpt-oss settings, named as in HF ``config.json`` (defaults: gpt-oss-20b)."""
+
+    model_type: str = "gpt_oss"
+    num_hidden_layers: int = 24
+    num_local_experts: int = 32
+    num_experts_per_tok: int = 4
+    vocab_size: int = 201088
+    rms_norm_eps: float = 1e-5
+    hidden_size: int = 2880
+    intermediate_size: int = 2880
+    head_dim: int = 64
+    num_attention_heads: int = 64
+    num_key_value_heads: int = 8
+    sliding_window: int = 128
+    rope_theta: float | None = None
+    rope_scaling: dict[str, Any] | None = None
+    rope_parameters: dict[str, Any] | None = None
+    layer_types: list[str] | None = None
+    swiglu_limit: float = 7.0
+    max_position_embeddings: int = 131072
+    tie_word_embeddings: bool = False
+
+    @classmethod
+    def from_dict(cls, params: dict[str, Any]) -> "ModelArgs":
+        """Build from a config dict, ignoring keys this family does not use."""
+        return cls(**config_fields(cls, params))
+
+    def __post_init__(self) -> None:
+        check_heads(self.num_attention_heads, self.num_key_value_heads)
+        rp = self.rope_parameters or {}
+        if self.rope_scaling is None and rope_type_of(rp) != "default":
+            self.rope_scaling = rp
+        check_rope_dict("rope_scaling", self.rope_scaling, SUPPORTED_ROPE_TYPES)
+        if self.rope_theta is None:
+            self.rope_theta = rp.get("rope_theta", 150000.0)
+        self.rope_theta = check_number("rope_theta", self.rope_theta, integer=False, lo=0.0, hi=3.4e38, lo_open=True)
+        self.num_experts_per_tok = check_number("num_experts_per_tok", self.num_experts_per_tok, integer=True,
+                                                lo=1, hi=self.num_local_experts)
+        if self.layer_types is None:
+            self.layer_types = [SLIDING if i % 2 == 0 else FULL for i in range(self.num_hidden_layers)]
+        self.layer_types = check_layer_types(self.layer_types, self.num_hidden_layers)
+
+
+@partial(mx.compile, shapeless=True)
+def swiglu_oai(gate: mx.array, x: mx.array, alpha: float = 1.702, limit: float = 7.0) -> mx.array:
+    """gpt-oss's gated activation: the gate clipped from above, the linear part clipped and shifted by 1."""
+    gate = mx.minimum(gate, limit)
+    x = mx.clip(x, -limit, limit)
+    return (x + 1.0) * (gate * mx.sigmoid(alpha * gate))
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with biases and per-head attention sinks."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        dim = args.hidden_size
+        self.n_heads = args.num_attention_heads
+        self.n_kv_heads = args.num_key_value_heads
+        self.head_dim = head_dim = args.head_dim
+        self.scale = head_dim**-0.5
+        self.sinks = mx.zeros((self.n_heads,))
+        self.q_proj = nn.Linear(dim, self.n_heads * head_dim, bias=True)
+        self.k_proj = nn.Linear(dim, self.n_kv_heads * head_dim, bias=True)
+        self.v_proj = nn.Linear(dim, self.n_kv_heads * head_dim, bias=True)
+        self.o_proj = nn.Linear(self.n_heads * head_dim, dim, bias=True)
+        self.rope = initialize_rope(head_dim, args.rope_theta, False, args.rope_scaling, args.max_position_embeddings)
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        B, L, _ = x.shape
+        q = self.q_proj(x).reshape(B, L, -1, self.head_dim).swapaxes(1, 2)  # (B, H, L, D)
+        k = self.k_proj(x).reshape(B, L, -1, self.head_dim).swapaxes(1, 2)  # (B, KVH, L, D)
+        v = self.v_proj(x).reshape(B, L, -1, self.head_dim).swapaxes(1, 2)  # (B, KVH, L, D)
+        if cache is not None:
+            q = self.rope(q, offset=cache.offset)
+            k = self.rope(k, offset=cache.offset)
+            k, v = cache.update_and_fetch(k, v)  # (B, KVH, S, D)
+        else:
+            q = self.rope(q)
+            k = self.rope(k)
+        out = scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask, sinks=self.sinks)  # (B, H, L, D)
+        return self.o_proj(out.swapaxes(1, 2).reshape(B, L, -1))
+
+
+class MLPBlock(nn.Module):
+    """Top-k routed experts; the softmax runs over the k chosen router logits (mlx-lm's op order)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.top_k = args.num_experts_per_tok
+        limit = args.swiglu_limit
+        self.experts = SwitchGLU(args.hidden_size, args.intermediate_size, args.num_local_experts,
+                                 lambda gate, up: swiglu_oai(gate, up, limit=limit), bias=True)
+        self.router = nn.Linear(args.hidden_size, args.num_local_experts, bias=True)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        g = self.router(x)  # (B, L, E)
+        inds = mx.stop_gradient(mx.argpartition(g, kth=-self.top_k, axis=-1)[..., -self.top_k:])  # (B, L, k)
+        weights = mx.softmax(mx.take_along_axis(g, inds, axis=-1), axis=-1, precise=True)  # (B, L, k)
+        y = self.experts(x, inds)  # (B, L, k, D)
+        return (y * mx.expand_dims(weights, axis=-1)).sum(axis=-2)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: ``h = x + attn(norm(x)); out = h + moe(norm(h))``."""
+
+    def __init__(self, args: ModelArgs, *, sliding: bool):
+        super().__init__()
+        self.use_sliding = sliding
+        self.self_attn = Attention(args)
+        self.mlp = MLPBlock(args)
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), mask, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class GptOssModel(nn.Module):
+    """Embedding, blocks and final norm: tokens to final hidden states."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [TransformerBlock(args, sliding=t == SLIDING) for t in args.layer_types]
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self._full_idx = next((i for i, t in enumerate(args.layer_types) if t == FULL), None)
+        self._swa_idx = next((i for i, t in enumerate(args.layer_types) if t == SLIDING), None)
+
+    def __call__(self, inputs: mx.array | None, cache: list[Any] | None = None,
+                 input_embeddings: mx.array | None = None) -> mx.array:
+        """Return the final-norm hidden states ``(B, L, hidden)``."""
+        h = input_embeddings if input_embeddings is not None else self.embed_tokens(inputs)  # (B, L, E)
+        if cache is None:
+            cache = [None] * len(self.layers)
+        full_mask = swa_mask = None
+        if self._full_idx is not None:
+            full_mask = create_attention_mask(h, cache[self._full_idx])
+        if self._swa_idx is not None:
+            swa_mask = create_attention_mask(h, cache[self._swa_idx], window_size=self.args.sliding_window)
+        for layer, c in zip(self.layers, cache):
+            h = layer(h, swa_mask if layer.use_sliding else full_mask, c)
+        return self.norm(h)
+
+
+def _mxfp4_shell(weight_blocks: mx.array, bias: bool) -> QuantizedSwitchLinear:
+    """An empty MXFP4 expert linear shaped for ``*_blocks`` ``(E, out, in/32, 16)`` (weights loaded later)."""
+    E, out, groups, _ = weight_blocks.shape
+    return QuantizedSwitchLinear(mx.zeros((E, out, groups * 32)), 32, 4, "mxfp4", bias=bias)
+
+
+class Model(nn.Module):
+    """gpt-oss causal LM: ``inputs (B, L) -> logits (B, L, vocab)``; eager decode only."""
+
+    declaration = GraphDeclaration(method="autoregressive", compiled_decode=False)
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model_type = args.model_type
+        self.model = GptOssModel(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def __call__(self, inputs: mx.array | None, cache: list[Any] | None = None,
+                 input_embeddings: mx.array | None = None) -> mx.array:
+        """Logits ``(B, L, vocab)`` for token ids ``(B, L)`` (or ``input_embeddings``)."""
+        return self.logits_from_hidden(self.model(inputs, cache, input_embeddings))
+
+    def logits_from_hidden(self, h: mx.array) -> mx.array:
+        """Project final hidden states ``(B, L, hidden)`` to logits ``(B, L, vocab)``."""
+        if self.args.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(h)
+        return self.lm_head(h)
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        """Map transformers' fused bf16 experts and OpenAI's MXFP4 ones to ``mlp.experts.*``.
+
+        MXFP4 experts switch the layer's expert linears to MLX's ``mxfp4`` mode here (the
+        checkpoint's config carries no MLX ``quantization`` entry).
+        """
+        out: dict[str, mx.array] = {}
+        for k, v in weights.items():
+            if "rotary_emb.inv_freq" in k:
+                continue
+            if k.endswith(("gate_up_proj", "gate_up_proj_blocks", "gate_up_proj_scales")):
+                base = k.rsplit(".", 1)[0]  # model.layers.{i}.mlp.experts
+                if k.endswith("gate_up_proj"):  # (E, hidden, 2I), gate/up interleaved on the last axis
+                    parts = {"weight": (v[..., ::2].swapaxes(-1, -2), v[..., 1::2].swapaxes(-1, -2))}
+                else:  # (E, 2I, ...), gate/up interleaved on the rows
+                    part = "weight" if k.endswith("_blocks") else "scales"
+                    if part == "weight":
+                        self._use_mxfp4(base, "gate_proj", v[:, ::2])
+                        self._use_mxfp4(base, "up_proj", v[:, 1::2])
+                        v = v.view(mx.uint32).flatten(-2)
+                    parts = {part: (v[:, ::2], v[:, 1::2])}
+                for part, (gate, up) in parts.items():
+                    out[f"{base}.gate_proj.{part}"] = mx.contiguous(gate)
+                    out[f"{base}.up_proj.{part}"] = mx.contiguous(up)
+            elif k.endswith("gate_up_proj_bias"):  # (E, 2I)
+                base = k.rsplit(".", 1)[0]
+                out[f"{base}.gate_proj.bias"] = mx.contiguous(v[..., ::2])
+                out[f"{base}.up_proj.bias"] = mx.contiguous(v[..., 1::2])
+            elif k.endswith("down_proj"):  # (E, I, hidden)
+                out[f"{k}.weight"] = mx.contiguous(v.swapaxes(-1, -2))
+            elif k.endswith("down_proj_blocks"):
+                base = k[: -len("_blocks")]
+                self._use_mxfp4(base.rsplit(".", 1)[0], "down_proj", v)
+                out[f"{base}.weight"] = v.view(mx.uint32).flatten(-2)
+            elif k.endswith("down_proj_scales"):
+                out[f"{k[: -len('_scales')]}.scales"] = v
+            elif k.endswith("down_proj_bias"):
+                out[f"{k[: -len('_bias')]}.bias"] = v
+            else:
+                out[k] = v
+        if not self.args.tie_word_embeddings and not any(k.startswith("lm_head.") for k in out):
+            self.args.tie_word_embeddings = True
+            self.pop("lm_head")
+        if self.args.tie_word_embeddings:
+            out = {k: v for k, v in out.items() if not k.startswith("lm_head.")}
+        return out
+
+    def _use_mxfp4(self, experts_path: str, proj: str, blocks: mx.array) -> None:
+        parts = experts_path.split(".")  # model.layers.{i}.mlp.experts
+        if len(parts) != 5 or not parts[2].isdigit() or int(parts[2]) >= len(self.layers):
+            raise ModelLoadError(f"Unexpected MXFP4 expert tensor under {experts_path!r}.")
+        experts = self.layers[int(parts[2])].mlp.experts
+        if not isinstance(experts[proj], QuantizedSwitchLinear):
+            setattr(experts, proj, _mxfp4_shell(blocks, bias=True))
+
+    @property
+    def layers(self) -> list[TransformerBlock]:
+        return self.model.layers
+
+    def make_cache(self) -> list[KVCache | RotatingKVCache]:
+        """One cache per layer: rotating (window-sized) for sliding layers, growing for full ones."""
+        return [RotatingKVCache(self.args.sliding_window) if layer.use_sliding else KVCache()
+                for layer in self.layers]

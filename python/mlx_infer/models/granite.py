@@ -1,0 +1,113 @@
+"""IBM Granite (3.x dense): the Llama graph with four multipliers.
+
+- ``embedding_multiplier`` scales the token embeddings (also given ``input_embeddings``);
+- ``attention_multiplier`` is the attention scale (instead of ``head_dim ** -0.5``);
+- ``residual_multiplier`` scales each sublayer's output before its residual add;
+- ``logits_scaling`` divides the logits.
+
+Everything else (RoPE and its scaling, biases, GQA, tied or untied head) is the Llama
+family's, read by :class:`~mlx_infer.models.llama.ModelArgs`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..contracts import GraphDeclaration
+from ..layers.attention import create_attention_mask
+from ..state.kv import KVCache
+from . import llama
+from .llama import MLP, Attention
+from .schema import check_number, config_fields
+
+_F32_MAX = 3.4e38
+
+
+@dataclass
+class ModelArgs(llama.ModelArgs):
+    """Granite settings: the Llama family's plus the multipliers."""
+
+    embedding_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+
+    @classmethod
+    def from_dict(cls, params: dict[str, Any]) -> "ModelArgs":
+        """Build from a config dict, ignoring keys this family does not use."""
+        return cls(**config_fields(cls, params))
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.attention_multiplier is None:
+            self.attention_multiplier = self.head_dim**-0.5
+        for name in ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling"):
+            setattr(self, name, check_number(name, getattr(self, name), integer=False, lo=0.0, hi=_F32_MAX,
+                                             lo_open=True))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block with scaled residual branches."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.use_sliding = False
+        self.self_attn = Attention(args, qk_norm=False)
+        self.self_attn.scale = args.attention_multiplier
+        self.mlp = MLP(args)
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.residual_multiplier = args.residual_multiplier
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), mask, cache) * self.residual_multiplier
+        return h + self.mlp(self.post_attention_layernorm(h)) * self.residual_multiplier
+
+
+class GraniteModel(nn.Module):
+    """Embedding (scaled), blocks and final norm: tokens to final hidden states."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [TransformerBlock(args) for _ in range(args.num_hidden_layers)]
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, inputs: mx.array | None, cache: list[Any] | None = None,
+                 input_embeddings: mx.array | None = None) -> mx.array:
+        """Return the final-norm hidden states ``(B, L, hidden)``."""
+        h = input_embeddings if input_embeddings is not None else self.embed_tokens(inputs)  # (B, L, E)
+        h = h * self.args.embedding_multiplier
+        if cache is None:
+            cache = [None] * len(self.layers)
+        mask = create_attention_mask(h, cache[0])
+        for layer, c in zip(self.layers, cache):
+            h = layer(h, mask, c)
+        return self.norm(h)
+
+
+class Model(llama.Model):
+    """Granite causal LM: ``inputs (B, L) -> logits (B, L, vocab)``; eager decode only."""
+
+    declaration = GraphDeclaration(method="autoregressive", compiled_decode=False)
+
+    def __init__(self, args: ModelArgs):
+        nn.Module.__init__(self)
+        self.args = args
+        self.model_type = args.model_type
+        self.model = GraniteModel(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def logits_from_hidden(self, h: mx.array) -> mx.array:
+        """Project final hidden states ``(B, L, hidden)`` to logits ``(B, L, vocab)`` over ``logits_scaling``."""
+        return super().logits_from_hidden(h) / self.args.logits_scaling
+
+    def make_cache(self) -> list[KVCache]:
+        """One growing cache per layer (every layer is global)."""
+        return [KVCache() for _ in self.layers]

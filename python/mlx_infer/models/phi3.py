@@ -1,0 +1,228 @@
+"""Phi-3 / Phi-3.5 / Phi-4-mini: fused projections and LongRoPE.
+
+What sets it apart from Llama:
+
+- One fused ``qkv_proj`` (queries, then keys, then values along the output) and one fused
+  ``gate_up_proj`` (gate, then up) per block, as the checkpoints store them.
+- RoPE may be partial (``partial_rotary_factor``: Phi-4-mini rotates 3/4 of each head) and
+  scaled with LongRoPE (``rope_type`` ``longrope`` / ``su``: short and long per-frequency
+  factors, see :class:`~mlx_infer.layers.rope.LongRoPE`) or linearly.
+- ``sliding_window`` (Phi-3-mini-4k: 2047), when set, applies to every layer, as in
+  transformers (mlx-lm ignores it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..contracts import GraphDeclaration
+from ..errors import ModelLoadError
+from ..layers.attention import create_attention_mask, scaled_dot_product_attention
+from ..layers.rope import LongRoPE, initialize_rope, rope_type_of
+from ..state.kv import KVCache, RotatingKVCache
+from .llama import swiglu
+from .schema import check_heads, check_number, check_rope_dict, config_fields
+
+ROPE_TYPES = ("default", "linear", "longrope", "su")
+
+
+@dataclass
+class ModelArgs:
+    """Phi-3 settings, named as in HF ``config.json``."""
+
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    num_attention_heads: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-5
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rope_theta: float | None = None
+    rope_scaling: dict[str, Any] | None = None
+    rope_parameters: dict[str, Any] | None = None
+    partial_rotary_factor: float | None = None
+    max_position_embeddings: int = 4096
+    original_max_position_embeddings: int | None = None
+    sliding_window: int | None = None
+    tie_word_embeddings: bool = False
+
+    @classmethod
+    def from_dict(cls, params: dict[str, Any]) -> "ModelArgs":
+        """Build from a config dict, ignoring keys this family does not use."""
+        return cls(**config_fields(cls, params))
+
+    def __post_init__(self) -> None:
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        check_heads(self.num_attention_heads, self.num_key_value_heads)
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        rp = self.rope_parameters or {}
+        if self.rope_scaling is None and rope_type_of(rp) != "default":
+            self.rope_scaling = rp
+        check_rope_dict("rope_scaling", self.rope_scaling, ROPE_TYPES)
+        if self.rope_theta is None:
+            self.rope_theta = rp.get("rope_theta", 10000.0)
+        self.rope_theta = check_number("rope_theta", self.rope_theta, integer=False, lo=0.0, hi=3.4e38, lo_open=True)
+        if self.partial_rotary_factor is None:
+            self.partial_rotary_factor = rp.get("partial_rotary_factor", 1.0)
+        self.partial_rotary_factor = check_number("partial_rotary_factor", self.partial_rotary_factor,
+                                                  integer=False, lo=0.0, hi=1.0, lo_open=True)
+        if self.original_max_position_embeddings is None:
+            self.original_max_position_embeddings = (self.rope_scaling or {}).get(
+                "original_max_position_embeddings", rp.get("original_max_position_embeddings", 4096))
+
+    @property
+    def rope_dims(self) -> int:
+        """Rotated dimensions of each head."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+
+def make_rope(args: ModelArgs) -> nn.Module:
+    """The config's RoPE: LongRoPE, linear, or plain (over the rotated dims)."""
+    scaling = args.rope_scaling or {}
+    if rope_type_of(scaling) in ("longrope", "su"):
+        for key in ("short_factor", "long_factor"):
+            if key not in scaling:
+                raise ModelLoadError(f"\"rope_scaling\" of type longrope needs {key!r}; fix config.json.")
+        return LongRoPE(args.rope_dims, base=args.rope_theta, short_factor=scaling["short_factor"],
+                        long_factor=scaling["long_factor"],
+                        original_max_position_embeddings=args.original_max_position_embeddings,
+                        max_position_embeddings=args.max_position_embeddings,
+                        factor=scaling.get("factor"), attention_factor=scaling.get("attention_factor"))
+    return initialize_rope(args.rope_dims, args.rope_theta, False, args.rope_scaling or None)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention over one fused q|k|v projection."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        dim = args.hidden_size
+        self.n_heads = args.num_attention_heads
+        self.n_kv_heads = args.num_key_value_heads
+        self.head_dim = head_dim = args.head_dim
+        self.scale = head_dim**-0.5
+        self.qkv_proj = nn.Linear(dim, (self.n_heads + 2 * self.n_kv_heads) * head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * head_dim, dim, bias=False)
+        self.rope = make_rope(args)
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        B, L, _ = x.shape
+        qkv = self.qkv_proj(x)  # (B, L, (H + 2 KVH) * D)
+        q_end = self.n_heads * self.head_dim
+        queries, keys, values = mx.split(qkv, [q_end, q_end + self.n_kv_heads * self.head_dim], axis=-1)
+        queries = queries.reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)  # (B, H, L, D)
+        keys = keys.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)  # (B, KVH, L, D)
+        values = values.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)  # (B, KVH, L, D)
+        if cache is not None:
+            queries = self.rope(queries, offset=cache.offset)
+            keys = self.rope(keys, offset=cache.offset)
+            keys, values = cache.update_and_fetch(keys, values)  # (B, KVH, S, D)
+        else:
+            queries = self.rope(queries)
+            keys = self.rope(keys)
+        out = scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)  # (B, H, L, D)
+        out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)  # (B, L, H*D)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    """SwiGLU over one fused gate|up projection."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(dim, 2 * hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)  # (B, L, hidden) each
+        return self.down_proj(swiglu(gate, up))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: ``h = x + attn(norm(x)); out = h + mlp(norm(h))``."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.use_sliding = args.sliding_window is not None
+        self.self_attn = Attention(args)
+        self.mlp = MLP(args.hidden_size, args.intermediate_size)
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), mask, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Phi3Model(nn.Module):
+    """Embedding, blocks and final norm: tokens to final hidden states."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [TransformerBlock(args) for _ in range(args.num_hidden_layers)]
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, inputs: mx.array | None, cache: list[Any] | None = None,
+                 input_embeddings: mx.array | None = None) -> mx.array:
+        """Return the final-norm hidden states ``(B, L, hidden)``."""
+        h = input_embeddings if input_embeddings is not None else self.embed_tokens(inputs)  # (B, L, E)
+        if cache is None:
+            cache = [None] * len(self.layers)
+        mask = create_attention_mask(h, cache[0], window_size=self.args.sliding_window)
+        for layer, c in zip(self.layers, cache):
+            h = layer(h, mask, c)
+        return self.norm(h)
+
+
+class Model(nn.Module):
+    """Phi-3 causal LM: ``inputs (B, L) -> logits (B, L, vocab)``; eager decode only."""
+
+    declaration = GraphDeclaration(method="autoregressive", compiled_decode=False)
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model_type = args.model_type
+        self.model = Phi3Model(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def __call__(self, inputs: mx.array | None, cache: list[Any] | None = None,
+                 input_embeddings: mx.array | None = None) -> mx.array:
+        """Logits ``(B, L, vocab)`` for token ids ``(B, L)`` (or ``input_embeddings``)."""
+        return self.logits_from_hidden(self.model(inputs, cache, input_embeddings))
+
+    def logits_from_hidden(self, h: mx.array) -> mx.array:
+        """Project final hidden states ``(B, L, hidden)`` to logits ``(B, L, vocab)``."""
+        if self.args.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(h)
+        return self.lm_head(h)
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        """Drop ``rotary_emb.inv_freq`` buffers and, for a tied head, ``lm_head.weight``."""
+        weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
+        if not self.args.tie_word_embeddings and not any(k.startswith("lm_head.") for k in weights):
+            self.args.tie_word_embeddings = True
+            self.pop("lm_head")
+        if self.args.tie_word_embeddings:
+            weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
+        return weights
+
+    @property
+    def layers(self) -> list[TransformerBlock]:
+        return self.model.layers
+
+    def make_cache(self) -> list[KVCache | RotatingKVCache]:
+        """One cache per layer: rotating when the config has a sliding window."""
+        return [RotatingKVCache(self.args.sliding_window) if layer.use_sliding else KVCache()
+                for layer in self.layers]
