@@ -49,17 +49,17 @@ from ..generation.bindings.autoregressive import Composition, bind_autoregressiv
 from ..generation.bindings.decode_step import DecodeStepUnsupported
 from ..generation.bindings.paged_decode_step import (CompiledPagedDecodeStep, PagedDecodePolicy,
                                                      paged_unsupported_reason)
-from ..generation.stopping import StopMatcher
+from ..generation.text_output import TextOutput
 from ..models import materialize_graph_constants
 from ..sampling import RequestRNG, make_sampler
 from ..state.paged import PagedKVStore
-from .adapters import batch_slots, hold_adapter, release_adapter, rows_context, slots_for
+from .adapters import batch_slots, hold_adapter, rows_context, slots_for
 from .batch import DecodeBatch
 from .config import EngineConfig, kv_budget, pool_pages
 from .metrics import PROMETHEUS_ORDER, EngineMetrics, pool_gauges, prometheus_text
-from .request import EngineRequest, RequestHandle, RequestResult, TokenEvent, wake
-from .grammar_jump import commit_span
+from .request import EngineRequest, RequestHandle, RequestResult, TokenEvent
 from .mixed import advance, mixed_batch, mixed_inputs, pick_chunks
+from .output import consume, emit, finish
 from .prompt_scores import score_chunk, wants_scores
 from .rows import Step, queue_outputs, sample_rows, step_inputs
 from .scheduler import DECODE, DONE, PREFILL, LiveRequest, Scheduler
@@ -364,10 +364,9 @@ class Engine:
             except Exception as e:  # this request's parameters, not the engine: fail it alone
                 self._finish(live, "error", error=f"{type(e).__name__}: {e}")
                 continue
-            live.detok = self.tokenizer.detokenizer(
+            live.text_out = TextOutput(self.tokenizer.detokenizer(
                 skip_special_tokens=live.request.skip_special_tokens,
-                spaces_between_special_tokens=live.request.spaces_between_special_tokens)
-            live.matcher = StopMatcher(live.request.stop)
+                spaces_between_special_tokens=live.request.spaces_between_special_tokens), live.request.stop)
             live.needs_history = bool(live.sampler.processors)
             live.simple = p.greedy and not live.needs_history and not p.logprobs and live.constraint is None
             self.scheduler.enqueue(live)
@@ -551,70 +550,11 @@ class Engine:
             self._consume(step)
 
     def _consume(self, step: Step) -> None:
-        tokens = step.tokens.tolist()
-        now = time.perf_counter()
-        n = 0
-        self._wakeups = {}  # one wake-up per event loop for the whole step
-        try:
-            for i, r in enumerate(step.rows):
-                if r.state != DECODE:
-                    continue  # cancelled (or finished) while the step ran
-                if r.t_first is None:
-                    r.t_first = now
-                n += 1
-                try:
-                    lp = top = None
-                    out = step.outs[i] if step.outs is not None else None
-                    if out is not None and out.token_logprob is not None:
-                        lp = out.token_logprob[0].item()
-                        if out.top_ids is not None:
-                            top = list(zip(out.top_ids[0].tolist(), out.top_logprobs[0].tolist()))
-                    if self.vocab_size is not None and not 0 <= tokens[i] < self.vocab_size:
-                        raise MlxInferError(f"sampled token id {tokens[i]} is outside the vocabulary")
-                    self._emit(r, tokens[i], lp, top, forced=out is not None and out.forced)
-                except Exception as e:  # one row's values or text, not the batch: fail that request alone
-                    self._finish(r, "error", error=f"{type(e).__name__}: {e}")
-        finally:
-            wakeups, self._wakeups = self._wakeups, None
-            if wakeups:
-                wake(wakeups)
-            if n:
-                self.metrics.generated(n)
+        consume(self, step)
 
     def _emit(self, r: LiveRequest, token: int, logprob: float | None, top: list[tuple[int, float]] | None,
               *, forced: bool = False, jump: bool = True) -> None:
-        r.all_ids.append(token)
-        index = r.generated - 1
-        eos = token in self.eos and not r.request.ignore_eos
-        done = False
-        if r.constraint is not None:
-            r.constraint.advance(token, forced=forced)
-            done = r.constraint.done  # the grammar is complete: nothing may follow
-        finish = "stop" if eos or done else ("length" if r.generated >= r.limit else None)
-        text = ""
-        if r.request.detokenize:
-            piece = r.detok.flush() if eos else r.detok.add(token)
-            if finish == "length":
-                piece += r.detok.flush()
-            text, stopped = r.matcher.feed(piece)
-            if stopped:
-                finish = "stop"
-            elif finish is not None:
-                text += r.matcher.flush()
-            r.text.append(text)
-        if logprob is not None:
-            r.logprobs.append(logprob)
-            if top is not None:
-                r.top_logprobs.append(top)
-        if forced:
-            self.metrics.forced()
-        event = TokenEvent(r.request.request_id, token, index, text, finish, logprob, top, forced)
-        if finish is None:
-            r.handle._deliver(event, wakeups=self._wakeups)
-            if jump and r.constraint is not None and self.grammar_jump:
-                commit_span(self, r)  # the tokens the grammar forces now, fed as one prefill chunk
-        else:
-            self._finish(r, finish, event=event)
+        emit(self, r, token, logprob, top, forced=forced, jump=jump)
 
     # -- finishing ---------------------------------------------------------------
 
@@ -624,31 +564,7 @@ class Engine:
 
     def _finish(self, r: LiveRequest, reason: str, *, event: TokenEvent | None = None,
                 error: str | None = None) -> None:
-        if r.state == DONE:
-            return
-        self.scheduler.release(r)  # pages back to the pool now
-        release_adapter(self.model, r)
-        r.state = DONE
-        r.next_input = None
-        with self._lock:
-            self._live.pop(r.request.request_id, None)
-            self._cancels.discard(r.request.request_id)
-        self.metrics.finished(reason)
-        self._update_gauges()  # before the caller hears of it: /metrics then shows the pages back
-        now = time.perf_counter()
-        p = r.request.sampling
-        result = RequestResult(
-            request_id=r.request.request_id, prompt_tokens=r.prompt_len, cached_tokens=r.cached_tokens or 0,
-            token_ids=r.all_ids[r.prompt_len:], text="".join(r.text), finish_reason=reason,
-            logprobs=r.logprobs if p.logprobs else None,
-            top_logprobs=r.top_logprobs if p.logprobs and p.top_logprobs else None,
-            preemptions=r.preemptions, ttft_ms=((r.t_first or now) - r.t_submit) * 1e3,
-            total_ms=(now - r.t_submit) * 1e3, error=error,
-            forced_tokens=r.constraint.forced_committed if r.constraint is not None else 0,
-            prompt_logprobs=r.handle.prompt_logprobs)
-        if event is None:
-            event = TokenEvent(r.request.request_id, None, r.generated, "", reason)
-        r.handle._deliver(event, result, wakeups=self._wakeups)
+        finish(self, r, reason, event=event, error=error)
 
     def _fail_all(self, message: str) -> None:
         self._inflight = None

@@ -65,8 +65,7 @@ class LiveRequest:
         # Set on the engine thread at intake.
         self.sampler: Any = None
         self.rng: Any = None
-        self.detok: Any = None
-        self.matcher: Any = None
+        self.text_out: Any = None  # generation/text_output.py TextOutput: detokenizer + stop strings
         self.simple = False  # greedy, no processors, no logprobs: one batched argmax
         self.needs_history = False
         self.constraint: Any = None  # the request's ConstraintState (compiled at submit)

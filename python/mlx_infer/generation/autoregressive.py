@@ -36,7 +36,8 @@ from ..adapters.select import selected
 from ..errors import MlxInferError, PromptTooLongError
 from ..sampling import RequestRNG, SamplingParams, make_sampler
 from .prompt_cache import PromptCache
-from .stopping import CancelToken, StopMatcher
+from .stopping import CancelToken
+from .text_output import TextOutput
 
 if TYPE_CHECKING:
     from ..artifacts.loader import LoadedModel
@@ -390,28 +391,17 @@ def stream_text(loaded: "LoadedModel", tokens: Generation, *, stop: Iterable[str
     resumed run): they bring the detokenizer and the stop matcher to the state
     they had, so text is neither repeated nor lost, but are not emitted again.
     """
-    matcher = StopMatcher(tuple(stop))
     eos = loaded.eos_token_ids
 
     def texts() -> Iterator[GeneratedToken]:
-        detok = loaded.tokenizer.detokenizer()
-        for t in prime_ids:
-            matcher.feed(detok.add(t))
+        out = TextOutput(loaded.tokenizer.detokenizer(), stop)
+        out.prime(prime_ids)
         try:
             for t in tokens:
-                # At the end, release held-back text; but not on cancellation: a resumed
-                # run re-creates that held state and emits it once it is complete.
-                ending = t.finish_reason in ("stop", "length")
-                piece = detok.flush() if t.token in eos else detok.add(t.token)
-                if ending and t.token not in eos:
-                    piece += detok.flush()
-                text, stopped = matcher.feed(piece)
-                finish = t.finish_reason
+                text, finish = out.feed(t.token, t.finish_reason, eos=t.token in eos)
+                stopped = finish == "stop" and t.finish_reason != "stop"
                 if stopped:
-                    finish = "stop"
                     tokens.stats.finish_reason = "stop"
-                elif ending:
-                    text += matcher.flush()
                 yield GeneratedToken(token=t.token, index=t.index, text=text, finish_reason=finish,
                                      logprob=t.logprob, top_logprobs=t.top_logprobs, forced=t.forced)
                 if stopped:

@@ -1,0 +1,121 @@
+"""Reading a step's tokens out of the engine: per row, the token, its text, its logprobs and the finish.
+
+The engine thread calls :func:`consume` with the step it queued one iteration earlier (step n-1's tokens are
+read while step n runs). Each decoding row's token goes through :func:`emit`: the constraint advances, the
+sequence's :class:`~mlx_infer.generation.text_output.TextOutput` (the same detokenizer + stop strings + finish
+rule ``generate`` uses) gives the text and the final reason, and the request's handle gets a
+:class:`TokenEvent` — or, when the sequence ends, :func:`finish` releases its pages and adapter and delivers the
+:class:`RequestResult`. One row's bad value fails that request alone, never the batch.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from ..errors import MlxInferError
+from .adapters import release_adapter
+from .grammar_jump import commit_span
+from .request import RequestResult, TokenEvent, wake
+from .scheduler import DECODE, DONE, LiveRequest
+
+if TYPE_CHECKING:
+    from .engine import Engine
+    from .rows import Step
+
+
+def consume(engine: "Engine", step: "Step") -> None:
+    """Emit every decoding row's token of ``step`` (a row cancelled or finished meanwhile is skipped)."""
+    tokens = step.tokens.tolist()
+    now = time.perf_counter()
+    n = 0
+    engine._wakeups = {}  # one wake-up per event loop for the whole step
+    try:
+        for i, r in enumerate(step.rows):
+            if r.state != DECODE:
+                continue  # cancelled (or finished) while the step ran
+            if r.t_first is None:
+                r.t_first = now
+            n += 1
+            try:
+                lp = top = None
+                out = step.outs[i] if step.outs is not None else None
+                if out is not None and out.token_logprob is not None:
+                    lp = out.token_logprob[0].item()
+                    if out.top_ids is not None:
+                        top = list(zip(out.top_ids[0].tolist(), out.top_logprobs[0].tolist()))
+                if engine.vocab_size is not None and not 0 <= tokens[i] < engine.vocab_size:
+                    raise MlxInferError(f"sampled token id {tokens[i]} is outside the vocabulary")
+                emit(engine, r, tokens[i], lp, top, forced=out is not None and out.forced)
+            except Exception as e:  # one row's values or text, not the batch: fail that request alone
+                finish(engine, r, "error", error=f"{type(e).__name__}: {e}")
+    finally:
+        wakeups, engine._wakeups = engine._wakeups, None
+        if wakeups:
+            wake(wakeups)
+        if n:
+            engine.metrics.generated(n)
+
+
+def emit(engine: "Engine", r: LiveRequest, token: int, logprob: float | None,
+         top: list[tuple[int, float]] | None, *, forced: bool = False, jump: bool = True) -> None:
+    """Append ``token`` to ``r``: its text, logprobs and event; finish the request if it ends here.
+
+    ``forced``: the constraint forced the token (not sampled). ``jump``: after it, commit the tokens the grammar
+    now forces as one prefill chunk (engine/grammar_jump.py) when the engine's composition allows it.
+    """
+    r.all_ids.append(token)
+    index = r.generated - 1
+    eos = token in engine.eos and not r.request.ignore_eos
+    done = False
+    if r.constraint is not None:
+        r.constraint.advance(token, forced=forced)
+        done = r.constraint.done  # the grammar is complete: nothing may follow
+    reason = "stop" if eos or done else ("length" if r.generated >= r.limit else None)
+    text = ""
+    if r.request.detokenize:
+        text, reason = r.text_out.feed(token, reason, eos=eos)
+        r.text.append(text)
+    if logprob is not None:
+        r.logprobs.append(logprob)
+        if top is not None:
+            r.top_logprobs.append(top)
+    if forced:
+        engine.metrics.forced()
+    event = TokenEvent(r.request.request_id, token, index, text, reason, logprob, top, forced)
+    if reason is None:
+        r.handle._deliver(event, wakeups=engine._wakeups)
+        if jump and r.constraint is not None and engine.grammar_jump:
+            commit_span(engine, r)  # the tokens the grammar forces now, fed as one prefill chunk
+    else:
+        finish(engine, r, reason, event=event)
+
+
+def finish(engine: "Engine", r: LiveRequest, reason: str, *, event: TokenEvent | None = None,
+           error: str | None = None) -> None:
+    """End ``r`` with ``reason``: pages and adapter back now, then its result to the caller (once)."""
+    if r.state == DONE:
+        return
+    engine.scheduler.release(r)  # pages back to the pool now
+    release_adapter(engine.model, r)
+    r.state = DONE
+    r.next_input = None
+    with engine._lock:
+        engine._live.pop(r.request.request_id, None)
+        engine._cancels.discard(r.request.request_id)
+    engine.metrics.finished(reason)
+    engine._update_gauges()  # before the caller hears of it: /metrics then shows the pages back
+    now = time.perf_counter()
+    p = r.request.sampling
+    result = RequestResult(
+        request_id=r.request.request_id, prompt_tokens=r.prompt_len, cached_tokens=r.cached_tokens or 0,
+        token_ids=r.all_ids[r.prompt_len:], text="".join(r.text), finish_reason=reason,
+        logprobs=r.logprobs if p.logprobs else None,
+        top_logprobs=r.top_logprobs if p.logprobs and p.top_logprobs else None,
+        preemptions=r.preemptions, ttft_ms=((r.t_first or now) - r.t_submit) * 1e3,
+        total_ms=(now - r.t_submit) * 1e3, error=error,
+        forced_tokens=r.constraint.forced_committed if r.constraint is not None else 0,
+        prompt_logprobs=r.handle.prompt_logprobs)
+    if event is None:
+        event = TokenEvent(r.request.request_id, None, r.generated, "", reason)
+    r.handle._deliver(event, result, wakeups=engine._wakeups)
