@@ -285,7 +285,7 @@ def test_prefill_reports_progress_per_chunk(tiny):
 
 
 def test_prefill_bar_drawn_on_a_terminal(tiny, monkeypatch, capsys):
-    import mlx_infer.cli as cli
+    import mlx_infer.cli.generate as cli
 
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     update = cli._prefill_progress()

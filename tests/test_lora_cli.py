@@ -86,7 +86,7 @@ def test_fuse_equals_mlx_lm_fuse(root, kind, monkeypatch):
 
 def test_serve_lora_flags(root, capsys):
     from mlx_infer.cli import build_parser
-    from mlx_infer.cli_adapters import parse_loras
+    from mlx_infer.cli.adapters import parse_loras
 
     args = build_parser().parse_args(["serve", "--lora", "sql=/a/b", "chat=/c", "--lora", "/d/e", "--max-loras", "3"])
     assert parse_loras(args.lora) == [("sql", "/a/b"), ("chat", "/c"), ("e", "/d/e")] and args.max_loras == 3

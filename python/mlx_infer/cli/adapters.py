@@ -11,7 +11,7 @@ import argparse
 import sys
 from typing import Any
 
-from .errors import MlxInferError
+from ..errors import MlxInferError
 
 
 def add_generate_flags(g: argparse.ArgumentParser) -> None:
@@ -29,7 +29,7 @@ def apply_generate_flags(args: argparse.Namespace, loaded: Any) -> None:
         raise MlxInferError("--adapter-path does not work with --checkpoint/--resume yet; run without them.")
     if loaded.model.declaration.method != "autoregressive":
         raise MlxInferError("--adapter-path works with autoregressive models only; this one denoises.")
-    from .adapters import attach_adapter, bank_of
+    from ..adapters import attach_adapter, bank_of
 
     name = attach_adapter(loaded.model, args.adapter_path)
     bank_of(loaded.model).default = name
@@ -76,7 +76,7 @@ def add_fuse_parser(sub: Any) -> None:
 
 
 def _fuse(args: argparse.Namespace) -> int:
-    from .adapters.fuse import fuse_adapter
+    from ..adapters.fuse import fuse_adapter
 
     out = fuse_adapter(args.model, args.adapter_path, args.save_path, dequantize=args.dequantize,
                        overwrite=args.overwrite)

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .artifacts.default_model import CACHE_PARTS, cache_dir, default_gguf_path
+from ..artifacts.default_model import CACHE_PARTS, cache_dir, default_gguf_path
 
 
 def _size(path: Path) -> int:
