@@ -5,9 +5,10 @@
 1. Grammar jump: each schema generated greedily with ``grammar_jump`` on and off; the tokens
    must be identical. Reports forwards per generated token and wall time (median of trials).
 2. Overhead, at batch 1 and 32 (see :func:`overhead`): llguidance's masks for the batch
-   (``fill_bitmasks``, its thread pool), the batch's mask applied on the device, and what the
-   engine's sampling of a step (``engine.rows.sample_rows``) takes more for constrained rows,
-   against one engine iteration of that many rows decoding.
+   (``fill_bitmasks``, its thread pool), the batch's mask applied on the device, what the
+   engine's sampling of a step (``engine.rows.sample_rows``) takes more for constrained rows
+   (greedy; temperature 1 for reference) and each row's ``advance``, against one engine
+   iteration of that many greedy rows decoding.
 
     python benchmarks/structured.py --model tiny --only overhead --json results/cpu-structured-tiny.json
 """
@@ -100,14 +101,14 @@ def _states(loaded, batch: int, seed: int = 0) -> list[ConstraintState]:
     return states
 
 
-def _rows(loaded, states: list[ConstraintState | None]) -> list[SimpleNamespace]:
-    """Engine rows (what ``engine.rows.sample_rows`` reads) sampling at temperature 1, seeded."""
+def _rows(loaded, states: list[ConstraintState | None], temperature: float) -> list[SimpleNamespace]:
+    """Engine rows (what ``engine.rows.sample_rows`` reads), seeded; ``simple`` as the engine sets it."""
     from mlx_infer.sampling import RequestRNG, SamplingParams, make_sampler
 
     out = []
     for i, st in enumerate(states):
-        p = SamplingParams(temperature=1.0, seed=i)
-        out.append(SimpleNamespace(simple=False, constraint=st, needs_history=False, all_ids=[],
+        p = SamplingParams(temperature=temperature, seed=i)
+        out.append(SimpleNamespace(simple=p.greedy and st is None, constraint=st, needs_history=False, all_ids=[],
                                    sampler=make_sampler(p, eos_token_ids=tuple(loaded.eos_token_ids)),
                                    rng=RequestRNG(i), request=SimpleNamespace(sampling=p)))
     return out
@@ -135,18 +136,37 @@ def engine_step_ms(loaded, batch: int, steps: int = 8, prompt_tokens: int = 64) 
         engine.stop()
 
 
+def _advance_ms(states: list[ConstraintState], trials: int) -> float:
+    """What the engine does per constrained row after its token is read back: ``advance`` and the
+    ``forced`` check after it (grammar jump), timed with the ``rollback`` that undoes it (an upper bound)."""
+    states = [s for s in states if not s.done]  # a finished row is never advanced again
+    tokens = [int(np.flatnonzero(np.unpackbits(s.bitmask().view(np.uint8), bitorder="little"))[0]) for s in states]
+
+    def run() -> None:
+        for s, t in zip(states, tokens):
+            s.advance(t)
+            s.forced()
+        for s in states:
+            s.rollback(1)
+
+    return _median_ms(run, trials)
+
+
 def overhead(loaded, trials: int) -> dict:
     """Per engine step at batch 1 and 32: the constraint's host and device work against the step.
 
     * ``mask_ms``: llguidance's masks for the batch (``fill_bitmasks``: its thread pool);
     * ``apply_ms``: the batch's mask applied on the device (``apply_bitmask``, one op);
     * ``sample_extra_ms``: what ``sample_rows`` (the engine's sampling of a step) takes more for
-      constrained rows than for the same rows unconstrained (both temperature 1): mask, forced
-      check and apply together, the logits already computed;
-    * ``engine_step_ms``: one engine iteration of that many greedy rows decoding.
+      greedy constrained rows than for the same rows greedy and unconstrained (one argmax): forced
+      check, mask, apply and the masked argmax together, the logits already computed;
+    * ``advance_ms``: each row's ``advance`` and ``forced`` check after its token (with a rollback);
+    * ``overhead_pct``: ``sample_extra_ms + advance_ms`` against ``engine_step_ms``, one engine
+      iteration of that many greedy rows decoding;
+    * ``t1_*``: the same sampling at temperature 1 (each row its own seeded draw), for reference.
 
     The mask is computed while the step's forward runs (the forward is queued first), so
-    ``sample_extra_ms / engine_step_ms`` is an upper bound of what the constraint adds.
+    ``overhead_pct`` is an upper bound of what the constraint adds.
     """
     from mlx_infer.engine.rows import sample_rows
 
@@ -159,20 +179,27 @@ def overhead(loaded, trials: int) -> dict:
         logits = mx.random.normal((batch, vocab))
         mx.eval(logits)
         apply_ms = _median_ms(lambda: mx.eval(apply_bitmask(logits, bits)), trials * 20)
-        constrained, free = _rows(loaded, states), _rows(loaded, [None] * batch)
 
         def sample(rows) -> None:
             tokens, _ = sample_rows(rows, logits)
             mx.eval(tokens)
 
-        sample(constrained), sample(free)
-        with_ms = _median_ms(lambda: sample(constrained), trials * 10)
-        without_ms = _median_ms(lambda: sample(free), trials * 10)
+        timed = {}
+        for temp, name in ((0.0, "greedy"), (1.0, "t1")):
+            constrained, free = _rows(loaded, states, temp), _rows(loaded, [None] * batch, temp)
+            sample(constrained), sample(free)
+            timed[name] = (_median_ms(lambda: sample(constrained), trials * 10),
+                           _median_ms(lambda: sample(free), trials * 10))
+        advance_ms = _advance_ms(states, trials * 20)
         step_ms = engine_step_ms(loaded, batch)
-        extra = max(0.0, with_ms - without_ms)
+        (with_ms, without_ms), (t1_with, t1_without) = timed["greedy"], timed["t1"]
+        extra, t1_extra = max(0.0, with_ms - without_ms), max(0.0, t1_with - t1_without)
         res = {"mask_ms": mask_ms, "apply_ms": apply_ms, "sample_constrained_ms": with_ms,
-               "sample_unconstrained_ms": without_ms, "sample_extra_ms": extra, "engine_step_ms": step_ms,
-               "overhead_pct": 100 * extra / step_ms, "mask_plus_apply_pct": 100 * (mask_ms + apply_ms) / step_ms}
+               "sample_unconstrained_ms": without_ms, "sample_extra_ms": extra, "advance_ms": advance_ms,
+               "engine_step_ms": step_ms, "overhead_pct": 100 * (extra + advance_ms) / step_ms,
+               "mask_plus_apply_pct": 100 * (mask_ms + apply_ms) / step_ms,
+               "t1_sample_constrained_ms": t1_with, "t1_sample_unconstrained_ms": t1_without,
+               "t1_sample_extra_ms": t1_extra, "t1_overhead_pct": 100 * (t1_extra + advance_ms) / (step_ms + t1_without)}
         out[f"batch{batch}"] = res
         print(json.dumps({"batch": batch, **res}), flush=True)
     return out
