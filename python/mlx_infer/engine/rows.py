@@ -94,11 +94,12 @@ def sample_rows(rows: list[LiveRequest], logits: mx.array) -> tuple[mx.array, li
             where.append((1, len(sampled)))
             sampled.append(out.token if out.token.dtype == mx.uint32 else out.token.astype(mx.uint32))
             outs.append(out)
-    greedy = mx.argmax(logits, axis=-1)  # (B,) uint32: every row's masked argmax
+    argmax_rows = any(k == 0 for k, _ in where)
+    greedy = [mx.argmax(logits, axis=-1)] if argmax_rows else []  # (B,) uint32: every row's masked argmax
     if not sampled and not host:
-        return greedy, outs
-    offset = (0, b, b + len(sampled))
-    pool = mx.concatenate([greedy, *sampled, *([mx.array(host, mx.uint32)] if host else [])])  # (B + S + F,)
+        return greedy[0], outs
+    offset = (0, b if argmax_rows else 0, (b if argmax_rows else 0) + len(sampled))
+    pool = mx.concatenate([*greedy, *sampled, *([mx.array(host, mx.uint32)] if host else [])])  # (B + S + F,)
     return pool[mx.array([offset[k] + j for k, j in where], mx.int32)], outs  # (B,) uint32
 
 
