@@ -114,16 +114,26 @@ def _rows(loaded, states: list[ConstraintState | None], temperature: float) -> l
     return out
 
 
-def engine_step_ms(loaded, batch: int, steps: int = 8, prompt_tokens: int = 64) -> float:
+#: A constraint that leaves the model a choice at every step (nothing forced) and ends only after
+#: a "~" (which no model here picks within a benchmark's steps), with a cheap mask: the costly
+#: case for the engine (every row masked and sampled every step). A long ``minLength`` string
+#: schema would do the same with a mask llguidance takes ~20 ms to compute for 32 rows.
+FREE_TEXT = Constraint.regex(r"[a-zA-Z0-9 ,.!?'-]*~")
+
+
+def engine_step_ms(loaded, batch: int, steps: int = 8, prompt_tokens: int = 64,
+                   constraint: Constraint | None = None) -> float:
     """Median time of one engine iteration with ``batch`` greedy rows decoding (the compiled paged
-    step where the model has one; prompts of ``prompt_tokens``; prefill iterations left out)."""
+    step where the model has one; prompts of ``prompt_tokens``; prefill iterations left out), each
+    row under ``constraint`` when given."""
     from mlx_infer.engine import Engine, EngineConfig, EngineRequest
 
     engine = Engine(loaded, EngineConfig(max_batch=batch, memory_budget_gb=1.0, page_size=16))
     try:
         base = loaded.tokenizer.encode("Give me a JSON example record. " * 16)[:prompt_tokens - 1]
         for i in range(batch):
-            engine.submit(EngineRequest(prompt_ids=[10 + i, *base], max_tokens=steps + 3, ignore_eos=True))  # no shared page
+            engine.submit(EngineRequest(prompt_ids=[10 + i, *base], max_tokens=steps + 3, ignore_eos=True,
+                                        constraint=constraint))  # no shared page
         times = []
         while engine.has_work():
             decoding = all(r.state == "decode" for r in engine.scheduler.running) and not engine.scheduler.waiting
@@ -131,25 +141,68 @@ def engine_step_ms(loaded, batch: int, steps: int = 8, prompt_tokens: int = 64) 
             engine.step()
             if decoding and len(engine.scheduler.running) == batch:
                 times.append((time.perf_counter() - t) * 1e3)
+        if not times:
+            raise RuntimeError("no decode iteration ran with every row (rows finished early)")
         return statistics.median(times[1:] or times)
     finally:
         engine.stop()
 
 
-def _advance_ms(states: list[ConstraintState], trials: int) -> float:
-    """What the engine does per constrained row after its token is read back: ``advance`` and the
-    ``forced`` check after it (grammar jump), timed with the ``rollback`` that undoes it (an upper bound)."""
-    states = [s for s in states if not s.done]  # a finished row is never advanced again
-    tokens = [int(np.flatnonzero(np.unpackbits(s.bitmask().view(np.uint8), bitorder="little"))[0]) for s in states]
+def engine_overhead(loaded, batch: int, trials: int, steps: int = 16) -> dict:
+    """The constraint's cost in the engine itself: the median engine iteration of ``batch`` greedy
+    rows decoding under :data:`FREE_TEXT` against the same rows unconstrained (runs alternated,
+    ``trials`` each; the median of each). Everything counts: masks (computed while the forward
+    runs), the masked argmax, ``advance`` and the forced check, and the step that cannot be
+    pipelined (a constrained row's next mask needs its token)."""
+    free, con = [], []
+    for _ in range(trials):
+        free.append(engine_step_ms(loaded, batch, steps))
+        con.append(engine_step_ms(loaded, batch, steps, constraint=FREE_TEXT))
+    f, c = statistics.median(free), statistics.median(con)
+    return {"engine_step_free_ms": f, "engine_step_constrained_ms": c, "engine_extra_pct": 100 * (c - f) / f}
 
-    def run() -> None:
-        for s, t in zip(states, tokens):
-            s.advance(t)
-            s.forced()
-        for s in states:
-            s.rollback(1)
 
-    return _median_ms(run, trials)
+def _advance_ms(loaded, batch: int, trials: int, steps: int = 8) -> float:
+    """What the engine does per step for each constrained row after its token is read back:
+    ``advance``, the ``forced`` check after it, and any forced span committed (engine/grammar_jump.py).
+
+    The rows' tokens (random allowed ones) are recorded on one set of :func:`_states`, then
+    replayed on fresh sets (``trials`` of them), timed: the median over sets of the time per step.
+    """
+    rng = np.random.default_rng(1)
+    vocab = loaded.model.args.vocab_size
+    record = _states(loaded, batch)
+    plan: list[list[int | None]] = []  # per step, per row: the token it samples (None: finished)
+    for _ in range(steps):
+        step = []
+        for st in record:
+            if st.done:
+                step.append(None)
+                continue
+            allowed = np.flatnonzero(np.unpackbits(st.bitmask().view(np.uint8), bitorder="little")[:vocab])
+            tok = int(rng.choice(allowed))
+            step.append(tok)
+            st.advance(tok)
+            while st.forced() and not st.done:
+                for t in st.forced():
+                    st.advance(t, forced=True)
+        plan.append(step)
+    times = []
+    for _ in range(trials):
+        states = _states(loaded, batch)
+        t = time.perf_counter()
+        for step in plan:
+            for st, tok in zip(states, step):
+                if tok is None:
+                    continue
+                st.advance(tok)
+                forced = st.forced()
+                while forced and not st.done:
+                    for f in forced:
+                        st.advance(f, forced=True)
+                    forced = st.forced()
+        times.append((time.perf_counter() - t) * 1e3 / steps)
+    return statistics.median(times)
 
 
 def overhead(loaded, trials: int) -> dict:
@@ -160,10 +213,12 @@ def overhead(loaded, trials: int) -> dict:
     * ``sample_extra_ms``: what ``sample_rows`` (the engine's sampling of a step) takes more for
       greedy constrained rows than for the same rows greedy and unconstrained (one argmax): forced
       check, mask, apply and the masked argmax together, the logits already computed;
-    * ``advance_ms``: each row's ``advance`` and ``forced`` check after its token (with a rollback);
+    * ``advance_ms``: each row's ``advance``, ``forced`` check and forced span after its token
+      (see :func:`_advance_ms`);
     * ``overhead_pct``: ``sample_extra_ms + advance_ms`` against ``engine_step_ms``, one engine
       iteration of that many greedy rows decoding;
-    * ``t1_*``: the same sampling at temperature 1 (each row its own seeded draw), for reference.
+    * ``t1_*``: the same sampling at temperature 1 (each row its own seeded draw), for reference;
+    * ``engine_*``: the engine's own iterations with and without a constraint (:func:`engine_overhead`).
 
     The mask is computed while the step's forward runs (the forward is queued first), so
     ``overhead_pct`` is an upper bound of what the constraint adds.
@@ -190,8 +245,9 @@ def overhead(loaded, trials: int) -> dict:
             sample(constrained), sample(free)
             timed[name] = (_median_ms(lambda: sample(constrained), trials * 10),
                            _median_ms(lambda: sample(free), trials * 10))
-        advance_ms = _advance_ms(states, trials * 20)
+        advance_ms = _advance_ms(loaded, batch, trials * 4)
         step_ms = engine_step_ms(loaded, batch)
+        in_engine = engine_overhead(loaded, batch, max(3, 2 * trials))
         (with_ms, without_ms), (t1_with, t1_without) = timed["greedy"], timed["t1"]
         extra, t1_extra = max(0.0, with_ms - without_ms), max(0.0, t1_with - t1_without)
         res = {"mask_ms": mask_ms, "apply_ms": apply_ms, "sample_constrained_ms": with_ms,
@@ -199,7 +255,8 @@ def overhead(loaded, trials: int) -> dict:
                "engine_step_ms": step_ms, "overhead_pct": 100 * (extra + advance_ms) / step_ms,
                "mask_plus_apply_pct": 100 * (mask_ms + apply_ms) / step_ms,
                "t1_sample_constrained_ms": t1_with, "t1_sample_unconstrained_ms": t1_without,
-               "t1_sample_extra_ms": t1_extra, "t1_overhead_pct": 100 * (t1_extra + advance_ms) / (step_ms + t1_without)}
+               "t1_sample_extra_ms": t1_extra, "t1_overhead_pct": 100 * (t1_extra + advance_ms) / (step_ms + t1_without),
+               **in_engine}
         out[f"batch{batch}"] = res
         print(json.dumps({"batch": batch, **res}), flush=True)
     return out
