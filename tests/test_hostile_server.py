@@ -132,6 +132,12 @@ CASES = [
     ("top_logprobs-without-logprobs", CH, chat(top_logprobs=3), 400, "top_logprobs"),
     ("echo-only-out-of-vocab", C, comp(prompt=[5, 320], echo=True, logprobs=1, max_tokens=0), 400, "prompt"),
     ("echo-only-over-context", C, comp(prompt=[5] * 8200, echo=True, max_tokens=0), 400, "prompt"),
+    ("prompt_logprobs-only-out-of-vocab", C, comp(prompt=[5, 320], prompt_logprobs=1, max_tokens=0), 400, "prompt"),
+    ("prompt_logprobs-only-over-context", C, comp(prompt=[5] * 8200, prompt_logprobs=0, max_tokens=0), 400, "prompt"),
+    ("prompt_logprobs-out-of-vocab", C, comp(prompt=[5, 320], prompt_logprobs=2), 400, None),  # as without it
+    ("prompt_logprobs-over-context", CH, chat(messages=[{"role": "user", "content": "hi " * 9000}],
+                                              prompt_logprobs=1), 400, "messages"),
+    ("prompt_logprobs-huge", C, comp(prompt_logprobs=2**40), 400, "prompt_logprobs"),
     ("suffix", C, comp(suffix="x"), 400, "suffix"),
     ("best_of", C, comp(best_of=3), 400, "best_of"),
     ("tools-bad-name", CH, chat(tools=[{"type": "function", "function": {"name": "no spaces"}}]), 400, "tools"),

@@ -66,6 +66,7 @@ class ConstraintState:
         self._m = matcher
         self.vocab_size = vocab_size
         self.forced_committed = 0
+        self._forced: list[int] | None = None  # forced() since the last advance (cleared by it)
         self._bitmask = np.full((1, bitmask_words(vocab_size)), -1, dtype=np.int32)
 
     @classmethod
@@ -105,10 +106,11 @@ class ConstraintState:
         return self._m.is_accepting()
 
     def forced(self) -> list[int]:
-        """Tokens the grammar forces next (empty when the model has a choice)."""
-        if self._m.is_stopped():
-            return []
-        return list(self._m.compute_ff_tokens())
+        """Tokens the grammar forces next (empty when the model has a choice). Computed once per
+        state (the engine asks after each token and again when it samples): treat as read-only."""
+        if self._forced is None:
+            self._forced = [] if self._m.is_stopped() else list(self._m.compute_ff_tokens())
+        return self._forced
 
     def advance(self, token: int, *, forced: bool = False) -> None:
         """Commit ``token``; it must be one the last mask allowed.
@@ -116,10 +118,21 @@ class ConstraintState:
         Raises:
             ConstraintError: the matcher refused the token (a bug upstream: the mask allowed it).
         """
+        self._forced = None
         if not self._m.consume_token(int(token)):
             raise ConstraintError(f"the constraint refused token {token}: {self._m.get_error()}")
         if forced:
             self.forced_committed += 1
+
+    def rollback(self, n: int) -> None:
+        """Undo the last ``n`` committed tokens (llguidance's rollback; forced ones stay counted).
+
+        Raises:
+            ConstraintError: the matcher cannot go back that far.
+        """
+        self._forced = None
+        if not self._m.rollback(int(n)):
+            raise ConstraintError(f"the constraint cannot roll back {n} tokens: {self._m.get_error()}")
 
     def bitmask(self) -> np.ndarray:
         """This step's allowed tokens as ``(1, words)`` int32 bits (bit ``t % 32`` of word ``t // 32``)."""

@@ -30,12 +30,14 @@ MAX_SCORE_ENTRIES = 2**24
 
 @dataclass(frozen=True)
 class PromptLogprobs:
-    """Per prompt token: its logprob (``None`` for the first) and the top ``k``
-    ``[(id, logprob)]`` most likely first (``None`` for the first, or when ``k`` is 0)."""
+    """Per prompt token: its logprob (``None`` for the first), the top ``k`` ``[(id, logprob)]``
+    most likely first (``None`` for the first, or when ``k`` is 0), and its rank (1 + how many
+    tokens the model found more likely; ``None`` for the first; ``ranks`` ``None`` when not computed)."""
 
     token_ids: list[int]
     logprobs: list[float | None]
     top: list[list[tuple[int, float]] | None]
+    ranks: list[int | None] | None = None
 
 
 def wants_scores(r: LiveRequest) -> bool:
@@ -61,15 +63,16 @@ def score_chunk(model: Any, rows: list[LiveRequest], h: mx.array, vocab_size: in
         if m <= 0:
             continue
         if r.prompt_scores is None or start == 0:  # first chunk (again, after a preemption)
-            r.prompt_scores = ([None] * r.prompt_len, [None] * r.prompt_len)
-        lps, tops = r.prompt_scores
+            r.prompt_scores = ([None] * r.prompt_len, [None] * r.prompt_len, [None] * r.prompt_len)
+        lps, tops, ranks = r.prompt_scores
         targets = mx.array(r.all_ids[start + 1:start + 1 + m], mx.int32)  # (m,)
         step = max(1, MAX_SCORE_ENTRIES // vocab_size) if vocab_size else m
         for j in range(0, m, step):
             logits = model.logits_from_hidden(h[i:i + 1, j:min(m, j + step)])[0].astype(mx.float32)  # (s, V)
             logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # (s, V)
             chosen = mx.take_along_axis(logp, targets[j:j + logp.shape[0], None], axis=-1)[:, 0]  # (s,)
-            outs = [chosen]
+            rank = (logp > chosen[:, None]).sum(axis=-1) + 1  # (s,)
+            outs = [chosen, rank]
             if k:
                 kk = min(k, logp.shape[-1])
                 idx = mx.argpartition(-logp, kk - 1, axis=-1)[:, :kk]  # (s, k), unordered
@@ -80,8 +83,9 @@ def score_chunk(model: Any, rows: list[LiveRequest], h: mx.array, vocab_size: in
             mx.eval(outs)
             at = start + j + 1  # the prompt index the slice's first position predicts
             lps[at:at + logp.shape[0]] = chosen.tolist()
+            ranks[at:at + logp.shape[0]] = rank.tolist()
             if k:
                 tops[at:at + logp.shape[0]] = [list(zip(a, b)) for a, b in zip(idx.tolist(), vals.tolist())]
         if start + m == r.prompt_len - 1:  # the whole prompt is scored: hand it over before the first token
             r.handle.prompt_logprobs = PromptLogprobs(token_ids=list(r.all_ids[:r.prompt_len]), logprobs=lps,
-                                                      top=tops if k else [None] * r.prompt_len)
+                                                      top=tops if k else [None] * r.prompt_len, ranks=ranks)

@@ -55,10 +55,16 @@ def step_inputs(rows: list[LiveRequest]) -> mx.array:
 
 
 def sample_rows(rows: list[LiveRequest], logits: mx.array) -> tuple[mx.array, list | None]:
-    """Each row with its own sampler and key sequence; greedy rows share one argmax."""
+    """Each row with its own sampler and key sequence; rows whose token is the argmax of their
+    (masked) logits share one argmax over the batch.
+
+    Those are the ``simple`` rows and the constrained rows sampling greedily without processors
+    or logprobs (:attr:`~mlx_infer.sampling.Sampler.argmax_only`): the batch's masks are applied
+    in one op, so one argmax gives each of them exactly what its own sampler would. Rows the
+    grammar forces take the forced token (host ints); the others call their sampler on their row.
+    """
     if all(r.simple for r in rows):
         return mx.argmax(logits, axis=-1), None  # (B,) uint32
-    greedy = mx.argmax(logits, axis=-1) if any(r.simple for r in rows) else None
     # A token the grammar forces is committed, not sampled (no key drawn; engine/grammar_jump.py).
     forced = [None if r.simple else forced_output(r) for r in rows]
     masked = [r.constraint if f is None else None for r, f in zip(rows, forced)]
@@ -69,16 +75,32 @@ def sample_rows(rows: list[LiveRequest], logits: mx.array) -> tuple[mx.array, li
         bits = fill_bitmasks(masked)  # (B, words): unconstrained rows allow everything
         # The sampler's first stage (the constraint), for the whole batch in one op on the device.
         logits = apply_bitmask(logits, bits)  # (B, vocab)
-    pieces, outs = [], []
+    b = len(rows)
+    outs: list[SampleOutput | None] = []
+    sampled: list[mx.array] = []  # (1,) uint32 tokens of the rows their own sampler served
+    host: list[int] = []  # the forced tokens
+    where: list[tuple[int, int]] = []  # per row: (0, its argmax row) | (1, its sampled) | (2, its forced)
     for i, r in enumerate(rows):
-        if r.simple:
-            pieces.append(greedy[i:i + 1])
+        f = forced[i]
+        if f is not None:
+            where.append((2, len(host)))
+            host.append(r.constraint.forced()[0])
+            outs.append(f)
+        elif r.simple or r.sampler.argmax_only:
+            where.append((0, i))
             outs.append(None)
-            continue
-        out = forced[i] or r.sampler.step(logits[i:i + 1], r.all_ids if r.needs_history else (), r.rng)
-        pieces.append(out.token if out.token.dtype == mx.uint32 else out.token.astype(mx.uint32))
-        outs.append(out)
-    return mx.concatenate(pieces), outs
+        else:
+            out = r.sampler.step(logits[i:i + 1], r.all_ids if r.needs_history else (), r.rng)
+            where.append((1, len(sampled)))
+            sampled.append(out.token if out.token.dtype == mx.uint32 else out.token.astype(mx.uint32))
+            outs.append(out)
+    argmax_rows = any(k == 0 for k, _ in where)
+    greedy = [mx.argmax(logits, axis=-1)] if argmax_rows else []  # (B,) uint32: every row's masked argmax
+    if not sampled and not host:
+        return greedy[0], outs
+    offset = (0, b if argmax_rows else 0, (b if argmax_rows else 0) + len(sampled))
+    pool = mx.concatenate([*greedy, *sampled, *([mx.array(host, mx.uint32)] if host else [])])  # (B + S + F,)
+    return pool[mx.array([offset[k] + j for k, j in where], mx.int32)], outs  # (B,) uint32
 
 
 def queue_outputs(tokens: mx.array, outs: list[SampleOutput | None] | None) -> None:

@@ -69,7 +69,7 @@ class LiveRequest:
         self.simple = False  # greedy, no processors, no logprobs: one batched argmax
         self.needs_history = False
         self.constraint: Any = None  # the request's ConstraintState (compiled at submit)
-        self.prompt_scores: Any = None  # (logprobs, tops) per prompt position (engine/prompt_scores.py)
+        self.prompt_scores: Any = None  # (logprobs, tops, ranks) per prompt position (engine/prompt_scores.py)
         self.text: list[str] = []
         self.logprobs: list[float] = []
         self.top_logprobs: list[list[tuple[int, float]]] = []

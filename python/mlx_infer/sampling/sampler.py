@@ -145,9 +145,13 @@ class Sampler:
 
     Calling it returns the tokens; when ``params.logprobs`` it also records the
     step's :class:`SampleOutput` in ``last``. :meth:`step` returns that output.
+
+    Attributes:
+        argmax_only: greedy with no processors and no logprobs: a step is the argmax of the
+            logits and nothing else (the engine takes it from one argmax over the batch).
     """
 
-    __slots__ = ("params", "processors", "filters", "last", "_greedy", "_inv_temp",
+    __slots__ = ("params", "processors", "filters", "last", "argmax_only", "_greedy", "_inv_temp",
                  "_logprobs", "_top_n", "_filter_key", "_vocab")
 
     def __init__(self, params: SamplingParams, processors: Sequence[LogitsProcessor],
@@ -157,6 +161,7 @@ class Sampler:
         # Greedy picks the argmax, which top_p/min_p/top_k always keep; XTC is skipped.
         self.filters = () if params.greedy else tuple(filters)
         self.last: SampleOutput | None = None
+        self.argmax_only = params.greedy and not self.processors and not params.logprobs
         self._greedy = params.greedy
         self._inv_temp = 0.0 if params.greedy else 1.0 / params.temperature
         self._logprobs = params.logprobs

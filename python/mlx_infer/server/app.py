@@ -46,7 +46,7 @@ from ..errors import MlxInferError, PromptTooLongError
 from ..sampling import SamplingParams
 from ..engine import RequestResult
 from ..engine.prompt_scores import PromptLogprobs
-from .prompt_logprobs import check_scorable, echo_logprobs
+from .prompt_logprobs import check_scorable, echo_logprobs, vllm_prompt_logprobs
 from .streaming import merge
 from .structured import constraint_of
 from .adapters import adapter_models, adapter_names, adapter_of, add_adapter_routes, served_name
@@ -382,10 +382,12 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
                   for p, ids in zip(prompts, all_ids)]
         logprobs, top = P.completion_logprobs(req)
         sampling = P.sampling_from(req, defaults, logprobs=logprobs, top_logprobs=top, vocab_size=vocab_size)
-        echo_only = bool(req.echo) and req.max_tokens == 0  # score the prompt, generate nothing (as vLLM)
+        echo_only = req.max_tokens == 0  # score the prompt (echo or prompt_logprobs), generate nothing (as vLLM)
         # echo with logprobs: the prompt tokens' own logprobs lead, scored by the engine's prefill over the
-        # request's pages (engine/prompt_scores.py), so the prompt's KV counts against the pool like any other
-        score_k = top if req.echo and logprobs else None
+        # request's pages (engine/prompt_scores.py), so the prompt's KV counts against the pool like any other;
+        # prompt_logprobs (vLLM's, not streamed) asks the same scores in vLLM's layout
+        echo_k, prompt_k = (top if req.echo and logprobs else None), P.prompt_logprobs_of(req)
+        score_k = max(echo_k or 0, prompt_k or 0) if echo_k is not None or prompt_k is not None else None
         if echo_only:
             for ids in all_ids:
                 try:
@@ -413,11 +415,14 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
             got = getattr(source, "prompt_logprobs", None)  # None: a one-token prompt has nothing to score
             return got or PromptLogprobs(token_ids=list(ids), logprobs=[None] * len(ids), top=[None] * len(ids))
 
-        def choice(text: str, reason: str | None, lp: Any = None, index: int = 0) -> dict[str, Any]:
-            return {"index": index, "text": text, "logprobs": lp, "finish_reason": reason}
+        def choice(text: str, reason: str | None, lp: Any = None, index: int = 0, r: Any = None) -> dict[str, Any]:
+            out = {"index": index, "text": text, "logprobs": lp, "finish_reason": reason}
+            if r is not None and prompt_k is not None:
+                out["prompt_logprobs"] = vllm_prompt_logprobs(fmt.text, scores_of(r, all_ids[index // n]), prompt_k)
+            return out
 
         def choice_logprobs(r: Any, k: int) -> Any:
-            if score_k is not None:
+            if echo_k is not None:
                 return echo_logprobs(fmt.text, scores_of(r, all_ids[k]), r.token_ids, r.logprobs or [],
                                      r.top_logprobs, top)
             return fmt.completion(r.token_ids, r.logprobs, r.top_logprobs) if logprobs else None
@@ -429,13 +434,13 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
             async def choice_chunks(i: int, h: RequestHandle | None) -> AsyncIterator[dict[str, Any]]:
                 offset = 0
                 echo = echoes[i // n]
-                if echo and score_k is None:
+                if echo and echo_k is None:
                     yield choice(echo, "length" if h is None else None, None, i)
                 if h is None:  # max_tokens 0 without logprobs: the prompt alone
                     return
                 first = True
                 async for ev in h:
-                    if first and score_k is not None:  # the prompt's scores are set before its first event
+                    if first and echo_k is not None:  # the prompt's scores are set before its first event
                         first = False
                         lp = echo_logprobs(fmt.text, scores_of(h, all_ids[i // n]), [], [], None, top)
                         offset = sum(map(len, lp["tokens"]))
@@ -469,7 +474,7 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
                        for ids in all_ids for _ in range(n)]
         return {"id": rid, "object": "text_completion", "created": t, "model": served,
                 "choices": [choice(echoes[i // n] + r.text, P.finish_reason(r.finish_reason),
-                                   choice_logprobs(r, i // n), i) for i, r in enumerate(results)],
+                                   choice_logprobs(r, i // n), i, r) for i, r in enumerate(results)],
                 "usage": total_usage(results, req.n)}
 
     @app.post("/v1/chat/completions")
@@ -525,7 +530,16 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
             return {"index": index, "message": message, "logprobs": lp, "finish_reason": finish}
 
         samplings = choice_samplings(sampling, req.n)
-        jobs = [(ids, req, s, limit, plan.constraint, tool_markup) for s in samplings]
+        prompt_k = P.prompt_logprobs_of(req)  # vLLM's: the prompt's scores, on the response (the first choice's)
+        jobs = [(ids, req, s, limit, plan.constraint, tool_markup, prompt_k if j == 0 else None)
+                for j, s in enumerate(samplings)]
+
+        def prompt_part(r: Any) -> dict[str, Any]:
+            if prompt_k is None:
+                return {}
+            got = r.prompt_logprobs or PromptLogprobs(token_ids=list(ids), logprobs=[None] * len(ids),
+                                                      top=[None] * len(ids))  # None: a one-token prompt
+            return {"prompt_logprobs": vllm_prompt_logprobs(fmt.text, got, prompt_k)}
         if req.stream:  # every choice in one stream, each with its own tool-call parser state
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             handles = submit_all(jobs)
@@ -565,12 +579,12 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
             results = await wait_all(jobs, request)
             return {"id": rid, "object": "chat.completion", "created": t, "model": served,
                     "choices": [chat_choice(r, i) for i, r in enumerate(results)],
-                    "usage": total_usage(results, req.n)}
+                    "usage": total_usage(results, req.n), **prompt_part(results[0])}
         handle = submit(*jobs[0])
 
         r = await wait(handle, request)
         return {"id": rid, "object": "chat.completion", "created": t, "model": served,
                 "choices": [chat_choice(r, 0)],
-                "usage": P.usage(r.prompt_tokens, r.completion_tokens, r.cached_tokens)}
+                "usage": P.usage(r.prompt_tokens, r.completion_tokens, r.cached_tokens), **prompt_part(r)}
 
     return app

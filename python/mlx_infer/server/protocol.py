@@ -7,8 +7,9 @@ or ``true`` are not coerced) and reject unknown fields (400, in OpenAI's words:
 checks here, whose errors become 400s. Extensions beyond the OpenAI fields (as
 mlx_lm.server and vLLM accept them): ``top_k``, ``min_p``,
 ``repetition_penalty``, ``ignore_eos``, ``skip_special_tokens``,
-``spaces_between_special_tokens``, and the structured-output fields
-(``structured_outputs``, ``guided_*``, ``grammar``, ``json_schema``: server/structured.py).
+``spaces_between_special_tokens``, ``prompt_logprobs`` (vLLM's: server/prompt_logprobs.py),
+and the structured-output fields (``structured_outputs``, ``guided_*``, ``grammar``,
+``json_schema``: server/structured.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from ..sampling import SamplingParams
 MAX_STOP_STRINGS = 16
 #: Most choices (``n``) a request may ask for, and most prompts a completion may batch.
 MAX_N = 16
+#: Most ``prompt_logprobs`` alternatives per prompt token (vLLM's default ``max_logprobs``; the engine's bound).
+MAX_PROMPT_LOGPROBS = 20
 #: Most ``logit_bias`` entries a request may carry (OpenAI documents none; 1024 covers real use).
 MAX_LOGIT_BIAS = 1024
 #: ``logit_bias`` values, as OpenAI bounds them.
@@ -88,6 +91,7 @@ class _Sampling(BaseModel):
     guided_grammar: str | None = None
     grammar: str | None = None
     json_schema: dict[str, Any] | None = None
+    prompt_logprobs: int | None = None  # vLLM's: score the prompt (see prompt_logprobs_of)
 
 
 class CompletionRequest(_Sampling):
@@ -162,9 +166,9 @@ def check_common(req: _Sampling) -> None:
     if req.n is not None and not 1 <= req.n <= MAX_N:
         raise _bad(f"n must be in 1..{MAX_N}, got {req.n}.", "n")
     if isinstance(req, CompletionRequest):
-        if req.max_tokens == 0 and not req.echo:
+        if req.max_tokens == 0 and not req.echo and req.prompt_logprobs is None:
             raise _bad("max_tokens: 0 only scores the prompt, so it needs echo: true (with logprobs for the "
-                       "prompt's logprobs); otherwise give max_tokens >= 1.", "max_tokens")
+                       "prompt's logprobs) or prompt_logprobs; otherwise give max_tokens >= 1.", "max_tokens")
         if req.suffix:
             raise _bad("suffix is not supported.", "suffix")
         if req.best_of not in (None, 1):
@@ -277,6 +281,28 @@ def completion_logprobs(req: CompletionRequest) -> tuple[bool, int]:
     if not 0 <= req.logprobs <= 5:
         raise _bad(f"logprobs must be in 0..5 for completions, got {req.logprobs}.", "logprobs")
     return True, req.logprobs
+
+
+def prompt_logprobs_of(req: _Sampling) -> int | None:
+    """vLLM's ``prompt_logprobs``: ``k`` asks, for every prompt token, the logprob the model gives it
+    after the tokens before it and the ``k`` most likely tokens there (``None`` at the first token).
+
+    Raises:
+        OpenAIError: 400 when ``k`` is outside 0..:data:`MAX_PROMPT_LOGPROBS` or the request streams
+            (as vLLM: the prompt's scores come with the whole answer).
+    """
+    k = req.prompt_logprobs
+    if k is None:
+        return None
+    if k == -1:
+        raise _bad(f"prompt_logprobs: -1 (the whole vocabulary) is not supported; give 0..{MAX_PROMPT_LOGPROBS}.",
+                   "prompt_logprobs")
+    if not 0 <= k <= MAX_PROMPT_LOGPROBS:
+        raise _bad(f"prompt_logprobs must be in 0..{MAX_PROMPT_LOGPROBS}, got {k}.", "prompt_logprobs")
+    if req.stream:
+        raise _bad("prompt_logprobs is not available with stream: true (as in vLLM); drop one of them.",
+                   "prompt_logprobs")
+    return k
 
 
 def chat_logprobs(req: ChatCompletionRequest) -> tuple[bool, int]:
