@@ -52,7 +52,8 @@ from mlx.utils import tree_flatten
 from mlx_infer.bench.report import results_document, write_json
 from mlx_infer.generation.autoregressive import generate_tokens
 from mlx_infer.generation.static_batch import generate_batch
-from mlx_infer.generation.bindings.decode_step import CompiledDecodeStep, DecodePolicy
+from mlx_infer.generation.bindings.decode_step import CompiledDecodeStep
+from mlx_infer.generation.bindings.graph_spec import DecodePolicy
 from mlx_infer.models import get_model_classes
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

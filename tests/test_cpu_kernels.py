@@ -403,7 +403,8 @@ def test_compiled_decode_step_runs_the_same_cpu_kernels(tmp_path, family, bits):
     """The C++ step mirrors the swapped model: products, attention and the gated activation on
     the CPU kernels, so its tokens and logits are the eager graph's (same kernels, same order)."""
     from mlx_infer.generation.autoregressive import generate_tokens
-    from mlx_infer.generation.bindings.decode_step import CompiledDecodeStep, graph_spec
+    from mlx_infer.generation.bindings.decode_step import CompiledDecodeStep
+    from mlx_infer.generation.bindings.graph_spec import graph_spec
 
     path, load_model = _tiny(tmp_path, family, bits)
     model = load_model(path, cpu_kernels=True).model

@@ -37,7 +37,8 @@ from mlx_infer.contracts import GraphDescriptor
 from mlx_infer.errors import MlxInferError
 from mlx_infer.generation.bindings.autoregressive import (AutoregressiveBinding, Composition,
                                                           assert_binding, bind_autoregressive)
-from mlx_infer.generation.bindings.decode_step import CompiledDecodeStep, DecodePolicy, graph_spec
+from mlx_infer.generation.bindings.decode_step import CompiledDecodeStep
+from mlx_infer.generation.bindings.graph_spec import DecodePolicy, graph_spec
 from mlx_infer.state.kv import KVCache, RotatingKVCache
 
 from tiny import make_tiny_model_dir

@@ -45,8 +45,8 @@ import pytest
 from mlx.utils import tree_map_with_path
 
 from mlx_infer.generation.bindings.autoregressive import Composition, bind_autoregressive
-from mlx_infer.generation.bindings.decode_step import (CompiledDecodeStep, DecodePolicy, DecodeStepUnsupported,
-                                                       graph_spec)
+from mlx_infer.generation.bindings.decode_step import CompiledDecodeStep
+from mlx_infer.generation.bindings.graph_spec import DecodePolicy, DecodeStepUnsupported, graph_spec
 from mlx_infer.models import get_model_classes
 from mlx_infer.state.kv import KVCache, RotatingKVCache
 

@@ -192,7 +192,7 @@ def test_prefill_chunk_rows_attend_causally_through_tables(tiny, name, mode):
 
 def test_group_window_mismatch_and_attention_choice_are_refused(tiny):
     from mlx_infer import _fast
-    from mlx_infer.generation.bindings.decode_step import DecodePolicy, graph_spec
+    from mlx_infer.generation.bindings.graph_spec import DecodePolicy, graph_spec
 
     loaded = tiny("gemma3")
     cfg, weights, quant = graph_spec(loaded.model, policy=DecodePolicy(compile=False))

@@ -46,7 +46,7 @@ import mlx.core as mx
 from ..errors import MlxInferError, PromptTooLongError
 from ..generation.autoregressive import newline_ids
 from ..generation.bindings.autoregressive import Composition, bind_autoregressive
-from ..generation.bindings.decode_step import DecodeStepUnsupported
+from ..generation.bindings.graph_spec import DecodeStepUnsupported
 from ..generation.bindings.paged_decode_step import (CompiledPagedDecodeStep, PagedDecodePolicy,
                                                      paged_unsupported_reason)
 from ..generation.text_output import TextOutput

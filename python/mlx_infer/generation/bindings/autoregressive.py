@@ -32,7 +32,8 @@ from ...contracts import (GRAPH_ABI_HIDDEN_BSH, STATE_ABI_CACHE_LIST, GraphDecla
                           GraphDescriptor)
 from ...adapters.bank import bank_of
 from ...errors import MlxInferError
-from .decode_step import KV_DTYPES, CompiledDecodeStep, DecodePolicy, DecodeStepUnsupported
+from .decode_step import CompiledDecodeStep
+from .graph_spec import KV_DTYPES, DecodePolicy, DecodeStepUnsupported
 
 #: KV schemes a composition may name (None: the dtype the graph computes in).
 KV_SCHEMES = tuple(KV_DTYPES)

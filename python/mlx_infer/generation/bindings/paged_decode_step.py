@@ -41,7 +41,7 @@ import mlx.core as mx
 from ... import _fast
 from ...adapters.apply import adapter_rows
 from ...adapters.native import AdapterTargetUnsupported, NativeAdapters
-from .decode_step import DecodePolicy, DecodeStepUnsupported, graph_spec
+from .graph_spec import DecodePolicy, DecodeStepUnsupported, graph_spec
 
 log = logging.getLogger("mlx_infer.engine")
 

@@ -1,0 +1,344 @@
+"""A model's graph read into what the compiled C++ decode step takes (``mlx_infer._fast.DecodeStep``).
+
+:func:`graph_spec` reads a llama-, gemma3- or gemma4-family graph into a :class:`~mlx_infer._fast.DecodeConfig`,
+the weights under canonical names (no copy: the same arrays the model holds) and the quantization of each
+quantized linear. :class:`DecodePolicy` is the binding's choice of how the step runs;
+:class:`DecodeStepUnsupported` says why a graph has no step.
+
+Canonical weight names::
+
+    embed.{weight,scales,biases}            norm.weight        lm_head.* (untied only)
+    layers.{i}.{q,k,v,o,gate,up,down}.{weight,bias,scales,biases}
+    layers.{i}.attn_norm.weight             llama input_layernorm / gemma input_layernorm
+    layers.{i}.mlp_norm.weight              llama post_attention_layernorm / gemma pre_feedforward_layernorm
+    layers.{i}.post_attn_norm.weight        gemma post_attention_layernorm
+    layers.{i}.post_mlp_norm.weight         gemma post_feedforward_layernorm
+    layers.{i}.{q_norm,k_norm}.weight       qwen3 / gemma per-head norms
+
+Gemma's norms scale by ``1 + w``; the ``1 +`` is applied here, once.
+
+Gemma 4 (:func:`_gemma4_spec`; its norms scale by ``w``) adds per-layer KV
+geometry, KV sharing (``kv_donors``: shared layers own no buffer), per-layer
+inputs and the MoE block; its extra canonical names are listed in
+``cpp/decode/gemma4.h``. The step's buffers then exist for the KV-owning
+layers only, in the order of ``model.make_cache()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ... import _fast
+from ...layers.rope import Llama3RoPE, YarnRoPE
+from ...models import materialize_graph_constants
+from ...layers.switch import QuantizedSwitchLinear, SwitchLinear
+from ...models.gemma4 import FULL, SLIDING, ProportionalRoPE
+
+#: Families with a C++ step (module name of the graph's family file).
+SUPPORTED_FAMILIES = ("llama", "gemma3", "gemma4")
+
+#: KV scheme name -> the buffer dtype the C++ step takes.
+KV_DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}
+
+
+class DecodeStepUnsupported(ValueError):
+    """The graph (or its cache) has no compiled decode step; use the eager graph."""
+
+
+@dataclass(frozen=True)
+class DecodePolicy:
+    """Per-generation choices of the compiled step.
+
+    Attributes:
+        capacity_step: KV buffer growth in tokens (a retrace per growth).
+        max_capacity: most tokens a row may hold (0 = unbounded); a step past it
+            fails and the generation continues eagerly.
+        compile: trace the whole step once per (batch, capacity) with
+            ``mx.compile`` (attention over the whole buffer under a mask);
+            off builds the graph in C++ every step and reads exact-length KV
+            views (no mask) while all rows have one length.
+        compile_min_batch: compile only from this batch size on; ``None``
+            picks 2 on a GPU and 1 on the CPU. Measured on an H200 (random bf16
+            weights, 512-token prompts): at batch 1 the per-step graph is as fast
+            or faster (the masked attention of the compiled step cannot use the
+            fused decode-attention kernel: llama-8b 0.76x mlx-lm compiled vs
+            0.93-1.0x per-step), from batch 8 on the compiled step is faster
+            (1.2-1.9x mlx-lm). The CPU has no fused attention kernel, so
+            compiling pays there at every batch size.
+        fuse_projections: run q|k|v and gate|up as one matmul each (holds a
+            fused copy of those weights: about 2/3 of a dense model's bytes).
+    """
+
+    capacity_step: int = 256
+    max_capacity: int = 0
+    compile: bool = True
+    compile_min_batch: int | None = None
+    fuse_projections: bool = False
+
+    def resolved_compile_min_batch(self) -> int:
+        """``compile_min_batch``, with ``None`` resolved for the default device."""
+        if self.compile_min_batch is not None:
+            return self.compile_min_batch
+        return 1 if mx.default_device().type == mx.DeviceType.cpu else 2
+
+
+def family_of_graph(model: Any) -> str:
+    """``"llama"``, ``"gemma3"`` or ``"gemma4"`` from the graph's module; raises DecodeStepUnsupported otherwise."""
+    family = type(model).__module__.rsplit(".", 1)[-1]
+    if family not in SUPPORTED_FAMILIES:
+        raise DecodeStepUnsupported(f"no compiled decode step for the {family!r} graph family")
+    return family
+
+
+def _rope_spec(rope: nn.Module) -> Any:
+    if isinstance(rope, ProportionalRoPE):
+        return _fast.RopeSpec(dims=rope.dims, traditional=False, freqs=rope._freqs)
+    if isinstance(rope, Llama3RoPE):
+        return _fast.RopeSpec(dims=rope.dims, traditional=rope.traditional, freqs=rope._freqs)
+    if isinstance(rope, YarnRoPE):
+        return _fast.RopeSpec(dims=rope.dims, traditional=rope.traditional, freqs=rope._freqs,
+                              mscale=float(rope.mscale))
+    if isinstance(rope, nn.RoPE):
+        return _fast.RopeSpec(dims=rope.dims, traditional=rope.traditional, base=float(rope.base),
+                              scale=float(rope.scale))
+    raise DecodeStepUnsupported(f"no compiled decode step for rope module {type(rope).__name__}")
+
+
+def _uses_cpu_kernels(module: nn.Module) -> bool:
+    """True for mlx-infer's CPU-kernel layers (``mlx_infer.layers.linear``), whose products the step mirrors."""
+    return type(module).__module__.endswith("layers.linear") and type(module).__name__.startswith("Fast")
+
+
+def _add_linear(name: str, module: nn.Module, weights: dict, quant: dict, fast: list) -> None:
+    if _uses_cpu_kernels(module):
+        fast.append(name)
+    weights[f"{name}.weight"] = module["weight"]
+    if "bias" in module:
+        weights[f"{name}.bias"] = module["bias"]
+    if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        weights[f"{name}.scales"] = module["scales"]
+        if module.get("biases") is not None:
+            weights[f"{name}.biases"] = module["biases"]
+        quant[name] = (int(module.group_size), int(module.bits), str(getattr(module, "mode", "affine")))
+    elif not isinstance(module, (nn.Linear, nn.Embedding)):
+        raise DecodeStepUnsupported(f"no compiled decode step for {name} of type {type(module).__name__}")
+
+
+def graph_spec(model: Any, *, kv_scheme: str | None = None,
+               policy: DecodePolicy = DecodePolicy()) -> tuple[Any, dict[str, mx.array], dict[str, tuple]]:
+    """The C++ step's config, canonical weights and quantization for ``model``.
+
+    Args:
+        model: a llama- or gemma3-family graph.
+        kv_scheme: ``"bf16"``, ``"f16"``, ``"f32"`` or ``None`` (the prefill's dtype).
+        policy: capacity and compile choices.
+
+    Raises:
+        DecodeStepUnsupported: the family, a module type or the rope type has no C++ step.
+    """
+    family = family_of_graph(model)
+    if getattr(model, "pipeline_parallel", None) is not None:
+        raise DecodeStepUnsupported("no compiled decode step for a pipeline-parallel graph (its layers span ranks)")
+    if kv_scheme is not None and kv_scheme not in KV_DTYPES:
+        raise ValueError(f"kv_scheme must be one of {', '.join(KV_DTYPES)} or None, got {kv_scheme!r}.")
+    materialize_graph_constants(model)  # the RoPE tables the specs hand over; the step may run on another thread
+    if family == "gemma4":
+        return _gemma4_spec(model, kv_scheme, policy)
+    args = model.args
+    inner = model.model
+    gemma = family == "gemma3"
+    attn0 = inner.layers[0].self_attn
+    cfg = _fast.DecodeConfig()
+    cfg.family = family
+    cfg.num_layers = len(inner.layers)
+    cfg.hidden_size = args.hidden_size
+    cfg.num_heads = attn0.n_heads
+    cfg.num_kv_heads = attn0.n_kv_heads
+    cfg.head_dim = attn0.head_dim
+    cfg.vocab_size = args.vocab_size
+    cfg.rms_norm_eps = float(args.rms_norm_eps)
+    cfg.attn_scale = float(attn0.scale)
+    cfg.activation = "gelu_tanh" if gemma else "silu"
+    cfg.embed_scale = float(inner.embed_scale) if gemma else 0.0
+    cfg.clip_f16_residual = gemma
+    cfg.final_logit_softcap = (float(args.final_logit_softcapping)
+                               if gemma and args.final_logit_softcapping is not None else None)
+    window = args.sliding_window
+    cfg.windows = [int(window) if layer.use_sliding else 0 for layer in inner.layers]
+    cfg.ropes = [_rope_spec(layer.self_attn.rope) for layer in inner.layers]
+    _apply_policy(cfg, kv_scheme, policy)
+    _apply_tensor_parallel(cfg, model)
+
+    weights: dict[str, mx.array] = {}
+    quant: dict[str, tuple] = {}
+    fast: list[str] = []
+
+    def norm(name: str, module: nn.Module) -> None:
+        weights[f"{name}.weight"] = (1.0 + module.weight) if gemma else module.weight
+
+    _add_linear("embed", inner.embed_tokens, weights, quant, fast)
+    if not args.tie_word_embeddings:
+        _add_linear("lm_head", model.lm_head, weights, quant, fast)
+    norm("norm", inner.norm)
+    for i, layer in enumerate(inner.layers):
+        p = f"layers.{i}"
+        attn, mlp = layer.self_attn, layer.mlp
+        for short, mod in (("q", attn.q_proj), ("k", attn.k_proj), ("v", attn.v_proj), ("o", attn.o_proj),
+                           ("gate", mlp.gate_proj), ("up", mlp.up_proj), ("down", mlp.down_proj)):
+            _add_linear(f"{p}.{short}", mod, weights, quant, fast)
+        norm(f"{p}.attn_norm", layer.input_layernorm)
+        if gemma:
+            norm(f"{p}.post_attn_norm", layer.post_attention_layernorm)
+            norm(f"{p}.mlp_norm", layer.pre_feedforward_layernorm)
+            norm(f"{p}.post_mlp_norm", layer.post_feedforward_layernorm)
+        else:
+            norm(f"{p}.mlp_norm", layer.post_attention_layernorm)
+        if gemma or getattr(attn, "qk_norm", False):
+            norm(f"{p}.q_norm", attn.q_norm)
+            norm(f"{p}.k_norm", attn.k_norm)
+    _mirror_cpu_kernels(inner.layers, fast)
+    cfg.cpu_kernel_linears = fast
+    mx.eval(list(weights.values()))
+    return cfg, weights, quant
+
+
+def _mirror_cpu_kernels(layers: Sequence[nn.Module], fast: list[str]) -> None:
+    """Attention and the gated activation on the CPU kernels too, as the swapped modules run them
+    (layers.linear swaps every layer's modules alike: the last layer's classes say it)."""
+    if layers and getattr(type(layers[-1].self_attn), "_mlx_infer_stock_class", None) is not None:
+        fast.append("attention")
+    if layers and getattr(type(layers[-1].mlp), "_mlx_infer_stock_class", None) is not None:
+        fast.append("gated_activation")
+
+
+def _apply_policy(cfg: Any, kv_scheme: str | None, policy: DecodePolicy) -> None:
+    cfg.kv_dtype = KV_DTYPES[kv_scheme] if kv_scheme else ""
+    cfg.capacity_step = policy.capacity_step
+    cfg.max_capacity = policy.max_capacity
+    cfg.compile = policy.compile
+    cfg.compile_min_batch = policy.resolved_compile_min_batch()
+    cfg.fuse_projections = policy.fuse_projections
+
+
+def _apply_tensor_parallel(cfg: Any, model: Any) -> None:
+    """A sharded graph (:mod:`mlx_infer.parallel`): the step runs its collectives over the same group."""
+    from ...parallel.layers import tensor_parallel_of
+
+    tp = tensor_parallel_of(model)
+    if tp is None:
+        return
+    cfg.tp_backend = tp.pg.backend
+    cfg.vocab_parallel = tp.vocab_parallel
+    cfg.vocab_start = tp.vocab_start
+    cfg.per_layer_vocab_start = tp.per_layer_vocab_start
+    cfg.expert_start = tp.expert_start
+
+
+def _add_experts(name: str, module: nn.Module, weights: dict, quant: dict) -> None:
+    """A SwitchLinear ``(experts, out, in)``, or its quantized form, under ``name``."""
+    weights[f"{name}.weight"] = module["weight"]
+    if isinstance(module, QuantizedSwitchLinear):
+        if module.get("global_scale") is not None:
+            raise DecodeStepUnsupported(f"no compiled decode step for {name}: experts with a global "
+                                        f"scale ({module.mode}) are not built into the step")
+        weights[f"{name}.scales"] = module["scales"]
+        if module.get("biases") is not None:
+            weights[f"{name}.biases"] = module["biases"]
+        quant[name] = (int(module.group_size), int(module.bits), str(module.mode))
+    elif not isinstance(module, SwitchLinear):
+        raise DecodeStepUnsupported(f"no compiled decode step for {name} of type {type(module).__name__}")
+
+
+def _gemma4_spec(model: Any, kv_scheme: str | None,
+                 policy: DecodePolicy) -> tuple[Any, dict[str, mx.array], dict[str, tuple]]:
+    """:func:`graph_spec` for a Gemma 4 text graph (names: ``cpp/decode/gemma4.h``)."""
+    args, inner = model.args, model.model
+    layers = inner.layers
+    if any(t not in (FULL, SLIDING) for t in args.layer_types):
+        raise DecodeStepUnsupported(f"no compiled decode step for gemma4 layer types {sorted(set(args.layer_types))}")
+    cfg = _fast.DecodeConfig()
+    cfg.family = "gemma4"
+    cfg.num_layers = len(layers)
+    cfg.hidden_size = args.hidden_size
+    cfg.num_heads = layers[0].self_attn.n_heads
+    cfg.num_kv_heads = layers[0].self_attn.n_kv_heads
+    cfg.head_dim = layers[0].self_attn.head_dim
+    cfg.vocab_size = args.vocab_size
+    cfg.rms_norm_eps = float(args.rms_norm_eps)
+    cfg.attn_scale = 1.0  # q/k norms do the scaling
+    cfg.activation = "gelu_tanh"
+    cfg.embed_scale = float(inner.embed_scale)
+    cfg.clip_f16_residual = False
+    cfg.final_logit_softcap = (float(args.final_logit_softcapping)
+                               if args.final_logit_softcapping is not None else None)
+    cfg.windows = [int(args.sliding_window) if layer.layer_type == SLIDING else 0 for layer in layers]
+    cfg.ropes = [_rope_spec(layer.self_attn.rope) for layer in layers]
+    cfg.layer_kv_heads = [layer.self_attn.n_kv_heads for layer in layers]
+    cfg.layer_head_dims = [layer.self_attn.head_dim for layer in layers]
+    cfg.kv_donors = [-1 if d is None else int(d) for d in args.kv_donors]
+    cfg.per_layer_width = int(inner.per_layer_width or 0)
+    if args.enable_moe_block:
+        cfg.num_experts = int(args.num_experts)
+        cfg.top_k_experts = int(args.top_k_experts)
+    _apply_policy(cfg, kv_scheme, policy)
+    _apply_tensor_parallel(cfg, model)
+    cfg.fuse_projections = False  # the gemma4 forward runs each projection on its own
+
+    weights: dict[str, mx.array] = {}
+    quant: dict[str, tuple] = {}
+    fast: list[str] = []
+
+    def linear(name: str, module: nn.Module) -> None:
+        _add_linear(name, module, weights, quant, fast)
+
+    def norm(name: str, module: nn.Module) -> None:
+        weights[f"{name}.weight"] = module.weight
+
+    linear("embed", inner.embed_tokens)
+    if not args.tie_word_embeddings:
+        linear("lm_head", model.lm_head)
+    norm("norm", inner.norm)
+    if cfg.per_layer_width:
+        linear("embed_per_layer", inner.embed_tokens_per_layer)
+        linear("per_layer_proj", inner.per_layer_model_projection)
+        norm("per_layer_proj_norm", inner.per_layer_projection_norm)
+    for i, layer in enumerate(layers):
+        p = f"layers.{i}"
+        attn, mlp = layer.self_attn, layer.mlp
+        mods = [("q", attn.q_proj), ("o", attn.o_proj), ("gate", mlp.gate_proj), ("up", mlp.up_proj),
+                ("down", mlp.down_proj)]
+        if attn.owns_kv:
+            mods.append(("k", attn.k_proj))
+            if not attn.k_eq_v:
+                mods.append(("v", attn.v_proj))
+            norm(f"{p}.k_norm", attn.k_norm)
+        for short, mod in mods:
+            linear(f"{p}.{short}", mod)
+        norm(f"{p}.q_norm", attn.q_norm)
+        norm(f"{p}.attn_norm", layer.input_layernorm)
+        norm(f"{p}.post_attn_norm", layer.post_attention_layernorm)
+        norm(f"{p}.mlp_norm", layer.pre_feedforward_layernorm)
+        norm(f"{p}.post_mlp_norm", layer.post_feedforward_layernorm)
+        weights[f"{p}.layer_scalar"] = layer.layer_scalar
+        if cfg.per_layer_width:
+            linear(f"{p}.pli_gate", layer.per_layer_input_gate)
+            linear(f"{p}.pli_proj", layer.per_layer_projection)
+            norm(f"{p}.pli_norm", layer.post_per_layer_input_norm)
+        if layer.enable_moe:
+            linear(f"{p}.router", layer.router.proj)
+            weights[f"{p}.router_scale"] = layer.router.scale
+            weights[f"{p}.per_expert_scale"] = layer.router.per_expert_scale
+            glu = layer.experts.switch_glu
+            for short, mod in (("gate", glu.gate_proj), ("up", glu.up_proj), ("down", glu.down_proj)):
+                _add_experts(f"{p}.experts.{short}", mod, weights, quant)
+            norm(f"{p}.mlp_norm_2", layer.pre_feedforward_layernorm_2)
+            norm(f"{p}.post_mlp_norm_1", layer.post_feedforward_layernorm_1)
+            norm(f"{p}.post_mlp_norm_2", layer.post_feedforward_layernorm_2)
+    _mirror_cpu_kernels(layers, fast)
+    cfg.cpu_kernel_linears = fast
+    mx.eval(list(weights.values()))
+    return cfg, weights, quant
