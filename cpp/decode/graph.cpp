@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <stdexcept>
+#include <unordered_set>
 
 namespace mlx_infer {
 
@@ -417,8 +418,41 @@ std::vector<int> buffer_windows(const DecodeStep::Graph& g) {
   return out;
 }
 
+namespace {
+
+// The weight names the graph being loaded has read (see load_graph_weights): every name the binding passes must be
+// one the step reads, so a weight the translation names wrongly, or one this step has no use for, is an error
+// instead of silently ignored.
+thread_local std::unordered_set<std::string>* t_read_names = nullptr;
+
+struct ReadNames {
+  std::unordered_set<std::string> names;
+  ReadNames() { t_read_names = &names; }
+  ~ReadNames() { t_read_names = nullptr; }
+  ReadNames(const ReadNames&) = delete;
+  ReadNames& operator=(const ReadNames&) = delete;
+};
+
+void check_every_weight_read(const std::unordered_map<std::string, mx::array>& weights,
+                             const std::unordered_set<std::string>& read) {
+  std::vector<std::string> unused;
+  for (const auto& [name, _] : weights) {
+    if (!read.count(name)) unused.push_back(name);
+  }
+  if (unused.empty()) return;
+  std::sort(unused.begin(), unused.end());
+  std::string list;
+  for (size_t i = 0; i < unused.size() && i < 8; ++i) list += (i ? ", '" : "'") + unused[i] + "'";
+  if (unused.size() > 8) list += ", ... (" + std::to_string(unused.size()) + " in all)";
+  throw std::invalid_argument("[DecodeStep] weights the step does not use: " + list +
+                              " (an unknown name, or a weight this family's step has no place for).");
+}
+
+}  // namespace
+
 std::optional<mx::array> find_weight(const std::unordered_map<std::string, mx::array>& w,
                                      const std::string& name) {
+  if (t_read_names != nullptr) t_read_names->insert(name);
   auto it = w.find(name);
   if (it == w.end()) {
     return std::nullopt;
@@ -511,8 +545,10 @@ void load_graph_weights(
   g.fast_attention = std::find(fast.begin(), fast.end(), "attention") != fast.end();
   g.fast_gated = std::find(fast.begin(), fast.end(), "gated_activation") != fast.end();
   init_tensor_parallel(g);
+  ReadNames read;
   if (cfg.family == "gemma4") {
     load_gemma4_weights(g, weights, quantization);
+    check_every_weight_read(weights, read.names);
     return;
   }
   g.embed = read_linear(weights, quantization, fast, "embed");
@@ -564,6 +600,7 @@ void load_graph_weights(
     }
     g.layers.push_back(std::move(lw));
   }
+  check_every_weight_read(weights, read.names);
   if (!fused.empty()) {
     mx::eval(fused);
   }
