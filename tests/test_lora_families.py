@@ -7,9 +7,11 @@ MoE routers (qwen3_moe ``mlp.gate``, gpt_oss ``mlp.router``), DeepSeek's MLA pro
 (``q_a_proj``, ``q_b_proj``, ``kv_a_proj_with_mqa``) and shared experts.
 
 - mlx-lm 0.32.2 with the same adapter (``mlx_lm.tuner.utils.load_adapters``): eager logits
-  bit-identical (``mx.array_equal``) for an 8-token prompt. That prompt fits gemma2's
-  window, the one family whose mlx-lm graph differs (it treats every layer as global:
-  tests/families.py's ``in_window``); every other family's mlx-lm graph runs the same ops.
+  bit-identical (``mx.array_equal``) for an 8-token prompt, and for every chunk of the cached
+  schedule of tests/families.py (prefill, decode, a chunk; each side its own caches). Except
+  gemma2, whose mlx-lm graph treats every layer as global (tests/families.py's ``in_window``):
+  the prompt (8 tokens, the window) only.
+- ``mlx-infer fuse`` of the adapter loads back and gives its logits (1e-4).
 - The engine: a batch mixing 4 adapters (one DoRA) and no adapter gives each row exactly
   the greedy tokens it gets alone (these families decode eagerly: the per-row path).
 - PEFT + transformers (granite, phi3's fused layers, deepseek_v3's MLA projections):
@@ -29,10 +31,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from families import build_mlx_lm, hf_setup
+from families import SPECS, build_mlx_lm, hf_setup, run_schedule
 from lora_helpers import make_mlx_adapter, mlx_lm_with_adapter
 
+from mlx_lm.models.cache import make_prompt_cache
+
 from mlx_infer.adapters import AdapterError, adapter_rows, attach_adapter, bank_of
+from mlx_infer.adapters.fuse import fuse_adapter
 from mlx_infer.artifacts.loader import load_model
 from mlx_infer.engine import Engine, EngineConfig, EngineRequest
 from mlx_infer.generation.autoregressive import generate_tokens
@@ -86,6 +91,30 @@ def test_mlx_lm_adapter_bit_identical(family):
     assert mx.array_equal(ours, ref), f"{family}: max diff {mx.abs(ours - ref).max().item()}"
     base = loaded.model(x)  # no selection: the base model
     assert not mx.allclose(base, ref, atol=1e-3), "the adapter changed nothing: the test would hide a no-op"
+    if SPECS[family].mlx_lm != "exact":  # gemma2: mlx-lm ignores the window the cached schedule runs past
+        return
+    full = mx.array(ids)  # (2, SEQ): the cached schedule, each side with its own caches
+    theirs_steps = run_schedule(theirs, make_prompt_cache(theirs), full)
+    with adapter_rows(bank_of(loaded.model).acquire(name)):
+        ours_steps = run_schedule(loaded.model, loaded.model.make_cache(), full)
+    for n, (o, r) in enumerate(zip(ours_steps, theirs_steps)):
+        assert mx.array_equal(o, r), f"{family}: chunk {n}: max diff {mx.abs(o - r).max().item()}"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fused_adapter_matches_the_adapter(family):
+    """``mlx-infer fuse`` (adapters/fuse.py) writes a directory that loads and gives the adapter's
+    logits (merged weights round differently: 1e-4)."""
+    d, _, ids, _ = hf_setup(family)
+    x = mx.array(ids[:, :8])
+    out = fuse_adapter(d, adapter(family, 0), root() / f"{family}-fused")
+    fused = load_model(out, cpu_kernels=False).model(x)
+    loaded = load_model(d, cpu_kernels=False)
+    name = attach_adapter(loaded.model, adapter(family, 0))
+    with adapter_rows(bank_of(loaded.model).acquire(name)):
+        ref = loaded.model(x)
+    np.testing.assert_allclose(np.array(fused), np.array(ref), atol=1e-4, rtol=1e-4)
+    assert not mx.allclose(loaded.model(x), ref, atol=1e-3)  # the adapter changes the base model's logits
 
 
 @pytest.mark.parametrize("family", FAMILIES)
