@@ -10,7 +10,7 @@ MoE routers (qwen3_moe ``mlp.gate``, gpt_oss ``mlp.router``), DeepSeek's MLA pro
   bit-identical (``mx.array_equal``) for an 8-token prompt, and for every chunk of the cached
   schedule of tests/families.py (prefill, decode, a chunk; each side its own caches). Except
   gemma2, whose mlx-lm graph treats every layer as global (tests/families.py's ``in_window``):
-  the prompt (8 tokens, the window) only.
+  there the prompt and a cached schedule stay within the window (8 tokens).
 - ``mlx-infer fuse`` of the adapter loads back and gives its logits (1e-4).
 - The engine: a batch mixing 4 adapters (one DoRA) and no adapter gives each row exactly
   the greedy tokens it gets alone (these families decode eagerly: the per-row path).
@@ -31,7 +31,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from families import SPECS, build_mlx_lm, hf_setup, run_schedule
+from families import SCHEDULE, SPECS, WINDOW, build_mlx_lm, hf_setup, run_schedule
 from lora_helpers import make_mlx_adapter, mlx_lm_with_adapter
 
 from mlx_lm.models.cache import make_prompt_cache
@@ -53,6 +53,8 @@ KEYS = {  # the modules each family's adapters target (layer-relative, as mlx-lm
 }
 EXPERT_KEYS = {"qwen3_moe": "mlp.switch_mlp.gate_proj", "gpt_oss": "mlp.experts.down_proj"}
 N = 6
+IN_WINDOW = (4, 1, 1, 2)  # a cached schedule that fits gemma2's window
+assert sum(IN_WINDOW) == WINDOW == 8
 PROMPTS = [[5, 17, 33, 2, 90, 41], [7, 12, 99, 4]]
 
 
@@ -91,12 +93,12 @@ def test_mlx_lm_adapter_bit_identical(family):
     assert mx.array_equal(ours, ref), f"{family}: max diff {mx.abs(ours - ref).max().item()}"
     base = loaded.model(x)  # no selection: the base model
     assert not mx.allclose(base, ref, atol=1e-3), "the adapter changed nothing: the test would hide a no-op"
-    if SPECS[family].mlx_lm != "exact":  # gemma2: mlx-lm ignores the window the cached schedule runs past
-        return
-    full = mx.array(ids)  # (2, SEQ): the cached schedule, each side with its own caches
-    theirs_steps = run_schedule(theirs, make_prompt_cache(theirs), full)
+    # the cached schedule, each side with its own caches; gemma2 (mlx-lm ignores its window): within the window
+    exact = SPECS[family].mlx_lm == "exact"
+    full, schedule = (mx.array(ids), SCHEDULE) if exact else (x, IN_WINDOW)  # (2, SEQ) or (2, 8)
+    theirs_steps = run_schedule(theirs, make_prompt_cache(theirs), full, schedule)
     with adapter_rows(bank_of(loaded.model).acquire(name)):
-        ours_steps = run_schedule(loaded.model, loaded.model.make_cache(), full)
+        ours_steps = run_schedule(loaded.model, loaded.model.make_cache(), full, schedule)
     for n, (o, r) in enumerate(zip(ours_steps, theirs_steps)):
         assert mx.array_equal(o, r), f"{family}: chunk {n}: max diff {mx.abs(o - r).max().item()}"
 
