@@ -14,11 +14,12 @@ MoE routers (qwen3_moe ``mlp.gate``, gpt_oss ``mlp.router``), DeepSeek's MLA pro
 - ``mlx-infer fuse`` of the adapter loads back and gives its logits (1e-4).
 - The engine: a batch mixing 4 adapters (one DoRA) and no adapter gives each row exactly
   the greedy tokens it gets alone (these families decode eagerly: the per-row path).
-- PEFT + transformers (granite, phi3's fused layers, deepseek_v3's MLA projections):
-  within 1e-4 absolute + 1e-4 relative, greedy tokens equal (as tests/test_lora_peft.py).
+- PEFT + transformers (granite, phi3's fused layers, deepseek_v3's MLA projections with and
+  without q_lora_rank, gpt_oss's attention with its sinks): within 1e-4 absolute + 1e-4
+  relative, greedy tokens equal (as tests/test_lora_peft.py).
 - Refused with a clear error: routed experts (``SwitchLinear``: qwen3_moe ``switch_mlp.*``,
-  gpt_oss ``experts.*``) and DeepSeek's ``kv_b_proj`` (absorbed into embed_q / unembed_out
-  at load, so no such layer runs).
+  gpt_oss ``experts.*``; PEFT's ``target_parameters`` on transformers' fused experts) and
+  DeepSeek's ``kv_b_proj`` (absorbed into embed_q / unembed_out at load: no such layer runs).
 """
 
 from __future__ import annotations
@@ -155,6 +156,8 @@ PEFT_TARGETS = {
     "granite": ["q_proj", "v_proj", "down_proj"],
     "phi3": ["qkv_proj", "gate_up_proj", "o_proj"],
     "deepseek_v3": ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"],
+    "deepseek_v3_no_q_lora_tied": ["q_proj", "kv_a_proj_with_mqa", "o_proj"],  # no mlx-lm oracle: PEFT's
+    "gpt_oss": ["q_proj", "v_proj", "o_proj"],
 }
 
 
@@ -191,4 +194,17 @@ def test_deepseek_kv_b_proj_is_refused(tmp_path):
     c["target_modules"] = r".*kv_b_proj"
     cfg.write_text(json.dumps(c))
     with pytest.raises(AdapterError, match=r"self_attn\.kv_b_proj.*absorbed attention.*cannot be applied"):
+        attach_adapter(loaded.model, adir)
+
+
+def test_peft_expert_parameters_are_refused(tmp_path):
+    """PEFT maps ``down_proj`` onto transformers' fused experts as ``target_parameters`` (a LoRA on
+    the stacked expert tensor, ``mlp.experts.lora_A`` of rank r * experts): refused, naming them."""
+    from test_lora_peft import make_peft_adapter
+
+    d = hf_setup("deepseek_v3")[0]
+    adir, _ = make_peft_adapter(d, tmp_path / "experts", seed=74, r=4, lora_alpha=8, target_modules=["q_a_proj"],
+                                target_parameters=["mlp.experts.down_proj"])
+    loaded = load_model(d, cpu_kernels=False)
+    with pytest.raises(AdapterError, match=r"target_parameters \['mlp.experts.down_proj'\].*not supported"):
         attach_adapter(loaded.model, adir)

@@ -326,6 +326,11 @@ def _peft_targets(p: Path, config: dict[str, Any], model: nn.Module) -> tuple[di
         raise AdapterError(f"{where}: fan_in_fan_out (GPT-2 Conv1D layers) has no counterpart in these models.")
     if config.get("bias", "none") not in ("none", None):
         raise AdapterError(f"{where}: bias {config.get('bias')!r}: adapters that train biases are not supported.")
+    if config.get("target_parameters"):  # PEFT's ParamWrapper: LoRA on raw tensors (transformers' fused experts)
+        raise AdapterError(f"{where}: target_parameters {config['target_parameters']!r}: a LoRA on raw parameters "
+                           "(PEFT's ParamWrapper, e.g. the routed experts' stacked weights) is not supported here; "
+                           "adapt linear modules only (attention, dense and shared-expert MLPs), or merge the "
+                           "adapter into the weights first (PEFT: merge_and_unload()).")
     rank_pattern = config.get("rank_pattern") or {}
     alpha_pattern = config.get("alpha_pattern") or {}
     weights, fp = _read_weights(p / PEFT_WEIGHTS)
