@@ -29,13 +29,17 @@ def mlx_lm_model(model_dir: Path):
     return model
 
 
-def make_mlx_adapter(model_dir: Path, out: Path, *, seed: int, rank: int = 4, scale: float = 2.0,
+def make_mlx_adapter(model_dir: Path | None, out: Path, *, seed: int, rank: int = 4, scale: float = 2.0,
                      keys: list[str] | None = None, num_layers: int = -1, dora: bool = False,
-                     b_std: float = 0.3) -> Path:
-    """Write a random mlx-lm adapter for ``model_dir`` into ``out``."""
+                     b_std: float = 0.3, model=None) -> Path:
+    """Write a random mlx-lm adapter for ``model_dir`` into ``out``.
+
+    ``model``: a fresh mlx-lm model to build it on instead of loading ``model_dir`` (the
+    families of tests/families.py build theirs with ``build_mlx_lm``); it is modified.
+    """
     from mlx_lm.tuner.utils import linear_to_lora_layers
 
-    model = mlx_lm_model(model_dir)
+    model = mlx_lm_model(model_dir) if model is None else model
     model.freeze()
     params = {"rank": rank, "scale": scale, "dropout": 0.0, "keys": keys or DEFAULT_KEYS}
     n = len(model.layers) if num_layers < 0 else num_layers
@@ -55,11 +59,12 @@ def make_mlx_adapter(model_dir: Path, out: Path, *, seed: int, rank: int = 4, sc
     return out
 
 
-def mlx_lm_with_adapter(model_dir: Path, adapter_dir: Path):
-    """mlx-lm's model of ``model_dir`` with ``adapter_dir`` loaded by ``mlx_lm.tuner.utils.load_adapters``."""
+def mlx_lm_with_adapter(model_dir: Path | None, adapter_dir: Path, *, model=None):
+    """mlx-lm's model of ``model_dir`` (or the fresh mlx-lm ``model``) with ``adapter_dir`` loaded by
+    ``mlx_lm.tuner.utils.load_adapters``."""
     from mlx_lm.tuner.utils import load_adapters
 
-    model = mlx_lm_model(model_dir)
+    model = mlx_lm_model(model_dir) if model is None else model
     load_adapters(model, str(adapter_dir))
     model.eval()
     mx.eval(model.parameters())

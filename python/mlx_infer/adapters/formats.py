@@ -188,18 +188,36 @@ def load_adapter(path: str | Path, model: nn.Module, *, name: str | None = None)
         raise AdapterError(f"{p} holds neither {MLX_WEIGHTS} (mlx-lm) nor {PEFT_WEIGHTS} (PEFT).")
     modules = dict(model.named_modules())
     for key, t in targets.items():
-        _check_target(p, key, t, modules.get(key), kind)
+        _check_target(p, key, t, modules.get(key), kind, model)
     mx.eval([a for t in targets.values() for a in (t.a, t.b, t.m) if a is not None])
     return Adapter(name=name, path=p, format=fmt, kind=kind, targets=targets, fingerprint=fp, config=config)
 
 
-def _check_target(p: Path, key: str, t: LoraTarget, module: nn.Module | None, kind: str) -> None:
+def absorbed_reason(model: nn.Module, key: str) -> str | None:
+    """Why the checkpoint's module ``key`` takes no adapter in ``model`` when the model absorbs
+    it at load (a model class's ``adapter_absorbed``: leaf name -> reason), else ``None``."""
+    return (getattr(model, "adapter_absorbed", None) or {}).get(key.rsplit(".", 1)[-1])
+
+
+def _check_target(p: Path, key: str, t: LoraTarget, module: nn.Module | None, kind: str,
+                  model: nn.Module) -> None:
     if module is None:
+        why = absorbed_reason(model, key)
+        if why is not None:
+            raise AdapterError(f"{p}: the adapter targets {key!r}: {why}; an adapter on it cannot be applied here. "
+                               "Merge it into the base weights first (PEFT: merge_and_unload()), or train the "
+                               "adapter without that module.")
         raise AdapterError(f"{p}: the adapter targets {key!r}, which the base model does not have; it was "
                            "trained for another architecture (or another number of layers).")
     dims = linear_dims(module)
     if dims is None:
-        raise AdapterError(f"{p}: the adapter targets {key!r}, a {type(module).__name__}; only linear layers "
+        kind_name = type(module).__name__
+        if "SwitchLinear" in kind_name:
+            raise AdapterError(f"{p}: the adapter targets {key!r}, the routed experts' stacked weights "
+                               f"({kind_name}); adapters on expert layers are not supported here. Adapt the "
+                               "attention, router and dense projections only, or fuse the adapter into the "
+                               "model with mlx-lm (mlx_lm.fuse) first.")
+        raise AdapterError(f"{p}: the adapter targets {key!r}, a {kind_name}; only linear layers "
                            "(dense or quantized) take an adapter here.")
     inp, out = dims
     r = _check_rank("the rank", t.rank, f"{p}: {key}")
@@ -275,7 +293,10 @@ def _mlx_expected(config: dict[str, Any], model: nn.Module, where: str) -> set[s
     total = len(layers or [])
     prefix = _layers_prefix(model)
     start = 0 if n < 0 else max(total - n, 0)
-    return {f"{prefix}.{i}.{k}" for i in range(start, total) for k in keys}
+    # mlx-lm adapts the keys each layer has: a MoE layer has no ``mlp.down_proj``, a dense one
+    # no ``mlp.shared_experts.down_proj`` (DeepSeek), so only the paths that exist are expected.
+    present = {name for name, _ in model.named_modules()}
+    return {p for i in range(start, total) for k in keys if (p := f"{prefix}.{i}.{k}") in present}
 
 
 def _layers_prefix(model: nn.Module) -> str:
@@ -305,6 +326,11 @@ def _peft_targets(p: Path, config: dict[str, Any], model: nn.Module) -> tuple[di
         raise AdapterError(f"{where}: fan_in_fan_out (GPT-2 Conv1D layers) has no counterpart in these models.")
     if config.get("bias", "none") not in ("none", None):
         raise AdapterError(f"{where}: bias {config.get('bias')!r}: adapters that train biases are not supported.")
+    if config.get("target_parameters"):  # PEFT's ParamWrapper: LoRA on raw tensors (transformers' fused experts)
+        raise AdapterError(f"{where}: target_parameters {config['target_parameters']!r}: a LoRA on raw parameters "
+                           "(PEFT's ParamWrapper, e.g. the routed experts' stacked weights) is not supported here; "
+                           "adapt linear modules only (attention, dense and shared-expert MLPs), or merge the "
+                           "adapter into the weights first (PEFT: merge_and_unload()).")
     rank_pattern = config.get("rank_pattern") or {}
     alpha_pattern = config.get("alpha_pattern") or {}
     weights, fp = _read_weights(p / PEFT_WEIGHTS)
@@ -362,6 +388,11 @@ def _peft_expected(config: dict[str, Any], model: nn.Module, where: str) -> set[
     elif isinstance(tm, list) and all(isinstance(k, str) for k in tm):
         hits = {n for n in linears if n.rsplit(".", 1)[-1] in tm or any(n.endswith("." + k) for k in tm)}
         absent = [k for k in tm if k != "all-linear" and not any(n == k or n.endswith("." + k) for n in linears)]
+        why = next(((k, w) for k in absent if (w := absorbed_reason(model, k)) is not None), None)
+        if why is not None:
+            raise AdapterError(f"{where}: target_modules names {why[0]!r}: {why[1]}; an adapter on it cannot be "
+                               "applied here. Merge it into the base weights first (PEFT: merge_and_unload()), "
+                               "or train the adapter without that module.")
         if absent:
             raise AdapterError(f"{where}: target_modules names {absent[0]!r}, which the base model does not have.")
     else:

@@ -324,6 +324,10 @@ class Model(nn.Module):
     """DeepSeek V3 causal LM: ``inputs (B, L) -> logits (B, L, vocab)``; eager decode only."""
 
     declaration = GraphDeclaration(method="autoregressive", compiled_decode=False)
+    #: Checkpoint modules this graph does not keep (adapters on them are refused, adapters/formats.py).
+    adapter_absorbed = {"kv_b_proj": "DeepSeek's multi-head latent attention splits kv_b_proj into embed_q / "
+                                     "unembed_out at load and multiplies by their weights directly (the "
+                                     "absorbed attention), so no kv_b_proj layer runs"}
 
     def __init__(self, args: ModelArgs):
         super().__init__()
