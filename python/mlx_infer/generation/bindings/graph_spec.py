@@ -31,6 +31,7 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from ... import _fast
 from ...layers.rope import Llama3RoPE, YarnRoPE
@@ -177,8 +178,11 @@ def graph_spec(model: Any, *, kv_scheme: str | None = None,
     quant: dict[str, tuple] = {}
     fast: list[str] = []
 
+    read: list[mx.array] = []  # parameters handed over transformed (not as themselves)
+
     def norm(name: str, module: nn.Module) -> None:
         weights[f"{name}.weight"] = (1.0 + module.weight) if gemma else module.weight
+        read.append(module.weight)
 
     _add_linear("embed", inner.embed_tokens, weights, quant, fast)
     if not args.tie_word_embeddings:
@@ -202,8 +206,25 @@ def graph_spec(model: Any, *, kv_scheme: str | None = None,
             norm(f"{p}.k_norm", attn.k_norm)
     _mirror_cpu_kernels(inner.layers, fast)
     cfg.cpu_kernel_linears = fast
+    check_every_parameter_used(model, [*weights.values(), *read])
     mx.eval(list(weights.values()))
     return cfg, weights, quant
+
+
+def check_every_parameter_used(model: nn.Module, used: Sequence[mx.array]) -> None:
+    """Refuse a graph with a parameter the step would not read (a translation gap, never silently skipped).
+
+    ``used``: every array the spec hands to the step or derives a handed-over array from. The C++ side checks
+    the converse (a handed-over name the step does not read is an error: cpp/decode/graph.cpp).
+
+    Raises:
+        DecodeStepUnsupported: naming the parameters the step would ignore.
+    """
+    ids = {id(a) for a in used}
+    missed = [path for path, a in tree_flatten(model.parameters()) if id(a) not in ids]
+    if missed:
+        shown = ", ".join(missed[:8]) + (f", ... ({len(missed)} in all)" if len(missed) > 8 else "")
+        raise DecodeStepUnsupported(f"no compiled decode step: it would not use the model's parameters {shown}")
 
 
 def _mirror_cpu_kernels(layers: Sequence[nn.Module], fast: list[str]) -> None:
@@ -340,5 +361,6 @@ def _gemma4_spec(model: Any, kv_scheme: str | None,
             norm(f"{p}.post_mlp_norm_2", layer.post_feedforward_layernorm_2)
     _mirror_cpu_kernels(layers, fast)
     cfg.cpu_kernel_linears = fast
+    check_every_parameter_used(model, list(weights.values()))
     mx.eval(list(weights.values()))
     return cfg, weights, quant
