@@ -77,6 +77,39 @@ def test_matches_float64_reference(dtype: mx.Dtype, B: int, L: int, K: int, N: i
     assert not np.allclose(ref, _np(base), atol=1e-3), "the update changed nothing: the test would hide a no-op"
 
 
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("form", ["dense", "dense+bias", "quantized"])
+def test_product_fused_with_the_update(dtype: mx.Dtype, form: str) -> None:
+    """``fast_lora_linear`` / ``fast_lora_quantized_matmul``: the layer's product, the update and the add in
+    one op, against float64 ``x W^T (+ bias)`` plus the update (a group member's columns and rows)."""
+    rng = np.random.default_rng(11)
+    B, L, K, N, S, r, k, part = 9, 2, 64, 40, 4, 8, 2, 1
+    a, b, col0, row0 = _bank(rng, S, r, K, N, [0, 8, 3, 6], k, part)
+    slots = np.array([0, 1, 2, 3, 0, 3, 2, 1, 1], np.int32)
+    x = mx.array(rng.standard_normal((B, L, K)).astype(np.float32)).astype(dtype)
+    w = mx.array((rng.standard_normal((N, K)) / np.sqrt(K)).astype(np.float32)).astype(dtype)
+    am, bm = mx.array(a.astype(np.float32)).astype(dtype), mx.array(b.astype(np.float32)).astype(dtype)
+    bank = dict(slot_count=S, rank=r, col0=col0, row0=row0)
+    bias = mx.array(rng.standard_normal(N).astype(np.float32)).astype(dtype) if form == "dense+bias" else None
+
+    def f(x: mx.array, w: mx.array, am: mx.array, bm: mx.array, sm: mx.array) -> mx.array:
+        if form == "quantized":
+            wq, sc, bi = mx.quantize(w, group_size=32, bits=4)
+            return _fast.fast_lora_quantized_matmul(x, wq, sc, bi, am, bm, sm, group_size=32, bits=4, **bank)
+        return _fast.fast_lora_linear(x, w, bias, am, bm, sm, **bank)
+
+    wd = _np(w)
+    if form == "quantized":
+        wd = _np(mx.dequantize(*mx.quantize(w, group_size=32, bits=4), group_size=32, bits=4))
+    base = _np(x) @ wd.T + (0 if bias is None else _np(bias))
+    ref = _reference(base, _np(x), _np(am), _np(bm), slots, S, r, col0, row0)
+    for fn in (f, mx.compile(f)):
+        out = fn(x, w, am, bm, mx.array(slots))
+        assert out.dtype == dtype and out.shape == (B, L, N)
+        assert np.abs(_np(out) - ref).max() <= 2 * TOL[dtype] * np.abs(ref).max()
+    assert not np.allclose(ref, base, atol=1e-3)
+
+
 def test_mixed_dtypes_take_the_mlx_formula() -> None:
     """A float32 adapter on bfloat16 activations and base (another dtype pair) still matches the reference."""
     rng = np.random.default_rng(3)
@@ -105,3 +138,37 @@ def test_bad_shapes_are_refused(bad: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         _fast.fast_lora_update(args.pop("base"), args.pop("x"), args.pop("a"), args.pop("b"), args.pop("slots"),
                                **args)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_per_row_forward_on_cpu_kernels_matches_stock(tmp_path, monkeypatch, family: str) -> None:
+    """The eager per-row forward with the fused update (layers on the CPU kernels) gives the stock
+    per-row forward's logits: a LoRA and a DoRA adapter of different ranks, rows using each and none."""
+    from lora_helpers import make_mlx_adapter
+    from tiny import make_tiny_model_dir
+
+    from mlx_infer.adapters import adapter_rows, attach_adapter, bank_of
+    from mlx_infer.artifacts.loader import load_model
+
+    d = make_tiny_model_dir(tmp_path / family, family)
+    keys = ["self_attn.q_proj", "self_attn.v_proj", "mlp.up_proj", "mlp.down_proj"]
+    a1 = make_mlx_adapter(d, tmp_path / "lora", seed=5, rank=4, keys=keys, b_std=1.0)
+    a2 = make_mlx_adapter(d, tmp_path / "dora", seed=6, rank=12, keys=keys, dora=True, b_std=1.0)
+    ids = mx.array([[5, 17, 33, 2, 90, 41]] * 3)  # (3, L)
+    calls = []
+    real = _fast.fast_lora_update
+    monkeypatch.setattr(_fast, "fast_lora_update", lambda *a, **k: calls.append(1) or real(*a, **k))
+    outs = {}
+    for kernels in (False, True):
+        loaded = load_model(d, cpu_kernels=kernels)
+        n1, n2 = attach_adapter(loaded.model, a1), attach_adapter(loaded.model, a2)
+        bank = bank_of(loaded.model)
+        assert all(s.dense for s in bank.stacks.values())
+        with adapter_rows(mx.array([bank.acquire(n1), 0, bank.acquire(n2)], mx.int32)):
+            outs[kernels] = loaded.model(ids)
+        assert bool(calls) == kernels, "the fused op runs exactly when the layers are on the CPU kernels"
+        base = loaded.model(ids)
+    fused, stock = outs[True], outs[False]
+    assert mx.allclose(fused, stock, rtol=1e-4, atol=1e-4), mx.abs(fused - stock).max().item()
+    for r in (0, 2):
+        assert not mx.allclose(fused[r], base[r], atol=1e-3), f"row {r}: the adapter changed nothing"

@@ -126,6 +126,29 @@ Returns:
 Raises:
     ValueError: for shapes that do not fit together.)");
 
+  m.def(
+      "fast_lora_linear",
+      [](const mx::array& x, const mx::array& weight, const std::optional<mx::array>& bias, const mx::array& a,
+         const mx::array& b, const mx::array& slots, int slot_count, int rank, int col0, int row0,
+         mx::StreamOrDevice stream) {
+        return mlx_infer::fast_lora_linear(x, weight, bias, a, b, slots, slot_count, rank, col0, row0, stream);
+      },
+      "x"_a, "weight"_a, "bias"_a, "a"_a, "b"_a, "slots"_a, nb::kw_only(), "slot_count"_a, "rank"_a,
+      "col0"_a = 0, "row0"_a = 0, "stream"_a = nb::none(),
+      "``fast_lora_update(fast_linear(x, weight, bias), x, a, b, slots, ...)`` as one op on CPU streams.");
+  m.def(
+      "fast_lora_quantized_matmul",
+      [](const mx::array& x, const mx::array& w, const mx::array& scales, const std::optional<mx::array>& biases,
+         const mx::array& a, const mx::array& b, const mx::array& slots, int group_size, int bits,
+         int slot_count, int rank, int col0, int row0, mx::StreamOrDevice stream) {
+        return mlx_infer::fast_lora_quantized_matmul(x, w, scales, biases, group_size, bits, a, b, slots,
+                                                     slot_count, rank, col0, row0, stream);
+      },
+      "x"_a, "w"_a, "scales"_a, "biases"_a, "a"_a, "b"_a, "slots"_a, nb::kw_only(), "group_size"_a, "bits"_a,
+      "slot_count"_a, "rank"_a, "col0"_a = 0, "row0"_a = 0, "stream"_a = nb::none(),
+      "``fast_lora_update(fast_quantized_matmul(x, w, scales, biases, ...), x, a, b, slots, ...)`` as one op "
+      "on CPU streams (affine mode).");
+
   m.def("cpu_kernel_isa", &mlx_infer::cpu_kernel_isa,
         "The instruction set the CPU kernels use: 'avx512vnni', 'avx512', 'avx2' or 'generic'.");
   m.def("set_cpu_kernel_isa", &mlx_infer::set_cpu_kernel_isa, "isa"_a,

@@ -182,7 +182,12 @@ mx::array fused_update(const Linear& l, const mx::array& x, const mx::array& x3,
   const int r = A.shape(0) / (S * k);
   col0 = e.part * S * r;
   mx::array y(0);
-  if (g == nullptr) {
+  if (g == nullptr && !l.quantized()) {  // the product, the update and the add: one op
+    y = fast_lora_linear(x3, *l.w, l.bias, A, Bm, slots, S, r, col0, row0);  // (B, L, out)
+  } else if (g == nullptr && l.mode == "affine" && !l.bias) {
+    y = fast_lora_quantized_matmul(x3, *l.w, *l.scales, l.biases, l.group_size, l.bits, A, Bm, slots, S, r, col0,
+                                   row0);  // (B, L, out)
+  } else if (g == nullptr) {
     y = fast_lora_update(base_linear(l, x3), x3, A, Bm, slots, S, r, col0, row0);  // (B, L, out)
   } else {  // DoRA: g[slots] * (x W^T + delta) + bias
     Linear nobias = l;

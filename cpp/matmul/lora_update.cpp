@@ -16,6 +16,7 @@
 #include <mlx/primitives.h>
 
 #include <algorithm>
+#include <optional>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -70,33 +71,44 @@ inline void st<cpu::f16_t>(cpu::f16_t* p, int64_t i, float v) {
   p[i] = cpu::to_f16(v);
 }
 
-// Rows [m0, m1): T the activations' element type, W the adapter's.
+// x[m] . a[j] over K in float32, 8 independent partial sums (vectorizable without fast-math).
+template <typename W>
+inline float dot_row(const float* xf, const W* aj, int64_t K) {
+  float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    for (int u = 0; u < 8; ++u) part[u] += xf[k + u] * ld(aj, k + u);
+  }
+  float sum = 0.0f;
+  for (; k < K; ++k) sum += xf[k] * ld(aj, k);
+  for (int u = 0; u < 8; ++u) sum += part[u];
+  return sum;
+}
+
+// Rows [m0, m1): T the activations' element type, W the adapter's. panel[s] is slot s's
+// (r, N) block of b transposed to float32 (built once per call for the slots in use).
 template <typename T, typename W>
-void lora_rows(const LoraGeom& g, const T* x, const T* base, const W* a, const W* wb, const int32_t* slots,
-               T* out, int64_t m0, int64_t m1) {
+void lora_rows(const LoraGeom& g, const T* x, const T* base, const W* a, const std::vector<std::vector<float>>& panel,
+               const int32_t* slots, T* out, int64_t m0, int64_t m1) {
   std::vector<float> xf(g.K), xa(g.r), acc(g.N);
   for (int64_t m = m0; m < m1; ++m) {
     const int32_t s = slots[m / g.L];
     const T* bm = base + m * g.N;
     T* om = out + m * g.N;
     if (s <= 0 || s >= g.S) {
-      std::copy(bm, bm + g.N, om);
+      if (static_cast<const void*>(bm) != static_cast<const void*>(om)) std::copy(bm, bm + g.N, om);
       continue;
     }
     const T* xm = x + m * g.K;
     for (int64_t k = 0; k < g.K; ++k) xf[k] = ld(xm, k);
     const int64_t c0 = g.col0 + static_cast<int64_t>(s) * g.r;
-    for (int64_t j = 0; j < g.r; ++j) {  // xa = x . a[c0 + j]   (r,)
-      const W* aj = a + (c0 + j) * g.K;
-      float sum = 0.0f;
-      for (int64_t k = 0; k < g.K; ++k) sum += xf[k] * ld(aj, k);
-      xa[j] = sum;
-    }
-    for (int64_t n = 0; n < g.N; ++n) {  // delta = xa @ w_b[row0 + n, c0 : c0 + r]^T   (N,)
-      const W* wn = wb + (g.row0 + n) * g.rows + c0;
-      float sum = ld(bm, n);
-      for (int64_t j = 0; j < g.r; ++j) sum += xa[j] * ld(wn, j);
-      acc[n] = sum;
+    for (int64_t j = 0; j < g.r; ++j) xa[j] = dot_row(xf.data(), a + (c0 + j) * g.K, g.K);  // (r,)
+    for (int64_t n = 0; n < g.N; ++n) acc[n] = ld(bm, n);
+    const float* p = panel[s].data();
+    for (int64_t j = 0; j < g.r; ++j) {  // acc += xa[j] * b[row0 + n, c0 + j]   (N,)
+      const float v = xa[j];
+      const float* pj = p + j * g.N;
+      for (int64_t n = 0; n < g.N; ++n) acc[n] += v * pj[n];
     }
     for (int64_t n = 0; n < g.N; ++n) st(om, n, acc[n]);
   }
@@ -105,9 +117,22 @@ void lora_rows(const LoraGeom& g, const T* x, const T* base, const W* a, const W
 template <typename T, typename W>
 void lora_run(const LoraGeom& g, const void* x, const void* base, const void* a, const void* wb,
               const int32_t* slots, void* out) {
+  const W* w = static_cast<const W*>(wb);
+  std::vector<std::vector<float>> panel(g.S);
+  for (int64_t b = 0; b * g.L < g.M; ++b) {
+    const int32_t s = slots[b];
+    if (s <= 0 || s >= g.S || !panel[s].empty()) continue;
+    auto& p = panel[s];  // (r, N)
+    p.resize(g.r * g.N);
+    const int64_t c0 = g.col0 + static_cast<int64_t>(s) * g.r;
+    for (int64_t n = 0; n < g.N; ++n) {
+      const W* wn = w + (g.row0 + n) * g.rows + c0;
+      for (int64_t j = 0; j < g.r; ++j) p[j * g.N + n] = ld(wn, j);
+    }
+  }
   auto body = [&](int64_t m0, int64_t m1) {
-    lora_rows<T, W>(g, static_cast<const T*>(x), static_cast<const T*>(base), static_cast<const W*>(a),
-                    static_cast<const W*>(wb), slots, static_cast<T*>(out), m0, m1);
+    lora_rows<T, W>(g, static_cast<const T*>(x), static_cast<const T*>(base), static_cast<const W*>(a), panel,
+                    slots, static_cast<T*>(out), m0, m1);
   };
   // Multiply-adds per adapted row; split across the pool only when a task gets real work.
   const int64_t per_row = g.r * (g.K + g.N);
@@ -137,22 +162,31 @@ void lora_dispatch_w(ElemType wt, const LoraGeom& g, const void* x, const void* 
   }
 }
 
+// What the update is added to: a given base output, or the layer's own product computed first
+// into the output buffer (dense or affine-quantized weight), so base linear, update and add are
+// one op.
+enum class BaseKind : uint8_t { given, dense, quantized };
+
 class FastLoraUpdate : public mx::UnaryPrimitive {
  public:
-  FastLoraUpdate(mx::Stream s, int slot_count, int rank, int col0, int row0)
-      : mx::UnaryPrimitive(s), S_(slot_count), r_(rank), col0_(col0), row0_(row0) {}
+  FastLoraUpdate(mx::Stream s, int slot_count, int rank, int col0, int row0, BaseKind kind, int group_size = 0,
+                 int bits = 0)
+      : mx::UnaryPrimitive(s), S_(slot_count), r_(rank), col0_(col0), row0_(row0), kind_(kind),
+        gs_(group_size), bits_(bits) {}
 
-  // inputs: base (M.., N), x (M.., K), a (rows, K), w_b (N_all, rows), slots (B,) int32
+  // inputs: x (B, .., K), a (rows, K), w_b (N_all, rows), slots (B,) int32, then
+  //   given: base (B, .., N);  dense: weight (N, K) [, bias (N,)];  quantized: w, scales, biases
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& enc = mx::cpu::get_command_encoder(stream());
     for (const auto& a : inputs) enc.set_input_array(a);
     enc.set_output_array(out);
-    enc.dispatch([inputs, out_ptr = out.data<void>(), S = S_, r = r_, col0 = col0_, row0 = row0_]() {
-      const auto &base = inputs[0], &x = inputs[1], &a = inputs[2], &wb = inputs[3], &slots = inputs[4];
-      std::vector<uint8_t> bb, xb, ab, wbb, sb;
+    enc.dispatch([inputs, out_ptr = out.data<void>(), out_type = elem_type(out.dtype()), N = out.shape(-1),
+                  S = S_, r = r_, col0 = col0_, row0 = row0_, kind = kind_, gs = gs_, bits = bits_]() {
+      const auto &x = inputs[0], &a = inputs[1], &wb = inputs[2], &slots = inputs[3];
+      std::vector<uint8_t> bb, xb, ab, wbb, sb, w0, w1, w2;
       LoraGeom g{};
-      g.N = base.shape(-1);
+      g.N = N;
       g.K = x.shape(-1);
       g.M = static_cast<int64_t>(x.size()) / g.K;
       g.L = g.M / slots.size();
@@ -161,8 +195,41 @@ class FastLoraUpdate : public mx::UnaryPrimitive {
       g.col0 = col0;
       g.r = r;
       g.S = S;
-      const void* pb = contiguous_bytes(base, bb);
       const void* px = contiguous_bytes(x, xb);
+      const void* pb = out_ptr;
+      if (kind == BaseKind::given) {
+        pb = contiguous_bytes(inputs[4], bb);
+      } else if (kind == BaseKind::dense) {
+        cpu::DenseProblem p{};
+        p.K = g.K;
+        p.N = g.N;
+        p.M = g.M;
+        p.x = px;
+        p.x_type = elem_type(x.dtype());
+        p.w = contiguous_bytes(inputs[4], w0);
+        p.w_type = elem_type(inputs[4].dtype());
+        p.bias = inputs.size() > 5 ? contiguous_bytes(inputs[5], w1) : nullptr;
+        p.bias_type = inputs.size() > 5 ? elem_type(inputs[5].dtype()) : ElemType::f32;
+        p.out = out_ptr;
+        p.out_type = out_type;
+        cpu::dense_matmul(p);
+      } else {
+        cpu::QuantProblem p{};
+        p.N = g.N;
+        p.K = g.K;
+        p.M = g.M;
+        p.x = px;
+        p.x_type = elem_type(x.dtype());
+        p.w = static_cast<const uint8_t*>(contiguous_bytes(inputs[4], w0));
+        p.scales = contiguous_bytes(inputs[5], w1);
+        p.biases = contiguous_bytes(inputs[6], w2);
+        p.sb_type = elem_type(inputs[5].dtype());
+        p.out = out_ptr;
+        p.out_type = out_type;
+        p.group_size = gs;
+        p.bits = bits;
+        cpu::quant_matmul(p);
+      }
       const void* pa = contiguous_bytes(a, ab);
       const void* pw = contiguous_bytes(wb, wbb);
       const auto* ps = static_cast<const int32_t*>(contiguous_bytes(slots, sb));
@@ -183,15 +250,20 @@ class FastLoraUpdate : public mx::UnaryPrimitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const FastLoraUpdate&>(other);
-    return S_ == o.S_ && r_ == o.r_ && col0_ == o.col0_ && row0_ == o.row0_;
+    return S_ == o.S_ && r_ == o.r_ && col0_ == o.col0_ && row0_ == o.row0_ && kind_ == o.kind_ &&
+           gs_ == o.gs_ && bits_ == o.bits_;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {inputs[0].shape()};
+    auto shape = inputs[0].shape();
+    shape.back() = kind_ == BaseKind::given ? inputs[4].shape(-1) : inputs[4].shape(0);
+    return {shape};
   }
 
  private:
   int S_, r_, col0_, row0_;
+  BaseKind kind_;
+  int gs_, bits_;
 };
 
 [[noreturn]] void bad(const std::string& what) {
@@ -200,19 +272,17 @@ class FastLoraUpdate : public mx::UnaryPrimitive {
 
 }  // namespace
 
-mx::array fast_lora_update(const mx::array& base, const mx::array& x, const mx::array& a,
-                           const mx::array& b, const mx::array& slots, int slot_count, int rank,
-                           int col0, int row0, mx::StreamOrDevice s) {
-  if (x.ndim() < 2 || base.ndim() != x.ndim() || a.ndim() != 2 || b.ndim() != 2 || slots.ndim() != 1) {
-    bad("expects base (B, .., N), x (B, .., K), a (rows, K), b (N_all, rows), slots (B,).");
-  }
-  const int N = base.shape(-1), K = x.shape(-1);
-  for (int d = 0; d + 1 < x.ndim(); ++d) {
-    if (base.shape(d) != x.shape(d)) bad("base and x must share their leading axes.");
+namespace {
+
+// Shapes common to every form; returns slots as int32.
+mx::array checked_slots(const mx::array& x, int N, const mx::array& a, const mx::array& b, const mx::array& slots,
+                        int slot_count, int rank, int col0, int row0, mx::StreamOrDevice s) {
+  if (x.ndim() < 2 || a.ndim() != 2 || b.ndim() != 2 || slots.ndim() != 1) {
+    bad("expects x (B, .., K), a (rows, K), b (N_all, rows), slots (B,).");
   }
   if (slots.shape(0) != x.shape(0)) bad("slots needs one entry per row of x (axis 0).");
   if (!mx::issubdtype(slots.dtype(), mx::integer)) bad("slots must be integers.");
-  if (a.shape(1) != K || b.shape(1) != a.shape(0)) {
+  if (a.shape(1) != x.shape(-1) || b.shape(1) != a.shape(0)) {
     bad("a must be (rows, K = x's last axis) and b (N_all, rows).");
   }
   if (slot_count < 1 || rank < 1 || col0 < 0 || row0 < 0 ||
@@ -221,12 +291,31 @@ mx::array fast_lora_update(const mx::array& base, const mx::array& x, const mx::
         std::to_string(col0) + " and row0 " + std::to_string(row0) + " do not fit a " +
         std::to_string(a.shape(0)) + "-row a and a " + std::to_string(b.shape(0)) + "-row b.");
   }
+  return slots.dtype() == mx::int32 ? slots : mx::astype(slots, mx::int32, s);
+}
+
+// The update's own dtypes our kernel takes (x and the output one dtype, a and b one dtype).
+bool kernel_case(const mx::Stream& stream, const mx::array& x, mx::Dtype out, const mx::array& a,
+                 const mx::array& b) {
+  return on_cpu(stream) && kernel_dtype(x.dtype()) && out == x.dtype() && kernel_dtype(a.dtype()) &&
+         b.dtype() == a.dtype() && x.size() > 0;
+}
+
+}  // namespace
+
+mx::array fast_lora_update(const mx::array& base, const mx::array& x, const mx::array& a,
+                           const mx::array& b, const mx::array& slots, int slot_count, int rank,
+                           int col0, int row0, mx::StreamOrDevice s) {
+  if (base.ndim() != x.ndim()) bad("base and x must have the same rank.");
+  for (int d = 0; d + 1 < x.ndim(); ++d) {
+    if (base.shape(d) != x.shape(d)) bad("base and x must share their leading axes.");
+  }
+  const int N = base.shape(-1);
+  auto sl = checked_slots(x, N, a, b, slots, slot_count, rank, col0, row0, s);
   const auto stream = mx::to_stream(s);
   const auto out_dtype = mx::promote_types(base.dtype(), x.dtype());
-  auto sl = slots.dtype() == mx::int32 ? slots : mx::astype(slots, mx::int32, s);
-  const bool ours = on_cpu(stream) && kernel_dtype(x.dtype()) && base.dtype() == x.dtype() &&
-                    kernel_dtype(a.dtype()) && b.dtype() == a.dtype() && x.size() > 0;
-  if (!ours) {  // the MLX-op formula (lora.h): masked product over the whole width, then add
+  if (!kernel_case(stream, x, out_dtype, a, b) || base.dtype() != x.dtype()) {
+    // the MLX-op formula (lora.h): masked product over the whole width, then add
     auto dt = mx::promote_types(x.dtype(), a.dtype());
     auto c = mx::arange(0, a.shape(0), 1, mx::int32, s);
     auto slot_of = mx::floor_divide(mx::subtract(c, mx::array(col0, mx::int32), s), mx::array(rank, mx::int32), s);
@@ -242,15 +331,67 @@ mx::array fast_lora_update(const mx::array& base, const mx::array& x, const mx::
     mshape[0] = x.shape(0);
     mshape.back() = a.shape(0);
     auto xa = mx::multiply(mx::matmul(mx::astype(x, dt, s), mx::transpose(mx::astype(a, dt, s), s), s),
-                           mx::reshape(mask, mshape, s), s);
-    auto bn = mx::slice(mx::astype(b, dt, s), {row0, 0}, {row0 + N, b.shape(1)}, s);
-    auto delta = mx::matmul(xa, mx::transpose(bn, s), s);
+                           mx::reshape(mask, mshape, s), s);  // (B, .., rows)
+    auto bn = mx::slice(mx::astype(b, dt, s), {row0, 0}, {row0 + N, b.shape(1)}, s);  // (N, rows)
+    auto delta = mx::matmul(xa, mx::transpose(bn, s), s);                               // (B, .., N)
     return mx::astype(mx::add(mx::astype(base, mx::float32, s), mx::astype(delta, mx::float32, s), s),
                       out_dtype, s);
   }
   return mx::array(base.shape(), out_dtype,
-                   std::make_shared<FastLoraUpdate>(stream, slot_count, rank, col0, row0),
-                   {base, x, a, b, sl});
+                   std::make_shared<FastLoraUpdate>(stream, slot_count, rank, col0, row0, BaseKind::given),
+                   {x, a, b, sl, base});
+}
+
+mx::array fast_lora_linear(const mx::array& x, const mx::array& weight, const std::optional<mx::array>& bias,
+                           const mx::array& a, const mx::array& b, const mx::array& slots, int slot_count,
+                           int rank, int col0, int row0, mx::StreamOrDevice s) {
+  const auto stream = mx::to_stream(s);
+  auto dtype = mx::promote_types(x.dtype(), weight.dtype());
+  if (bias) dtype = mx::promote_types(dtype, bias->dtype());
+  const bool ours = kernel_case(stream, x, dtype, a, b) && weight.ndim() == 2 && x.ndim() >= 2 &&
+                    weight.shape(1) == x.shape(-1) && kernel_dtype(weight.dtype()) && weight.size() > 0 &&
+                    (!bias || (bias->ndim() == 1 && bias->shape(0) == weight.shape(0) &&
+                               kernel_dtype(bias->dtype())));
+  if (!ours) {
+    return fast_lora_update(fast_linear(x, weight, bias, s), x, a, b, slots, slot_count, rank, col0, row0, s);
+  }
+  auto sl = checked_slots(x, weight.shape(0), a, b, slots, slot_count, rank, col0, row0, s);
+  auto shape = x.shape();
+  shape.back() = weight.shape(0);
+  std::vector<mx::array> inputs{x, a, b, sl, weight};
+  if (bias) inputs.push_back(*bias);
+  return mx::array(std::move(shape), dtype,
+                   std::make_shared<FastLoraUpdate>(stream, slot_count, rank, col0, row0, BaseKind::dense),
+                   std::move(inputs));
+}
+
+mx::array fast_lora_quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
+                                     const std::optional<mx::array>& biases, int group_size, int bits,
+                                     const mx::array& a, const mx::array& b, const mx::array& slots,
+                                     int slot_count, int rank, int col0, int row0, mx::StreamOrDevice s) {
+  const auto stream = mx::to_stream(s);
+  const auto dtype = mx::promote_types(x.dtype(), scales.dtype());
+  bool ours = kernel_case(stream, x, dtype, a, b) && biases.has_value() && (bits == 4 || bits == 8) &&
+              (group_size == 32 || group_size == 64 || group_size == 128) && w.dtype() == mx::uint32 &&
+              w.ndim() == 2 && scales.ndim() == 2 && kernel_dtype(scales.dtype()) &&
+              biases->dtype() == scales.dtype() && biases->shape() == scales.shape() && x.ndim() >= 2 &&
+              w.size() > 0;
+  if (ours) {
+    const int64_t K = static_cast<int64_t>(w.shape(1)) * 32 / bits;
+    ours = x.shape(-1) == K && K % group_size == 0 && scales.shape(0) == w.shape(0) &&
+           scales.shape(1) == K / group_size;
+  }
+  if (!ours) {
+    auto base = fast_quantized_matmul(x, w, scales, biases, true, group_size, bits, "affine", s);
+    return fast_lora_update(base, x, a, b, slots, slot_count, rank, col0, row0, s);
+  }
+  auto sl = checked_slots(x, w.shape(0), a, b, slots, slot_count, rank, col0, row0, s);
+  auto shape = x.shape();
+  shape.back() = w.shape(0);
+  return mx::array(std::move(shape), dtype,
+                   std::make_shared<FastLoraUpdate>(stream, slot_count, rank, col0, row0, BaseKind::quantized,
+                                                    group_size, bits),
+                   {x, a, b, sl, w, scales, *biases});
 }
 
 }  // namespace mlx_infer

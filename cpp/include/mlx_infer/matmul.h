@@ -93,6 +93,39 @@ mx::array fast_lora_update(
     int row0 = 0,
     mx::StreamOrDevice s = {});
 
+/// `fast_lora_update(fast_linear(x, weight, bias), x, a, b, slots, ...)` as one op on CPU
+/// streams: the product is written to the output and the update added in place.
+mx::array fast_lora_linear(
+    const mx::array& x,
+    const mx::array& weight,
+    const std::optional<mx::array>& bias,
+    const mx::array& a,
+    const mx::array& b,
+    const mx::array& slots,
+    int slot_count,
+    int rank,
+    int col0 = 0,
+    int row0 = 0,
+    mx::StreamOrDevice s = {});
+
+/// `fast_lora_update(fast_quantized_matmul(x, w, scales, biases, true, group_size, bits), x, ...)`
+/// as one op on CPU streams (mode "affine"; otherwise the two ops).
+mx::array fast_lora_quantized_matmul(
+    const mx::array& x,
+    const mx::array& w,
+    const mx::array& scales,
+    const std::optional<mx::array>& biases,
+    int group_size,
+    int bits,
+    const mx::array& a,
+    const mx::array& b,
+    const mx::array& slots,
+    int slot_count,
+    int rank,
+    int col0 = 0,
+    int row0 = 0,
+    mx::StreamOrDevice s = {});
+
 /// The instruction set the kernels dispatch to: "avx512vnni", "avx512", "avx2"
 /// or "generic". The default is the widest the CPU has except avx512vnni, which
 /// is opt-in: its quantized GEMV (M <= 4) rounds x to int8 per 32 values (as

@@ -133,12 +133,21 @@ def _rows(module: nn.Module, base: Any, x: mx.array, stack: Any, slots: mx.array
     x3 = x.reshape(lead[0], -1, x.shape[-1])  # (B, L, in)
     if stack.dense and type(module).__name__.startswith("Fast"):  # the CPU kernels: update + add, one op
         S, _, r = stack.a.shape
-        if stack.g is None:
-            y = _fast.fast_lora_update(base(module, x3), x3, stack.a_cat, stack.b_cat, slots, slot_count=S, rank=r)
+        bank_args = dict(slot_count=S, rank=r)
+        quantized = isinstance(module, nn.QuantizedLinear)
+        if stack.g is None and not quantized:  # the product, the update and the add: one op
+            y = _fast.fast_lora_linear(x3, module["weight"], module.get("bias"), stack.a_cat, stack.b_cat, slots,
+                                       **bank_args)
+        elif stack.g is None and getattr(module, "mode", "affine") == "affine" and "bias" not in module:
+            y = _fast.fast_lora_quantized_matmul(x3, module["weight"], module["scales"], module.get("biases"),
+                                                 stack.a_cat, stack.b_cat, slots, group_size=module.group_size,
+                                                 bits=module.bits, **bank_args)
+        elif stack.g is None:
+            y = _fast.fast_lora_update(base(module, x3), x3, stack.a_cat, stack.b_cat, slots, **bank_args)
         else:
             g = mx.take(stack.g, slots, axis=0)[:, None, :].astype(x.dtype)  # (B, 1, out)
             y = g * _fast.fast_lora_update(linear_without_bias(module, x3), x3, stack.a_cat, stack.b_cat, slots,
-                                           slot_count=S, rank=r)
+                                           **bank_args)
             if "bias" in module:
                 y = y + module["bias"]
         return y.reshape(*lead, y.shape[-1])
