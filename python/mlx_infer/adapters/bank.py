@@ -52,6 +52,11 @@ class AdapterInUseError(AdapterError):
     """The adapter is used by a running request (or every resident one is, when a slot is needed)."""
 
 
+class AdapterSlotsBusyError(AdapterInUseError):
+    """No slot can be freed for an adapter now: every resident one is held by running requests.
+    The engine keeps such a request queued until one finishes (as vLLM does)."""
+
+
 @dataclass
 class Stack:
     """One target's stacked update over the bank's slots (see the module doc).
@@ -216,7 +221,7 @@ class AdapterBank:
         if free is None:
             idle = next((n for n in self._lru if not self.in_use(n)), None)
             if idle is None:
-                raise AdapterInUseError(f"all {self.capacity} resident adapters are in use by running requests; "
+                raise AdapterSlotsBusyError(f"all {self.capacity} resident adapters are in use by running requests; "
                                         "retry when one finishes, or raise the adapter capacity.")
             self._evict(idle)
             free = next(i for i in range(1, len(self.slots)) if self.slots[i] is None)
