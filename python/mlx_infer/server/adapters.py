@@ -84,10 +84,21 @@ def bank_allowance(engine: Any, bank: AdapterBank) -> int | None:
     from ..engine.config import kv_budget
 
     try:
-        free = kv_budget(engine.model, engine.config).bytes - engine.store.nbytes
+        free = kv_budget(engine.model, engine.config).bytes - pool_bytes(engine)
     except MlxInferError:  # the budget is already spent
         free = 0
     return bank.nbytes + max(0, free)
+
+
+def pool_bytes(engine: Any) -> int:
+    """Bytes of the engine's KV pool once every layer's storage exists (it is allocated on first use)."""
+    from ..engine.config import kv_page_bytes
+    from ..state.paged.store import model_geometry
+
+    store = engine.store
+    windows = model_geometry(engine.model)[0]
+    layer_page = kv_page_bytes(engine.model, store.page_size, engine.config.kv_dtype) // len(windows)
+    return max(store.nbytes, sum(g.num_pages * layer_page * len(g.layers) for g in store.groups))
 
 
 def add_adapter_routes(app: FastAPI, engine: Any, reserved: set[str]) -> None:
