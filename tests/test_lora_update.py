@@ -172,3 +172,25 @@ def test_per_row_forward_on_cpu_kernels_matches_stock(tmp_path, monkeypatch, fam
     assert mx.allclose(fused, stock, rtol=1e-4, atol=1e-4), mx.abs(fused - stock).max().item()
     for r in (0, 2):
         assert not mx.allclose(fused[r], base[r], atol=1e-3), f"row {r}: the adapter changed nothing"
+
+
+@pytest.mark.parametrize("isa", ["generic", "avx2"])
+def test_each_instruction_set_matches_the_reference(isa: str) -> None:
+    """The portable loops and the AVX2 ones (picked by the kernels' instruction set) agree with float64."""
+    if isa not in ("generic", _fast.cpu_kernel_isa()) and _fast.cpu_kernel_isa() == "generic":
+        pytest.skip(f"this CPU lacks {isa}")
+    rng = np.random.default_rng(21)
+    B, K, N, S, r = 12, 72, 56, 4, 8  # K not a multiple of 8: the loops' tails run too
+    a, b, _, _ = _bank(rng, S, r, K, N, [0, 8, 5, 2])
+    slots = np.array([0, 1, 2, 3] * 3, np.int32)
+    x = mx.array(rng.standard_normal((B, 1, K)).astype(np.float32))
+    base = mx.array(rng.standard_normal((B, 1, N)).astype(np.float32))
+    ref = _reference(_np(base), _np(x), a, b, slots, S, r, 0, 0)
+    try:
+        _fast.set_cpu_kernel_isa(isa)
+        out = _fast.fast_lora_update(base, x, mx.array(a.astype(np.float32)), mx.array(b.astype(np.float32)),
+                                     mx.array(slots), slot_count=S, rank=r)
+        got = _np(out)
+    finally:
+        _fast.set_cpu_kernel_isa("")
+    assert np.abs(got - ref).max() <= TOL[mx.float32] * np.abs(ref).max()

@@ -71,82 +71,36 @@ inline void st<cpu::f16_t>(cpu::f16_t* p, int64_t i, float v) {
   p[i] = cpu::to_f16(v);
 }
 
-// x[m] . a[j] over K in float32, 8 independent partial sums (vectorizable without fast-math).
-template <typename W>
-inline float dot_row(const float* xf, const W* aj, int64_t K) {
-  float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t k = 0;
-  for (; k + 8 <= K; k += 8) {
-    for (int u = 0; u < 8; ++u) part[u] += xf[k + u] * ld(aj, k + u);
-  }
-  float sum = 0.0f;
-  for (; k < K; ++k) sum += xf[k] * ld(aj, k);
-  for (int u = 0; u < 8; ++u) sum += part[u];
-  return sum;
-}
+namespace portable {
+#include "lora_loops.inc"
+}  // namespace portable
 
-// Rows [m0, m1): T the activations' element type, W the adapter's. panel[s] is slot s's
-// (r, N) block of b transposed to float32 (built once per call for the slots in use).
-template <typename T, typename W>
-void lora_rows(const LoraGeom& g, const T* x, const T* base, const W* a, const std::vector<std::vector<float>>& panel,
-               const int32_t* slots, T* out, int64_t m0, int64_t m1) {
-  std::vector<float> xf(g.K), xa(g.r), acc(g.N);
-  for (int64_t m = m0; m < m1; ++m) {
-    const int32_t s = slots[m / g.L];
-    const T* bm = base + m * g.N;
-    T* om = out + m * g.N;
-    if (s <= 0 || s >= g.S) {
-      if (static_cast<const void*>(bm) != static_cast<const void*>(om)) std::copy(bm, bm + g.N, om);
-      continue;
-    }
-    const T* xm = x + m * g.K;
-    for (int64_t k = 0; k < g.K; ++k) xf[k] = ld(xm, k);
-    const int64_t c0 = g.col0 + static_cast<int64_t>(s) * g.r;
-    for (int64_t j = 0; j < g.r; ++j) xa[j] = dot_row(xf.data(), a + (c0 + j) * g.K, g.K);  // (r,)
-    for (int64_t n = 0; n < g.N; ++n) acc[n] = ld(bm, n);
-    const float* p = panel[s].data();
-    for (int64_t j = 0; j < g.r; ++j) {  // acc += xa[j] * b[row0 + n, c0 + j]   (N,)
-      const float v = xa[j];
-      const float* pj = p + j * g.N;
-      for (int64_t n = 0; n < g.N; ++n) acc[n] += v * pj[n];
-    }
-    for (int64_t n = 0; n < g.N; ++n) st(om, n, acc[n]);
-  }
-}
+#if defined(__x86_64__) || defined(_M_X64)
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#endif
+namespace avx2 {
+#include "lora_loops.inc"
+}  // namespace avx2
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+#endif
 
 template <typename T, typename W>
 void lora_run(const LoraGeom& g, const void* x, const void* base, const void* a, const void* wb,
               const int32_t* slots, void* out) {
-  const W* w = static_cast<const W*>(wb);
-  std::vector<std::vector<float>> panel(g.S);
-  for (int64_t b = 0; b * g.L < g.M; ++b) {
-    const int32_t s = slots[b];
-    if (s <= 0 || s >= g.S || !panel[s].empty()) continue;
-    auto& p = panel[s];  // (r, N)
-    p.resize(g.r * g.N);
-    const int64_t c0 = g.col0 + static_cast<int64_t>(s) * g.r;
-    for (int64_t n = 0; n < g.N; ++n) {
-      const W* wn = w + (g.row0 + n) * g.rows + c0;
-      for (int64_t j = 0; j < g.r; ++j) p[j * g.N + n] = ld(wn, j);
-    }
+#if defined(__x86_64__) || defined(_M_X64)
+  if (static_cast<int>(cpu::active_isa()) >= static_cast<int>(cpu::Isa::avx2)) {
+    return avx2::lora_run<T, W>(g, x, base, a, wb, slots, out);
   }
-  auto body = [&](int64_t m0, int64_t m1) {
-    lora_rows<T, W>(g, static_cast<const T*>(x), static_cast<const T*>(base), static_cast<const W*>(a), panel,
-                    slots, static_cast<T*>(out), m0, m1);
-  };
-  // Multiply-adds per adapted row; split across the pool only when a task gets real work.
-  const int64_t per_row = g.r * (g.K + g.N);
-  const int64_t threads = cpu::pool().size();
-  const int64_t tasks = std::min<int64_t>(std::min<int64_t>(threads, g.M), g.M * per_row / 32768);
-  if (tasks <= 1) {
-    body(0, g.M);
-    return;
-  }
-  const int64_t chunk = (g.M + tasks - 1) / tasks;
-  cpu::pool().parallel_for(tasks, [&](int64_t t) {
-    const int64_t m0 = t * chunk;
-    body(m0, std::min(g.M, m0 + chunk));
-  });
+#endif
+  portable::lora_run<T, W>(g, x, base, a, wb, slots, out);
 }
 
 template <typename T>
