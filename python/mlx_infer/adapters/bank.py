@@ -168,9 +168,8 @@ class AdapterBank:
         for key in sorted({k for a in present for k in a.targets}):
             inp, out = linear_dims(self._modules[key])
             ts = [a.targets[key] for a in present if key in a.targets]
-            item = max(max(t.a.dtype.size, t.b.dtype.size) for t in ts)
-            if len({(t.a.dtype, t.b.dtype) for t in ts}) > 1 or any(t.a.dtype != t.b.dtype for t in ts):
-                item = 4  # mixed dtypes stack in float32
+            dtype = ts[0].a.dtype  # as _rebuild stacks them: one dtype, or float32 when they differ
+            item = 4 if any(t.a.dtype != dtype or t.b.dtype != dtype for t in ts) else dtype.size
             total += S * r_max * (inp + out) * item + S * 4 + (S * out * 4 if any(t.m is not None for t in ts) else 0)
         return total
 

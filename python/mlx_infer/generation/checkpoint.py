@@ -207,7 +207,8 @@ def _describe_difference(saved: dict[str, Any], now: dict[str, Any]) -> str:
             continue
         if key == "binding":
             parts.append("the model (its weights, config or dtype)")
-        elif key == "execution" and isinstance(a, dict) and isinstance(b, dict) and a.get("adapter") != b.get("adapter"):
+        elif (key == "execution" and isinstance(a, dict) and isinstance(b, dict)
+              and a.get("adapter") != b.get("adapter")):
             was, now_ = a.get("adapter"), b.get("adapter")
             parts.append(f"the adapter ({'none' if was is None else repr(was)} saved, "
                          f"{'none' if now_ is None else repr(now_)} now: give --adapter-path the run's adapter"

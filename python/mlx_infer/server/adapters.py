@@ -24,7 +24,8 @@ from typing import Any
 from fastapi import FastAPI
 from pydantic import BaseModel
 
-from ..adapters import AdapterBank, AdapterError, AdapterInUseError, AdapterMemoryError, AdapterNotFoundError, bank_of
+from ..adapters import (AdapterBank, AdapterError, AdapterInUseError, AdapterMemoryError, AdapterNotFoundError,
+                        bank_of)
 from ..errors import MlxInferError
 from . import protocol as P
 
