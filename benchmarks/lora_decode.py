@@ -14,8 +14,10 @@ tokens/s over the whole batch (prefill excluded, as benchmarks/paged_decode.py);
 is also given as the median of per-trial ratios (the two runs of a trial are adjacent).
 
 Reported per model: both throughputs, their ratio, the step time of each (B / tok/s) and
-their difference: the per-step cost of the low-rank products (two gather_mm per target per
-layer, the slot gathers and the scaled add), beside their arithmetic (multiply-adds per step).
+their difference: the per-step cost of the low-rank products (on the CPU kernels, one
+``fast_lora_linear`` per targeted linear in place of its plain product: the layer's product,
+each row's own slot's two low-rank products and the add in one op, cpp/matmul/lora_update.cpp),
+beside their arithmetic (multiply-adds per step).
 """
 
 from __future__ import annotations

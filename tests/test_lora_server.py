@@ -147,3 +147,33 @@ def threading_sleep(s: float) -> None:
     import time
 
     time.sleep(s)
+
+
+def test_run_time_load_is_checked_against_the_memory_budget(served, monkeypatch):
+    """POST /v1/adapters refuses (413) an adapter that would grow the bank past what the memory budget
+    leaves beside the KV pool, and takes it when it just fits (the projection is the bank's real size)."""
+    from mlx_infer.adapters import bank_of, load_adapter
+    from mlx_infer.engine import config as engine_config
+    from mlx_infer.server.adapters import pool_bytes
+
+    server, client, engine, model_id, paths, text, root = served
+    url = server.url
+    big = make_mlx_adapter(root / "tiny", root / "big", seed=90, rank=24, b_std=1.0)  # a larger rank: stacks grow
+    bank = bank_of(engine.model)
+    before = bank.nbytes
+    need = bank.projected_nbytes(load_adapter(big, engine.model, name="big"))
+    assert need > before
+    pool = pool_bytes(engine)
+    assert pool >= engine.store.nbytes  # the whole pool, allocated or not yet
+    for spare, status in ((need - before - 1, 413), (need - before, 200)):
+        monkeypatch.setattr(engine_config, "kv_budget",
+                            lambda model, config, spare=spare: engine_config.KVBudget(pool + spare, "test"))
+        r = httpx.post(url + "/v1/adapters", json={"name": "big", "path": str(big)}, timeout=60)
+        assert r.status_code == status, r.text
+        if status == 413:
+            err = r.json()["error"]
+            assert err["code"] == "adapter_too_large" and "memory budget" in err["message"]
+            assert bank.nbytes == before and "big" not in bank.names
+            assert complete(client, "a1") == text["a1"]  # still serving
+    assert bank.nbytes == need
+    assert httpx.delete(url + "/v1/adapters/big", timeout=60).status_code == 200

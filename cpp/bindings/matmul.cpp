@@ -96,6 +96,59 @@ Returns:
 Raises:
     ValueError: for an unknown activation.)");
 
+  m.def(
+      "fast_lora_update",
+      [](const mx::array& base, const mx::array& x, const mx::array& a, const mx::array& b,
+         const mx::array& slots, int slot_count, int rank, int col0, int row0,
+         mx::StreamOrDevice stream) {
+        return mlx_infer::fast_lora_update(base, x, a, b, slots, slot_count, rank, col0, row0, stream);
+      },
+      "base"_a, "x"_a, "a"_a, "b"_a, "slots"_a, nb::kw_only(), "slot_count"_a, "rank"_a, "col0"_a = 0,
+      "row0"_a = 0, "stream"_a = nb::none(),
+      R"(One linear's per-row LoRA update added to its base output, in one op.
+
+``out[b, .., n] = base[b, .., n] + sum_j (x[b, ..] . a[j]) * b[row0 + n, j]`` over the
+columns ``j`` of row ``b``'s slot ``s = slots[b]``: ``col0 + s * rank .. col0 + (s + 1) * rank - 1``.
+Slot 0 (no adapter) and slots ``>= slot_count`` leave the row as ``base``.
+
+Args:
+    base: ``(B, .., N)`` the layer's output without the update.
+    x: ``(B, .., K)`` the layer's input (base's dtype for the CPU kernel).
+    a: ``(rows, K)`` the slots' A^T, concatenated (a linear weight).
+    b: ``(N_all, rows)`` the slots' scaled B^T (a group: block-diagonal).
+    slots: ``(B,)`` integers.
+    slot_count, rank: slots and columns per slot; col0/row0: the member's first column/row.
+
+Returns:
+    ``(B, .., N)``. On CPU streams accumulated in float32 and rounded once; GPU streams and
+    other dtypes run the same formula in MLX ops.
+
+Raises:
+    ValueError: for shapes that do not fit together.)");
+
+  m.def(
+      "fast_lora_linear",
+      [](const mx::array& x, const mx::array& weight, const std::optional<mx::array>& bias, const mx::array& a,
+         const mx::array& b, const mx::array& slots, int slot_count, int rank, int col0, int row0,
+         mx::StreamOrDevice stream) {
+        return mlx_infer::fast_lora_linear(x, weight, bias, a, b, slots, slot_count, rank, col0, row0, stream);
+      },
+      "x"_a, "weight"_a, "bias"_a, "a"_a, "b"_a, "slots"_a, nb::kw_only(), "slot_count"_a, "rank"_a,
+      "col0"_a = 0, "row0"_a = 0, "stream"_a = nb::none(),
+      "``fast_lora_update(fast_linear(x, weight, bias), x, a, b, slots, ...)`` as one op on CPU streams.");
+  m.def(
+      "fast_lora_quantized_matmul",
+      [](const mx::array& x, const mx::array& w, const mx::array& scales, const std::optional<mx::array>& biases,
+         const mx::array& a, const mx::array& b, const mx::array& slots, int group_size, int bits,
+         int slot_count, int rank, int col0, int row0, mx::StreamOrDevice stream) {
+        return mlx_infer::fast_lora_quantized_matmul(x, w, scales, biases, group_size, bits, a, b, slots,
+                                                     slot_count, rank, col0, row0, stream);
+      },
+      "x"_a, "w"_a, "scales"_a, "biases"_a, "a"_a, "b"_a, "slots"_a, nb::kw_only(), "group_size"_a, "bits"_a,
+      "slot_count"_a, "rank"_a, "col0"_a = 0, "row0"_a = 0, "stream"_a = nb::none(),
+      "``fast_lora_update(fast_quantized_matmul(x, w, scales, biases, ...), x, a, b, slots, ...)`` as one op "
+      "on CPU streams (affine mode).");
+
   m.def("cpu_kernel_isa", &mlx_infer::cpu_kernel_isa,
         "The instruction set the CPU kernels use: 'avx512vnni', 'avx512', 'avx2' or 'generic'.");
   m.def("set_cpu_kernel_isa", &mlx_infer::set_cpu_kernel_isa, "isa"_a,

@@ -168,6 +168,39 @@ mx::array dense_update(const Linear& l, const mx::array& x3, const mx::array& A,
   return product(xa, Bm);  // (B, L, sum of outs): scales are in B
 }
 
+// y = base(x) + update on the CPU kernels (fast_lora_update): one op per linear, a group's
+// member reading its own columns of the stacked A and its rows of the block-diagonal B.
+mx::array fused_update(const Linear& l, const mx::array& x, const mx::array& x3, const mx::array& A,
+                       const mx::array& Bm, const mx::array& slots, int S, const LoraLayout::Entry& e,
+                       const mx::array* g) {
+  int k = 1, col0 = 0, row0 = 0;
+  if (e.group >= 0) {
+    const auto& grp = active.layout->groups[e.group];
+    k = grp.members;
+    for (int p = 0; p < e.part; ++p) row0 += grp.outs[p];
+  }
+  const int r = A.shape(0) / (S * k);
+  col0 = e.part * S * r;
+  mx::array y(0);
+  if (g == nullptr && !l.quantized()) {  // the product, the update and the add: one op
+    y = fast_lora_linear(x3, *l.w, l.bias, A, Bm, slots, S, r, col0, row0);  // (B, L, out)
+  } else if (g == nullptr && l.mode == "affine" && !l.bias) {
+    y = fast_lora_quantized_matmul(x3, *l.w, *l.scales, l.biases, l.group_size, l.bits, A, Bm, slots, S, r, col0,
+                                   row0);  // (B, L, out)
+  } else if (g == nullptr) {
+    y = fast_lora_update(base_linear(l, x3), x3, A, Bm, slots, S, r, col0, row0);  // (B, L, out)
+  } else {  // DoRA: g[slots] * (x W^T + delta) + bias
+    Linear nobias = l;
+    nobias.bias.reset();
+    auto gs = mx::astype(mx::expand_dims(mx::take(*g, slots, 0), 1), x.dtype());  // (B, 1, out)
+    y = mx::multiply(gs, fast_lora_update(base_linear(nobias, x3), x3, A, Bm, slots, S, r, col0, row0));
+    if (l.bias) y = mx::add(y, *l.bias);
+  }
+  auto shape = x.shape();
+  shape.back() = y.shape(-1);
+  return mx::reshape(y, shape);
+}
+
 }  // namespace
 
 std::optional<mx::array> lora_linear(const Linear& l, const mx::array& x) {
@@ -183,6 +216,9 @@ std::optional<mx::array> lora_linear(const Linear& l, const mx::array& x) {
   const int S = in[s0 + e.scales].shape(0);
   const int B = x.shape(0);
   auto x3 = mx::reshape(x, {B, -1, x.shape(-1)});  // (B, L, in)
+  if (l.fast && A.ndim() == 2) {  // the CPU kernels: the update and its add in one op (matmul.h)
+    return fused_update(l, x, x3, A, Bm, slots, S, e, e.g >= 0 ? &in[s0 + e.g] : nullptr);
+  }
   mx::array delta(0);
   if (e.group >= 0) {  // linears sharing this input: one update for all, split by member
     const auto& grp = active.layout->groups[e.group];

@@ -20,6 +20,10 @@
 //             y  = base(x) + (scales[slots] * z).astype(x.dtype)
 //   dense:    xa = (x @ a^T) * mask, mask[b, c] = (c / r == slots[b]);  y = base(x) + (xa @ b^T).astype(x.dtype)
 //   DoRA: y = g[slots] * (x W^T + delta) + bias
+//
+// Where the layer runs on the CPU kernels the dense form is one op per linear instead
+// (mlx_infer/matmul.h's fast_lora_linear / fast_lora_quantized_matmul, fast_lora_update for
+// DoRA's bias-free base): the product, each row's own slot's r columns of a and b, the add.
 #pragma once
 
 #include <optional>

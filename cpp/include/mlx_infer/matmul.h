@@ -65,6 +65,67 @@ mx::array fast_gated_activation(
     const std::string& activation,
     mx::StreamOrDevice s = {});
 
+/// One linear's per-row low-rank (LoRA) update added to its base output, in one call:
+///
+///   out[b, .., n] = base[b, .., n] + sum_{j in cols(s)} (x[b, ..] . a[j]) * b_w[row0 + n, j]
+///   s = slots[b],  cols(s) = [col0 + s * rank, col0 + (s + 1) * rank)
+///
+/// a (rows, K) and b_w (N_all, rows) are linear weights (A^T and the scaled B^T of the
+/// bank's slots, concatenated; a group of linears sharing x: A's stacked, B block-diagonal,
+/// col0/row0 pick the member). Rows whose slot is 0 (no adapter) or >= slot_count are
+/// base unchanged. On CPU streams (x and base one float dtype, a and b_w one float dtype)
+/// our kernel: float32 accumulation, one rounding. Otherwise MLX ops of the same formula.
+///
+/// Args:
+///   base: (B, .., N) the layer's output without the update.
+///   x: (B, .., K) the layer's input.
+///   slots: (B,) integers.
+/// Returns (B, .., N) in the promoted dtype of base and x.
+mx::array fast_lora_update(
+    const mx::array& base,
+    const mx::array& x,
+    const mx::array& a,
+    const mx::array& b,
+    const mx::array& slots,
+    int slot_count,
+    int rank,
+    int col0 = 0,
+    int row0 = 0,
+    mx::StreamOrDevice s = {});
+
+/// `fast_lora_update(fast_linear(x, weight, bias), x, a, b, slots, ...)` as one op on CPU
+/// streams: the product is written to the output and the update added in place.
+mx::array fast_lora_linear(
+    const mx::array& x,
+    const mx::array& weight,
+    const std::optional<mx::array>& bias,
+    const mx::array& a,
+    const mx::array& b,
+    const mx::array& slots,
+    int slot_count,
+    int rank,
+    int col0 = 0,
+    int row0 = 0,
+    mx::StreamOrDevice s = {});
+
+/// `fast_lora_update(fast_quantized_matmul(x, w, scales, biases, true, group_size, bits), x, ...)`
+/// as one op on CPU streams (mode "affine"; otherwise the two ops).
+mx::array fast_lora_quantized_matmul(
+    const mx::array& x,
+    const mx::array& w,
+    const mx::array& scales,
+    const std::optional<mx::array>& biases,
+    int group_size,
+    int bits,
+    const mx::array& a,
+    const mx::array& b,
+    const mx::array& slots,
+    int slot_count,
+    int rank,
+    int col0 = 0,
+    int row0 = 0,
+    mx::StreamOrDevice s = {});
+
 /// The instruction set the kernels dispatch to: "avx512vnni", "avx512", "avx2"
 /// or "generic". The default is the widest the CPU has except avx512vnni, which
 /// is opt-in: its quantized GEMV (M <= 4) rounds x to int8 per 32 values (as

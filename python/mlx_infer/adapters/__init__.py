@@ -11,11 +11,14 @@ an adapter is baked into a traced graph, so the compiled steps stay on with adap
 """
 
 from .apply import adapter_rows, current_selection
-from .bank import AdapterBank, AdapterInUseError, AdapterNotFoundError, bank_of, ensure_bank
+from .bank import (AdapterBank, AdapterInUseError, AdapterMemoryError, AdapterNotFoundError, AdapterSlotsBusyError,
+                   bank_of, ensure_bank)
 from .formats import Adapter, AdapterError, LoraTarget, load_adapter
 from .select import attach_adapter, selected
 
 __all__ = [
-    "Adapter", "AdapterBank", "AdapterError", "AdapterInUseError", "AdapterNotFoundError", "LoraTarget",
+    "Adapter", "AdapterBank", "AdapterError", "AdapterInUseError", "AdapterMemoryError", "AdapterNotFoundError",
+    "AdapterSlotsBusyError",
+    "LoraTarget",
     "adapter_rows", "attach_adapter", "bank_of", "current_selection", "ensure_bank", "load_adapter", "selected",
 ]

@@ -16,7 +16,8 @@ uses is the *selection*, set around a forward with :func:`adapter_rows`:
       xa = (x (B, L, in) @ A_cat^T (in, S r)) * mask[slots]      (B, L, S r)
       y  = base(x) + (xa @ B_cat^T (S r, out)).astype(x.dtype)   B_cat scaled by each slot's scale
 
-  (A_cat and B_cat are stored as linear weights and run on the CPU kernels when the base layer does)
+  (A_cat and B_cat are stored as linear weights; when the base layer runs on the CPU kernels the
+  whole update and its add are one op, ``_fast.fast_lora_update``: float32 accumulation, one rounding)
 
   a larger one gathers each row's own A and B::
 
@@ -130,6 +131,26 @@ def _rows(module: nn.Module, base: Any, x: mx.array, stack: Any, slots: mx.array
     """Per-row adapters over the stacked tensors (see the module doc)."""
     lead = x.shape[:-1]
     x3 = x.reshape(lead[0], -1, x.shape[-1])  # (B, L, in)
+    if stack.dense and type(module).__name__.startswith("Fast"):  # the CPU kernels: update + add, one op
+        S, _, r = stack.a.shape
+        bank_args = dict(slot_count=S, rank=r)
+        quantized = isinstance(module, nn.QuantizedLinear)
+        if stack.g is None and not quantized:  # the product, the update and the add: one op
+            y = _fast.fast_lora_linear(x3, module["weight"], module.get("bias"), stack.a_cat, stack.b_cat, slots,
+                                       **bank_args)
+        elif stack.g is None and getattr(module, "mode", "affine") == "affine" and "bias" not in module:
+            y = _fast.fast_lora_quantized_matmul(x3, module["weight"], module["scales"], module.get("biases"),
+                                                 stack.a_cat, stack.b_cat, slots, group_size=module.group_size,
+                                                 bits=module.bits, **bank_args)
+        elif stack.g is None:
+            y = _fast.fast_lora_update(base(module, x3), x3, stack.a_cat, stack.b_cat, slots, **bank_args)
+        else:
+            g = mx.take(stack.g, slots, axis=0)[:, None, :].astype(x.dtype)  # (B, 1, out)
+            y = g * _fast.fast_lora_update(linear_without_bias(module, x3), x3, stack.a_cat, stack.b_cat, slots,
+                                           **bank_args)
+            if "bias" in module:
+                y = y + module["bias"]
+        return y.reshape(*lead, y.shape[-1])
     if stack.dense:  # every slot's columns at once, the others masked out; scales are in b_cat
         S, _, r = stack.a.shape
         xa = _product(module, x3, stack.a_cat)  # (B, L, S*r)

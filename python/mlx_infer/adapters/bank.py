@@ -52,6 +52,15 @@ class AdapterInUseError(AdapterError):
     """The adapter is used by a running request (or every resident one is, when a slot is needed)."""
 
 
+class AdapterMemoryError(AdapterError):
+    """Making the adapter resident would grow the bank past the memory it may take."""
+
+
+class AdapterSlotsBusyError(AdapterInUseError):
+    """No slot can be freed for an adapter now: every resident one is held by running requests.
+    The engine keeps such a request queued until one finishes (as vLLM does)."""
+
+
 @dataclass
 class Stack:
     """One target's stacked update over the bank's slots (see the module doc).
@@ -148,16 +157,37 @@ class AdapterBank:
             a = self.adapter(name)
         return a.namespace
 
+    def projected_nbytes(self, adapter: Adapter) -> int:
+        """:attr:`nbytes` with ``adapter`` resident besides every resident one (none evicted: an upper
+        bound), from the stacks' shapes: per target ``(S, in, r_max)`` + ``(S, r_max, out)`` + scales (+ g)."""
+        present = [a for a in self.slots if a is not None] + [adapter]
+        ranks = [t.rank for a in present for t in a.targets.values()]
+        r_max = -(-max(ranks, default=1) // self.rank_bucket) * self.rank_bucket
+        S = len(self.slots)
+        total = 0
+        for key in sorted({k for a in present for k in a.targets}):
+            inp, out = linear_dims(self._modules[key])
+            ts = [a.targets[key] for a in present if key in a.targets]
+            dtype = ts[0].a.dtype  # as _rebuild stacks them: one dtype, or float32 when they differ
+            item = 4 if any(t.a.dtype != dtype or t.b.dtype != dtype for t in ts) else dtype.size
+            total += S * r_max * (inp + out) * item + S * 4 + (S * out * 4 if any(t.m is not None for t in ts) else 0)
+        return total
+
     def in_use(self, name: str) -> int:
         return self._users.get(name, 0)
 
     # -- registration -----------------------------------------------------------------------
 
-    def register(self, name: str, path: str | Path) -> Adapter:
+    def register(self, name: str, path: str | Path, *, max_nbytes: int | None = None) -> Adapter:
         """Load, validate and make resident the adapter at ``path`` under ``name``.
+
+        Args:
+            max_nbytes: most bytes the bank may hold with it resident (:meth:`projected_nbytes`);
+                ``None``: no limit.
 
         Raises:
             AdapterError: the adapter is malformed or does not fit the model (the bank is unchanged).
+            AdapterMemoryError: it would take the bank past ``max_nbytes`` (the bank is unchanged).
             AdapterInUseError: every resident adapter is in use, none can make room.
         """
         from ..parallel.group import current_group
@@ -170,6 +200,14 @@ class AdapterBank:
             if name in self.sources:
                 raise AdapterError(f"an adapter named {name!r} is already loaded; unload it first or pick another name.")
             adapter = load_adapter(path, self.model, name=name)
+            if max_nbytes is not None:
+                need = self.projected_nbytes(adapter)
+                if need > max_nbytes:
+                    mib = 2**20
+                    raise AdapterMemoryError(
+                        f"adapter {name!r} would grow the adapter bank to {need / mib:.2f} MiB, past the "
+                        f"{max_nbytes / mib:.2f} MiB the memory budget leaves it beside the KV pool; unload "
+                        "adapters, or restart with a larger memory budget or fewer KV pages.")
             self._place(adapter)
             self.sources[name] = adapter.path
             return adapter
@@ -222,7 +260,7 @@ class AdapterBank:
         if free is None:
             idle = next((n for n in self._lru if not self.in_use(n)), None)
             if idle is None:
-                raise AdapterInUseError(f"all {self.capacity} resident adapters are in use by running requests; "
+                raise AdapterSlotsBusyError(f"all {self.capacity} resident adapters are in use by running requests; "
                                         "retry when one finishes, or raise the adapter capacity.")
             self._evict(idle)
             free = next(i for i in range(1, len(self.slots)) if self.slots[i] is None)

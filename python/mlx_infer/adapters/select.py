@@ -55,3 +55,17 @@ def selected(bank: AdapterBank | None, name: str | None, run: Iterator[Any]) -> 
             with adapter_rows(slot):
                 close()
         bank.release(name)
+
+
+def default_adapter_identity(model: Any) -> str | None:
+    """``NAME:sha256`` of the adapter a plain generation of ``model`` runs under (the bank's default:
+    ``generate --adapter-path``), ``None`` without one: what a checkpoint's identity records of it."""
+    from .bank import bank_of
+
+    bank = bank_of(model)
+    if bank is None or bank.default is None:
+        return None
+    name = bank.default
+    bank.namespace(name)  # makes it resident if it was unloaded for room
+    adapter = bank.adapter(name)
+    return f"{name}:{adapter.fingerprint}"

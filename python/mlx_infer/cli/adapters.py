@@ -22,11 +22,10 @@ def add_generate_flags(g: argparse.ArgumentParser) -> None:
 
 
 def apply_generate_flags(args: argparse.Namespace, loaded: Any) -> None:
-    """Load ``--adapter-path`` onto the model as its default adapter."""
+    """Load ``--adapter-path`` onto the model as its default adapter (a checkpoint records it: name and
+    content hash; ``--resume`` refuses another adapter, or none for a run that had one)."""
     if getattr(args, "adapter_path", None) is None:
         return
-    if args.checkpoint or args.resume:
-        raise MlxInferError("--adapter-path does not work with --checkpoint/--resume yet; run without them.")
     if loaded.model.declaration.method != "autoregressive":
         raise MlxInferError("--adapter-path works with autoregressive models only; this one denoises.")
     from ..adapters import attach_adapter, bank_of

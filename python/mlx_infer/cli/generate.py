@@ -264,6 +264,9 @@ def _resumed(args: argparse.Namespace) -> object:
                             cpu_kernels=cpu_kernels if isinstance(cpu_kernels, bool) else None)
     if loaded.model.declaration.method == "denoising":
         raise MlxInferError("--checkpoint/--resume work with autoregressive models only; this one denoises.")
+    from .adapters import apply_generate_flags
+
+    apply_generate_flags(args, loaded)  # --adapter-path: checked against the checkpoint's adapter
     if args.prompt is not None:
         if prompt_ids_for(loaded, _prompt(args, saved["chat"]), chat=saved["chat"]) != ck.prompt_ids:
             raise MlxInferError(f"--resume {args.resume}: --prompt differs from the checkpoint's prompt; drop "

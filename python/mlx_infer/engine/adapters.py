@@ -23,14 +23,18 @@ from typing import Any, ContextManager, Sequence
 import mlx.core as mx
 
 from ..adapters.apply import adapter_rows
-from ..adapters.bank import bank_of
+from ..adapters.bank import AdapterSlotsBusyError, bank_of
+
+__all__ = ["AdapterSlotsBusyError", "batch_slots", "hold_adapter", "release_adapter", "rows_context", "slots_for"]
 
 
 def hold_adapter(model: Any, live: Any) -> None:
     """At intake: hold the request's adapter, give the live request its slot and namespace.
 
     Raises:
-        AdapterError: an unknown adapter, or none can be made resident now (the request fails alone).
+        AdapterSlotsBusyError: every slot is held by running requests (the engine keeps the request
+            queued and tries again after the next step).
+        AdapterError: an unknown adapter (the request fails alone).
     """
     bank = bank_of(model)
     name = live.request.adapter

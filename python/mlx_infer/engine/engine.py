@@ -53,7 +53,7 @@ from ..generation.text_output import TextOutput
 from ..models import materialize_graph_constants
 from ..sampling import RequestRNG, make_sampler
 from ..state.paged import PagedKVStore
-from .adapters import batch_slots, hold_adapter, rows_context, slots_for
+from .adapters import AdapterSlotsBusyError, batch_slots, hold_adapter, rows_context, slots_for
 from .batch import DecodeBatch
 from .config import EngineConfig, kv_budget, pool_pages
 from .metrics import PROMETHEUS_ORDER, EngineMetrics, pool_gauges, prometheus_text
@@ -355,12 +355,18 @@ class Engine:
             cancels, self._cancels = self._cancels, set()
         if self._lockstep is not None:  # rank 0's intake, on every rank
             new, cancels = self._lockstep.exchange(new, cancels)
+        deferred = []
         for live in new:
+            if live.state == DONE:  # cancelled while it waited for an adapter slot
+                continue
             p = live.request.sampling
             try:
                 live.sampler = make_sampler(p, eos_token_ids=tuple(self.eos), newline_token_ids=self.newlines)
                 live.rng = RequestRNG(p.seed)
                 hold_adapter(self.model, live)  # engine/adapters.py: slot and namespace
+            except AdapterSlotsBusyError:  # every slot held by running requests: wait in the queue (vLLM)
+                deferred.append(live)
+                continue
             except Exception as e:  # this request's parameters, not the engine: fail it alone
                 self._finish(live, "error", error=f"{type(e).__name__}: {e}")
                 continue
@@ -370,6 +376,9 @@ class Engine:
             live.needs_history = bool(live.sampler.processors)
             live.simple = p.greedy and not live.needs_history and not p.logprobs and live.constraint is None
             self.scheduler.enqueue(live)
+        if deferred:
+            with self._lock:
+                self._inbox.extendleft(reversed(deferred))
         for rid in cancels:
             live = self._live.get(rid)
             if live is not None and live.state != DONE:

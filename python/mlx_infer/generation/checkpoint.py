@@ -207,6 +207,14 @@ def _describe_difference(saved: dict[str, Any], now: dict[str, Any]) -> str:
             continue
         if key == "binding":
             parts.append("the model (its weights, config or dtype)")
+        elif (key == "execution" and isinstance(a, dict) and isinstance(b, dict)
+              and a.get("adapter") != b.get("adapter")):
+            was, now_ = a.get("adapter"), b.get("adapter")
+            parts.append(f"the adapter ({'none' if was is None else repr(was)} saved, "
+                         f"{'none' if now_ is None else repr(now_)} now: give --adapter-path the run's adapter"
+                         f"{'' if was is not None else ' only if it had one'})")
+            rest = {k for k in set(a) | set(b) if k != "adapter" and a.get(k) != b.get(k)}
+            parts.extend(f"execution.{k} ({a.get(k)!r} saved, {b.get(k)!r} now)" for k in sorted(rest))
         elif isinstance(a, dict) and isinstance(b, dict):
             sub = [f"{key}.{k} ({a.get(k)!r} saved, {b.get(k)!r} now)" for k in sorted(set(a) | set(b))
                    if a.get(k) != b.get(k)]
@@ -319,7 +327,16 @@ def generate_checkpointed(
 
     if type(every) is not int or every < 1:
         raise MlxInferError(f"the checkpoint interval must be an integer >= 1 token, got {every!r}.")
-    execution = dict(execution or {}, max_tokens=max_tokens)
+    # The adapter in use (generate --adapter-path: name and content hash) is part of the run's
+    # identity: a resume under another adapter, or none, is refused. A resumed run's saved
+    # execution carries the saved one; what counts is the one loaded now.
+    from ..adapters.select import default_adapter_identity
+
+    execution = {k: v for k, v in dict(execution or {}).items() if k != "adapter"}
+    adapter = default_adapter_identity(loaded.model)
+    if adapter is not None:
+        execution["adapter"] = adapter
+    execution["max_tokens"] = max_tokens
     fields = identity_fields(prompt_ids=prompt_ids, sampling=sampling, stop=list(stop), execution=execution,
                              binding=binding_identity(Path(loaded.path), dtype=dtype))
     source = getattr(loaded, "source", None)

@@ -6,7 +6,8 @@ with the base model's id. Run time::
 
     GET    /v1/adapters                 the registered adapters (name, path, resident, in use)
     POST   /v1/adapters                 {"name": ..., "path": ...}: load and validate; 400 on a bad
-                                        adapter (the server keeps serving), 409 on a taken name
+                                        adapter (the server keeps serving), 409 on a taken name,
+                                        413 when the bank would outgrow the memory budget
     DELETE /v1/adapters/{name}          unload; 404 unknown, 409 while a request uses it
     POST   /v1/load_lora_adapter        vLLM's {"lora_name", "lora_path"}
     POST   /v1/unload_lora_adapter      vLLM's {"lora_name"}
@@ -23,7 +24,9 @@ from typing import Any
 from fastapi import FastAPI
 from pydantic import BaseModel
 
-from ..adapters import AdapterBank, AdapterError, AdapterInUseError, AdapterNotFoundError, bank_of
+from ..adapters import (AdapterBank, AdapterError, AdapterInUseError, AdapterMemoryError, AdapterNotFoundError,
+                        bank_of)
+from ..errors import MlxInferError
 from . import protocol as P
 
 
@@ -73,6 +76,32 @@ def adapter_models(engine: Any, model_id: str, created: int) -> list[dict[str, A
              "parent": model_id, "max_model_len": engine.context_length} for n, p in bank.sources.items()]
 
 
+def bank_allowance(engine: Any, bank: AdapterBank) -> int | None:
+    """Most bytes the adapter bank may grow to at run time: what it holds now plus what the memory
+    budget (engine/config.py's ``kv_budget``, read again now) leaves beside the KV pool the engine
+    allocated. ``None`` when the pool was sized by page count (``num_pages``), not by a budget."""
+    if getattr(engine, "kv_budget", None) is None:
+        return None
+    from ..engine.config import kv_budget
+
+    try:
+        free = kv_budget(engine.model, engine.config).bytes - pool_bytes(engine)
+    except MlxInferError:  # the budget is already spent
+        free = 0
+    return bank.nbytes + max(0, free)
+
+
+def pool_bytes(engine: Any) -> int:
+    """Bytes of the engine's KV pool once every layer's storage exists (it is allocated on first use)."""
+    from ..engine.config import kv_page_bytes
+    from ..state.paged.store import model_geometry
+
+    store = engine.store
+    windows = model_geometry(engine.model)[0]
+    layer_page = kv_page_bytes(engine.model, store.page_size, engine.config.kv_dtype) // len(windows)
+    return max(store.nbytes, sum(g.num_pages * layer_page * len(g.layers) for g in store.groups))
+
+
 def add_adapter_routes(app: FastAPI, engine: Any, reserved: set[str]) -> None:
     """Register the run-time adapter routes (see the module doc). ``reserved``: the base model's names."""
 
@@ -84,10 +113,13 @@ def add_adapter_routes(app: FastAPI, engine: Any, reserved: set[str]) -> None:
         if not name or name in reserved:
             raise P.OpenAIError(400, f"'{name}' cannot name an adapter: it is empty or the base model's id.",
                                 param="name", code="invalid_value")
+        b = bank()
         try:
-            adapter = await asyncio.to_thread(bank().register, name, path)
+            adapter = await asyncio.to_thread(b.register, name, path, max_nbytes=bank_allowance(engine, b))
         except AdapterInUseError as e:
             raise P.OpenAIError(409, str(e), code="adapters_busy") from None
+        except AdapterMemoryError as e:
+            raise P.OpenAIError(413, str(e), param="path", code="adapter_too_large") from None
         except AdapterError as e:
             status, code = (409, "adapter_exists") if "already loaded" in str(e) else (400, "invalid_adapter")
             raise P.OpenAIError(status, str(e), param="path" if status == 400 else "name", code=code) from None
