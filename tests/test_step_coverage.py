@@ -1,0 +1,48 @@
+"""The compiled step consumes exactly the model's parameters: a parameter the translation would ignore, or a
+weight name the step does not read, is a clear error — never a step that silently runs without it."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from mlx_infer import _fast
+from mlx_infer.generation.bindings.graph_spec import DecodeStepUnsupported, graph_spec
+from mlx_infer.models import get_model_classes
+from tiny import CONFIGS
+
+
+def _model(family: str, **overrides):
+    config = dict(CONFIGS[family], **overrides)
+    cls, args = get_model_classes(config["model_type"])
+    model = cls(args.from_dict(config))
+    mx.eval(model.parameters())
+    return model
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "gemma4"])
+def test_every_parameter_of_every_family_is_handed_to_the_step(family):
+    cfg, weights, quant = graph_spec(_model(family))
+    _fast.DecodeStep(cfg, weights, quant)  # and every handed-over name is one the step reads
+
+
+def test_a_parameter_the_step_would_not_read_refuses_the_step_by_name():
+    model = _model("llama")
+    model.model.layers[1].self_attn.extra_scale = mx.ones((4,))  # a weight no translation knows
+    with pytest.raises(DecodeStepUnsupported, match=r"model\.layers\.1\.self_attn\.extra_scale"):
+        graph_spec(model)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma4"])
+def test_a_weight_name_the_step_does_not_read_is_an_error(family):
+    cfg, weights, quant = graph_spec(_model(family))
+    weights["layers.0.q_norm_typo.weight"] = mx.ones((16,))
+    with pytest.raises(ValueError, match=r"does not use: 'layers\.0\.q_norm_typo\.weight'"):
+        _fast.DecodeStep(cfg, weights, quant)
+
+
+def test_a_missing_weight_is_an_error():
+    cfg, weights, quant = graph_spec(_model("llama"))
+    del weights["layers.1.mlp_norm.weight"]
+    with pytest.raises(ValueError, match=r"missing weight 'layers\.1\.mlp_norm\.weight'"):
+        _fast.DecodeStep(cfg, weights, quant)
