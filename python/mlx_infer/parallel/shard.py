@@ -56,7 +56,12 @@ from ..errors import UnsupportedModelError
 from .group import ParallelGroup
 
 #: Families whose graphs can be split (module name of the family file).
-TP_FAMILIES = ("llama", "gemma3", "gemma4")
+TP_FAMILIES = ("llama", "gemma3", "gemma4", "smollm3", "granite", "glm4", "gemma2", "phi3", "qwen3_moe",
+               "gpt_oss", "olmo2")
+#: Families refused, and why.
+TP_REFUSED = {
+    "deepseek_v3": "its multi-head latent attention (MLA) has no tensor-parallel plan yet",
+}
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,36 @@ class Slice:
                 "use a process count that divides the heads, MLP width and quantization groups.")
         return self.lo * n // self.den, self.hi * n // self.den
 
+    def ranges(self, n: int, name: str) -> list[tuple[int, int]]:
+        """The ``(start, stop)`` runs of the axis this rank holds (one for a plain slice)."""
+        return [self.bounds(n, name)]
+
+
+@dataclass(frozen=True)
+class FusedSlice:
+    """A slice of each part of a fused weight (Phi 3's ``qkv_proj``, ``gate_up_proj``), concatenated.
+
+    The axis is ``sum(units)`` equal units long, part ``i`` being ``units[i]`` of them (heads, or
+    ``N`` shares of an MLP half); this rank holds units ``[lo_i, hi_i)`` of each part, in order.
+    """
+
+    axis: int
+    parts: tuple[tuple[int, int, int], ...]  # (units, lo, hi) per part, along the axis
+    zero_unless_leader: bool = False
+
+    def ranges(self, n: int, name: str) -> list[tuple[int, int]]:
+        """The ``(start, stop)`` runs of the axis this rank holds, one per part."""
+        total = sum(u for u, _, _ in self.parts)
+        if n % total:
+            raise UnsupportedModelError(f"cannot split the fused {name} (axis {self.axis}, {n} entries) into its "
+                                        f"{total} heads/shares; use a process count that divides the heads, MLP "
+                                        "width and quantization groups.")
+        step, out, base = n // total, [], 0
+        for units, lo, hi in self.parts:
+            out.append((base + lo * step, base + hi * step))
+            base += units * step
+        return out
+
 
 @dataclass
 class ShardPlan:
@@ -90,10 +125,12 @@ class ShardPlan:
     """
 
     pg: ParallelGroup
-    slices: dict[str, Slice] = field(default_factory=dict)
+    slices: dict[str, Slice | FusedSlice] = field(default_factory=dict)
     heads: dict[str, tuple[int, int]] = field(default_factory=dict)
     row_parallel: list[str] = field(default_factory=list)  # modules followed by all_sum
-    experts: list[str] = field(default_factory=list)  # expert-parallel Experts modules
+    experts: list[str] = field(default_factory=list)  # expert-parallel Experts modules (gemma4)
+    switches: list[str] = field(default_factory=list)  # expert-parallel SwitchGLU modules (qwen3_moe, gpt_oss)
+    global_norms: list[str] = field(default_factory=list)  # head-split RMSNorms over all heads (all_sum of squares)
     vocab_tables: dict[str, int] = field(default_factory=dict)  # vocab-split embedding path -> first row here
     vocab_parallel: bool = False
     notes: list[str] = field(default_factory=list)
@@ -106,8 +143,7 @@ class ShardPlan:
         if s is None or s.zero_unless_leader:
             return tuple(shape)
         out = list(shape)
-        start, stop = s.bounds(shape[s.axis], path)
-        out[s.axis] = stop - start
+        out[s.axis] = sum(stop - start for start, stop in s.ranges(shape[s.axis], path))
         return tuple(out)
 
 
@@ -134,9 +170,12 @@ def _attention(plan: ShardPlan, path: str, attn: nn.Module) -> None:
         raise UnsupportedModelError(f"{path}: {H} attention heads cannot be split over {N} processes; "
                                     f"use a process count that divides {H}.")
     Hl = H // N
-    _linear_slices(plan, f"{path}.q_proj", attn.q_proj, 0, r * Hl, (r + 1) * Hl, H)
+    if "q_proj" in attn:
+        _linear_slices(plan, f"{path}.q_proj", attn.q_proj, 0, r * Hl, (r + 1) * Hl, H)
     _linear_slices(plan, f"{path}.o_proj", attn.o_proj, -1, r * Hl, (r + 1) * Hl, H)
     plan.row_parallel.append(f"{path}.o_proj")
+    if "sinks" in attn:  # gpt-oss: one sink logit per query head, split with the heads
+        plan.slices[f"{path}.sinks"] = Slice(0, r * Hl, (r + 1) * Hl, H)
     if KVH >= N:
         if KVH % N:
             raise UnsupportedModelError(f"{path}: {KVH} KV heads cannot be split over {N} processes; use a "
@@ -153,11 +192,40 @@ def _attention(plan: ShardPlan, path: str, attn: nn.Module) -> None:
     for proj in ("k_proj", "v_proj"):
         if proj in attn:
             _linear_slices(plan, f"{path}.{proj}", attn[proj], 0, lo, lo + KVl, KVH)
+    if "qkv_proj" in attn:  # Phi 3: q | k | v fused along the output, each part split by its heads
+        fused = FusedSlice(0, ((H, r * Hl, (r + 1) * Hl), (KVH, lo, lo + KVl), (KVH, lo, lo + KVl)))
+        _fused_slices(plan, f"{path}.qkv_proj", attn.qkv_proj, fused)
+    if _family_of(attn) == "olmo2":  # RMSNorm over all heads' concatenation: sums of squares all_sum-ed
+        plan.slices[f"{path}.q_norm.weight"] = Slice(0, r * Hl, (r + 1) * Hl, H)
+        plan.slices[f"{path}.k_norm.weight"] = Slice(0, lo, lo + KVl, KVH)
+        plan.global_norms += [f"{path}.q_norm", f"{path}.k_norm"]
     plan.heads[path] = (Hl, KVl)
+
+
+def _family_of(module: nn.Module) -> str:
+    return type(module).__module__.rsplit(".", 1)[-1]
+
+
+def _fused_slices(plan: ShardPlan, path: str, module: nn.Module, fused: FusedSlice) -> None:
+    """A fused column-parallel linear: every parameter (and the bias) takes the same part-wise rows."""
+    for name in ("weight", "scales", "biases", "bias"):
+        if name in module:
+            plan.slices[f"{path}.{name}"] = fused
 
 
 def _mlp(plan: ShardPlan, path: str, mlp: nn.Module) -> None:
     N, r = plan.pg.size, plan.pg.rank
+    switch = next((n for n in ("switch_mlp", "experts") if n in mlp and hasattr(mlp[n], "gate_proj")), None)
+    if switch is not None:  # qwen3_moe / gpt_oss: experts split whole; the router replicated
+        _switch(plan, f"{path}.{switch}", mlp[switch])
+        plan.row_parallel.append(path)  # the block's weighted sum of local experts, all_sum-ed
+        return
+    if "gate_up_proj" in mlp:  # Phi 3 / GLM 4: gate | up fused, each half split
+        fused = FusedSlice(0, ((N, r, r + 1), (N, r, r + 1)))
+        _fused_slices(plan, f"{path}.gate_up_proj", mlp.gate_up_proj, fused)
+        _linear_slices(plan, f"{path}.down_proj", mlp.down_proj, -1, r, r + 1, N)
+        plan.row_parallel.append(f"{path}.down_proj")
+        return
     _linear_slices(plan, f"{path}.gate_proj", mlp.gate_proj, 0, r, r + 1, N)
     _linear_slices(plan, f"{path}.up_proj", mlp.up_proj, 0, r, r + 1, N)
     _linear_slices(plan, f"{path}.down_proj", mlp.down_proj, -1, r, r + 1, N)
@@ -172,6 +240,10 @@ def make_plan(model: nn.Module, pg: ParallelGroup) -> ShardPlan:
             dimension does not split over ``pg.size``.
     """
     family = _family(model)
+    if family in TP_REFUSED:
+        raise UnsupportedModelError(
+            f"tensor parallel is not supported for the {family!r} family: {TP_REFUSED[family]}; run it in one "
+            f"process (supported: {', '.join(TP_FAMILIES)}).")
     if family not in TP_FAMILIES:
         raise UnsupportedModelError(
             f"tensor parallel is not supported for the {family!r} family yet (supported: "
@@ -218,6 +290,18 @@ def _experts(plan: ShardPlan, path: str, experts: nn.Module) -> None:
             if name in glu[proj]:
                 plan.slices[f"{path}.switch_glu.{proj}.{name}"] = Slice(0, r, r + 1, N)
     plan.experts.append(path)
+
+
+def _switch(plan: ShardPlan, path: str, switch: nn.Module) -> None:
+    """A ``SwitchGLU``'s experts split whole: every parameter (weights, scales, biases) on its expert axis."""
+    N, r = plan.pg.size, plan.pg.rank
+    E = int(switch.gate_proj["weight"].shape[0])
+    if E % N:
+        raise UnsupportedModelError(f"{path}: {E} experts cannot be split over {N} processes; use a process "
+                                    f"count that divides {E}.")
+    for k, _ in tree_flatten(switch.parameters()):
+        plan.slices[f"{path}.{k}"] = Slice(0, r, r + 1, N)
+    plan.switches.append(path)
 
 
 def local_shapes(model: nn.Module, plan: ShardPlan) -> dict[str, tuple[int, ...]]:
