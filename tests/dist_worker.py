@@ -33,7 +33,8 @@ def run_one(model_dir: str, mode: str, max_tokens: int) -> None:
     pg = current_group()
     loaded = load_model(model_dir)
     out: dict = {"rank": pg.rank, "size": pg.size, "backend": pg.backend, "weight_bytes": loaded.weight_bytes,
-                 "model": model_dir}
+                 "model": model_dir,
+                 "replicated_bytes": getattr(getattr(loaded.model, "tensor_parallel", None), "replicated_bytes", 0)}
     if mode == "generate":
         from mlx_infer.generation.autoregressive import generate
 

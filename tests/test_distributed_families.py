@@ -4,31 +4,29 @@ Each family's tiny checkpoint (written by transformers, tests/families.py) gives
 process's greedy tokens through ``generate`` and, for the MoE / fused / all-head-norm
 families, through the engine with several concurrent requests. Every model of a test
 runs in the same two launched processes (one ``mlx.launch``), to keep the test quick.
-Per-rank weight bytes are ~1/N of the whole plus what stays replicated (stated per
-family in ``SLACK``). DeepSeek V3 (MLA) is refused with a clear error.
+Per-rank weight bytes are exactly 1/N of what is split plus what stays replicated
+(bounded per family in ``SLACK``; DeepSeek V3's replicated MLA latent projections are the most).
 """
 
 from __future__ import annotations
 
 import os
-
-import pytest
-
-from families import hf_setup
-from mlx_infer.errors import UnsupportedModelError
-from mlx_infer.models import get_model_classes
-from mlx_infer.parallel.group import ParallelGroup
-from mlx_infer.parallel.shard import make_plan
-from test_distributed import _check_bytes, _results, LAUNCH, WORKER
-
 import subprocess
 import sys
 
-# spec -> byte slack over 1/N: the replicated norms (and, for the MoE families, the router; for
-# gpt-oss also the router's bias) are a few percent of these tiny models
-SLACK = {"smollm3": 1.03, "granite": 1.03, "glm4": 1.04, "gemma2": 1.03, "phi3": 1.03, "qwen3_moe": 1.05,
-         "gpt_oss": 1.06, "olmo2": 1.03}
-ENGINE = ["phi3", "qwen3_moe", "gpt_oss", "olmo2"]
+
+from families import hf_setup
+from mlx_infer.models import get_model_classes
+from mlx_infer.parallel.group import ParallelGroup
+from mlx_infer.parallel.shard import Slice, make_plan
+from test_distributed import LAUNCH, WORKER, _results
+
+# spec -> at most this fraction of one process's weight bytes is replicated (norms; the MoE routers;
+# gpt-oss's router bias and the o_proj / expert-down biases rank 0 keeps (zeros elsewhere); DeepSeek
+# V3's MLA latent projections q_a_proj / kv_a_proj_with_mqa and their norms), measured on these tiny models
+SLACK = {"smollm3": 0.01, "granite": 0.01, "glm4": 0.01, "gemma2": 0.01, "phi3": 0.01, "qwen3_moe": 0.01,
+         "gpt_oss": 0.015, "olmo2": 0.01, "deepseek_v3": 0.1}  # measured: 0.3-0.9%; deepseek_v3 8.0%
+ENGINE = ["phi3", "qwen3_moe", "gpt_oss", "olmo2", "deepseek_v3"]
 
 
 def _run(names: list[str], mode: str, launched: bool) -> dict[str, list[dict]]:
@@ -57,7 +55,12 @@ def test_generate_two_ranks_same_tokens():
         for r in ranks:
             assert r["compiled=False"] == single["compiled=False"], (name, r)
             assert r["compiled=True"] == single["compiled=False"], (name, r)
-        _check_bytes(single, ranks, slack=SLACK[name])
+        total = single["weight_bytes"]
+        for r in ranks:  # exactly 1/N of what is split, plus the replicated parts whole
+            rep = r["replicated_bytes"]
+            print(f"{name}: rank {r['rank']} holds {r['weight_bytes'] / total:.1%}, replicated {rep / total:.1%}")
+            assert 0 < rep <= SLACK[name] * total, (name, rep / total)
+            assert r["weight_bytes"] == (total - rep) // 2 + rep, (name, r["weight_bytes"], total, rep)
 
 
 def test_engine_two_ranks_same_tokens():
@@ -71,8 +74,14 @@ def test_engine_two_ranks_same_tokens():
         assert all(reason == "length" and err is None for _, reason, err in leader["compiled=True"])
 
 
-def test_deepseek_v3_is_refused_clearly():
+def test_deepseek_v3_plan_splits_heads_and_replicates_the_latent():
     _, cfg, _, _ = hf_setup("deepseek_v3")
     cls, args = get_model_classes(cfg["model_type"])
-    with pytest.raises(UnsupportedModelError, match="'deepseek_v3' family: its multi-head latent attention"):
-        make_plan(cls(args.from_dict(cfg)), ParallelGroup(group=None, rank=0, size=2, backend="ring"))
+    plan = make_plan(cls(args.from_dict(cfg)), ParallelGroup(group=None, rank=1, size=2, backend="ring"))
+    a = "model.layers.1.self_attn"
+    for name in ("q_b_proj", "embed_q", "unembed_out"):
+        assert plan.slices[f"{a}.{name}.weight"] == Slice(0, 2, 4, 4)  # query heads 2, 3
+    assert f"{a}.kv_a_proj_with_mqa.weight" not in plan.slices and f"{a}.q_a_proj.weight" not in plan.slices
+    assert plan.heads[a] == (2, 1) and "MLA latent projections replicated" in plan.notes[0]
+    assert plan.slices["model.layers.1.mlp.shared_experts.down_proj.weight"] == Slice(-1, 1, 2, 2)
+    assert "model.layers.1.mlp.shared_experts.down_proj" not in plan.row_parallel  # the MoE block sums it

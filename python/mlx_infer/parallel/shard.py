@@ -18,8 +18,22 @@ Gemma 4 experts (expert         experts ``r/N .. (r+1)/N`` (gate/up/down)   loca
 parallel)                                                                   of the routed sum,
                                                                             ``all_sum``
 Gemma 4 per-layer table         its vocabulary rows, as ``embed_tokens``    lookup: ``all_sum``
-norms, q/k norms, RoPE, the     replicated (vectors, and small matrices)
-router, per-layer projections
+fused ``qkv_proj`` (Phi 3)      each part's rows of its heads, as above     local heads
+fused ``gate_up_proj``          each half's rows ``r/N .. (r+1)/N``         local hidden
+qwen3_moe / gpt_oss /           ``switch_mlp`` / ``experts``: experts       the MoE block's
+deepseek_v3 experts             ``r/N .. (r+1)/N`` (every parameter);       output, ``all_sum``
+                                DeepSeek's shared experts as an MLP
+gpt-oss ``sinks``               its query heads' sink logits                (softmax per head)
+OLMo 2 ``q_norm``/``k_norm``    its heads' slice of the weight              sum of squares:
+(RMSNorm over all heads)                                                    ``all_sum``
+DeepSeek V3 MLA                 ``q_proj``/``q_b_proj`` rows, ``embed_q``,  local heads
+                                ``unembed_out`` of its query heads;
+                                ``o_proj`` columns
+norms, q/k norms, RoPE, the     replicated (vectors, and small matrices);
+router, per-layer projections,  DeepSeek's latent: every rank caches it
+MLA latent projections          whole
+(``q_a_proj``,
+``kv_a_proj_with_mqa``)
 ==============================  =========================================  =====================
 
 Experts are split whole (expert parallel), not sliced: every rank routes every
@@ -57,11 +71,9 @@ from .group import ParallelGroup
 
 #: Families whose graphs can be split (module name of the family file).
 TP_FAMILIES = ("llama", "gemma3", "gemma4", "smollm3", "granite", "glm4", "gemma2", "phi3", "qwen3_moe",
-               "gpt_oss", "olmo2")
-#: Families refused, and why.
-TP_REFUSED = {
-    "deepseek_v3": "its multi-head latent attention (MLA) has no tensor-parallel plan yet",
-}
+               "gpt_oss", "olmo2", "deepseek_v3")
+#: Families refused, and why (none at present; a family absent from both lists is refused too).
+TP_REFUSED: dict[str, str] = {}
 
 
 @dataclass(frozen=True)
@@ -202,6 +214,28 @@ def _attention(plan: ShardPlan, path: str, attn: nn.Module) -> None:
     plan.heads[path] = (Hl, KVl)
 
 
+def _mla(plan: ShardPlan, path: str, attn: nn.Module) -> None:
+    """DeepSeek V3's multi-head latent attention: the query heads split (``q_proj`` / ``q_b_proj`` rows,
+    the per-head ``embed_q`` / ``unembed_out``, ``o_proj`` columns); the latent projections
+    (``q_a_proj``, ``kv_a_proj_with_mqa`` and their norms) replicated, so every rank caches the
+    whole latent (one shared "KV head")."""
+    N, r = plan.pg.size, plan.pg.rank
+    H = int(attn.n_heads)
+    if H % N:
+        raise UnsupportedModelError(f"{path}: {H} attention heads cannot be split over {N} processes; "
+                                    f"use a process count that divides {H}.")
+    Hl = H // N
+    q = "q_proj" if "q_proj" in attn else "q_b_proj"
+    for name in (q, "embed_q", "unembed_out"):
+        _linear_slices(plan, f"{path}.{name}", attn[name], 0, r * Hl, (r + 1) * Hl, H)
+    _linear_slices(plan, f"{path}.o_proj", attn.o_proj, -1, r * Hl, (r + 1) * Hl, H)
+    plan.row_parallel.append(f"{path}.o_proj")
+    note = "MLA latent projections replicated: every rank computes and caches the whole latent"
+    if note not in plan.notes:
+        plan.notes.append(note)
+    plan.heads[path] = (Hl, 1)
+
+
 def _family_of(module: nn.Module) -> str:
     return type(module).__module__.rsplit(".", 1)[-1]
 
@@ -219,6 +253,10 @@ def _mlp(plan: ShardPlan, path: str, mlp: nn.Module) -> None:
     if switch is not None:  # qwen3_moe / gpt_oss: experts split whole; the router replicated
         _switch(plan, f"{path}.{switch}", mlp[switch])
         plan.row_parallel.append(path)  # the block's weighted sum of local experts, all_sum-ed
+        if "shared_experts" in mlp:  # DeepSeek V3: split as an MLP, summed by the block's all_sum
+            shared = mlp.shared_experts
+            for proj, axis in (("gate_proj", 0), ("up_proj", 0), ("down_proj", -1)):
+                _linear_slices(plan, f"{path}.shared_experts.{proj}", shared[proj], axis, r, r + 1, N)
         return
     if "gate_up_proj" in mlp:  # Phi 3 / GLM 4: gate | up fused, each half split
         fused = FusedSlice(0, ((N, r, r + 1), (N, r, r + 1)))
@@ -251,7 +289,7 @@ def make_plan(model: nn.Module, pg: ParallelGroup) -> ShardPlan:
     plan = ShardPlan(pg)
     inner = model.model
     for i, layer in enumerate(inner.layers):
-        _attention(plan, f"model.layers.{i}.self_attn", layer.self_attn)
+        (_mla if family == "deepseek_v3" else _attention)(plan, f"model.layers.{i}.self_attn", layer.self_attn)
         _mlp(plan, f"model.layers.{i}.mlp", layer.mlp)
         if getattr(layer, "enable_moe", False):
             _experts(plan, f"model.layers.{i}.experts", layer.experts)
