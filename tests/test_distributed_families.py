@@ -85,3 +85,22 @@ def test_deepseek_v3_plan_splits_heads_and_replicates_the_latent():
     assert plan.heads[a] == (2, 1) and "MLA latent projections replicated" in plan.notes[0]
     assert plan.slices["model.layers.1.mlp.shared_experts.down_proj.weight"] == Slice(-1, 1, 2, 2)
     assert "model.layers.1.mlp.shared_experts.down_proj" not in plan.row_parallel  # the MoE block sums it
+
+
+def test_serve_two_ranks_same_tokens():
+    """`mlx-infer serve` under mlx.launch for an expert-parallel family: concurrent greedy completions
+    (batched in the engine) give a one-process server's tokens and logprobs' tokens."""
+    from test_distributed_serve import SERVE, _banner_port, _completions, _stop
+
+    model_dir = hf_setup("qwen3_moe")[0]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    runs = []
+    for launcher in ([], [str(LAUNCH), "--backend", "ring", "-n", "2"]):
+        proc = subprocess.Popen([*launcher, *SERVE, "--model", str(model_dir)], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+        try:
+            runs.append(_completions(_banner_port(proc), model_dir.name))
+        finally:
+            _stop(proc)
+    assert runs[0] == runs[1] and all(text for text, _ in runs[0])
+    assert "tensor parallel over 2 ranks (ring backend)" in proc.stderr.read()
