@@ -29,8 +29,8 @@ SLACK = {"smollm3": 0.01, "granite": 0.01, "glm4": 0.01, "gemma2": 0.01, "phi3":
 ENGINE = ["phi3", "qwen3_moe", "gpt_oss", "olmo2", "deepseek_v3"]
 
 
-def _run(names: list[str], mode: str, launched: bool) -> dict[str, list[dict]]:
-    dirs = {str(hf_setup(n)[0]): n for n in names}
+def _run(names: list[str], mode: str, launched: bool, dirs: dict[str, str] | None = None) -> dict[str, list[dict]]:
+    dirs = dirs or {str(hf_setup(n)[0]): n for n in names}
     cmd = [sys.executable, str(WORKER), os.pathsep.join(dirs), mode]
     if launched:
         cmd = [str(LAUNCH), "--backend", "ring", "-n", "2", *cmd]
@@ -61,6 +61,22 @@ def test_generate_two_ranks_same_tokens():
             print(f"{name}: rank {r['rank']} holds {r['weight_bytes'] / total:.1%}, replicated {rep / total:.1%}")
             assert 0 < rep <= SLACK[name] * total, (name, rep / total)
             assert r["weight_bytes"] == (total - rep) // 2 + rep, (name, r["weight_bytes"], total, rep)
+
+
+def test_quantized_generate_two_ranks_same_tokens(tmp_path):
+    """4-bit (group 32): phi3's fused rows, the experts' packed weights and olmo2's norms split alike."""
+    from mlx_infer.artifacts.convert import convert
+
+    names = ["phi3", "qwen3_moe", "gpt_oss", "olmo2"]
+    dirs = {str(convert(hf_setup(n)[0], tmp_path / n, quantize_bits=4, group_size=32, progress=False,
+                        overwrite=True)): n for n in names}
+    one = _run(names, "generate", launched=False, dirs=dirs)
+    two = _run(names, "generate", launched=True, dirs=dirs)
+    for name in names:
+        (single,) = one[name]
+        for r in two[name]:
+            assert r["compiled=False"] == single["compiled=False"], (name, r)
+            assert r["weight_bytes"] == (single["weight_bytes"] - r["replicated_bytes"]) // 2 + r["replicated_bytes"]
 
 
 def test_engine_two_ranks_same_tokens():
