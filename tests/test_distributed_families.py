@@ -79,6 +79,43 @@ def test_quantized_generate_two_ranks_same_tokens(tmp_path):
             assert r["weight_bytes"] == (single["weight_bytes"] - r["replicated_bytes"]) // 2 + r["replicated_bytes"]
 
 
+def _own_random_dir(path, model_type: str, **config):
+    """A checkpoint of mlx-infer's own graph with its random initialization (names as the graph has them)."""
+    import json
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from tiny import make_tokenizer_json
+
+    cfg = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               vocab_size=320, max_position_embeddings=256, rms_norm_eps=1e-5, model_type=model_type, **config)
+    cls, args = get_model_classes(model_type)
+    mx.random.seed(3)
+    model = cls(args.from_dict(cfg))
+    weights = {k: v + 0.3 * mx.random.normal(v.shape) if v.ndim == 1 else v for k, v in tree_flatten(model.parameters())}
+    path.mkdir()
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (path / "config.json").write_text(json.dumps(cfg))
+    (path / "tokenizer.json").write_text(make_tokenizer_json())
+    return str(path)
+
+
+def test_one_kv_head_replicated_on_both_ranks(tmp_path):
+    """One KV head over two ranks (each holds it whole): phi3's fused rows take it on both; olmo2's k_norm
+    over all KV heads counts the replicated head once (its all_sum of squares over the width N * local)."""
+    names = ["phi3", "olmo2"]
+    dirs = {_own_random_dir(tmp_path / n, n, num_key_value_heads=1, tie_word_embeddings=False): n for n in names}
+    one = _run(names, "generate", launched=False, dirs=dirs)
+    two = _run(names, "generate", launched=True, dirs=dirs)
+    for name in names:
+        (single,) = one[name]
+        assert len(set(single["compiled=False"])) > 2, single  # not a degenerate stream
+        for r in two[name]:
+            assert r["compiled=False"] == single["compiled=False"], (name, r)
+            assert r["weight_bytes"] > (single["weight_bytes"] - r["replicated_bytes"]) // 2 + r["replicated_bytes"]
+
+
 def test_engine_two_ranks_same_tokens():
     one = _run(ENGINE, "engine-compiled", launched=False)
     two = _run(ENGINE, "engine-compiled", launched=True)
