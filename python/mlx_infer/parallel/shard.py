@@ -72,8 +72,6 @@ from .group import ParallelGroup
 #: Families whose graphs can be split (module name of the family file).
 TP_FAMILIES = ("llama", "gemma3", "gemma4", "smollm3", "granite", "glm4", "gemma2", "phi3", "qwen3_moe",
                "gpt_oss", "olmo2", "deepseek_v3")
-#: Families refused, and why (none at present; a family absent from both lists is refused too).
-TP_REFUSED: dict[str, str] = {}
 
 
 @dataclass(frozen=True)
@@ -278,10 +276,6 @@ def make_plan(model: nn.Module, pg: ParallelGroup) -> ShardPlan:
             dimension does not split over ``pg.size``.
     """
     family = _family(model)
-    if family in TP_REFUSED:
-        raise UnsupportedModelError(
-            f"tensor parallel is not supported for the {family!r} family: {TP_REFUSED[family]}; run it in one "
-            f"process (supported: {', '.join(TP_FAMILIES)}).")
     if family not in TP_FAMILIES:
         raise UnsupportedModelError(
             f"tensor parallel is not supported for the {family!r} family yet (supported: "
