@@ -34,7 +34,7 @@ def _run(names: list[str], mode: str, launched: bool, dirs: dict[str, str] | Non
     cmd = [sys.executable, str(WORKER), os.pathsep.join(dirs), mode]
     if launched:
         cmd = [str(LAUNCH), "--backend", "ring", "-n", "2", *cmd]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=150,
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
                        env=dict(os.environ, MLX_INFER_CPU_KERNELS="0"))
     assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-3000:])
     out: dict[str, list[dict]] = {}
