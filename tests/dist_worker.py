@@ -1,6 +1,7 @@
 """Run under ``mlx.launch`` (or alone) by tests/test_distributed*.py: one model, every path, one JSON line per rank.
 
-Usage: ``python tests/dist_worker.py MODEL_DIR MODE [MAX_TOKENS]``; MODE is ``generate``
+Usage: ``python tests/dist_worker.py MODEL_DIR MODE [MAX_TOKENS]`` (MODEL_DIR: one directory, or several
+joined by ``os.pathsep``, run one after another in the same processes, one result each); MODE is ``generate``
 (eager and compiled ``generate``), ``engine`` (several concurrent requests through the
 engine, compiled paged step on and off; ``engine-compiled``: on only), ``sampled`` (seeded sampling with penalties and
 logprobs through the engine) or ``die`` (rank 1 exits mid-generation).
@@ -18,15 +19,22 @@ PROMPTS = ["The capital of France is", "Hello world! This", "def f(x):", "Number
 
 
 def main() -> None:
+    warnings.simplefilter("error", RuntimeWarning)  # a compiled step that falls back is a failure here
+    mode = sys.argv[2]
+    max_tokens = int(sys.argv[3]) if len(sys.argv) > 3 else 10
+    for model_dir in sys.argv[1].split(os.pathsep):
+        run_one(model_dir, mode, max_tokens)
+
+
+def run_one(model_dir: str, mode: str, max_tokens: int) -> None:
     from mlx_infer.artifacts.loader import load_model
     from mlx_infer.parallel import current_group
 
-    warnings.simplefilter("error", RuntimeWarning)  # a compiled step that falls back is a failure here
-    model_dir, mode = sys.argv[1], sys.argv[2]
-    max_tokens = int(sys.argv[3]) if len(sys.argv) > 3 else 10
     pg = current_group()
     loaded = load_model(model_dir)
-    out: dict = {"rank": pg.rank, "size": pg.size, "backend": pg.backend, "weight_bytes": loaded.weight_bytes}
+    out: dict = {"rank": pg.rank, "size": pg.size, "backend": pg.backend, "weight_bytes": loaded.weight_bytes,
+                 "model": model_dir,
+                 "replicated_bytes": getattr(getattr(loaded.model, "tensor_parallel", None), "replicated_bytes", 0)}
     if mode == "generate":
         from mlx_infer.generation.autoregressive import generate
 

@@ -114,3 +114,52 @@ def test_adapters_are_refused_clearly_when_the_model_is_split(monkeypatch, tmp_p
     with pytest.raises(AdapterError, match="split over processes.*mlx-infer fuse"):
         bank.register("a", tmp_path)  # refused before the path is even read
     assert bank.names == []
+
+
+_SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=320, max_position_embeddings=256, rms_norm_eps=1e-5)
+
+
+def _new_family(model_type: str, **overrides):
+    cls, args = get_model_classes(model_type)
+    return cls(args.from_dict(dict(_SMALL, model_type=model_type, **overrides)))
+
+
+def test_phi3_fused_projections_split_part_by_part(tmp_path):
+    """q | k | v rows each split by heads (not the raw rows): rank 1 of 2 holds query heads 2, 3 and KV head 1."""
+    from mlx_infer.parallel.shard import FusedSlice
+
+    plan = make_plan(_new_family("phi3"), _pg(1, 2))  # head dim 16: q 64 rows, k 32, v 32
+    qkv = plan.slices["model.layers.0.self_attn.qkv_proj.weight"]
+    assert isinstance(qkv, FusedSlice)
+    assert qkv.ranges(128, "qkv") == [(32, 64), (80, 96), (112, 128)]
+    assert plan.slices["model.layers.0.mlp.gate_up_proj.weight"].ranges(256, "gate_up") == [(64, 128), (192, 256)]
+    assert plan.local_shape("model.layers.0.self_attn.qkv_proj.weight", (128, 64)) == (64, 64)
+    full = mx.arange(128 * 3).reshape(128, 3).astype(mx.float32)  # (128, 3)
+    mx.save_safetensors(str(tmp_path / "w.safetensors"), {"w": full})
+    (t,) = read_header(tmp_path / "w.safetensors").values()
+    want = mx.concatenate([full[32:64], full[80:96], full[112:128]])
+    assert mx.array_equal(t.read(qkv, rank=1), want)
+
+
+def test_moe_sinks_and_all_head_norms_follow_their_heads():
+    plan = make_plan(_new_family("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32), _pg(1, 2))
+    assert plan.slices["model.layers.0.mlp.switch_mlp.down_proj.weight"] == Slice(0, 1, 2, 2)  # experts 2, 3
+    assert "model.layers.0.mlp.gate.weight" not in plan.slices  # the router is replicated
+    assert "model.layers.0.mlp" in plan.row_parallel
+    gpt = make_plan(_new_family("gpt_oss", num_local_experts=4, num_experts_per_tok=2, head_dim=16,
+                                intermediate_size=32), _pg(0, 2))
+    assert gpt.slices["model.layers.0.self_attn.sinks"] == Slice(0, 0, 2, 4)  # sinks of query heads 0, 1
+    assert gpt.slices["model.layers.0.mlp.experts.gate_proj.bias"] == Slice(0, 0, 1, 2)
+    olmo = make_plan(_new_family("olmo2"), _pg(1, 2))
+    assert olmo.slices["model.layers.0.self_attn.q_norm.weight"] == Slice(0, 2, 4, 4)
+    assert "model.layers.1.self_attn.k_norm" in olmo.global_norms
+
+
+@pytest.mark.parametrize("model_type", ["phi3", "qwen3_moe", "olmo2", "smollm3"])
+def test_new_families_refuse_pipeline_parallel(model_type):
+    from mlx_infer.parallel.pipeline import make_pipeline_plan
+
+    extra = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32) if model_type == "qwen3_moe" else {}
+    with pytest.raises(UnsupportedModelError, match=f"pipeline parallel is not supported for the '{model_type}'"):
+        make_pipeline_plan(_new_family(model_type, **extra), _pg(0, 2))

@@ -9,7 +9,10 @@ compiled step's reading of the layer types see what they saw before):
 - vocabulary-parallel embedding: the local rows' lookup (zeros for tokens
   another rank holds), ``all_sum``; its ``as_linear`` (the tied head): the
   local logits, ``all_gather``-ed into the full vocabulary;
-- vocabulary-parallel LM head: the same gather.
+- vocabulary-parallel LM head: the same gather;
+- expert-parallel ``SwitchGLU`` (qwen3_moe, gpt_oss): its local experts' outputs, zeros for
+  experts another rank holds; the MoE block around it is row-parallel (``all_sum``);
+- head-split RMSNorm over all heads (OLMo 2's q/k norms): the sum of squares ``all_sum``-ed.
 """
 
 from __future__ import annotations
@@ -71,6 +74,28 @@ def _experts(base: type):
     return {"__call__": __call__}
 
 
+def _switch(base: type):
+    def __call__(self: Any, x: mx.array, indices: mx.array) -> mx.array:
+        n = self.gate_proj["weight"].shape[0]
+        local = indices - self._tp_expert_start  # (B, L, k)
+        mine = (local >= 0) & (local < n)  # routed to an expert this rank holds
+        y = base.__call__(self, x, mx.where(mine, local, 0))  # (B, L, k, D)
+        return y * mine[..., None].astype(y.dtype)  # another rank's experts add zeros here
+    return {"__call__": __call__}
+
+
+def _global_rms(base: type):
+    def __call__(self: Any, x: mx.array) -> mx.array:
+        # An RMSNorm over every head's concatenation (OLMo 2's q/k norms), this rank holding some heads:
+        # the sum of squares is all_sum-ed. A KV head replicated on R ranks counts R times in the sum and
+        # in the width alike, so mean = all_sum(local sum) / (local width * N) in every case.
+        xf = x.astype(mx.float32)  # (..., w)
+        ss = mx.distributed.all_sum(mx.sum(xf * xf, axis=-1, keepdims=True), group=self._tp.pg.group)  # (..., 1)
+        y = xf * mx.rsqrt(ss / (x.shape[-1] * self._tp.pg.size) + self.eps)
+        return self["weight"] * y.astype(x.dtype)
+    return {"__call__": __call__}
+
+
 def _vocab_embedding(base: type):
     def __call__(self: Any, ids: mx.array) -> mx.array:
         n = self["weight"].shape[0]
@@ -86,7 +111,8 @@ def _vocab_embedding(base: type):
     return {"__call__": __call__, "as_linear": as_linear}
 
 
-_ROLES = {"row": _row_call, "head": _head_call, "vocab_embedding": _vocab_embedding, "experts": _experts}
+_ROLES = {"row": _row_call, "head": _head_call, "vocab_embedding": _vocab_embedding, "experts": _experts,
+          "switch": _switch, "global_rms": _global_rms}
 
 
 def _parallel_class(base: type, role: str) -> type:
@@ -102,7 +128,8 @@ def _parallel_class(base: type, role: str) -> type:
 
 
 def tp_role(module: nn.Module) -> str | None:
-    """``"row"``, ``"head"``, ``"vocab_embedding"``, ``"experts"`` for a sharded module, else ``None``."""
+    """``"row"``, ``"head"``, ``"vocab_embedding"``, ``"experts"``, ``"switch"``, ``"global_rms"`` for a
+    sharded module, else ``None``."""
     return type(module).__dict__.get("_tp_role")
 
 
@@ -145,6 +172,12 @@ def install_tensor_parallel(model: nn.Module, plan: ShardPlan) -> TensorParallel
         _attach(modules[path], "experts", tp)
         n = modules[path].switch_glu.gate_proj["weight"].shape[0]
         object.__setattr__(modules[path], "_tp_expert_start", pg.rank * n)
+    for path in plan.switches:
+        _attach(modules[path], "switch", tp)
+        n = modules[path].gate_proj["weight"].shape[0]
+        object.__setattr__(modules[path], "_tp_expert_start", pg.rank * n)
+    for path in plan.global_norms:
+        _attach(modules[path], "global_rms", tp)
     object.__setattr__(model, "tensor_parallel", tp)
     return tp
 

@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import ModelLoadError
-from .shard import ShardPlan, Slice
+from .shard import FusedSlice, ShardPlan, Slice
 
 # safetensors dtype -> (numpy dtype to read the bytes as, MLX dtype to view them as, or None)
 _DTYPES: dict[str, tuple[Any, Any]] = {
@@ -37,7 +37,7 @@ class LazyTensor:
         self.path, self.name, self.dtype, self.shape = path, name, dtype, tuple(shape)
         self.start, self.stop = start, stop
 
-    def read(self, s: Slice | None, rank: int) -> mx.array:
+    def read(self, s: Slice | FusedSlice | None, rank: int) -> mx.array:
         """The whole tensor, or its ``s`` slice (zeros of the full shape for a non-leader's ``zero_unless_leader``)."""
         np_dtype, view = _DTYPES[self.dtype]
         if s is not None and s.zero_unless_leader and rank != 0:
@@ -47,10 +47,12 @@ class LazyTensor:
             if self.stop > self.start else np.zeros(self.shape, np_dtype)
         if s is not None and not s.zero_unless_leader:
             axis = s.axis % len(self.shape)
-            lo, hi = s.bounds(self.shape[axis], self.name)
-            index = [slice(None)] * len(self.shape)
-            index[axis] = slice(lo, hi)
-            mm = mm[tuple(index)]
+            runs = []
+            for lo, hi in s.ranges(self.shape[axis], self.name):
+                index = [slice(None)] * len(self.shape)
+                index[axis] = slice(lo, hi)
+                runs.append(mm[tuple(index)])
+            mm = runs[0] if len(runs) == 1 else np.concatenate(runs, axis=axis)
         arr = mx.array(np.ascontiguousarray(mm))
         del mm
         return arr.view(view) if view is not None else arr
@@ -118,14 +120,14 @@ def read_sharded(files: list[Path], sanitize: Any, plan_for: Any) -> tuple[dict[
     return out, plan
 
 
-def _slice_array(arr: mx.array, s: Slice | None, rank: int, name: str) -> mx.array:
+def _slice_array(arr: mx.array, s: Slice | FusedSlice | None, rank: int, name: str) -> mx.array:
     if s is None:
         return arr
     if s.zero_unless_leader:
         return arr if rank == 0 else mx.zeros_like(arr)
     axis = s.axis % arr.ndim
-    lo, hi = s.bounds(arr.shape[axis], name)
-    return mx.contiguous(mx.take(arr, mx.arange(lo, hi), axis=axis))
+    idx = mx.concatenate([mx.arange(lo, hi) for lo, hi in s.ranges(arr.shape[axis], name)])
+    return mx.contiguous(mx.take(arr, idx, axis=axis))
 
 
 def sharded_weights(model: Any, files: list[Path], pg: Any, quantize: Any) -> tuple[dict[str, mx.array], ShardPlan]:
