@@ -3,7 +3,8 @@
 # Run on the H200 after `source .gpu2/install.sh` (see the developers' guide); results go to $OUT.
 #
 #   bash benchmarks/h200_engine.sh a   # llama-1B and gemma3-270m: served table with the HTTP column, default sizing
-#   bash benchmarks/h200_engine.sh b   # llama-8B served table; a joining request's TTFT; host time per step
+#   bash benchmarks/h200_engine.sh b   # llama-8B served table; a joining request's TTFT; host time per step;
+#                                      # llama-1B at 64/128 streams with the old default's 119.5 GiB pool
 #
 # Every command has its own timeout so a phase ends inside the call's limit and keeps what finished.
 set -uo pipefail
@@ -26,6 +27,12 @@ case "${1:-a}" in
     run 330 llama-8b $served --shape llama-8b --streams 1,8,32,64 --json "$out/h200-served-llama-8b.json"
     run 120 join-ttft python benchmarks/join_ttft.py --shape llama-1b -p 512 -n 3
     run 60 host-step python benchmarks/host_step.py --streams 32,64
+    # Long prompts: chunk rows attend row by row through the tables (no flash prefill); TTFT at 4096 tokens.
+    run 100 llama-1b-p4096 python benchmarks/served.py --shape llama-1b -p 4096 -g 32 -r 1 -n 2 --no-text \
+      --streams 1,8 --json "$out/h200-served-llama-1b-p4096.json"
+    # The pool of the old 0.9 default (119.5 GiB = 0.8 x 149): do its slow trials come back?
+    run 150 llama-1b-pool119 $served --shape llama-1b --streams 64,128 --memory-budget 149 \
+      --json "$out/h200-served-llama-1b-pool119.json"
     ;;
   *) echo "usage: $0 a|b" >&2; exit 2 ;;
 esac

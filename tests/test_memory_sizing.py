@@ -34,7 +34,7 @@ def test_gpu_pool_is_the_fraction_of_the_working_set_minus_what_the_process_hold
     fake_gpu(monkeypatch, {"max_recommended_working_set_size": 8 * GiB, "memory_size": 16 * GiB}, active=2 * GiB)
     reserve = cfg.activation_reserve(tiny.model, EngineConfig())
     budget = cfg.kv_budget(tiny.model, EngineConfig())
-    assert budget.bytes == int(8 * GiB * 0.9) - 2 * GiB - reserve
+    assert budget.bytes == int(8 * GiB * 0.8) - 2 * GiB - reserve
     assert "recommended working set" in budget.source and "held by this process 2.0 GiB" in budget.source
     assert "other processes" not in budget.source  # Metal reports no free memory
     half = cfg.kv_budget(tiny.model, EngineConfig(memory_fraction=0.5))
@@ -46,7 +46,7 @@ def test_gpu_pool_is_the_fraction_of_the_working_set_minus_what_the_process_hold
 def test_weights_count_even_before_they_are_materialized(tiny, monkeypatch):
     fake_gpu(monkeypatch, {"total_memory": 4 * GiB}, active=0)
     budget = cfg.kv_budget(tiny.model, EngineConfig())
-    assert budget.bytes == (int(4 * GiB * 0.9) - cfg.weight_bytes(tiny.model)
+    assert budget.bytes == (int(4 * GiB * 0.8) - cfg.weight_bytes(tiny.model)
                             - cfg.activation_reserve(tiny.model, EngineConfig()))
 
 
@@ -57,14 +57,14 @@ def test_cuda_subtracts_what_other_processes_hold(tiny, monkeypatch):
     fake_gpu(monkeypatch, info, active=4 * GiB, cache=GiB)
     reserve = cfg.activation_reserve(tiny.model, EngineConfig())
     alone = cfg.kv_budget(tiny.model, EngineConfig())
-    assert alone.bytes == int(140 * GiB * 0.9) - 4 * GiB - reserve
+    assert alone.bytes == int(140 * GiB * 0.8) - 4 * GiB - reserve
     assert "total memory" in alone.source and "held by other processes 0.0 GiB" in alone.source
-    info["free_memory"] = 10 * GiB  # another process took 125 GiB: nothing left under 0.9
+    info["free_memory"] = 10 * GiB  # another process took 125 GiB: nothing left under 0.8
     with pytest.raises(MlxInferError, match="held by other processes 125.0 GiB.*<= 0"):
         cfg.kv_budget(tiny.model, EngineConfig())
     info["free_memory"] = 75 * GiB  # another process took 60 GiB
     shared = cfg.kv_budget(tiny.model, EngineConfig())
-    assert shared.bytes == int(140 * GiB * 0.9) - 4 * GiB - 60 * GiB - reserve
+    assert shared.bytes == int(140 * GiB * 0.8) - 4 * GiB - 60 * GiB - reserve
     assert "held by other processes 60.0 GiB" in shared.source
 
 

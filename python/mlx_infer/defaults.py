@@ -16,11 +16,15 @@ CLI_MAX_TOKENS = 100
 PREFILL_STEP_SIZE = 2048
 
 # -- the engine (continuous batching) --------------------------------------------------------------------------
-#: Requests running at once (prefilling or decoding).
-MAX_BATCH = 32
-#: Prompt tokens per engine iteration: smaller than ``PREFILL_STEP_SIZE`` so a joining prompt stalls the decoding
-#: streams for at most one short chunk (vLLM's chunked prefill makes the same trade).
-ENGINE_PREFILL_STEP_SIZE = 512
+#: Requests running at once (prefilling or decoding), per device type (``EngineConfig.max_batch=None``): on a GPU
+#: vLLM's ``max_num_seqs`` (256: a step of more rows costs little more there); on a CPU, where a step's time grows
+#: with its rows, 32.
+MAX_BATCH = {"gpu": 256, "cpu": 32}
+#: Prompt tokens per engine iteration, per device type: smaller than ``PREFILL_STEP_SIZE`` so a joining prompt
+#: stalls the decoding streams for at most one chunk (vLLM's chunked prefill makes the same trade). On a GPU the
+#: chunks ride in the decode step (engine/mixed.py) and 2048 lets a burst of 512-token prompts start four per
+#: step (vLLM's online-serving ``max_num_batched_tokens`` is 2048 too); on a CPU, 512.
+ENGINE_PREFILL_STEP_SIZE = {"gpu": 2048, "cpu": 512}
 #: Tokens per KV page (vLLM's block size).
 PAGE_SIZE = 16
 #: Extra tokens a sliding-window layer keeps beyond its window, so a short rollback stays exact.

@@ -73,10 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model", default=None, help="model directory or .gguf file (none: the embedded Gemma 3 270M)")
     s.add_argument("--host", default=defaults.HOST, help="bind address (loopback only unless told)")
     s.add_argument("--port", type=int, default=defaults.PORT, help="TCP port")
-    s.add_argument("--max-batch", type=int, default=defaults.MAX_BATCH, help="most requests running at once")
+    s.add_argument("--max-batch", type=int, default=None,
+                   help=f"most requests running at once (default: {defaults.MAX_BATCH['gpu']} on a GPU, "
+                        f"{defaults.MAX_BATCH['cpu']} on a CPU)")
     s.add_argument("--memory-budget", type=float, default=None, metavar="GB",
                    help="memory for KV pages and activations, weights excluded (default: sized from the "
-                        "device: 0.9 of a GPU's memory or 0.25 of available RAM, minus what this and other "
+                        "device: 0.8 of a GPU's memory or 0.25 of available RAM, minus what this and other "
                         "processes hold and an activation reserve)")
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every endpoint but the --public ones")
@@ -85,7 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(none given: health; '' for none)")
     s.add_argument("--max-tokens", type=int, default=defaults.SERVER_MAX_TOKENS,
                    help="default max tokens of a chat completion, and the most any request may ask")
-    s.add_argument("--prefill-step-size", type=int, default=defaults.ENGINE_PREFILL_STEP_SIZE, help="prompt tokens per engine iteration")
+    s.add_argument("--prefill-step-size", type=int, default=None,
+                   help=f"prompt tokens per engine iteration (default: {defaults.ENGINE_PREFILL_STEP_SIZE['gpu']} on "
+                        f"a GPU, {defaults.ENGINE_PREFILL_STEP_SIZE['cpu']} on a CPU)")
     s.add_argument("--drain-timeout", type=float, default=defaults.DRAIN_TIMEOUT_S, metavar="S",
                    help="on Ctrl-C/SIGTERM, seconds requests in flight get to finish before they are aborted")
     s.add_argument("--header-timeout", type=float, default=defaults.HEADER_TIMEOUT_S, metavar="S",

@@ -17,7 +17,7 @@ buffer cache): a second server started beside a first one gets what the first le
 whole device again (Metal reports no free memory: 0 there). The activation reserve is
 :func:`activation_reserve` (at least :data:`ACTIVATION_RESERVE_BYTES`).
 
-``fraction`` is ``memory_fraction`` (default 0.9 on a GPU; 0.25 on the CPU,
+``fraction`` is ``memory_fraction`` (default 0.8 on a GPU, below MLX's own 0.95 cap; 0.25 on the CPU,
 whose RAM the OS and other processes share: vLLM's CPU backend likewise
 defaults to a fixed 4 GiB of KV rather than most of the RAM). An explicit budget gives
 :data:`KV_FRACTION` of it to KV pages. Either way no group holds more than
@@ -27,7 +27,7 @@ its sequences can use (see :func:`pool_pages`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import mlx.core as mx
@@ -37,12 +37,16 @@ from .. import defaults
 from ..errors import MlxInferError
 from ..state.paged import DEFAULT_WINDOW_SLACK, model_geometry
 
-DEFAULT_MAX_BATCH = defaults.MAX_BATCH
+DEFAULT_MAX_BATCH = defaults.MAX_BATCH  # per device type
 DEFAULT_PAGE_SIZE = defaults.PAGE_SIZE
-DEFAULT_PREFILL_STEP_SIZE = defaults.ENGINE_PREFILL_STEP_SIZE
+DEFAULT_PREFILL_STEP_SIZE = defaults.ENGINE_PREFILL_STEP_SIZE  # per device type
 DEFAULT_MEMORY_BUDGET_GB: float | None = defaults.MEMORY_BUDGET_GB  # None: sized from the device
 #: Share of the device's memory the default sizing lets the engine use, per device type.
-DEFAULT_MEMORY_FRACTION = {"gpu": 0.9, "cpu": 0.25}
+#: On a GPU, 0.8: MLX's CUDA allocator caps the process at 0.95 of the device and trims its buffer cache
+#: whenever active + cached memory reaches that cap (or the CUDA pool's reserve does), so a pool sized to 0.9
+#: leaves the cache almost no room and allocations churn (H200, llama-1B, a 120 GiB pool: some trials of a
+#: served run took 3-8x longer than others; benchmarks/RESULTS.md).
+DEFAULT_MEMORY_FRACTION = {"gpu": 0.8, "cpu": 0.25}
 #: The least memory kept free for activations (prefill chunks, the step's logits) and MLX's buffer cache.
 ACTIVATION_RESERVE_BYTES = 1 << 30
 #: :func:`activation_reserve`'s factor over one iteration's estimate: the pipelined decode
@@ -60,7 +64,8 @@ class EngineConfig:
     """How the engine schedules and how much memory it may use.
 
     Args:
-        max_batch: most requests running at once (prefilling or decoding).
+        max_batch: most requests running at once (prefilling or decoding); ``None``: the
+            device type's default (:data:`~mlx_infer.defaults.MAX_BATCH`: 256 on a GPU, 32 on a CPU).
         memory_budget_gb: memory for KV pages plus activations, weights
             excluded; :data:`KV_FRACTION` of it sizes the page pool (admission
             is by free pages, so the KV never outgrows it; the rest is headroom
@@ -74,7 +79,8 @@ class EngineConfig:
         num_pages: explicit pool size (null page included); overrides the budget's.
         page_size: tokens per KV page (a power of two).
         prefill_step_size: prompt tokens computed per engine iteration (the
-            chunk that sits between two decode steps).
+            chunk that sits between two decode steps, or rides in one); ``None``: the device
+            type's default (:data:`~mlx_infer.defaults.ENGINE_PREFILL_STEP_SIZE`: 2048 on a GPU, 512 on a CPU).
         max_queue: waiting requests beyond which ``submit`` refuses new ones.
         prefix_cache: index finished prompts' full pages for reuse.
         pipeline: queue decode step n+1 before reading step n's tokens.
@@ -89,13 +95,13 @@ class EngineConfig:
         kv_dtype: element type of plain KV storage (default: the model's).
     """
 
-    max_batch: int = DEFAULT_MAX_BATCH
+    max_batch: int | None = None
     memory_budget_gb: float | None = DEFAULT_MEMORY_BUDGET_GB
     memory_fraction: float | None = None
     memory_limit_gb: float | None = None
     num_pages: int | None = None
     page_size: int = DEFAULT_PAGE_SIZE
-    prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE
+    prefill_step_size: int | None = None
     max_queue: int = DEFAULT_MAX_QUEUE
     prefix_cache: bool = True
     pipeline: bool = True
@@ -106,6 +112,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for name in ("max_batch", "page_size", "prefill_step_size", "max_queue"):
             v = getattr(self, name)
+            if v is None and name in ("max_batch", "prefill_step_size"):
+                continue  # the device type's default (for_device)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise MlxInferError(f"EngineConfig.{name} must be a positive integer, got {v!r}.")
         if self.page_size & (self.page_size - 1):
@@ -122,6 +130,15 @@ class EngineConfig:
         if self.num_pages is not None and (not isinstance(self.num_pages, int) or self.num_pages < 2):
             raise MlxInferError(f"EngineConfig.num_pages must be an integer >= 2, got {self.num_pages!r}.")
 
+
+    def for_device(self, kind: str | None = None) -> "EngineConfig":
+        """This config with its device-dependent defaults (``None`` fields) filled in for ``kind``
+        (``"gpu"`` / ``"cpu"``; default: MLX's default device's type)."""
+        if self.max_batch is not None and self.prefill_step_size is not None:
+            return self
+        kind = kind or ("gpu" if mx.default_device().type == mx.DeviceType.gpu else "cpu")
+        return replace(self, max_batch=self.max_batch or DEFAULT_MAX_BATCH[kind],
+                       prefill_step_size=self.prefill_step_size or DEFAULT_PREFILL_STEP_SIZE[kind])
 
 
 @dataclass(frozen=True)
@@ -186,6 +203,7 @@ def activation_reserve(model: Any, config: EngineConfig) -> int:
     their log-softmax). Llama 3.2 1B at 32 x 512: about 0.12 GiB, so the 1 GiB floor binds;
     it grows with ``max_batch`` and ``prefill_step_size``.
     """
+    config = config.for_device()
     hidden, intermediate, vocab = model_sizes(model)
     rows = config.max_batch + config.prefill_step_size
     per_step = (rows * (3 * hidden + 2 * intermediate) * model_dtype(model).size
@@ -253,6 +271,7 @@ def pool_pages(model: Any, config: EngineConfig, context_length: int | None,
     full contexts for the running sequences, plus (with ``prefix_cache``) as many
     again for finished prefixes kept cached. Each count includes the null page.
     """
+    config = config.for_device()
     windows, kv_heads, head_dim = model_geometry(model)
     keys = sorted(set(windows), key=lambda w: -1 if w is None else w)
     if config.num_pages is not None:

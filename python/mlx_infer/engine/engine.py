@@ -107,7 +107,7 @@ class Engine:
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
-        self.config = config = config or EngineConfig()
+        self.config = config = (config or EngineConfig()).for_device()  # the device type's defaults filled in
         self.context_length: int | None = loaded.context_length
         self.eos = frozenset(loaded.eos_token_ids)
         self.newlines = newline_ids(loaded)
@@ -153,6 +153,7 @@ class Engine:
         mixed = config.mixed_steps if config.mixed_steps is not None else mx.default_device().type == mx.DeviceType.gpu
         self._mixing = mixed and self.paged_decode is not None and self.paged_decode.policy.attention == "kernel"
         self.mixed_steps = 0  # steps that carried prefill chunks
+        self.separate_prefills = 0  # prompt forwards of their own (the eager graph's; see step())
         self._gauges: dict[str, Any] = {}
         self._update_gauges()
         from ..parallel.engine_rank import attach_lockstep
@@ -319,14 +320,19 @@ class Engine:
         admitted, unfit = self.scheduler.admit()
         for r in unfit:
             self._finish(r, "length")
-        busy, first = False, None
-        if not (self._mixes() and any(r.state == DECODE for r in self.scheduler.running)):
+        busy, first, launched = False, None, None
+        mixes = self._mixes()
+        decoding = any(r.state == DECODE for r in self.scheduler.running)
+        if mixes and not decoding and self._pool_allocated():
+            launched = self._decode()  # prompt chunks alone, through the same compiled paged step
+        if not mixes or (launched is None and not decoding):
             busy, first = self._prefill()  # else the decode step carries the prompt chunks
         if first is not None and (not self.config.pipeline
                                   or any(r.needs_history or r.constraint is not None for r in first.rows)):
             self._consume(first)  # penalties read the history (constraints advance on it): the first token in it
             first = None
-        launched = self._decode()
+        if launched is None:
+            launched = self._decode()
         if self._inflight is not None:
             self._consume(self._inflight)
             self._inflight = None
@@ -422,6 +428,7 @@ class Engine:
                 h = self.model.model(tokens, cache=caches)  # (B, n, hidden): K/V written to pages
             mx.async_eval(h)
             self.metrics.forward()
+            self.separate_prefills += 1
             score_chunk(self.model, rows, h, self.vocab_size)  # prompt logprobs, for the rows that asked
             budget -= n * len(rows)
             did = True
@@ -468,9 +475,16 @@ class Engine:
 
     # -- decode -----------------------------------------------------------------
 
+    def _pool_allocated(self) -> bool:
+        """Whether every layer's page storage exists (the first forward allocates it, on the
+        eager graph, which would gather each chunk row's keys: a prompt then prefills alone)."""
+        return all(s is not None for s in self.store.storage)
+
     def _decode(self) -> Step | None:
+        """One forward of every decoding row, plus prompt chunks where steps mix (with no
+        decoding row, a step of prompt chunks alone: its rows are the prompts it ends)."""
         rows = [r for r in self.scheduler.running if r.state == DECODE]
-        if not rows:
+        if not rows and not (self._mixes() and any(r.state == PREFILL for r in self.scheduler.running)):
             return None
         if self._inflight is not None and (not self.config.pipeline
                                            or any(r.needs_history or r.constraint is not None for r in rows)):
@@ -478,7 +492,7 @@ class Engine:
             rows = [r for r in self.scheduler.running if r.state == DECODE]
         batch = None
         chunks = pick_chunks(self.scheduler.running, self.config.prefill_step_size) if self._mixes() else []
-        while rows:
+        while rows or chunks:
             batch = mixed_batch(self.store, rows, chunks, self._bucket) if chunks else self._batch_for(rows)
             if batch.reserve():
                 break
@@ -494,9 +508,9 @@ class Engine:
                 else:
                     self._preempt(victim)
             rows = [r for r in self.scheduler.running if r.state == DECODE]
-        if not rows:
-            return None
-        inputs = step_inputs(rows)  # (B,)
+        if not rows and not chunks:
+            return None  # (prompt chunks alone that do not fit: the separate prefill preempts or fails)
+        inputs = step_inputs(rows) if rows else mx.zeros((0,), mx.uint32)  # (B,)
         ended: list[LiveRequest] = []
         if chunks:
             inputs, ended = mixed_inputs(inputs, batch, chunks)  # (R,): decode rows, chunk rows, padding
@@ -513,6 +527,9 @@ class Engine:
             advance(chunks, self.scheduler, self.metrics)
             self.mixed_steps += 1
             rows = rows + ended
+            if not rows:  # prompt chunks alone, none ending: nothing to sample; the forward still runs
+                mx.async_eval(logits)
+                return Step([], mx.zeros((0,), mx.uint32), None)
             logits = logits[:len(rows)]  # (B + ended, vocab): the logit rows' padding dropped
         tokens, outs = sample_rows(rows, logits)
         queue_outputs(tokens, outs)

@@ -85,7 +85,8 @@ def mixed_inputs(decode_inputs: mx.array, batch: DecodeBatch, chunks: list[Chunk
         if c.ends:
             logit_rows.append(end - 1)
             ended.append(c.r)
-    logit_rows += [logit_rows[0]] * (-len(logit_rows) % LOGIT_BUCKET)
+    pad_row = logit_rows[0] if logit_rows else 0  # a step of chunks none of which ends: row 0's, dropped
+    logit_rows += [pad_row] * (-len(logit_rows) % LOGIT_BUCKET or (LOGIT_BUCKET if not logit_rows else 0))
     batch.logit_rows = mx.array(logit_rows, mx.int32)  # (M padded,)
     return tokens, ended
 

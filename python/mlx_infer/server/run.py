@@ -54,12 +54,12 @@ class ServeOptions:
     model: str | None = None
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
-    max_batch: int = defaults.MAX_BATCH
+    max_batch: int | None = None  # None: the device type's (defaults.MAX_BATCH)
     memory_budget_gb: float | None = None
     api_key: str | None = None
     public: tuple[str, ...] = DEFAULT_PUBLIC
     max_tokens: int = defaults.SERVER_MAX_TOKENS
-    prefill_step_size: int = defaults.ENGINE_PREFILL_STEP_SIZE
+    prefill_step_size: int | None = None  # None: the device type's (defaults.ENGINE_PREFILL_STEP_SIZE)
     page_size: int = defaults.PAGE_SIZE
     log_level: str = "info"
     drain_timeout_s: float = DRAIN_TIMEOUT_S
@@ -81,6 +81,8 @@ class ServeOptions:
         for flag, value in (("--max-batch", self.max_batch), ("--max-tokens", self.max_tokens),
                             ("--max-loras", self.max_loras),
                             ("--prefill-step-size", self.prefill_step_size), ("--page-size", self.page_size)):
+            if value is None and flag in ("--max-batch", "--prefill-step-size"):
+                continue  # the device type's default
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise MlxInferError(f"{flag} must be a positive integer, got {value!r}.")
         for flag, value in (("--memory-budget", self.memory_budget_gb), ("--drain-timeout", self.drain_timeout_s),
