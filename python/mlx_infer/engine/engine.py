@@ -159,6 +159,8 @@ class Engine:
         from ..parallel.engine_rank import attach_lockstep
 
         self._lockstep = attach_lockstep(self)  # a sharded graph: every rank iterates in lockstep
+        if self._mixing and self._lockstep is None:
+            self._allocate_storage()
 
     # -- lifecycle ----------------------------------------------------------
 
@@ -474,6 +476,21 @@ class Engine:
         return True
 
     # -- decode -----------------------------------------------------------------
+
+    def _allocate_storage(self) -> None:
+        """Create every layer's page storage now, with one eager forward of a throwaway one-token
+        sequence, so the first prompt goes through the compiled paged step as every later one
+        does (and a warm-up request traces what later requests run). Failing that, the first
+        forward allocates it, as before."""
+        seq = self.store.add_sequence()
+        try:
+            if seq.reserve(1):
+                h = self.model.model(mx.zeros((1, 1), mx.uint32), cache=self.store.make_cache(seq))  # (1, 1, hidden)
+                mx.eval(h, [p for st in self.store.storage if st is not None for p in st.parts])
+        except Exception as e:  # noqa: BLE001 - an optimisation only
+            log.warning("could not allocate the KV storage up front (%s: %s)", type(e).__name__, e)
+        finally:
+            seq.free()
 
     def _pool_allocated(self) -> bool:
         """Whether every layer's page storage exists (the first forward allocates it, on the
