@@ -16,7 +16,6 @@ the eager graph reads them through :func:`mlx_infer.adapters.adapter_rows`.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import replace
 from typing import Any, ContextManager, Sequence
 
