@@ -60,7 +60,8 @@ from .metrics import PROMETHEUS_ORDER, EngineMetrics, pool_gauges, prometheus_te
 from .request import EngineRequest, RequestHandle, RequestResult, TokenEvent
 from .mixed import advance, mixed_batch, mixed_inputs, pick_chunks
 from .output import consume, emit, finish
-from .prompt_scores import score_chunk, wants_scores
+from .prefill import allocate_storage, prefill
+from .prompt_scores import wants_scores
 from .rows import Step, queue_outputs, sample_rows, step_inputs
 from .scheduler import DECODE, DONE, PREFILL, LiveRequest, Scheduler
 
@@ -392,105 +393,15 @@ class Engine:
             if live is not None and live.state != DONE:
                 self._finish(live, "cancelled")
 
-    # -- prefill ----------------------------------------------------------------
+    # -- prefill (engine/prefill.py) ----------------------------------------------
 
     def _prefill(self) -> tuple[bool, Step | None]:
-        """Up to ``prefill_step_size`` prompt tokens: rows with prompts left advance together by
-        the same chunk (one ``(B, n)`` forward), so equal-length prompts prefill as one batch.
-
-        Returns whether it ran anything, and the first tokens of the rows whose prompt ended:
-        sampled from the last prompt position of the prefill forward itself (the LM head on
-        those rows only), so the first token waits for no decode step.
-        """
-        budget = self.config.prefill_step_size
-        did = False
-        ended: list[tuple[LiveRequest, mx.array]] = []  # rows whose prompt ended, last hidden (hidden,)
-        done: set[int] = set()
-        head = self._head
-        while budget > 0:
-            rows = [r for r in self.scheduler.running if r.state == PREFILL and id(r) not in done][:budget]
-            if not rows:
-                break
-            end = {id(r): len(r.all_ids) - (0 if head else 1) for r in rows}  # tokens the prefill feeds
-            n = min(min(end[id(r)] - r.prefilled for r in rows), max(1, budget // len(rows)))
-            if len(rows) > 1:
-                batch = self.store.batch([r.seq for r in rows])
-                if not batch.reserve(n):
-                    rows = rows[:1]  # short of pages: the oldest alone (it may preempt younger ones)
-            if len(rows) == 1:
-                r = rows[0]
-                n = min(budget, end[id(r)] - r.prefilled)
-                if not self._reserve_prefill(r, n):
-                    break
-                caches = r.caches
-            else:
-                caches = batch.caches
-            tokens = mx.array([r.all_ids[r.prefilled:r.prefilled + n] for r in rows], mx.uint32)  # (B, n)
-            with rows_context(slots_for(rows)):
-                h = self.model.model(tokens, cache=caches)  # (B, n, hidden): K/V written to pages
-            mx.async_eval(h)
-            self.metrics.forward()
-            self.separate_prefills += 1
-            score_chunk(self.model, rows, h, self.vocab_size)  # prompt logprobs, for the rows that asked
-            budget -= n * len(rows)
-            did = True
-            self.metrics.prefilled(n * len(rows))
-            windowed = any(g.window is not None for g in self.store.groups)
-            for i, r in enumerate(rows):
-                r.prefilled += n
-                target = end[id(r)]
-                if r.prefilled == target or windowed:
-                    # Windowed layer groups release pages as the prompt grows: index them
-                    # chunk by chunk, so released ones stay cached for a shorter shared prefix.
-                    self.scheduler.register_prompt(r, r.prefilled)
-                if r.prefilled == target:
-                    if head:
-                        ended.append((r, h[i, -1]))
-                        done.add(id(r))
-                    else:  # no separate head: the decode step feeds the last prompt token
-                        r.state = DECODE
-                        r.next_input = r.all_ids[-1]
-        if not ended:
-            return did, None
-        rows = [r for r, _ in ended]
-        with rows_context(slots_for(rows)):
-            logits = self.model.logits_from_hidden(mx.stack([x for _, x in ended])[:, None])[:, 0]  # (M, vocab)
-        tokens, outs = sample_rows(rows, logits)
-        queue_outputs(tokens, outs)
-        for i, r in enumerate(rows):
-            r.state = DECODE
-            r.next_input = (tokens, i)
-        return did, Step(rows, tokens, outs)
-
-    def _reserve_prefill(self, r: LiveRequest, n: int) -> bool:
-        """Reserve ``n`` tokens for ``r``, preempting younger requests if pages are short."""
-        while not r.seq.reserve(n):
-            victim = self.scheduler.youngest()
-            if victim is r and len(self.scheduler.running) == 1:
-                self._finish(r, "error", error="the KV page pool is too small for this prompt")
-                return False
-            if victim is r:
-                return False  # wait: decoding requests free pages as they finish
-            self._sync()
-            self._preempt(victim)
-        return True
+        return prefill(self)
 
     # -- decode -----------------------------------------------------------------
 
     def _allocate_storage(self) -> None:
-        """Create every layer's page storage now, with one eager forward of a throwaway one-token
-        sequence, so the first prompt goes through the compiled paged step as every later one
-        does (and a warm-up request traces what later requests run). Failing that, the first
-        forward allocates it, as before."""
-        seq = self.store.add_sequence()
-        try:
-            if seq.reserve(1):
-                h = self.model.model(mx.zeros((1, 1), mx.uint32), cache=self.store.make_cache(seq))  # (1, 1, hidden)
-                mx.eval(h, [p for st in self.store.storage if st is not None for p in st.parts])
-        except Exception as e:  # noqa: BLE001 - an optimisation only
-            log.warning("could not allocate the KV storage up front (%s: %s)", type(e).__name__, e)
-        finally:
-            seq.free()
+        allocate_storage(self)
 
     def _pool_allocated(self) -> bool:
         """Whether every layer's page storage exists (the first forward allocates it, on the
