@@ -131,3 +131,36 @@ def test_a_burst_of_prompts_prefills_in_the_compiled_step_alone(tiny):
     separate, other = burst(False)
     assert other.burst_prefills > 0 and mixed == separate
     assert mixed[1] == greedy(tiny.model, prompts[1], 6)
+
+
+def test_a_failed_mixed_iteration_drops_the_prefix_cache_and_stops_mixing(tiny, monkeypatch):
+    """An iteration that raises while evaluating a chunk step (as a CUDA launch failure does at
+    ``mx.async_eval``) fails its requests; the engine then forgets every cached prefix page (the
+    step may have indexed pages it never wrote) and prefills later prompts on their own, so the
+    next requests are served, with the plain model's tokens."""
+    import mlx_infer.engine.engine as engine_module
+
+    engine = Engine(tiny, EngineConfig(page_size=4, prefill_step_size=16, mixed_steps=True)).start()
+    try:
+        done = engine.submit(EngineRequest(prompt_ids=PROMPTS[1], max_tokens=3, detokenize=False, ignore_eos=True))
+        assert done.result(60).token_ids == greedy(tiny.model, PROMPTS[1], 3)
+        assert sum(engine.store.pages.pool(g.index).num_cached_pages() for g in engine.store.groups) > 0
+        real = engine_module.queue_outputs
+        calls = []
+
+        def broken(tokens, outs):
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("cudaGraphAddKernelNode failed: invalid argument (on purpose)")
+            return real(tokens, outs)
+
+        monkeypatch.setattr(engine_module, "queue_outputs", broken)
+        failed = engine.submit(EngineRequest(prompt_ids=PROMPTS[2], max_tokens=3, detokenize=False))
+        res = failed.result(60)
+        assert res.finish_reason == "error" and "on purpose" in (res.error or "")
+        assert sum(engine.store.pages.pool(g.index).num_cached_pages() for g in engine.store.groups) == 0
+        assert engine._mixing is False
+        after = engine.submit(EngineRequest(prompt_ids=PROMPTS[1], max_tokens=4, detokenize=False, ignore_eos=True))
+        assert after.result(60).token_ids == greedy(tiny.model, PROMPTS[1], 4)
+    finally:
+        engine.stop()

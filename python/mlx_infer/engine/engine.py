@@ -301,6 +301,7 @@ class Engine:
                     except Exception as e:  # a bug or an MLX failure: fail the requests, keep serving
                         log.exception("engine iteration failed")
                         self._fail_all(f"{type(e).__name__}: {e}")
+                        self._after_failed_step()
                         busy = False
                     if not busy and not (self._lockstep and not self._lockstep.pg.is_leader):
                         self._wake.wait(0.05)
@@ -529,6 +530,20 @@ class Engine:
             except Exception:  # keep releasing the others
                 log.exception("could not release a request")
         self._update_gauges()
+
+    def _after_failed_step(self) -> None:
+        """After an iteration raised (its requests failed): the pages it wrote or indexed are not to be
+        trusted, so the prefix index forgets every cached page; and if steps were mixing prompt chunks,
+        later prompts prefill in forwards of their own (the path every engine has), so one shape the
+        device refuses does not fail every later request (benchmarks/RESULTS.md: a CUDA failure of a
+        1,024-row chunk step on a tiny shape)."""
+        try:
+            self.store.drop_cached_prefixes()
+        except Exception:  # noqa: BLE001 - keep serving
+            log.exception("could not drop the prefix cache")
+        if self._mixing and self.mixed_steps:
+            self._mixing = False
+            log.warning("engine: prompt chunks no longer ride in the decode step after a failed iteration")
 
     def _drain(self) -> None:
         self._intake()

@@ -184,6 +184,18 @@ class PagedKVStore:
         step = tokens if step is None else step
         return [full if g.keep is None else min(full, -(-(g.keep + step) // P) + 1) for g in self.groups]
 
+    def drop_cached_prefixes(self) -> int:
+        """Evict every cached (unreferenced) page of every group from the prefix index; returns how many.
+        After a failed step: pages it indexed may never have been written."""
+        dropped = 0
+        for g in self.groups:
+            pool = self.pages.pool(g.index)
+            cap, before = pool.cache_cap, pool.num_cached_pages()
+            pool.set_cache_cap(0)
+            pool.set_cache_cap(cap)
+            dropped += before - pool.num_cached_pages()
+        return dropped
+
     def free_pages(self) -> list[int]:
         """Pages each group's pool can still hand out (free plus evictable cached)."""
         return [self.pages.pool(g.index).num_free_pages() for g in self.groups]
