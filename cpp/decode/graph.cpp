@@ -564,10 +564,19 @@ void load_graph_weights(
   for (int i = 0; i < cfg.num_layers; ++i) {
     std::string p = "layers." + std::to_string(i) + ".";
     LayerWeights lw;
+    // Handed over fused (bindings/fused.py: the model's q/k/v and gate/up are views of these), or
+    // one product each.
+    lw.qkv = read_linear(weights, quantization, fast, p + "qkv", /*required=*/false);
+    lw.gate_up = read_linear(weights, quantization, fast, p + "gate_up", /*required=*/false);
     for (auto [field, name] : {std::pair{&LayerWeights::q, "q"}, {&LayerWeights::k, "k"},
                                {&LayerWeights::v, "v"}, {&LayerWeights::o, "o"},
                                {&LayerWeights::gate, "gate"}, {&LayerWeights::up, "up"},
                                {&LayerWeights::down, "down"}}) {
+      const std::string n = name;
+      if ((lw.qkv.present() && (n == "q" || n == "k" || n == "v")) ||
+          (lw.gate_up.present() && (n == "gate" || n == "up"))) {
+        continue;
+      }
       lw.*field = read_linear(weights, quantization, fast, p + name);
     }
     lw.attn_norm = require_weight(weights, p + "attn_norm.weight");
@@ -587,12 +596,12 @@ void load_graph_weights(
     lw.rope = cfg.ropes[i];
     if (cfg.fuse_projections) {
       // The fused copies replace the separate weights in this graph (the model keeps its own).
-      if (same_kind(lw.q, lw.k) && same_kind(lw.q, lw.v)) {
+      if (!lw.qkv.present() && same_kind(lw.q, lw.k) && same_kind(lw.q, lw.v)) {
         lw.qkv = fuse({&lw.q, &lw.k, &lw.v});
         lw.q = lw.k = lw.v = Linear{};
         keep(lw.qkv);
       }
-      if (same_kind(lw.gate, lw.up)) {
+      if (!lw.gate_up.present() && same_kind(lw.gate, lw.up)) {
         lw.gate_up = fuse({&lw.gate, &lw.up});
         lw.gate = lw.up = Linear{};
         keep(lw.gate_up);

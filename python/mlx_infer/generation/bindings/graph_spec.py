@@ -38,6 +38,7 @@ from ...layers.rope import Llama3RoPE, YarnRoPE
 from ...models import materialize_graph_constants
 from ...layers.switch import QuantizedSwitchLinear, SwitchLinear
 from ...models.gemma4 import FULL, SLIDING, ProportionalRoPE
+from .fused import fuse_in_place
 
 #: Families with a C++ step (module name of the graph's family file).
 SUPPORTED_FAMILIES = ("llama", "gemma3", "gemma4")
@@ -70,15 +71,24 @@ class DecodePolicy:
             0.93-1.0x per-step), from batch 8 on the compiled step is faster
             (1.2-1.9x mlx-lm). The CPU has no fused attention kernel, so
             compiling pays there at every batch size.
-        fuse_projections: run q|k|v and gate|up as one matmul each (holds a
-            fused copy of those weights: about 2/3 of a dense model's bytes).
+        fuse_projections: run q|k|v and gate|up as one matmul each, the model's
+            projections made views of the fused weights (``bindings/fused.py``: no
+            second copy). ``None`` picks on for a GPU (one launch instead of three,
+            the small k/v products no longer alone) and off for the CPU, whose
+            kernels run each product on its own.
     """
 
     capacity_step: int = 256
     max_capacity: int = 0
     compile: bool = True
     compile_min_batch: int | None = None
-    fuse_projections: bool = False
+    fuse_projections: bool | None = None
+
+    def resolved_fuse_projections(self) -> bool:
+        """``fuse_projections``, with ``None`` resolved for the default device."""
+        if self.fuse_projections is not None:
+            return self.fuse_projections
+        return mx.default_device().type == mx.DeviceType.gpu
 
     def resolved_compile_min_batch(self) -> int:
         """``compile_min_batch``, with ``None`` resolved for the default device."""
@@ -177,6 +187,7 @@ def graph_spec(model: Any, *, kv_scheme: str | None = None,
     weights: dict[str, mx.array] = {}
     quant: dict[str, tuple] = {}
     fast: list[str] = []
+    fuse = policy.resolved_fuse_projections()
 
     read: list[mx.array] = []  # parameters handed over transformed (not as themselves)
 
@@ -191,8 +202,16 @@ def graph_spec(model: Any, *, kv_scheme: str | None = None,
     for i, layer in enumerate(inner.layers):
         p = f"layers.{i}"
         attn, mlp = layer.self_attn, layer.mlp
+        qkv = fuse_in_place(attn, ("q_proj", "k_proj", "v_proj"), "qkv") if fuse else None
+        gate_up = fuse_in_place(mlp, ("gate_proj", "up_proj"), "gate_up") if fuse else None
+        if qkv is not None:
+            _add_fused(f"{p}.qkv", [attn.q_proj, attn.k_proj, attn.v_proj], qkv, weights, quant, fast, read)
+        if gate_up is not None:
+            _add_fused(f"{p}.gate_up", [mlp.gate_proj, mlp.up_proj], gate_up, weights, quant, fast, read)
         for short, mod in (("q", attn.q_proj), ("k", attn.k_proj), ("v", attn.v_proj), ("o", attn.o_proj),
                            ("gate", mlp.gate_proj), ("up", mlp.up_proj), ("down", mlp.down_proj)):
+            if (qkv is not None and short in "qkv") or (gate_up is not None and short in ("gate", "up")):
+                continue
             _add_linear(f"{p}.{short}", mod, weights, quant, fast)
         norm(f"{p}.attn_norm", layer.input_layernorm)
         if gemma:
@@ -242,7 +261,7 @@ def _apply_policy(cfg: Any, kv_scheme: str | None, policy: DecodePolicy) -> None
     cfg.max_capacity = policy.max_capacity
     cfg.compile = policy.compile
     cfg.compile_min_batch = policy.resolved_compile_min_batch()
-    cfg.fuse_projections = policy.fuse_projections
+    cfg.fuse_projections = False  # fused in place by graph_spec (bindings/fused.py), never copied in C++
 
 
 def _apply_tensor_parallel(cfg: Any, model: Any) -> None:
@@ -257,6 +276,20 @@ def _apply_tensor_parallel(cfg: Any, model: Any) -> None:
     cfg.vocab_start = tp.vocab_start
     cfg.per_layer_vocab_start = tp.per_layer_vocab_start
     cfg.expert_start = tp.expert_start
+
+
+def _add_fused(name: str, mods: list[nn.Module], fused: dict[str, mx.array], weights: dict, quant: dict,
+               fast: list, read: list) -> None:
+    """Linears fused in place (``fuse_in_place``) under one ``name``; their own parameters (views of
+    ``fused``) count as used."""
+    first = mods[0]
+    if _uses_cpu_kernels(first):
+        fast.append(name)
+    for part, a in fused.items():
+        weights[f"{name}.{part}"] = a
+    if isinstance(first, nn.QuantizedLinear):
+        quant[name] = (int(first.group_size), int(first.bits), str(getattr(first, "mode", "affine")))
+    read.extend(v for m in mods for _, v in tree_flatten(m.parameters()))
 
 
 def _add_experts(name: str, module: nn.Module, weights: dict, quant: dict) -> None:
