@@ -380,8 +380,7 @@ def stream_text(loaded: "LoadedModel", tokens: Generation, *, stop: Iterable[str
                 stopped = finish == "stop" and t.finish_reason != "stop"
                 if stopped:
                     tokens.stats.finish_reason = "stop"
-                yield TokenEvent(token=t.token, index=t.index, text=text, finish_reason=finish,
-                                 logprob=t.logprob, top_logprobs=t.top_logprobs, forced=t.forced)
+                yield replace(t, text=text, finish_reason=finish)
                 if stopped:
                     return
         finally:
