@@ -52,3 +52,16 @@ def test_a_primed_output_continues_where_it_was():
     a.feed(2, None, eos=False)
     b.prime([1, 2])
     assert a.feed(4, None, eos=False) == b.feed(4, None, eos=False) == ("", "stop")
+
+
+def test_the_finish_rule_orders_stop_length_cancelled():
+    from mlx_infer.generation.text_output import token_finish, token_limit
+
+    assert token_finish(eos=True, complete=False, count=4, limit=4, cancelled=True) == "stop"
+    assert token_finish(eos=False, complete=True, count=1, limit=4) == "stop"  # a completed grammar
+    assert token_finish(eos=False, complete=False, count=4, limit=4, cancelled=True) == "length"
+    assert token_finish(eos=False, complete=False, count=3, limit=4, cancelled=True) == "cancelled"
+    assert token_finish(eos=False, complete=False, count=3, limit=4) is None
+    assert token_limit(10, 5, None) == 10
+    assert token_limit(10, 5, 8) == 4  # the window holds 8: prompt 5 + 3 fed tokens, the 4th is only sampled
+    assert token_limit(10, 8, 8) == 1  # a full window still yields the token of the last prompt position

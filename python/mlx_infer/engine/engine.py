@@ -49,7 +49,7 @@ from ..generation.bindings.autoregressive import Composition, bind_autoregressiv
 from ..generation.bindings.graph_spec import DecodeStepUnsupported
 from ..generation.bindings.paged_decode_step import (CompiledPagedDecodeStep, PagedDecodePolicy,
                                                      paged_unsupported_reason)
-from ..generation.text_output import TextOutput
+from ..generation.text_output import TextOutput, token_limit
 from ..models import materialize_graph_constants
 from ..sampling import RequestRNG, make_sampler
 from ..state.paged import PagedKVStore
@@ -231,9 +231,7 @@ class Engine:
 
             constraint = ConstraintState.create(request.constraint, self.tokenizer, self.vocab_size,
                                                 tuple(self.eos))
-        limit = request.max_tokens
-        if self.context_length is not None:
-            limit = min(limit, self.context_length - n + 1)
+        limit = token_limit(request.max_tokens, n, self.context_length)
         handle = RequestHandle(request, self.cancel, on_token)
         with self._lock:
             if request.request_id in self._live:

@@ -2,8 +2,8 @@
 
 The engine thread calls :func:`consume` with the step it queued one iteration earlier (step n-1's tokens are
 read while step n runs). Each decoding row's token goes through :func:`emit`: the constraint advances, the
-sequence's :class:`~mlx_infer.generation.text_output.TextOutput` (the same detokenizer + stop strings + finish
-rule ``generate`` uses) gives the text and the final reason, and the request's handle gets a
+sequence's :class:`~mlx_infer.generation.text_output.TextOutput` (the same finish rule, detokenizer and stop
+strings ``generate`` uses) gives the text and the final reason, and the request's handle gets a
 :class:`TokenEvent` — or, when the sequence ends, :func:`finish` releases its pages and adapter and delivers the
 :class:`RequestResult`. One row's bad value fails that request alone, never the batch.
 """
@@ -14,6 +14,7 @@ import time
 from typing import TYPE_CHECKING
 
 from ..errors import MlxInferError
+from ..generation.text_output import token_finish
 from .adapters import release_adapter
 from .grammar_jump import commit_span
 from .request import RequestResult, TokenEvent, wake
@@ -71,7 +72,7 @@ def emit(engine: "Engine", r: LiveRequest, token: int, logprob: float | None,
     if r.constraint is not None:
         r.constraint.advance(token, forced=forced)
         done = r.constraint.done  # the grammar is complete: nothing may follow
-    reason = "stop" if eos or done else ("length" if r.generated >= r.limit else None)
+    reason = token_finish(eos=eos, complete=done, count=r.generated, limit=r.limit)
     text = ""
     if r.request.detokenize:
         text, reason = r.text_out.feed(token, reason, eos=eos)
@@ -82,7 +83,8 @@ def emit(engine: "Engine", r: LiveRequest, token: int, logprob: float | None,
             r.top_logprobs.append(top)
     if forced:
         engine.metrics.forced()
-    event = TokenEvent(r.request.request_id, token, index, text, reason, logprob, top, forced)
+    event = TokenEvent(request_id=r.request.request_id, token=token, index=index, text=text, finish_reason=reason,
+                       logprob=logprob, top_logprobs=top, forced=forced)
     if reason is None:
         r.handle._deliver(event, wakeups=engine._wakeups)
         if jump and r.constraint is not None and engine.grammar_jump:
@@ -117,5 +119,5 @@ def finish(engine: "Engine", r: LiveRequest, reason: str, *, event: TokenEvent |
         forced_tokens=r.constraint.forced_committed if r.constraint is not None else 0,
         prompt_logprobs=r.handle.prompt_logprobs)
     if event is None:
-        event = TokenEvent(r.request.request_id, None, r.generated, "", reason)
+        event = TokenEvent(request_id=r.request.request_id, token=None, index=r.generated, finish_reason=reason)
     r.handle._deliver(event, result, wakeups=engine._wakeups)

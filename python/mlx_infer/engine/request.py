@@ -3,7 +3,9 @@
 A caller submits an :class:`EngineRequest` and receives a
 :class:`RequestHandle`. The engine thread delivers one :class:`TokenEvent` per
 generated token (plus a final token-less event when a request is cancelled or
-fails); the handle hands them out three ways, all usable at once:
+fails); it is the event type ``generate`` yields too (defined in
+:mod:`mlx_infer.generation.text_output`, re-exported here), with ``request_id``
+set. The handle hands them out three ways, all usable at once:
 
 - a callback (``on_token``), called on the engine thread (keep it quick);
 - a blocking iterator (``for ev in handle``) and :meth:`RequestHandle.result`;
@@ -20,6 +22,7 @@ from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 
 from .. import defaults
 from ..errors import MlxInferError
+from ..generation.text_output import TokenEvent
 from ..sampling import SamplingParams
 
 DEFAULT_MAX_TOKENS = defaults.MAX_TOKENS
@@ -92,33 +95,6 @@ class EngineRequest:
         k = self.prompt_logprobs
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 20):
             raise MlxInferError(f"prompt_logprobs must be an integer in 0..20 (or None), got {k!r}.")
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    """One step of one request.
-
-    Attributes:
-        request_id: the request.
-        token: the generated id, or ``None`` on a final event that carries no
-            token (cancelled, error).
-        index: 0 for the first generated token.
-        text: the text this token completes (held back while a UTF-8 character
-            or a possible stop string is incomplete; EOS carries none).
-        finish_reason: set on the last event: one of :data:`FINISH_REASONS`.
-        logprob: the token's log-probability (with ``sampling.logprobs``).
-        top_logprobs: ``[(id, logprob), ...]`` most likely first (with ``top_logprobs``).
-        forced: the request's constraint forced the token (not sampled; logprob 0).
-    """
-
-    request_id: str
-    token: int | None
-    index: int
-    text: str = ""
-    finish_reason: str | None = None
-    logprob: float | None = None
-    top_logprobs: list[tuple[int, float]] | None = None
-    forced: bool = False
 
 
 @dataclass

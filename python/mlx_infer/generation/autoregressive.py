@@ -37,7 +37,7 @@ from ..errors import MlxInferError, PromptTooLongError
 from ..sampling import RequestRNG, SamplingParams, make_sampler
 from .prompt_cache import PromptCache
 from .stopping import CancelToken
-from .text_output import TextOutput
+from .text_output import TextOutput, TokenEvent, token_finish, token_limit
 
 if TYPE_CHECKING:
     from ..artifacts.loader import LoadedModel
@@ -47,30 +47,9 @@ DEFAULT_PREFILL_STEP_SIZE = defaults.PREFILL_STEP_SIZE
 GREEDY = SamplingParams()
 
 
-@dataclass(frozen=True)
-class GeneratedToken:
-    """One generated token.
-
-    Attributes:
-        token: the token id.
-        index: 0 for the first generated token.
-        text: the text this token completes (empty while a UTF-8 character or a
-            possible stop string is still held back; EOS carries no text).
-        finish_reason: ``"stop"`` (EOS or stop string), ``"length"`` or
-            ``"cancelled"`` on the last item, else None.
-        logprob: log-probability of ``token`` under the processed distribution
-            (only with ``SamplingParams(logprobs=True)``).
-        top_logprobs: ``[(id, logprob), ...]`` most likely first (with ``top_logprobs=n``).
-        forced: the constraint forced this token (committed without sampling; logprob 0).
-    """
-
-    token: int
-    index: int
-    text: str = ""
-    finish_reason: str | None = None
-    logprob: float | None = None
-    top_logprobs: list[tuple[int, float]] | None = None
-    forced: bool = False
+#: The event ``generate`` yields: :class:`~.text_output.TokenEvent` (the engine's event too; ``request_id`` is
+#: ``None`` here and ``token`` always set). This older name is kept for API compatibility.
+GeneratedToken = TokenEvent
 
 
 @dataclass
@@ -120,20 +99,20 @@ class RunState:
     tokens: list[int] = field(default_factory=list)
 
 
-class Generation(Iterator[GeneratedToken]):
-    """An iterator of :class:`GeneratedToken`; ``stats`` is final once it ends or is closed.
+class Generation(Iterator[TokenEvent]):
+    """An iterator of :class:`TokenEvent`; ``stats`` is final once it ends or is closed.
 
     Breaking out of a ``for`` loop leaves it suspended; call :meth:`close` (or
     use it as a context manager) to release the KV state at once. It is also
     released when the object is garbage-collected.
     """
 
-    def __init__(self, tokens: Iterator[GeneratedToken], stats: GenerateStats, state: RunState | None = None):
+    def __init__(self, tokens: Iterator[TokenEvent], stats: GenerateStats, state: RunState | None = None):
         self._tokens = tokens
         self.stats = stats
         self.state = state
 
-    def __next__(self) -> GeneratedToken:
+    def __next__(self) -> TokenEvent:
         return next(self._tokens)
 
     def close(self) -> None:
@@ -231,7 +210,7 @@ def generate_tokens(
             prompt-cache namespace then includes the adapter's identity.
 
     Returns:
-        A :class:`Generation` (iterator of :class:`GeneratedToken` with ``stats`` and ``state``).
+        A :class:`Generation` (iterator of :class:`TokenEvent` with ``stats`` and ``state``).
     """
     prompt_ids = list(prompt_ids)
     _validate(max_tokens, prefill_step_size, len(prompt_ids), context_length)
@@ -257,7 +236,7 @@ def generate_tokens(
                             f"prompt's {len(prompt_ids)} so the last prompt token yields logits.")
     state = RunState(prompt_ids=prompt_ids, cache=cache, rng=rng or RequestRNG(sampling.seed))
     stats = GenerateStats(prompt_tokens=len(prompt_ids), cached_tokens=cached)
-    limit = max_tokens if context_length is None else min(max_tokens, context_length - len(prompt_ids) + 1)
+    limit = token_limit(max_tokens, len(prompt_ids), context_length)
     pipeline = pipeline and not sampler.processors
     if constraint is not None:
         from .constrained import run_constrained
@@ -273,8 +252,8 @@ def generate_tokens(
     return Generation(run, stats, state)
 
 
-def _storing(run: Iterator[GeneratedToken], state: RunState, prompt_cache: PromptCache,
-             namespace: str) -> Iterator[GeneratedToken]:
+def _storing(run: Iterator[TokenEvent], state: RunState, prompt_cache: PromptCache,
+             namespace: str) -> Iterator[TokenEvent]:
     try:
         yield from run
     finally:
@@ -303,7 +282,7 @@ def prefill(model: Any, cache: list[Any], prompt: mx.array, done: int, step_size
 
 def _run(model: Any, state: RunState, sampler: Any, limit: int, eos: frozenset[int], prefill_step_size: int,
          cancel: CancelToken | None, start_index: int, pipeline: bool, stats: GenerateStats,
-         decode: Any | None, on_prefill: Callable[[int, int], None] | None = None) -> Iterator[GeneratedToken]:
+         decode: Any | None, on_prefill: Callable[[int, int], None] | None = None) -> Iterator[TokenEvent]:
     mx.reset_peak_memory()
     cache, prompt_ids = state.cache, state.prompt_ids
     history = list(prompt_ids) if sampler.processors else None
@@ -345,9 +324,8 @@ def _run(model: Any, state: RunState, sampler: Any, limit: int, eos: frozenset[i
             if history is not None:
                 history.append(token)
             stats.generated_tokens = n + 1
-            finish = "stop" if token in eos else ("length" if n + 1 >= limit else None)
-            if finish is None and cancel is not None and cancel.cancelled:
-                finish = "cancelled"
+            finish = token_finish(eos=token in eos, complete=False, count=n + 1, limit=limit,
+                                  cancelled=cancel is not None and cancel.cancelled)
             if finish is not None:
                 stats.finish_reason = finish
             logprob = top = None
@@ -355,8 +333,8 @@ def _run(model: Any, state: RunState, sampler: Any, limit: int, eos: frozenset[i
                 logprob = out.token_logprob.item()
                 if out.top_ids is not None:
                     top = list(zip(out.top_ids[0].tolist(), out.top_logprobs[0].tolist()))  # row 0 of (1, n)
-            yield GeneratedToken(token=token, index=start_index + n, finish_reason=finish,
-                                 logprob=logprob, top_logprobs=top)
+            yield TokenEvent(token=token, index=start_index + n, finish_reason=finish,
+                             logprob=logprob, top_logprobs=top)
             if finish is not None:
                 return
             n += 1
@@ -393,7 +371,7 @@ def stream_text(loaded: "LoadedModel", tokens: Generation, *, stop: Iterable[str
     """
     eos = loaded.eos_token_ids
 
-    def texts() -> Iterator[GeneratedToken]:
+    def texts() -> Iterator[TokenEvent]:
         out = TextOutput(loaded.tokenizer.detokenizer(), stop)
         out.prime(prime_ids)
         try:
@@ -402,8 +380,7 @@ def stream_text(loaded: "LoadedModel", tokens: Generation, *, stop: Iterable[str
                 stopped = finish == "stop" and t.finish_reason != "stop"
                 if stopped:
                     tokens.stats.finish_reason = "stop"
-                yield GeneratedToken(token=t.token, index=t.index, text=text, finish_reason=finish,
-                                     logprob=t.logprob, top_logprobs=t.top_logprobs, forced=t.forced)
+                yield replace(t, text=text, finish_reason=finish)
                 if stopped:
                     return
         finally:

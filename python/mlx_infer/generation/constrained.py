@@ -22,18 +22,19 @@ from typing import TYPE_CHECKING, Any, Iterator
 import mlx.core as mx
 
 from .stopping import CancelToken
+from .text_output import TokenEvent, token_finish
 
 if TYPE_CHECKING:
     from ..constraints import ConstraintState
-    from .autoregressive import GeneratedToken, GenerateStats, RunState
+    from .autoregressive import GenerateStats, RunState
 
 
 def run_constrained(model: Any, state: "RunState", sampler: Any, limit: int, eos: frozenset[int],
                     prefill_step_size: int, cancel: CancelToken | None, start_index: int,
                     stats: "GenerateStats", decode: Any | None, constraint: "ConstraintState",
-                    grammar_jump: bool, on_prefill: Any | None = None) -> Iterator["GeneratedToken"]:
+                    grammar_jump: bool, on_prefill: Any | None = None) -> Iterator[TokenEvent]:
     """The token stream of a constrained generation (see the module docstring)."""
-    from .autoregressive import GeneratedToken, prefill
+    from .autoregressive import prefill
 
     mx.reset_peak_memory()
     cache, prompt_ids = state.cache, state.prompt_ids
@@ -62,7 +63,7 @@ def run_constrained(model: Any, state: "RunState", sampler: Any, limit: int, eos
     decode_tic = tic
     n = 0  # tokens emitted
 
-    def emit(token: int, finish: str | None, forced: bool, out: Any = None) -> GeneratedToken:
+    def emit(token: int, finish: str | None, forced: bool, out: Any = None) -> TokenEvent:
         nonlocal n, decode_tic
         if n == 0:
             decode_tic = time.perf_counter()
@@ -85,19 +86,14 @@ def run_constrained(model: Any, state: "RunState", sampler: Any, limit: int, eos
                 logprob = out.token_logprob.item()
                 if out.top_ids is not None:
                     top = list(zip(out.top_ids[0].tolist(), out.top_logprobs[0].tolist()))  # row 0 of (1, n)
-        item = GeneratedToken(token=token, index=start_index + n, finish_reason=finish,
-                              logprob=logprob, top_logprobs=top, forced=forced)
+        item = TokenEvent(token=token, index=start_index + n, finish_reason=finish,
+                          logprob=logprob, top_logprobs=top, forced=forced)
         n += 1
         return item
 
     def finish_for(token: int) -> str | None:
-        if token in eos or constraint.done:
-            return "stop"
-        if n + 1 >= limit:
-            return "length"
-        if cancel is not None and cancel.cancelled:
-            return "cancelled"
-        return None
+        return token_finish(eos=token in eos, complete=constraint.done, count=n + 1, limit=limit,
+                            cancelled=cancel is not None and cancel.cancelled)
 
     try:
         if limit <= 0:

@@ -1,7 +1,7 @@
 """The denoising generation loop: block diffusion over a :class:`DenoisingBinding`.
 
 It plugs into the same result contract as the autoregressive loop: a
-:class:`~.autoregressive.Generation` of :class:`~.autoregressive.GeneratedToken`
+:class:`~.autoregressive.Generation` of :class:`~.text_output.TokenEvent`
 with :class:`~.autoregressive.GenerateStats`. What happens, per request::
 
     state = prefill(prompt)
@@ -52,9 +52,10 @@ import mlx.core as mx
 from .. import defaults
 from ..errors import MlxInferError, PromptTooLongError
 from ..sampling import RequestRNG, SamplingParams
-from .autoregressive import GeneratedToken, GenerateStats, Generation, prompt_ids_for, stream_text
+from .autoregressive import GenerateStats, Generation, prompt_ids_for, stream_text
 from .bindings.denoising import DenoisingBinding, assert_denoising_graph, bind_denoising
 from .stopping import CancelToken
+from .text_output import TokenEvent, token_finish
 
 if TYPE_CHECKING:
     from ..artifacts.loader import LoadedModel
@@ -316,7 +317,7 @@ def generate_denoising(
 
 def _run(binding: DenoisingBinding, prompt_ids: list[int], params: DenoisingParams, limit: int,
          eos: frozenset[int], cancel: CancelToken | None, initial_canvas: mx.array | None, noise: CanvasNoise,
-         stats: GenerateStats) -> Iterator[GeneratedToken]:
+         stats: GenerateStats) -> Iterator[TokenEvent]:
     mx.reset_peak_memory()
     state = None
     try:
@@ -339,10 +340,10 @@ def _run(binding: DenoisingBinding, prompt_ids: list[int], params: DenoisingPara
                 stats.finish_reason = "cancelled"
                 return
             for token in block[0].tolist():
-                finish = "stop" if token in eos else ("length" if n + 1 >= limit else None)
+                finish = token_finish(eos=token in eos, complete=False, count=n + 1, limit=limit)
                 stats.generated_tokens = n + 1
                 stats.finish_reason = finish
-                yield GeneratedToken(token=token, index=n, finish_reason=finish)
+                yield TokenEvent(token=token, index=n, finish_reason=finish)
                 n += 1
                 if finish is not None:
                     return
