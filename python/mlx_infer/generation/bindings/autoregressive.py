@@ -32,6 +32,7 @@ from ...contracts import (GRAPH_ABI_HIDDEN_BSH, STATE_ABI_CACHE_LIST, GraphDecla
                           GraphDescriptor)
 from ...adapters.bank import bank_of
 from ...errors import MlxInferError
+from ...models import graph_family
 from .decode_step import CompiledDecodeStep
 from .graph_spec import KV_DTYPES, DecodePolicy, DecodeStepUnsupported
 
@@ -165,7 +166,7 @@ class AutoregressiveBinding:
 
 def _descriptor(model: Any, artifact: str) -> GraphDescriptor:
     declaration: GraphDeclaration = getattr(model, "declaration", GraphDeclaration())
-    family = type(model).__module__.rsplit(".", 1)[-1]
+    family = graph_family(model)
     return GraphDescriptor(id=f"{family}:{getattr(model, 'model_type', family)}",
                            method=declaration.method, artifact=artifact)
 
