@@ -19,6 +19,7 @@ from mlx.utils import tree_flatten
 
 from ...contracts import STATE_ABI_CACHE_LIST, GraphDeclaration, GraphDescriptor
 from ...errors import MlxInferError
+from ...models import graph_family
 
 #: The graph ABI of a denoising graph: prefill/extend state, canvas logits, soft embeddings.
 GRAPH_ABI_DENOISING = "mlx-denoising-v1"
