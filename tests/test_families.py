@@ -21,7 +21,7 @@ import pytest
 
 from families import SCHEDULE, SEQ, SPECS, WINDOW, build_mlx_lm, build_ours, hf_cached_logits, hf_setup, run_schedule
 from mlx_infer.contracts import GraphDeclaration
-from mlx_infer.models import get_model_classes
+from mlx_infer.models import family_of, get_model_classes, graph_family
 
 HF_ATOL = 1e-4  # float32 MLX vs float32 torch; the measured max |diff| is printed by -s (<= 5e-6 seen)
 ALL = list(SPECS)
@@ -38,6 +38,9 @@ def test_config_and_declaration(name):
     # No compiled C++ step: the binding refuses and generate / the engine run the eager graph.
     assert model.declaration == GraphDeclaration(method="autoregressive", compiled_decode=False)
     assert len(model.layers) == cfg["num_hidden_layers"]
+    assert graph_family(model) == family_of(cfg["model_type"])  # declared by the class, as the registry says
+    attn = model.layers[0].self_attn  # the Graph members the paged store and the prefill policy size from
+    assert all(isinstance(getattr(attn, k), int) for k in ("n_heads", "n_kv_heads", "head_dim"))
 
 
 @pytest.mark.parametrize("name", ALL)

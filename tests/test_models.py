@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 import torch
@@ -37,7 +38,7 @@ from mlx_infer.contracts import Cache, GraphDeclaration
 from mlx_infer.errors import UnsupportedModelError
 from mlx_infer.layers.attention import create_attention_mask, create_causal_mask, scaled_dot_product_attention
 from mlx_infer.layers.rope import initialize_rope
-from mlx_infer.models import MODEL_TYPE_ALIASES, SUPPORTED_MODEL_TYPES, get_model_classes
+from mlx_infer.models import MODEL_TYPE_ALIASES, SUPPORTED_MODEL_TYPES, get_model_classes, graph_family
 from mlx_infer.state.kv import KVCache, RotatingKVCache
 
 HF_ATOL = 1e-4  # float32 MLX vs float32 torch; measured max |diff| <= 1.7e-6
@@ -195,6 +196,32 @@ def test_registry_aliases_and_unknown_type():
     assert issubclass(UnsupportedModelError, ValueError)
 
 
+def test_every_registered_family_declares_itself():
+    for model_type, family in MODEL_TYPE_ALIASES.items():
+        cls = get_model_classes(model_type)[0]
+        assert "family" in vars(cls), f"{cls.__module__}.Model inherits its family instead of declaring it"
+        assert graph_family(cls) == cls.family == family, model_type
+    llama_cls = get_model_classes("llama")[0]
+    recast = type("Model", (llama_cls,), {"__module__": "somewhere.else"})  # a wrapper's re-class
+    assert graph_family(recast) == "llama"  # declared, never read from __module__
+
+
+def test_an_undeclared_graph_is_refused_naming_the_class_and_the_fix():
+    from mlx_infer.generation.bindings.autoregressive import bind_autoregressive
+
+    class Undeclared(nn.Module):
+        declaration = GraphDeclaration()
+
+    fix = r"test_models\.test_an_undeclared.*\.Undeclared declares no model family; add a class attribute such as `family = \"llama\"`"
+    with pytest.raises(UnsupportedModelError, match=fix):
+        graph_family(Undeclared())
+    with pytest.raises(UnsupportedModelError, match=fix):
+        bind_autoregressive(Undeclared())
+    Undeclared.family = ""
+    with pytest.raises(UnsupportedModelError, match="declares no model family"):
+        graph_family(Undeclared)
+
+
 @pytest.mark.parametrize("name", ALL)
 def test_model_args_ignore_unknown_keys_and_declaration(name):
     cfg = hf_setup(name)[0]
@@ -204,6 +231,9 @@ def test_model_args_ignore_unknown_keys_and_declaration(name):
     model = build_ours(name)
     assert model.declaration == GraphDeclaration(method="autoregressive", compiled_decode=True)
     assert model.args is not None and len(model.layers) == cfg["num_hidden_layers"]
+    assert graph_family(model) == MODEL_TYPE_ALIASES[cfg["model_type"]]
+    attn = model.layers[0].self_attn  # the Graph members the paged store and the prefill policy size from
+    assert all(isinstance(getattr(attn, k), int) for k in ("n_heads", "n_kv_heads", "head_dim"))
 
 
 # -- against transformers -------------------------------------------------

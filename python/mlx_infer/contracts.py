@@ -73,15 +73,30 @@ class Cache(Protocol):
 
 
 class Graph(Protocol):
-    """A model family instance: an ``nn.Module`` with these members.
+    """A model family instance (autoregressive): an ``nn.Module`` with these members.
 
-    ``__call__(inputs (B, L) int32, cache=None) -> logits (B, L, vocab)``.
+    These are what the generation loops and the engine call (the binding reads the
+    declaration and sizes; the loops run the phases):
+
+    - ``family``: the family's name, declared once on the ``Model`` class
+      (read through :func:`mlx_infer.models.graph_family`);
+    - ``__call__(inputs (B, L) int32, cache=None) -> logits (B, L, vocab)``: eager decode;
+    - ``model(inputs (B, L), cache=None) -> hidden (B, L, hidden)``: prefill, no LM head;
+      ``model.embed_tokens`` (its dtype sizes the prefill workspace);
+    - ``logits_from_hidden(hidden (B, L, hidden)) -> logits (B, L, vocab)``;
+    - ``layers[i].self_attn`` with ``n_heads``, ``n_kv_heads``, ``head_dim`` (the paged
+      KV store's and the prefill policy's sizes);
+    - ``args.vocab_size`` (constraints, the engine's token checks).
     """
 
+    family: str
     args: Any
     declaration: GraphDeclaration
+    model: Any
 
     def __call__(self, inputs: mx.array, cache: list[Cache] | None = None) -> mx.array: ...
+
+    def logits_from_hidden(self, h: mx.array) -> mx.array: ...
 
     def make_cache(self) -> list[Cache]: ...
 

@@ -2,6 +2,9 @@
 
 Each family is one module with ``ModelArgs`` (``from_dict`` ignores unknown
 keys) and ``Model`` (an ``nn.Module`` satisfying :class:`mlx_infer.contracts.Graph`).
+``Model`` declares its family once, as the class attribute ``family`` (the
+module's name: ``family = "llama"`` also serves ``mistral``, ``qwen2``, ``qwen3``);
+:func:`graph_family` is the one place that reads it.
 """
 
 from __future__ import annotations
@@ -54,6 +57,26 @@ def family_of(model_type: str) -> str:
             f"Model type {model_type!r} is not supported. Supported model types: "
             f"{', '.join(SUPPORTED_MODEL_TYPES)}."
         )
+    return family
+
+
+def graph_family(model: Any) -> str:
+    """The family of a graph (instance or class): its ``family`` class attribute.
+
+    Subclasses inherit it, so the wrappers that re-class a graph (tensor and
+    pipeline parallel, adapters) keep their family; a family that subclasses
+    another's ``Model`` declares its own.
+
+    Raises:
+        UnsupportedModelError: the class declares no family (the message names
+            the class and the fix).
+    """
+    cls = model if isinstance(model, type) else type(model)
+    family = getattr(cls, "family", None)
+    if not isinstance(family, str) or not family:
+        raise UnsupportedModelError(
+            f"{cls.__module__}.{cls.__qualname__} declares no model family; add a class attribute "
+            f"such as `family = \"llama\"` to it (the family module's name, see mlx_infer/models/).")
     return family
 
 
@@ -122,4 +145,4 @@ def materialize_graph_constants(model: nn.Module) -> None:
 
 
 __all__ = ["MODEL_TYPE_ALIASES", "SUPPORTED_MODEL_TYPES", "family_of", "get_model_classes", "graph_constants",
-           "materialize_graph_constants"]
+           "graph_family", "materialize_graph_constants"]

@@ -323,6 +323,8 @@ def _dense(weights: dict[str, mx.array], base: str, in_dims: int) -> mx.array:
 class Model(nn.Module):
     """DeepSeek V3 causal LM: ``inputs (B, L) -> logits (B, L, vocab)``; eager decode only."""
 
+    #: The family this graph belongs to (its module here; see :func:`mlx_infer.models.graph_family`).
+    family = "deepseek_v3"
     declaration = GraphDeclaration(method="autoregressive", compiled_decode=False)
     #: Checkpoint modules this graph does not keep (adapters on them are refused, adapters/formats.py).
     adapter_absorbed = {"kv_b_proj": "DeepSeek's multi-head latent attention splits kv_b_proj into embed_q / "

@@ -148,6 +148,8 @@ class Model(nn.Module):
     - ``soft_embeddings(logits (B, C, V)) -> feedback (B, C, D)``.
     """
 
+    #: The family this graph belongs to (its module here; see :func:`mlx_infer.models.graph_family`).
+    family = "diffusion_gemma"
     declaration = GraphDeclaration(method="denoising", bounded_prefill_workspace=True, compiled_decode=False)
 
     def __init__(self, args: ModelArgs):

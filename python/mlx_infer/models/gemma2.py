@@ -184,6 +184,8 @@ class Model(nn.Module):
     eager graph (the engine over paged KV).
     """
 
+    #: The family this graph belongs to (its module here; see :func:`mlx_infer.models.graph_family`).
+    family = "gemma2"
     declaration = GraphDeclaration(method="autoregressive", compiled_decode=False)
 
     def __init__(self, args: ModelArgs):

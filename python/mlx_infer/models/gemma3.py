@@ -251,6 +251,8 @@ class Gemma3Model(nn.Module):
 class Model(nn.Module):
     """Gemma 3 causal LM: ``inputs (B, L) -> logits (B, L, vocab)``."""
 
+    #: The family this graph belongs to (its module here; see :func:`mlx_infer.models.graph_family`).
+    family = "gemma3"
     declaration = GraphDeclaration(method="autoregressive", compiled_decode=True)
 
     def __init__(self, args: ModelArgs):

@@ -450,6 +450,8 @@ class Model(nn.Module):
     scale) is refused by the binding, which then decodes eagerly.
     """
 
+    #: The family this graph belongs to (its module here; see :func:`mlx_infer.models.graph_family`).
+    family = "gemma4"
     declaration = GraphDeclaration(method="autoregressive", compiled_decode=True)
 
     def __init__(self, args: ModelArgs):

@@ -127,6 +127,8 @@ class Glm4Model(nn.Module):
 class Model(llama.Model):
     """GLM-4 causal LM: ``inputs (B, L) -> logits (B, L, vocab)``; eager decode only."""
 
+    #: The family this graph belongs to (its module here; see :func:`mlx_infer.models.graph_family`).
+    family = "glm4"
     declaration = GraphDeclaration(method="autoregressive", compiled_decode=False)
 
     def __init__(self, args: ModelArgs):

@@ -192,6 +192,8 @@ def _mxfp4_shell(weight_blocks: mx.array, bias: bool) -> QuantizedSwitchLinear:
 class Model(nn.Module):
     """gpt-oss causal LM: ``inputs (B, L) -> logits (B, L, vocab)``; eager decode only."""
 
+    #: The family this graph belongs to (its module here; see :func:`mlx_infer.models.graph_family`).
+    family = "gpt_oss"
     declaration = GraphDeclaration(method="autoregressive", compiled_decode=False)
 
     def __init__(self, args: ModelArgs):

@@ -224,6 +224,8 @@ class LlamaModel(nn.Module):
 class Model(nn.Module):
     """A Llama-family causal LM: ``inputs (B, L) -> logits (B, L, vocab)``."""
 
+    #: The family this graph belongs to (its module here; see :func:`mlx_infer.models.graph_family`).
+    family = "llama"
     declaration = GraphDeclaration(method="autoregressive", compiled_decode=True)
 
     def __init__(self, args: ModelArgs):

@@ -110,6 +110,8 @@ class Olmo2Model(nn.Module):
 class Model(llama.Model):
     """OLMo 2 causal LM: ``inputs (B, L) -> logits (B, L, vocab)``; eager decode only."""
 
+    #: The family this graph belongs to (its module here; see :func:`mlx_infer.models.graph_family`).
+    family = "olmo2"
     declaration = GraphDeclaration(method="autoregressive", compiled_decode=False)
 
     def __init__(self, args: ModelArgs):

@@ -187,6 +187,8 @@ class Phi3Model(nn.Module):
 class Model(nn.Module):
     """Phi-3 causal LM: ``inputs (B, L) -> logits (B, L, vocab)``; eager decode only."""
 
+    #: The family this graph belongs to (its module here; see :func:`mlx_infer.models.graph_family`).
+    family = "phi3"
     declaration = GraphDeclaration(method="autoregressive", compiled_decode=False)
 
     def __init__(self, args: ModelArgs):

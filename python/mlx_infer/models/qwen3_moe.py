@@ -131,6 +131,8 @@ class Qwen3MoeModel(nn.Module):
 class Model(llama.Model):
     """Qwen 3 MoE causal LM: ``inputs (B, L) -> logits (B, L, vocab)``; eager decode only."""
 
+    #: The family this graph belongs to (its module here; see :func:`mlx_infer.models.graph_family`).
+    family = "qwen3_moe"
     declaration = GraphDeclaration(method="autoregressive", compiled_decode=False)
 
     def __init__(self, args: ModelArgs):

@@ -49,6 +49,8 @@ class ModelArgs(llama.ModelArgs):
 class Model(llama.Model):
     """SmolLM 3 causal LM: ``inputs (B, L) -> logits (B, L, vocab)``; eager decode only."""
 
+    #: The family this graph belongs to (its module here; see :func:`mlx_infer.models.graph_family`).
+    family = "smollm3"
     declaration = GraphDeclaration(method="autoregressive", compiled_decode=False)
 
     def __init__(self, args: ModelArgs):

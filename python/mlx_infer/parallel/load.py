@@ -19,6 +19,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import ModelLoadError
+from ..models import graph_family
 from .shard import FusedSlice, ShardPlan, Slice
 
 # safetensors dtype -> (numpy dtype to read the bytes as, MLX dtype to view them as, or None)
@@ -156,7 +157,7 @@ def sharded_weights(model: Any, files: list[Path], pg: Any, quantize: Any) -> tu
     missing = sorted(set(expected) - set(weights))
     extra = sorted(set(weights) - set(expected))
     if missing or extra:
-        raise ModelLoadError(f"the checkpoint does not match this {type(model).__module__} model: missing "
+        raise ModelLoadError(f"the checkpoint does not match this {graph_family(model)!r}-family model: missing "
                              f"{missing[:3]}, unexpected {extra[:3]}.")
     for k, shape in expected.items():
         if tuple(weights[k].shape) != shape:

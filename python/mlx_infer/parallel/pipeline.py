@@ -34,6 +34,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import UnsupportedModelError
+from ..models import graph_family
 from .group import ParallelGroup
 from .shard import ShardPlan
 
@@ -133,7 +134,7 @@ def make_pipeline_plan(model: nn.Module, pg: ParallelGroup) -> ShardPlan:
     Raises:
         UnsupportedModelError: a family without a pipeline, or fewer layers than ranks.
     """
-    family = type(model).__module__.rsplit(".", 1)[-1]
+    family = graph_family(model)
     if family not in PP_FAMILIES:
         raise UnsupportedModelError(f"pipeline parallel is not supported for the {family!r} family (supported: "
                                     f"{', '.join(PP_FAMILIES)}); use tensor parallel (the default).")

@@ -67,6 +67,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..errors import UnsupportedModelError
+from ..models import graph_family
 from .group import ParallelGroup
 
 #: Families whose graphs can be split (module name of the family file).
@@ -157,10 +158,6 @@ class ShardPlan:
         return tuple(out)
 
 
-def _family(model: nn.Module) -> str:
-    return type(model).__module__.rsplit(".", 1)[-1]
-
-
 def _linear_slices(plan: ShardPlan, path: str, module: nn.Module, axis: int, lo: int, hi: int, den: int) -> None:
     """Slices of a (possibly quantized) linear's parameters; ``axis`` 0 = output rows, -1 = inputs."""
     for name in ("weight", "scales", "biases"):
@@ -173,7 +170,7 @@ def _linear_slices(plan: ShardPlan, path: str, module: nn.Module, axis: int, lo:
             plan.slices[f"{path}.bias"] = Slice(0, 0, 1, 1, zero_unless_leader=True)
 
 
-def _attention(plan: ShardPlan, path: str, attn: nn.Module) -> None:
+def _attention(plan: ShardPlan, path: str, attn: nn.Module, family: str) -> None:
     N, r = plan.pg.size, plan.pg.rank
     H, KVH = int(attn.n_heads), int(attn.n_kv_heads)
     if H % N:
@@ -205,7 +202,7 @@ def _attention(plan: ShardPlan, path: str, attn: nn.Module) -> None:
     if "qkv_proj" in attn:  # Phi 3: q | k | v fused along the output, each part split by its heads
         fused = FusedSlice(0, ((H, r * Hl, (r + 1) * Hl), (KVH, lo, lo + KVl), (KVH, lo, lo + KVl)))
         _fused_slices(plan, f"{path}.qkv_proj", attn.qkv_proj, fused)
-    if _family_of(attn) == "olmo2":  # RMSNorm over all heads' concatenation: sums of squares all_sum-ed
+    if family == "olmo2":  # RMSNorm over all heads' concatenation: sums of squares all_sum-ed
         plan.slices[f"{path}.q_norm.weight"] = Slice(0, r * Hl, (r + 1) * Hl, H)
         plan.slices[f"{path}.k_norm.weight"] = Slice(0, lo, lo + KVl, KVH)
         plan.global_norms += [f"{path}.q_norm", f"{path}.k_norm"]
@@ -232,10 +229,6 @@ def _mla(plan: ShardPlan, path: str, attn: nn.Module) -> None:
     if note not in plan.notes:
         plan.notes.append(note)
     plan.heads[path] = (Hl, 1)
-
-
-def _family_of(module: nn.Module) -> str:
-    return type(module).__module__.rsplit(".", 1)[-1]
 
 
 def _fused_slices(plan: ShardPlan, path: str, module: nn.Module, fused: FusedSlice) -> None:
@@ -275,7 +268,7 @@ def make_plan(model: nn.Module, pg: ParallelGroup) -> ShardPlan:
         UnsupportedModelError: the family has no tensor-parallel plan, or a
             dimension does not split over ``pg.size``.
     """
-    family = _family(model)
+    family = graph_family(model)
     if family not in TP_FAMILIES:
         raise UnsupportedModelError(
             f"tensor parallel is not supported for the {family!r} family yet (supported: "
@@ -283,7 +276,10 @@ def make_plan(model: nn.Module, pg: ParallelGroup) -> ShardPlan:
     plan = ShardPlan(pg)
     inner = model.model
     for i, layer in enumerate(inner.layers):
-        (_mla if family == "deepseek_v3" else _attention)(plan, f"model.layers.{i}.self_attn", layer.self_attn)
+        if family == "deepseek_v3":
+            _mla(plan, f"model.layers.{i}.self_attn", layer.self_attn)
+        else:
+            _attention(plan, f"model.layers.{i}.self_attn", layer.self_attn, family)
         _mlp(plan, f"model.layers.{i}.mlp", layer.mlp)
         if getattr(layer, "enable_moe", False):
             _experts(plan, f"model.layers.{i}.experts", layer.experts)

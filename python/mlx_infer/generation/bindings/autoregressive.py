@@ -2,9 +2,25 @@
 
 ``bind_autoregressive(loaded_or_model, composition)`` reads the graph's
 declaration and returns an :class:`AutoregressiveBinding`: its descriptor,
-phases (``prefill`` hidden states, one-token ``decode`` logits,
-``logits_from_hidden``), EOS ids, weight bytes, active adapters, KV scheme,
-paging, ``make_cache()``, the prefill policy and ``create_decode(policy)``.
+EOS ids, weight bytes, active adapters, KV scheme, ``make_cache()``, the
+prefill policy and ``create_decode(policy)``.
+
+The binding decides *how* a run goes (which decode step, what chunk size); the
+loops (``generation/autoregressive.py``, ``generation/static_batch.py``,
+``generation/constrained.py``, ``engine/``) then drive ``binding.graph``
+directly through the members :class:`~mlx_infer.contracts.Graph` lists:
+
+- ``graph(tokens (B, L), cache) -> logits (B, L, vocab)``: a decode step, eager;
+- ``graph.model(tokens (B, L), cache) -> hidden (B, L, hidden)``: a prefill
+  chunk (fills the cache; no LM head);
+- ``graph.logits_from_hidden(hidden (B, L, hidden)) -> logits (B, L, vocab)``:
+  the head, for the rows that need logits (prompt scores, a mixed step's ends);
+- ``graph.make_cache()``; ``graph.args.vocab_size``; and, to size the paged KV
+  store and the prefill workspace, ``graph.layers[i].self_attn``'s ``n_heads``,
+  ``n_kv_heads``, ``head_dim`` and ``graph.model.embed_tokens``' dtype.
+
+Paged KV is the engine's (``state/paged``): it wraps the graph's caches, and
+``engine/engine.py`` checks the paged step's extra conditions itself.
 
 ``create_decode`` returns the compiled C++ step
 (:class:`~mlx_infer.generation.bindings.decode_step.CompiledDecodeStep`) only
@@ -22,9 +38,8 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
-import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from ... import _fast
@@ -32,6 +47,7 @@ from ...contracts import (GRAPH_ABI_HIDDEN_BSH, STATE_ABI_CACHE_LIST, GraphDecla
                           GraphDescriptor)
 from ...adapters.bank import bank_of
 from ...errors import MlxInferError
+from ...models import graph_family
 from .decode_step import CompiledDecodeStep
 from .graph_spec import KV_DTYPES, DecodePolicy, DecodeStepUnsupported
 
@@ -94,31 +110,26 @@ class PrefillPolicy:
 class AutoregressiveBinding:
     """A graph bound for autoregressive generation.
 
+    The loops run the graph's phases themselves, through ``graph`` (see the
+    module docstring for the members they call).
+
     Attributes:
         descriptor: identity and ABI of the bound graph.
-        graph: the model (``nn.Module``).
-        prefill: ``(tokens (B, L), cache) -> hidden (B, L, hidden)``, filling the cache.
-        decode: ``(tokens (B, L), cache) -> logits (B, L, vocab)``.
-        logits_from_hidden: ``hidden (B, L, hidden) -> logits (B, L, vocab)``.
+        graph: the model (an ``nn.Module`` satisfying :class:`~mlx_infer.contracts.Graph`).
         eos_token_ids: tokens that end a generation.
-        memory: bytes held by the weights.
+        memory: bytes held by the weights (and the adapter bank, if any).
         composition: the per-run choices.
         prefill_policy: chunk sizing for prefill.
         adapters: names of the adapters registered on the graph (its bank).
-        paging: the paged-KV setup, or ``None`` (plain caches).
     """
 
     descriptor: GraphDescriptor
     graph: Any
-    prefill: Callable[..., mx.array]
-    decode: Callable[..., mx.array]
-    logits_from_hidden: Callable[[mx.array], mx.array]
     eos_token_ids: frozenset[int]
     memory: int
     composition: Composition
     prefill_policy: PrefillPolicy
     adapters: tuple[str, ...] = ()
-    paging: Any = None
     _decode_unsupported: str | None = field(default=None, repr=False)
 
     @property
@@ -139,8 +150,6 @@ class AutoregressiveBinding:
             return "the graph declares no compiled decode step"
         if not self.composition.compiled_decode:
             return "the composition turned compiled decode off"
-        if self.paging is not None:
-            return "paged KV is in use"
         return self._decode_unsupported
 
     def create_decode(self, policy: DecodePolicy | None = None) -> CompiledDecodeStep | None:
@@ -165,7 +174,7 @@ class AutoregressiveBinding:
 
 def _descriptor(model: Any, artifact: str) -> GraphDescriptor:
     declaration: GraphDeclaration = getattr(model, "declaration", GraphDeclaration())
-    family = type(model).__module__.rsplit(".", 1)[-1]
+    family = graph_family(model)
     return GraphDescriptor(id=f"{family}:{getattr(model, 'model_type', family)}",
                            method=declaration.method, artifact=artifact)
 
@@ -210,9 +219,6 @@ def bind_autoregressive(loaded_or_model: Any, composition: Composition | None = 
     binding = AutoregressiveBinding(
         descriptor=_descriptor(model, artifact),
         graph=model,
-        prefill=lambda tokens, cache: model.model(tokens, cache=cache),
-        decode=lambda tokens, cache: model(tokens, cache=cache),
-        logits_from_hidden=model.logits_from_hidden,
         eos_token_ids=eos,
         memory=sum(v.nbytes for _, v in tree_flatten(model.parameters())) + (bank.nbytes if bank else 0),
         adapters=tuple(bank.names) if bank else (),

@@ -19,6 +19,7 @@ from mlx.utils import tree_flatten
 
 from ...contracts import STATE_ABI_CACHE_LIST, GraphDeclaration, GraphDescriptor
 from ...errors import MlxInferError
+from ...models import graph_family
 
 #: The graph ABI of a denoising graph: prefill/extend state, canvas logits, soft embeddings.
 GRAPH_ABI_DENOISING = "mlx-denoising-v1"
@@ -104,7 +105,9 @@ def bind_denoising(loaded_or_model: Any, *, eos_token_ids: frozenset[int] | None
     for operation in DENOISING_OPERATIONS:
         if not callable(getattr(model, operation, None)):
             raise TypeError(f"{type(model).__name__} declares the denoising method but provides no {operation}.")
-    family = type(model).__module__.rsplit(".", 1)[-1]
+    canvas_length = _positive_int("canvas_length", getattr(model, "canvas_length", None))
+    vocab_size = _positive_int("vocab_size", getattr(model, "vocab_size", None))
+    family = graph_family(model)
     binding = DenoisingBinding(
         descriptor=GraphDescriptor(id=f"{family}:{getattr(model, 'model_type', family)}", method="denoising",
                                    graph_abi=GRAPH_ABI_DENOISING, state_abi=STATE_ABI_CACHE_LIST,
@@ -114,9 +117,9 @@ def bind_denoising(loaded_or_model: Any, *, eos_token_ids: frozenset[int] | None
         extend_prefill=model.extend_prefill,
         decoder_logits=model.decoder_logits,
         soft_embeddings=model.soft_embeddings,
-        canvas_length=_positive_int("canvas_length", getattr(model, "canvas_length", None)),
+        canvas_length=canvas_length,
         embed_scale=float(getattr(model, "embed_scale", 1.0)),
-        vocab_size=_positive_int("vocab_size", getattr(model, "vocab_size", None)),
+        vocab_size=vocab_size,
         eos_token_ids=eos,
         memory=sum(v.nbytes for _, v in tree_flatten(model.parameters())) if hasattr(model, "parameters") else 0,
     )

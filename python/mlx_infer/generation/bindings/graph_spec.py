@@ -35,7 +35,7 @@ from mlx.utils import tree_flatten
 
 from ... import _fast
 from ...layers.rope import Llama3RoPE, YarnRoPE
-from ...models import materialize_graph_constants
+from ...models import graph_family, materialize_graph_constants
 from ...layers.switch import QuantizedSwitchLinear, SwitchLinear
 from ...models.gemma4 import FULL, SLIDING, ProportionalRoPE
 from .fused import fuse_in_place
@@ -98,8 +98,8 @@ class DecodePolicy:
 
 
 def family_of_graph(model: Any) -> str:
-    """``"llama"``, ``"gemma3"`` or ``"gemma4"`` from the graph's module; raises DecodeStepUnsupported otherwise."""
-    family = type(model).__module__.rsplit(".", 1)[-1]
+    """``"llama"``, ``"gemma3"`` or ``"gemma4"`` (the graph's declared family); raises DecodeStepUnsupported otherwise."""
+    family = graph_family(model)
     if family not in SUPPORTED_FAMILIES:
         raise DecodeStepUnsupported(f"no compiled decode step for the {family!r} graph family")
     return family
