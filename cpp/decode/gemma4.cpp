@@ -5,6 +5,7 @@
 // the same step; only KV-owning layers have buffers (see decode.h). The K/V storage is
 // a KVAccess: DecodeStep's buffers or a paged store's pages (paged_step.cpp).
 #include "gemma4.h"
+#include "weights.h"
 
 #include "mlx_infer/cpu_attention.h"
 #include "mlx_infer/matmul.h"

@@ -1,4 +1,4 @@
-// Internal to cpp/decode/: the weights of a decode step and its one-token forward.
+// Internal to cpp/decode/: the weights of a decode step and its one-token forward (reading the weights: weights.h).
 #pragma once
 
 #include <memory>
@@ -132,12 +132,6 @@ std::vector<mx::array> decode_forward(
 /// Raises std::invalid_argument naming the first field of ``c`` that is out of range.
 void validate_decode_config(const DecodeConfig& c);
 
-/// Builds the graph's weights from canonical names (see decode.h).
-void load_graph_weights(
-    DecodeStep::Graph& g,
-    const std::unordered_map<std::string, mx::array>& weights,
-    const std::unordered_map<std::string, QuantSpec>& quantization);
-
 // -- building blocks shared by the families' forwards (graph.cpp) --
 
 mx::array scalar(double v, mx::Dtype dtype);
@@ -146,8 +140,6 @@ mx::array scalar(double v, mx::Dtype dtype);
 mx::array apply_linear(const Linear& l, const mx::array& x);
 /// The layer's own product, no adapter.
 mx::array base_linear(const Linear& l, const mx::array& x);
-/// The linears the forward runs (those an adapter may target): name -> output features.
-std::unordered_map<std::string, int> linear_outs(const DecodeStep::Graph& g);
 /// nn.Embedding / nn.QuantizedEmbedding lookup: ids (B, 1) -> (B, 1, width).
 mx::array embed_lookup(const Linear& e, const mx::array& ids);
 /// Embedding.as_linear (the tied head).
@@ -168,15 +160,5 @@ mx::array gated(const DecodeConfig& cfg, const mx::array& gate, const mx::array&
 /// Writes one token per row into a (B, KVH, S, D) buffer at slot[b] (or at static_slot).
 mx::array write_slot(const mx::array& buf, const mx::array& x, const mx::array& slot,
                      std::optional<int> static_slot);
-
-std::optional<mx::array> find_weight(const std::unordered_map<std::string, mx::array>& w,
-                                     const std::string& name);
-/// The weight, or std::invalid_argument naming it.
-mx::array require_weight(const std::unordered_map<std::string, mx::array>& w, const std::string& name);
-/// ``name``.{weight,bias,scales,biases} with the quantization of ``name`` (if any).
-Linear read_linear(const std::unordered_map<std::string, mx::array>& w,
-                   const std::unordered_map<std::string, QuantSpec>& quant,
-                   const std::vector<std::string>& fast, const std::string& name,
-                   bool required = true);
 
 }  // namespace mlx_infer

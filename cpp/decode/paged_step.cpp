@@ -10,6 +10,7 @@
 
 #include "graph.h"
 #include "lora.h"
+#include "weights.h"
 #include "mlx_infer/paged_attention.h"
 
 namespace mlx_infer {

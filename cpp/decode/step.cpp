@@ -6,6 +6,7 @@
 
 #include "graph.h"
 #include "lora.h"
+#include "weights.h"
 
 namespace mlx_infer {
 

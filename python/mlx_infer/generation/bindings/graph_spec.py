@@ -234,7 +234,7 @@ def check_every_parameter_used(model: nn.Module, used: Sequence[mx.array]) -> No
     """Refuse a graph with a parameter the step would not read (a translation gap, never silently skipped).
 
     ``used``: every array the spec hands to the step or derives a handed-over array from. The C++ side checks
-    the converse (a handed-over name the step does not read is an error: cpp/decode/graph.cpp).
+    the converse (a handed-over name the step does not read is an error: cpp/decode/weights.cpp).
 
     Raises:
         DecodeStepUnsupported: naming the parameters the step would ignore.
