@@ -95,6 +95,7 @@ TINY = {
 ENGINE_POLICIES = {
     "step": DecodePolicy(),  # the default: on a GPU per-step graph at batch 1, compiled from batch 2
     "step-fused": DecodePolicy(fuse_projections=True),
+    "step-unfused": DecodePolicy(fuse_projections=False),  # A/B of the GPU default (fused in place)
     "compiled": DecodePolicy(compile=True, compile_min_batch=1),
     "graph": DecodePolicy(compile=False),
     "compiled-fused": DecodePolicy(compile=True, compile_min_batch=1, fuse_projections=True),

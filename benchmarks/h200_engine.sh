@@ -5,6 +5,7 @@
 #   bash benchmarks/h200_engine.sh a   # llama-1B and gemma3-270m: served table with the HTTP column, default sizing
 #   bash benchmarks/h200_engine.sh b   # llama-8B served table; a joining request's TTFT; host time per step;
 #                                      # llama-1B at 64/128 streams with the old default's 119.5 GiB pool
+#   bash benchmarks/h200_engine.sh c   # the chunk-step CUDA probe; the products probe (issue 17); fused vs not
 #
 # Every command has its own timeout so a phase ends inside the call's limit and keeps what finished.
 set -uo pipefail
@@ -34,5 +35,14 @@ case "${1:-a}" in
     run 150 llama-1b-pool119 $served --shape llama-1b --streams 64,128 --memory-budget 149 \
       --json "$out/h200-served-llama-1b-pool119.json"
     ;;
-  *) echo "usage: $0 a|b" >&2; exit 2 ;;
+  c)
+    # Which chunk-only steps fail on CUDA (the tiny-shape failure of session 5), then issue 17's probe and
+    # the fused-in-place projections against one product each (the compiled step, batch 1 and 32).
+    run 90 chunk-probe python benchmarks/gpu_chunk_probe.py
+    run 150 products python benchmarks/products.py --json "$out/h200-products.json" --plot "$out/h200-products.png"
+    run 240 fused python benchmarks/gpu_decode.py --models llama-8b,llama-1b,gemma3-270m --batches 1,32 \
+      --engines mlx-lm,step,step-unfused -n 2 --json "$out/h200-decode-fused.json"
+    run 60 host-step python benchmarks/host_step.py --streams 64
+    ;;
+  *) echo "usage: $0 a|b|c" >&2; exit 2 ;;
 esac
