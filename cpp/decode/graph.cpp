@@ -124,6 +124,9 @@ mx::array rms(const mx::array& x, const std::optional<mx::array>& w, float eps) 
 }
 
 mx::array rope(const mx::array& x, const RopeSpec& r, const mx::array& offset) {
+  if (r.dims == 0) {
+    return x;  // a layer without RoPE
+  }
   auto y = x;
   if (r.mscale != 1.0f) {  // YarnRoPE: x.at[..., :dims].multiply(mscale)
     int D = x.shape(-1);
@@ -326,6 +329,9 @@ mx::array decode_layers(
     }
     attn = mx::reshape(mx::transpose(attn, {0, 2, 1, 3}), {B, 1, H * D});  // (B, 1, H*D)
     auto r = tp_sum(g, apply_linear(lw.o, attn));  // (B, 1, E): all heads' sum under tensor parallel
+    if (cfg.residual_scale != 1.0f) {
+      r = mx::multiply(r, scalar(cfg.residual_scale, r.dtype()));
+    }
 
     if (lw.post_attn_norm) {  // gemma3 sandwich norms
       h = residual(cfg, h, rms(r, lw.post_attn_norm, cfg.rms_norm_eps));
@@ -347,6 +353,9 @@ mx::array decode_layers(
         ? fast_gated_activation(gate, up, cfg.activation == "gelu_tanh" ? "gelu_approx" : "silu")
         : gated(cfg, gate, up);
     r = tp_sum(g, apply_linear(lw.down, act));
+    if (cfg.residual_scale != 1.0f) {
+      r = mx::multiply(r, scalar(cfg.residual_scale, r.dtype()));
+    }
     if (lw.post_mlp_norm) {
       h = residual(cfg, h, rms(r, lw.post_mlp_norm, cfg.rms_norm_eps));
     } else {
@@ -360,6 +369,9 @@ mx::array decode_layers(
   h = rms(h, g.norm, cfg.rms_norm_eps);
   auto logits = g.lm_head.present() ? apply_linear(g.lm_head, h) : embed_as_linear(g.embed, h);
   logits = tp_gather_logits(g, logits);  // (B, 1, vocab)
+  if (cfg.logits_divisor != 1.0f) {
+    logits = mx::divide(logits, scalar(cfg.logits_divisor, logits.dtype()));
+  }
   if (cfg.final_logit_softcap) {
     auto cap = scalar(*cfg.final_logit_softcap, logits.dtype());
     logits = mx::multiply(mx::tanh(mx::divide(logits, cap)), cap);

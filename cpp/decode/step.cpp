@@ -57,8 +57,12 @@ void validate_decode_config(const DecodeConfig& c) {
     if (kvh < 1 || c.num_heads % kvh != 0) fail("num_heads must be a multiple of each layer's KV heads.");
     if (hd < 1) fail("head dims must be positive.");
     const auto& r = c.ropes[i];
-    if (r.base.has_value() == r.freqs.has_value()) fail("each RopeSpec needs exactly one of base and freqs.");
-    if (r.dims < 2 || r.dims > hd) fail("RopeSpec.dims must be in [2, the layer's head_dim].");
+    if (r.dims == 0) {  // a layer without RoPE (SmolLM 3's NoPE layers): nothing else to check
+      if (r.base || r.freqs) fail("a RopeSpec of dims 0 (no RoPE) takes neither base nor freqs.");
+    } else {
+      if (r.base.has_value() == r.freqs.has_value()) fail("each RopeSpec needs exactly one of base and freqs.");
+      if (r.dims < 2 || r.dims > hd) fail("RopeSpec.dims must be in [2, the layer's head_dim] (0: no RoPE).");
+    }
     const int d = c.kv_donors.empty() ? -1 : c.kv_donors[i];
     if (d == -1) continue;
     if (d < 0 || d >= i || c.kv_donors[d] != -1) {

@@ -46,7 +46,7 @@ namespace mx = mlx::core;
 
 /// RoPE of one layer, as ``mx::fast::rope`` takes it (exactly one of base/freqs).
 struct RopeSpec {
-  int dims = 0;
+  int dims = 0;  // 0: the layer applies no RoPE
   bool traditional = false;
   std::optional<float> base;
   float scale = 1.0f;
@@ -68,6 +68,8 @@ struct DecodeConfig {
   float attn_scale = 1.0f;
   std::string activation = "silu";  // "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
   float embed_scale = 0.0f;         // multiply embeddings by this when != 0
+  float residual_scale = 1.0f;      // granite: each sublayer's output times this before its residual add
+  float logits_divisor = 1.0f;      // granite: the logits over this (its logits_scaling)
   bool clip_f16_residual = false;   // gemma3: f16 residual sums in f32, clipped
   std::optional<float> final_logit_softcap;
   std::vector<int> windows;     // per layer: 0 = global, else the sliding window

@@ -34,14 +34,17 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ... import _fast
-from ...layers.rope import Llama3RoPE, YarnRoPE
+from ...layers.rope import Llama3RoPE, NoPE, YarnRoPE
 from ...models import graph_family, materialize_graph_constants
 from ...layers.switch import QuantizedSwitchLinear, SwitchLinear
 from ...models.gemma4 import FULL, SLIDING, ProportionalRoPE
 from .fused import fuse_in_place
 
 #: Families with a C++ step (module name of the graph's family file).
-SUPPORTED_FAMILIES = ("llama", "gemma3", "gemma4")
+SUPPORTED_FAMILIES = ("llama", "gemma3", "gemma4", "smollm3", "granite")
+#: Families the llama forward of the C++ step runs, with the switches their spec sets (NoPE layers: a RoPE
+#: of no dims; granite's multipliers: embed_scale, attn_scale, residual_scale, logits_divisor).
+LLAMA_FORWARD = ("llama", "smollm3", "granite")
 
 #: KV scheme name -> the buffer dtype the C++ step takes.
 KV_DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}
@@ -98,7 +101,8 @@ class DecodePolicy:
 
 
 def family_of_graph(model: Any) -> str:
-    """``"llama"``, ``"gemma3"`` or ``"gemma4"`` (the graph's declared family); raises DecodeStepUnsupported otherwise."""
+    """The graph's declared family where the C++ step has a forward for it (:data:`SUPPORTED_FAMILIES`);
+    raises DecodeStepUnsupported otherwise."""
     family = graph_family(model)
     if family not in SUPPORTED_FAMILIES:
         raise DecodeStepUnsupported(f"no compiled decode step for the {family!r} graph family")
@@ -106,6 +110,8 @@ def family_of_graph(model: Any) -> str:
 
 
 def _rope_spec(rope: nn.Module) -> Any:
+    if isinstance(rope, NoPE):
+        return _fast.RopeSpec(dims=0)  # the layer applies no RoPE
     if isinstance(rope, ProportionalRoPE):
         return _fast.RopeSpec(dims=rope.dims, traditional=False, freqs=rope._freqs)
     if isinstance(rope, Llama3RoPE):
@@ -164,7 +170,7 @@ def graph_spec(model: Any, *, kv_scheme: str | None = None,
     gemma = family == "gemma3"
     attn0 = inner.layers[0].self_attn
     cfg = _fast.DecodeConfig()
-    cfg.family = family
+    cfg.family = "llama" if family in LLAMA_FORWARD else family
     cfg.num_layers = len(inner.layers)
     cfg.hidden_size = args.hidden_size
     cfg.num_heads = attn0.n_heads
@@ -178,6 +184,12 @@ def graph_spec(model: Any, *, kv_scheme: str | None = None,
     cfg.clip_f16_residual = gemma
     cfg.final_logit_softcap = (float(args.final_logit_softcapping)
                                if gemma and args.final_logit_softcapping is not None else None)
+    switches = getattr(model, "decode_switches", None)  # what the family's file says its forward adds
+    for key, value in (switches() if switches is not None else {}).items():
+        if not hasattr(cfg, key):
+            raise DecodeStepUnsupported(f"no compiled decode step: {family}'s decode_switches names {key!r}, "
+                                        "which the C++ step does not have")
+        setattr(cfg, key, value)
     window = args.sliding_window
     cfg.windows = [int(window) if layer.use_sliding else 0 for layer in inner.layers]
     cfg.ropes = [_rope_spec(layer.self_attn.rope) for layer in inner.layers]
