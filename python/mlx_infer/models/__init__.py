@@ -2,6 +2,8 @@
 
 Each family is one module with ``ModelArgs`` (``from_dict`` ignores unknown
 keys) and ``Model`` (an ``nn.Module`` satisfying :class:`mlx_infer.contracts.Graph`).
+The scaffolding they share (decoder stack, LM head, ``sanitize``, caches, the
+RoPE-then-cache step) is in :mod:`mlx_infer.models.base`; ``schema`` checks configs.
 """
 
 from __future__ import annotations
