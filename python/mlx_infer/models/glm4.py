@@ -19,10 +19,10 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..contracts import GraphDeclaration
-from ..layers.attention import create_attention_mask, scaled_dot_product_attention
+from ..layers.attention import scaled_dot_product_attention
 from ..layers.rope import initialize_rope
-from ..state.kv import KVCache
 from . import llama
+from .base import CausalLM, DecoderModel, rope_and_cache
 from .phi3 import MLP
 from .schema import check_number, config_fields
 
@@ -71,13 +71,7 @@ class Attention(nn.Module):
         queries = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)  # (B, H, L, D)
         keys = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)  # (B, KVH, L, D)
         values = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)  # (B, KVH, L, D)
-        if cache is not None:
-            queries = self.rope(queries, offset=cache.offset)
-            keys = self.rope(keys, offset=cache.offset)
-            keys, values = cache.update_and_fetch(keys, values)  # (B, KVH, S, D)
-        else:
-            queries = self.rope(queries)
-            keys = self.rope(keys)
+        queries, keys, values = rope_and_cache(self.rope, queries, keys, values, cache)  # k, v: (B, KVH, S, D)
         out = scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)  # (B, H, L, D)
         out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)  # (B, L, H*D)
         return self.o_proj(out)
@@ -102,41 +96,17 @@ class TransformerBlock(nn.Module):
         return self.post_mlp_layernorm(self.mlp(self.post_attention_layernorm(h))) + h
 
 
-class Glm4Model(nn.Module):
+class Glm4Model(DecoderModel):
     """Embedding, blocks and final norm: tokens to final hidden states."""
 
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [TransformerBlock(args) for _ in range(args.num_hidden_layers)]
-        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-
-    def __call__(self, inputs: mx.array | None, cache: list[Any] | None = None,
-                 input_embeddings: mx.array | None = None) -> mx.array:
-        """Return the final-norm hidden states ``(B, L, hidden)``."""
-        h = input_embeddings if input_embeddings is not None else self.embed_tokens(inputs)  # (B, L, E)
-        if cache is None:
-            cache = [None] * len(self.layers)
-        mask = create_attention_mask(h, cache[0])
-        for layer, c in zip(self.layers, cache):
-            h = layer(h, mask, c)
-        return self.norm(h)
+        super().__init__(args, lambda i: TransformerBlock(args))
 
 
-class Model(llama.Model):
+class Model(CausalLM):
     """GLM-4 causal LM: ``inputs (B, L) -> logits (B, L, vocab)``; eager decode only."""
 
     declaration = GraphDeclaration(method="autoregressive", compiled_decode=False)
 
     def __init__(self, args: ModelArgs):
-        nn.Module.__init__(self)
-        self.args = args
-        self.model_type = args.model_type
-        self.model = Glm4Model(args)
-        if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-
-    def make_cache(self) -> list[KVCache]:
-        """One growing cache per layer (every layer is global)."""
-        return [KVCache() for _ in self.layers]
+        super().__init__(args, Glm4Model(args))
