@@ -29,10 +29,10 @@ import mlx.nn as nn
 
 from ..contracts import GraphDeclaration
 from ..errors import UnsupportedModelError
-from ..layers.attention import create_attention_mask, dequantized, scaled_dot_product_attention
+from ..layers.attention import dequantized, scaled_dot_product_attention
 from ..layers.rope import SUPPORTED_ROPE_TYPES, initialize_rope, rope_type_of
 from ..layers.switch import SwitchGLU
-from ..state.kv import KVCache
+from .base import CausalLM, DecoderModel, PreNormBlock
 from .llama import swiglu
 from .schema import check_heads, check_number, check_rope_dict, config_fields
 
@@ -274,41 +274,21 @@ class MoE(nn.Module):
         return y
 
 
-class TransformerBlock(nn.Module):
+class TransformerBlock(PreNormBlock):
     """Pre-norm block: ``h = x + mla(norm(x)); out = h + mlp(norm(h))``."""
 
     def __init__(self, args: ModelArgs, layer: int):
-        super().__init__()
-        self.use_sliding = False
-        self.self_attn = Attention(args)
-        self.mlp = MoE(args) if args.is_moe_layer(layer) else MLP(args.hidden_size, args.intermediate_size)
-        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-
-    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), mask, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        super().__init__(args, Attention(args),
+                         MoE(args) if args.is_moe_layer(layer) else MLP(args.hidden_size, args.intermediate_size))
 
 
-class DeepseekV3Model(nn.Module):
+class DeepseekV3Model(DecoderModel):
     """Embedding, blocks and final norm: tokens to final hidden states."""
 
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [TransformerBlock(args, i) for i in range(args.num_hidden_layers)]
-        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+    mask_as_array = True  # the MLA attention folds the mask into its RoPE scores
 
-    def __call__(self, inputs: mx.array | None, cache: list[Any] | None = None,
-                 input_embeddings: mx.array | None = None) -> mx.array:
-        """Return the final-norm hidden states ``(B, L, hidden)``."""
-        h = input_embeddings if input_embeddings is not None else self.embed_tokens(inputs)  # (B, L, E)
-        if cache is None:
-            cache = [None] * len(self.layers)
-        mask = create_attention_mask(h, cache[0], return_array=True)
-        for layer, c in zip(self.layers, cache):
-            h = layer(h, mask, c)
-        return self.norm(h)
+    def __init__(self, args: ModelArgs):
+        super().__init__(args, lambda i: TransformerBlock(args, i))
 
 
 def _dense(weights: dict[str, mx.array], base: str, in_dims: int) -> mx.array:
@@ -320,7 +300,7 @@ def _dense(weights: dict[str, mx.array], base: str, in_dims: int) -> mx.array:
     return mx.dequantize(w, scales, biases, group_size=in_dims // scales.shape[-1], bits=w.shape[-1] * 32 // in_dims)
 
 
-class Model(nn.Module):
+class Model(CausalLM):
     """DeepSeek V3 causal LM: ``inputs (B, L) -> logits (B, L, vocab)``; eager decode only."""
 
     declaration = GraphDeclaration(method="autoregressive", compiled_decode=False)
@@ -330,23 +310,7 @@ class Model(nn.Module):
                                      "absorbed attention), so no kv_b_proj layer runs"}
 
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.model_type = args.model_type
-        self.model = DeepseekV3Model(args)
-        if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-
-    def __call__(self, inputs: mx.array | None, cache: list[Any] | None = None,
-                 input_embeddings: mx.array | None = None) -> mx.array:
-        """Logits ``(B, L, vocab)`` for token ids ``(B, L)`` (or ``input_embeddings``)."""
-        return self.logits_from_hidden(self.model(inputs, cache, input_embeddings))
-
-    def logits_from_hidden(self, h: mx.array) -> mx.array:
-        """Project final hidden states ``(B, L, hidden)`` to logits ``(B, L, vocab)``."""
-        if self.args.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(h)
-        return self.lm_head(h)
+        super().__init__(args, DeepseekV3Model(args))
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Stack the experts, split ``kv_b_proj`` into ``embed_q`` / ``unembed_out`` (dense: a
@@ -371,17 +335,4 @@ class Model(nn.Module):
                 v = v.reshape(a.num_attention_heads, a.qk_nope_head_dim + a.v_head_dim, -1)
                 weights[f"{attn}.embed_q.weight"] = mx.contiguous(v[:, : a.qk_nope_head_dim, :].swapaxes(-1, -2))
                 weights[f"{attn}.unembed_out.weight"] = mx.contiguous(v[:, a.qk_nope_head_dim:, :])
-        if not a.tie_word_embeddings and not any(k.startswith("lm_head.") for k in weights):
-            a.tie_word_embeddings = True
-            self.pop("lm_head")
-        if a.tie_word_embeddings:
-            weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
-        return weights
-
-    @property
-    def layers(self) -> list[TransformerBlock]:
-        return self.model.layers
-
-    def make_cache(self) -> list[KVCache]:
-        """One growing cache per layer, holding latents (as keys) and RoPE keys (as values)."""
-        return [KVCache() for _ in self.layers]
+        return self.sanitize_head(weights)
