@@ -1,5 +1,6 @@
 """The scaffolding the decoder-only families share (not a family: no ``model_type`` maps here).
 
+- :class:`GQAttention`: the q/k/v/o projections of grouped-query attention.
 - :func:`rope_and_cache`: the RoPE-then-cache step of every RoPE attention.
 - :class:`PreNormBlock`: ``h = x + attn(norm(x)); out = h + mlp(norm(h))`` with RMSNorms.
 - :class:`DecoderModel`: embedding, blocks and final norm, with one mask per layer kind.
@@ -46,6 +47,34 @@ def rope_and_cache(rope: Callable[..., mx.array], queries: mx.array, keys: mx.ar
     return queries, keys, values
 
 
+class GQAttention(nn.Module):
+    """The projections of grouped-query attention; a family's subclass adds its RoPE and norms
+    and writes the forward.
+
+    ``q_proj`` maps ``hidden -> n_heads * head_dim``, ``k_proj`` / ``v_proj`` ``hidden ->
+    n_kv_heads * head_dim`` and ``o_proj`` back (mlx-lm's names; the tensor-parallel plan
+    and the kernel swaps read ``n_heads`` / ``n_kv_heads`` / ``head_dim``).
+
+    Args:
+        args: the family's settings (``hidden_size``, ``num_attention_heads``,
+            ``num_key_value_heads``, ``head_dim``).
+        qkv_bias, o_bias: biases on the q/k/v and the output projections.
+        scale: the attention scale (default ``head_dim ** -0.5``).
+    """
+
+    def __init__(self, args: Any, *, qkv_bias: bool = False, o_bias: bool = False, scale: float | None = None):
+        super().__init__()
+        dim = args.hidden_size
+        self.n_heads = args.num_attention_heads
+        self.n_kv_heads = args.num_key_value_heads
+        self.head_dim = head_dim = args.head_dim
+        self.scale = head_dim**-0.5 if scale is None else scale
+        self.q_proj = nn.Linear(dim, self.n_heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(dim, self.n_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(dim, self.n_kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.n_heads * head_dim, dim, bias=o_bias)
+
+
 class PreNormBlock(nn.Module):
     """Pre-norm block: ``h = x + attn(norm(x)); out = h + mlp(norm(h))`` (RMSNorms).
 
@@ -82,14 +111,14 @@ class DecoderModel(nn.Module):
             ``rms_norm_eps``, optionally ``sliding_window``).
         make_layer: builds block ``i`` (called in layer order, after the embedding).
         norm: the final norm's class (``nn.RMSNorm`` or a family's own).
+        mask_as_array: pass masks as arrays (attention that adds the mask to its scores itself).
     """
 
-    #: Pass masks as arrays (attention that adds the mask to its scores itself).
-    mask_as_array: bool = False
-
-    def __init__(self, args: Any, make_layer: Callable[[int], nn.Module], norm: type = nn.RMSNorm):
+    def __init__(self, args: Any, make_layer: Callable[[int], nn.Module], *, norm: type = nn.RMSNorm,
+                 mask_as_array: bool = False):
         super().__init__()
         self.args = args
+        self.mask_as_array = mask_as_array
         self.sliding_window: int | None = getattr(args, "sliding_window", None)
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = [make_layer(i) for i in range(args.num_hidden_layers)]
@@ -182,4 +211,4 @@ class CausalLM(nn.Module):
                 for layer in self.layers]
 
 
-__all__ = ["CausalLM", "DecoderModel", "PreNormBlock", "rope_and_cache"]
+__all__ = ["CausalLM", "DecoderModel", "GQAttention", "PreNormBlock", "rope_and_cache"]

@@ -282,15 +282,6 @@ class TransformerBlock(PreNormBlock):
                          MoE(args) if args.is_moe_layer(layer) else MLP(args.hidden_size, args.intermediate_size))
 
 
-class DeepseekV3Model(DecoderModel):
-    """Embedding, blocks and final norm: tokens to final hidden states."""
-
-    mask_as_array = True  # the MLA attention folds the mask into its RoPE scores
-
-    def __init__(self, args: ModelArgs):
-        super().__init__(args, lambda i: TransformerBlock(args, i))
-
-
 def _dense(weights: dict[str, mx.array], base: str, in_dims: int) -> mx.array:
     """``base.weight``, dequantized (and its ``scales`` / ``biases`` removed) when a converter quantized it."""
     w = weights.pop(f"{base}.weight")
@@ -310,7 +301,8 @@ class Model(CausalLM):
                                      "absorbed attention), so no kv_b_proj layer runs"}
 
     def __init__(self, args: ModelArgs):
-        super().__init__(args, DeepseekV3Model(args))
+        # The MLA attention folds the mask into its RoPE scores: an array.
+        super().__init__(args, DecoderModel(args, lambda i: TransformerBlock(args, i), mask_as_array=True))
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Stack the experts, split ``kv_b_proj`` into ``embed_q`` / ``unembed_out`` (dense: a

@@ -29,7 +29,7 @@ import mlx.nn as nn
 from ..contracts import GraphDeclaration
 from ..layers.attention import softcapped_attention
 from ..layers.rope import initialize_rope
-from .base import CausalLM, DecoderModel, rope_and_cache
+from .base import CausalLM, DecoderModel, GQAttention, rope_and_cache
 from .gemma3 import MLP, RMSNorm
 from .schema import FULL, SLIDING, check_heads, check_layer_types, check_number, check_rope_dict, config_fields
 
@@ -77,22 +77,13 @@ class ModelArgs:
             self.layer_types = [FULL] * self.num_hidden_layers
 
 
-class Attention(nn.Module):
+class Attention(GQAttention):
     """Grouped-query attention with soft-capped scores."""
 
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        dim = args.hidden_size
-        self.n_heads = args.num_attention_heads
-        self.n_kv_heads = args.num_key_value_heads
-        self.head_dim = head_dim = args.head_dim
-        self.scale = 1.0 / (args.query_pre_attn_scalar**0.5)
+        super().__init__(args, scale=1.0 / (args.query_pre_attn_scalar**0.5))
         self.softcap = args.attn_logit_softcapping
-        self.q_proj = nn.Linear(dim, self.n_heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(dim, self.n_kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(dim, self.n_kv_heads * head_dim, bias=False)
-        self.o_proj = nn.Linear(self.n_heads * head_dim, dim, bias=False)
-        self.rope = initialize_rope(head_dim, args.rope_theta, args.rope_traditional)
+        self.rope = initialize_rope(self.head_dim, args.rope_theta, args.rope_traditional)
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         B, L, _ = x.shape
@@ -130,10 +121,10 @@ class TransformerBlock(nn.Module):
 class Gemma2Model(DecoderModel):
     """Embedding (scaled), blocks and final norm: tokens to final hidden states."""
 
-    mask_as_array = True  # softcapped_attention adds the mask to its materialized scores
-
     def __init__(self, args: ModelArgs):
-        super().__init__(args, lambda i: TransformerBlock(args, sliding=args.layer_types[i] == SLIDING), RMSNorm)
+        # softcapped_attention adds the mask to its materialized scores: an array.
+        super().__init__(args, lambda i: TransformerBlock(args, sliding=args.layer_types[i] == SLIDING),
+                         norm=RMSNorm, mask_as_array=True)
 
     def embed(self, inputs: mx.array | None, input_embeddings: mx.array | None) -> mx.array:
         """Token embeddings (or unscaled ``input_embeddings``) ``(B, L, hidden)`` times ``sqrt(hidden_size)``."""

@@ -29,7 +29,7 @@ from ..contracts import GraphDeclaration
 from ..errors import UnsupportedModelError
 from ..layers.attention import scaled_dot_product_attention
 from ..layers.rope import SUPPORTED_ROPE_TYPES, initialize_rope, rope_type_of
-from .base import CausalLM, DecoderModel, rope_and_cache
+from .base import CausalLM, DecoderModel, GQAttention, rope_and_cache
 from .schema import (FULL, SLIDING, check_heads, check_layer_types, check_nested_rope, check_number, check_rope_dict,
                      config_fields)
 
@@ -136,20 +136,12 @@ def residual_add(x: mx.array, y: mx.array) -> mx.array:
     return mx.clip(x.astype(mx.float32) + y.astype(mx.float32), -bound, bound).astype(mx.float16)
 
 
-class Attention(nn.Module):
+class Attention(GQAttention):
     """Grouped-query attention with q/k RMSNorm; local or global rope per layer kind."""
 
     def __init__(self, args: ModelArgs, *, sliding: bool):
-        super().__init__()
-        dim = args.hidden_size
-        self.n_heads = args.num_attention_heads
-        self.n_kv_heads = args.num_key_value_heads
-        self.head_dim = head_dim = args.head_dim
-        self.scale = args.query_pre_attn_scalar**-0.5
-        self.q_proj = nn.Linear(dim, self.n_heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(dim, self.n_kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(dim, self.n_kv_heads * head_dim, bias=False)
-        self.o_proj = nn.Linear(self.n_heads * head_dim, dim, bias=False)
+        super().__init__(args, scale=args.query_pre_attn_scalar**-0.5)
+        head_dim = self.head_dim
         self.q_norm = RMSNorm(head_dim, eps=args.rms_norm_eps)
         self.k_norm = RMSNorm(head_dim, eps=args.rms_norm_eps)
         if sliding:
@@ -209,7 +201,8 @@ class Gemma3Model(DecoderModel):
     """Embedding (scaled), blocks and final norm: tokens to final hidden states."""
 
     def __init__(self, args: ModelArgs):
-        super().__init__(args, lambda i: TransformerBlock(args, sliding=args.layer_types[i] == SLIDING), RMSNorm)
+        super().__init__(args, lambda i: TransformerBlock(args, sliding=args.layer_types[i] == SLIDING),
+                         norm=RMSNorm)
         # sqrt(hidden) rounded to bfloat16, as the checkpoints were trained and as mlx-lm
         # computes it (transformers in float32 uses the exact root: 25.30 vs 25.25 at 640).
         self.embed_scale: float = mx.array(args.hidden_size**0.5, mx.bfloat16).item()

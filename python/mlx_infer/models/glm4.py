@@ -22,7 +22,7 @@ from ..contracts import GraphDeclaration
 from ..layers.attention import scaled_dot_product_attention
 from ..layers.rope import initialize_rope
 from . import llama
-from .base import CausalLM, DecoderModel, rope_and_cache
+from .base import CausalLM, DecoderModel, GQAttention, rope_and_cache
 from .phi3 import MLP
 from .schema import check_number, config_fields
 
@@ -48,22 +48,12 @@ class ModelArgs(llama.ModelArgs):
                                                   integer=False, lo=0.0, hi=1.0, lo_open=True)
 
 
-class Attention(nn.Module):
+class Attention(GQAttention):
     """Grouped-query attention with q/k/v bias and partial interleaved RoPE."""
 
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        dim = args.hidden_size
-        self.n_heads = args.num_attention_heads
-        self.n_kv_heads = args.num_key_value_heads
-        self.head_dim = head_dim = args.head_dim
-        self.scale = head_dim**-0.5
-        bias = args.attention_bias
-        self.q_proj = nn.Linear(dim, self.n_heads * head_dim, bias=bias)
-        self.k_proj = nn.Linear(dim, self.n_kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(dim, self.n_kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * head_dim, dim, bias=False)
-        self.rope = initialize_rope(int(head_dim * args.partial_rotary_factor), args.rope_theta,
+        super().__init__(args, qkv_bias=args.attention_bias, o_bias=False)
+        self.rope = initialize_rope(int(self.head_dim * args.partial_rotary_factor), args.rope_theta,
                                     args.rope_traditional, args.rope_scaling, args.max_position_embeddings)
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
@@ -96,17 +86,10 @@ class TransformerBlock(nn.Module):
         return self.post_mlp_layernorm(self.mlp(self.post_attention_layernorm(h))) + h
 
 
-class Glm4Model(DecoderModel):
-    """Embedding, blocks and final norm: tokens to final hidden states."""
-
-    def __init__(self, args: ModelArgs):
-        super().__init__(args, lambda i: TransformerBlock(args))
-
-
 class Model(CausalLM):
     """GLM-4 causal LM: ``inputs (B, L) -> logits (B, L, vocab)``; eager decode only."""
 
     declaration = GraphDeclaration(method="autoregressive", compiled_decode=False)
 
     def __init__(self, args: ModelArgs):
-        super().__init__(args, Glm4Model(args))
+        super().__init__(args, DecoderModel(args, lambda i: TransformerBlock(args)))

@@ -30,7 +30,7 @@ from ..errors import ModelLoadError
 from ..layers.attention import scaled_dot_product_attention
 from ..layers.rope import SUPPORTED_ROPE_TYPES, initialize_rope, rope_type_of
 from ..layers.switch import QuantizedSwitchLinear, SwitchGLU
-from .base import CausalLM, DecoderModel, PreNormBlock, rope_and_cache
+from .base import CausalLM, DecoderModel, GQAttention, PreNormBlock, rope_and_cache
 from .schema import FULL, SLIDING, check_heads, check_layer_types, check_number, check_rope_dict, config_fields
 
 
@@ -87,22 +87,14 @@ def swiglu_oai(gate: mx.array, x: mx.array, alpha: float = 1.702, limit: float =
     return (x + 1.0) * (gate * mx.sigmoid(alpha * gate))
 
 
-class Attention(nn.Module):
+class Attention(GQAttention):
     """Grouped-query attention with biases and per-head attention sinks."""
 
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        dim = args.hidden_size
-        self.n_heads = args.num_attention_heads
-        self.n_kv_heads = args.num_key_value_heads
-        self.head_dim = head_dim = args.head_dim
-        self.scale = head_dim**-0.5
+        super().__init__(args, qkv_bias=True, o_bias=True)
         self.sinks = mx.zeros((self.n_heads,))
-        self.q_proj = nn.Linear(dim, self.n_heads * head_dim, bias=True)
-        self.k_proj = nn.Linear(dim, self.n_kv_heads * head_dim, bias=True)
-        self.v_proj = nn.Linear(dim, self.n_kv_heads * head_dim, bias=True)
-        self.o_proj = nn.Linear(self.n_heads * head_dim, dim, bias=True)
-        self.rope = initialize_rope(head_dim, args.rope_theta, False, args.rope_scaling, args.max_position_embeddings)
+        self.rope = initialize_rope(self.head_dim, args.rope_theta, False, args.rope_scaling,
+                                    args.max_position_embeddings)
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         B, L, _ = x.shape
@@ -140,13 +132,6 @@ class TransformerBlock(PreNormBlock):
         super().__init__(args, Attention(args), MLPBlock(args), sliding=sliding)
 
 
-class GptOssModel(DecoderModel):
-    """Embedding, blocks and final norm: tokens to final hidden states."""
-
-    def __init__(self, args: ModelArgs):
-        super().__init__(args, lambda i: TransformerBlock(args, sliding=args.layer_types[i] == SLIDING))
-
-
 def _mxfp4_shell(weight_blocks: mx.array, bias: bool) -> QuantizedSwitchLinear:
     """An empty MXFP4 expert linear shaped for ``*_blocks`` ``(E, out, in/32, 16)`` (weights loaded later)."""
     E, out, groups, _ = weight_blocks.shape
@@ -159,7 +144,8 @@ class Model(CausalLM):
     declaration = GraphDeclaration(method="autoregressive", compiled_decode=False)
 
     def __init__(self, args: ModelArgs):
-        super().__init__(args, GptOssModel(args))
+        model = DecoderModel(args, lambda i: TransformerBlock(args, sliding=args.layer_types[i] == SLIDING))
+        super().__init__(args, model)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Map transformers' fused bf16 experts and OpenAI's MXFP4 ones to ``mlp.experts.*``.

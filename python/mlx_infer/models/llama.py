@@ -25,7 +25,7 @@ from ..contracts import GraphDeclaration
 from ..errors import ModelLoadError
 from ..layers.attention import scaled_dot_product_attention
 from ..layers.rope import SUPPORTED_ROPE_TYPES, initialize_rope
-from .base import CausalLM, DecoderModel, PreNormBlock, rope_and_cache
+from .base import CausalLM, DecoderModel, GQAttention, PreNormBlock, rope_and_cache
 from .schema import FULL, SLIDING, check_heads, check_layer_types, check_number, check_rope_dict, config_fields
 
 
@@ -112,21 +112,12 @@ def swiglu(gate: mx.array, x: mx.array) -> mx.array:
     return nn.silu(gate) * x
 
 
-class Attention(nn.Module):
+class Attention(GQAttention):
     """Grouped-query self-attention with RoPE and optional per-head q/k norms."""
 
     def __init__(self, args: ModelArgs, *, qk_norm: bool):
-        super().__init__()
-        dim = args.hidden_size
-        self.n_heads = args.num_attention_heads
-        self.n_kv_heads = args.num_key_value_heads
-        self.head_dim = head_dim = args.head_dim
-        self.scale = head_dim**-0.5
-        qkv_bias = args.qkv_bias
-        self.q_proj = nn.Linear(dim, self.n_heads * head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(dim, self.n_kv_heads * head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(dim, self.n_kv_heads * head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.n_heads * head_dim, dim, bias=args.o_proj_bias)
+        super().__init__(args, qkv_bias=args.qkv_bias, o_bias=args.o_proj_bias)
+        head_dim = self.head_dim
         self.qk_norm = qk_norm
         if qk_norm:
             self.q_norm = nn.RMSNorm(head_dim, eps=args.rms_norm_eps)
@@ -172,13 +163,6 @@ class TransformerBlock(PreNormBlock):
         super().__init__(args, Attention(args, qk_norm=args.model_type == "qwen3"), MLP(args), sliding=sliding)
 
 
-class LlamaModel(DecoderModel):
-    """Embedding, blocks and final norm: tokens to final hidden states."""
-
-    def __init__(self, args: ModelArgs):
-        super().__init__(args, lambda i: TransformerBlock(args, sliding=args.layer_types[i] == SLIDING))
-
-
 class Model(CausalLM):
     """A Llama-family causal LM: ``inputs (B, L) -> logits (B, L, vocab)``.
 
@@ -189,4 +173,5 @@ class Model(CausalLM):
     declaration = GraphDeclaration(method="autoregressive", compiled_decode=True)
 
     def __init__(self, args: ModelArgs):
-        super().__init__(args, LlamaModel(args))
+        model = DecoderModel(args, lambda i: TransformerBlock(args, sliding=args.layer_types[i] == SLIDING))
+        super().__init__(args, model)

@@ -22,27 +22,18 @@ import mlx.nn as nn
 from ..contracts import GraphDeclaration
 from ..layers.attention import scaled_dot_product_attention
 from ..layers.rope import initialize_rope
-from .base import CausalLM, DecoderModel, rope_and_cache
+from .base import CausalLM, DecoderModel, GQAttention, rope_and_cache
 from .llama import MLP, ModelArgs
 
 __all__ = ["Model", "ModelArgs"]
 
 
-class Attention(nn.Module):
+class Attention(GQAttention):
     """Grouped-query attention with RMSNorm over the whole q and k projections."""
 
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        dim = args.hidden_size
-        self.n_heads = args.num_attention_heads
-        self.n_kv_heads = args.num_key_value_heads
-        self.head_dim = head_dim = args.head_dim
-        self.scale = head_dim**-0.5
-        bias = args.attention_bias
-        self.q_proj = nn.Linear(dim, self.n_heads * head_dim, bias=bias)
-        self.k_proj = nn.Linear(dim, self.n_kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(dim, self.n_kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * head_dim, dim, bias=bias)
+        super().__init__(args, qkv_bias=args.attention_bias, o_bias=args.attention_bias)
+        head_dim = self.head_dim
         self.q_norm = nn.RMSNorm(self.n_heads * head_dim, eps=args.rms_norm_eps)
         self.k_norm = nn.RMSNorm(self.n_kv_heads * head_dim, eps=args.rms_norm_eps)
         self.rope = initialize_rope(head_dim, args.rope_theta, args.rope_traditional, args.rope_scaling,
@@ -78,17 +69,10 @@ class TransformerBlock(nn.Module):
         return h + self.post_feedforward_layernorm(self.mlp(h))
 
 
-class Olmo2Model(DecoderModel):
-    """Embedding, blocks and final norm: tokens to final hidden states."""
-
-    def __init__(self, args: ModelArgs):
-        super().__init__(args, lambda i: TransformerBlock(args))
-
-
 class Model(CausalLM):
     """OLMo 2 causal LM: ``inputs (B, L) -> logits (B, L, vocab)``; eager decode only."""
 
     declaration = GraphDeclaration(method="autoregressive", compiled_decode=False)
 
     def __init__(self, args: ModelArgs):
-        super().__init__(args, Olmo2Model(args))
+        super().__init__(args, DecoderModel(args, lambda i: TransformerBlock(args)))

@@ -148,17 +148,10 @@ class TransformerBlock(PreNormBlock):
                          sliding=args.sliding_window is not None)
 
 
-class Phi3Model(DecoderModel):
-    """Embedding, blocks and final norm: tokens to final hidden states."""
-
-    def __init__(self, args: ModelArgs):
-        super().__init__(args, lambda i: TransformerBlock(args))
-
-
 class Model(CausalLM):
     """Phi-3 causal LM: ``inputs (B, L) -> logits (B, L, vocab)``; eager decode only."""
 
     declaration = GraphDeclaration(method="autoregressive", compiled_decode=False)
 
     def __init__(self, args: ModelArgs):
-        super().__init__(args, Phi3Model(args))
+        super().__init__(args, DecoderModel(args, lambda i: TransformerBlock(args)))

@@ -98,20 +98,13 @@ class TransformerBlock(PreNormBlock):
                          sliding=args.layer_types[layer] == llama.SLIDING)
 
 
-class Qwen3MoeModel(DecoderModel):
-    """Embedding, blocks and final norm: tokens to final hidden states."""
-
-    def __init__(self, args: ModelArgs):
-        super().__init__(args, lambda i: TransformerBlock(args, i))
-
-
 class Model(CausalLM):
     """Qwen 3 MoE causal LM: ``inputs (B, L) -> logits (B, L, vocab)``; eager decode only."""
 
     declaration = GraphDeclaration(method="autoregressive", compiled_decode=False)
 
     def __init__(self, args: ModelArgs):
-        super().__init__(args, Qwen3MoeModel(args))
+        super().__init__(args, DecoderModel(args, lambda i: TransformerBlock(args, i)))
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Stack per-expert (or split transformers 5's fused) expert weights into ``switch_mlp``;
