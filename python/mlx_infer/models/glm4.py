@@ -6,7 +6,8 @@ What sets it apart from Llama:
   ``out = h + post_mlp_norm(mlp(post_attention_norm(h)))``.
 - RoPE rotates the first ``partial_rotary_factor`` of each head (default 1/2) in the
   interleaved ("traditional") layout.
-- Bias on q/k/v (``attention_bias``), none on o_proj; one fused ``gate_up_proj``
+- Bias on q/k/v (``attention_bias``), none on o_proj (otherwise Llama's attention,
+  :class:`~mlx_infer.models.llama.Attention`); one fused ``gate_up_proj``
   (:class:`~mlx_infer.models.phi3.MLP`).
 """
 
@@ -19,10 +20,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..contracts import GraphDeclaration
-from ..layers.attention import scaled_dot_product_attention
 from ..layers.rope import initialize_rope
 from . import llama
-from .base import CausalLM, DecoderModel, GQAttention, rope_and_cache
+from .base import CausalLM, DecoderModel
 from .phi3 import MLP
 from .schema import check_number, config_fields
 
@@ -47,24 +47,19 @@ class ModelArgs(llama.ModelArgs):
         self.partial_rotary_factor = check_number("partial_rotary_factor", self.partial_rotary_factor,
                                                   integer=False, lo=0.0, hi=1.0, lo_open=True)
 
+    @property
+    def o_proj_bias(self) -> bool:
+        """GLM-4 has no bias on o_proj, whatever ``attention_bias`` says (it biases q/k/v only)."""
+        return False
 
-class Attention(GQAttention):
-    """Grouped-query attention with q/k/v bias and partial interleaved RoPE."""
+
+class Attention(llama.Attention):
+    """Llama's attention (q/k/v bias from ``attention_bias``, none on o_proj) with partial interleaved RoPE."""
 
     def __init__(self, args: ModelArgs):
-        super().__init__(args, qkv_bias=args.attention_bias, o_bias=False)
+        super().__init__(args, qk_norm=False)
         self.rope = initialize_rope(int(self.head_dim * args.partial_rotary_factor), args.rope_theta,
                                     args.rope_traditional, args.rope_scaling, args.max_position_embeddings)
-
-    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
-        B, L, _ = x.shape
-        queries = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)  # (B, H, L, D)
-        keys = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)  # (B, KVH, L, D)
-        values = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)  # (B, KVH, L, D)
-        queries, keys, values = rope_and_cache(self.rope, queries, keys, values, cache)  # k, v: (B, KVH, S, D)
-        out = scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)  # (B, H, L, D)
-        out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)  # (B, L, H*D)
-        return self.o_proj(out)
 
 
 class TransformerBlock(nn.Module):
