@@ -33,6 +33,7 @@ import transformers as tf
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from families import SCHEDULE, SEQ, WINDOW, run_schedule  # the cached schedule the family tests share
 from mlx_infer.contracts import Cache, GraphDeclaration
 from mlx_infer.errors import UnsupportedModelError
 from mlx_infer.layers.attention import create_attention_mask, create_causal_mask, scaled_dot_product_attention
@@ -41,12 +42,7 @@ from mlx_infer.models import MODEL_TYPE_ALIASES, SUPPORTED_MODEL_TYPES, get_mode
 from mlx_infer.state.kv import KVCache, RotatingKVCache
 
 HF_ATOL = 1e-4  # float32 MLX vs float32 torch; measured max |diff| <= 1.7e-6
-WINDOW = 8  # sliding window of the windowed tiny configs
 VOCAB = 256
-SEQ = 24  # prompt + continuation length used for the cached schedule
-# Cached schedule: prefill longer than the window, decode past it, a chunk, more decode.
-SCHEDULE = (12, 1, 1, 1, 1, 5, 1, 1, 1)
-assert sum(SCHEDULE) == SEQ and SCHEDULE[0] > WINDOW
 
 _SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=128, rms_norm_eps=1e-5)
@@ -164,17 +160,6 @@ def build_mlx_lm(name: str):
     model.load_weights(list(model.sanitize(weights).items()), strict=True)
     mx.eval(model.parameters())
     return model, lambda: make_prompt_cache(model)
-
-
-def run_schedule(model, cache, ids: mx.array, schedule=SCHEDULE) -> list[mx.array]:
-    """Feed ``ids`` in chunks; return each chunk's logits (B, chunk, V)."""
-    outs, pos = [], 0
-    for n in schedule:
-        logits = model(ids[:, pos : pos + n], cache=cache)
-        mx.eval(logits)
-        outs.append(logits)
-        pos += n
-    return outs
 
 
 ALL = list(FAMILIES)
