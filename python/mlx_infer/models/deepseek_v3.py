@@ -30,11 +30,11 @@ import mlx.nn as nn
 from ..contracts import GraphDeclaration
 from ..errors import UnsupportedModelError
 from ..layers.attention import dequantized, scaled_dot_product_attention
-from ..layers.rope import SUPPORTED_ROPE_TYPES, initialize_rope, rope_type_of
+from ..layers.rope import SUPPORTED_ROPE_TYPES, initialize_rope
 from ..layers.switch import SwitchGLU
 from .base import CausalLM, DecoderModel, PreNormBlock
 from .llama import swiglu
-from .schema import check_heads, check_number, check_rope_dict, config_fields
+from .schema import check_heads, check_number, config_fields, rope_settings
 
 
 @dataclass
@@ -81,13 +81,8 @@ class ModelArgs:
 
     def __post_init__(self) -> None:
         check_heads(self.num_attention_heads, self.num_key_value_heads or self.num_attention_heads)
-        rp = self.rope_parameters or {}
-        if self.rope_scaling is None and rope_type_of(rp) != "default":
-            self.rope_scaling = rp
-        check_rope_dict("rope_scaling", self.rope_scaling, SUPPORTED_ROPE_TYPES)
-        if self.rope_theta is None:
-            self.rope_theta = rp.get("rope_theta", 10000.0)
-        self.rope_theta = check_number("rope_theta", self.rope_theta, integer=False, lo=0.0, hi=3.4e38, lo_open=True)
+        self.rope_theta, self.rope_scaling = rope_settings(self.rope_theta, self.rope_scaling, self.rope_parameters,
+                                                           SUPPORTED_ROPE_TYPES, default_theta=10000.0)
         if self.n_routed_experts is not None:
             if self.topk_method != "noaux_tc" or self.scoring_func != "sigmoid":
                 raise UnsupportedModelError(

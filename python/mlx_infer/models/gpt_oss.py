@@ -28,10 +28,10 @@ import mlx.nn as nn
 from ..contracts import GraphDeclaration
 from ..errors import ModelLoadError
 from ..layers.attention import scaled_dot_product_attention
-from ..layers.rope import SUPPORTED_ROPE_TYPES, initialize_rope, rope_type_of
+from ..layers.rope import SUPPORTED_ROPE_TYPES, initialize_rope
 from ..layers.switch import QuantizedSwitchLinear, SwitchGLU
 from .base import CausalLM, DecoderModel, GQAttention, PreNormBlock, rope_and_cache
-from .schema import FULL, SLIDING, check_heads, check_layer_types, check_number, check_rope_dict, config_fields
+from .schema import FULL, SLIDING, check_heads, check_layer_types, check_number, config_fields, rope_settings
 
 
 @dataclass
@@ -65,13 +65,8 @@ class ModelArgs:
 
     def __post_init__(self) -> None:
         check_heads(self.num_attention_heads, self.num_key_value_heads)
-        rp = self.rope_parameters or {}
-        if self.rope_scaling is None and rope_type_of(rp) != "default":
-            self.rope_scaling = rp
-        check_rope_dict("rope_scaling", self.rope_scaling, SUPPORTED_ROPE_TYPES)
-        if self.rope_theta is None:
-            self.rope_theta = rp.get("rope_theta", 150000.0)
-        self.rope_theta = check_number("rope_theta", self.rope_theta, integer=False, lo=0.0, hi=3.4e38, lo_open=True)
+        self.rope_theta, self.rope_scaling = rope_settings(self.rope_theta, self.rope_scaling, self.rope_parameters,
+                                                           SUPPORTED_ROPE_TYPES, default_theta=150000.0)
         self.num_experts_per_tok = check_number("num_experts_per_tok", self.num_experts_per_tok, integer=True,
                                                 lo=1, hi=self.num_local_experts)
         if self.layer_types is None:

@@ -25,7 +25,7 @@ from ..layers.attention import scaled_dot_product_attention
 from ..layers.rope import LongRoPE, initialize_rope, rope_type_of
 from .base import CausalLM, DecoderModel, PreNormBlock, rope_and_cache
 from .llama import swiglu
-from .schema import check_heads, check_number, check_rope_dict, config_fields
+from .schema import check_heads, check_number, config_fields, rope_settings
 
 ROPE_TYPES = ("default", "linear", "longrope", "su")
 
@@ -63,13 +63,9 @@ class ModelArgs:
         check_heads(self.num_attention_heads, self.num_key_value_heads)
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
+        self.rope_theta, self.rope_scaling = rope_settings(self.rope_theta, self.rope_scaling, self.rope_parameters,
+                                                           ROPE_TYPES, default_theta=10000.0)
         rp = self.rope_parameters or {}
-        if self.rope_scaling is None and rope_type_of(rp) != "default":
-            self.rope_scaling = rp
-        check_rope_dict("rope_scaling", self.rope_scaling, ROPE_TYPES)
-        if self.rope_theta is None:
-            self.rope_theta = rp.get("rope_theta", 10000.0)
-        self.rope_theta = check_number("rope_theta", self.rope_theta, integer=False, lo=0.0, hi=3.4e38, lo_open=True)
         if self.partial_rotary_factor is None:
             self.partial_rotary_factor = rp.get("partial_rotary_factor", 1.0)
         self.partial_rotary_factor = check_number("partial_rotary_factor", self.partial_rotary_factor,
