@@ -33,7 +33,7 @@ import transformers as tf
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from families import SCHEDULE, SEQ, WINDOW, run_schedule  # the cached schedule the family tests share
+from families import SCHEDULE, SEQ, WINDOW, check_hidden_phase_split, run_schedule  # shared with the family tests
 from mlx_infer.contracts import Cache, GraphDeclaration
 from mlx_infer.errors import UnsupportedModelError
 from mlx_infer.layers.attention import create_attention_mask, create_causal_mask, scaled_dot_product_attention
@@ -218,12 +218,7 @@ def test_cached_steps_match_transformers(name):
 @pytest.mark.parametrize("name", ALL)
 def test_hidden_phase_split_and_input_embeddings(name):
     _, _, _, ids, _ = hf_setup(name)
-    model = build_ours(name)
-    x = mx.array(ids[:, :10])
-    logits = model(x)
-    assert mx.array_equal(model.logits_from_hidden(model.model(x)), logits)
-    emb = model.model.embed_tokens(x)  # (B, L, hidden)
-    assert mx.array_equal(model(None, input_embeddings=emb), logits)
+    check_hidden_phase_split(build_ours(name), ids)
 
 
 def test_gemma3_multimodal_config_and_weights():
