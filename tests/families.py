@@ -174,6 +174,21 @@ def run_schedule(model, cache, ids: mx.array, schedule=SCHEDULE) -> list[mx.arra
     return outs
 
 
+def check_hidden_phase_split(model, ids: np.ndarray) -> tuple[mx.array, mx.array]:
+    """The graph's two phases and its embedding input agree, exactly, on ``ids[:, :10]``.
+
+    Asserts ``model(x) == model.logits_from_hidden(model.model(x))`` and
+    ``model(x) == model(None, input_embeddings=model.model.embed_tokens(x))``;
+    returns ``(x (B, 10), logits (B, 10, V))`` for further checks.
+    """
+    x = mx.array(ids[:, :10])
+    logits = model(x)
+    assert mx.array_equal(model.logits_from_hidden(model.model(x)), logits)
+    emb = model.model.embed_tokens(x)  # (B, L, hidden)
+    assert mx.array_equal(model(None, input_embeddings=emb), logits)
+    return x, logits
+
+
 GEMMA_SPREAD = {"perturb": {"embed_scale": 0.3, "vector_noise": 1.0}}
 
 # -- the families ------------------------------------------------------------------------

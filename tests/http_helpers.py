@@ -1,4 +1,5 @@
-"""Shared pieces of the HTTP server tests (test_hostile_server.py, test_server_lifecycle.py).
+"""Shared pieces of the HTTP server tests (test_hostile_server.py, test_server_lifecycle.py) and of
+the path matrices' server path (test_variant_matrix.py, test_families_paths.py).
 
 Every server is a real uvicorn on 127.0.0.1 and a free port, in a thread of the test
 process, serving a tiny random model; every request has a timeout (:data:`TIMEOUT`).
@@ -37,6 +38,28 @@ def start(loaded, *, config=EngineConfig(page_size=8), drain_timeout_s=2.0, head
 def stop(s):
     s.srv.stop()
     s.engine.stop()
+
+
+def completion_text(engine: Engine, prompt: list[int], max_tokens: int) -> str:
+    """One greedy ``/v1/completions`` request (EOS ignored, special tokens kept: random tiny models
+    emit them) through a server started on the running ``engine`` and stopped after; its text."""
+    server = ServerThread(create_app(engine, model_id="tiny")).start()
+    try:
+        r = httpx.post(server.url + "/v1/completions", timeout=120, json={
+            "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "skip_special_tokens": False})
+    finally:
+        server.stop()
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["usage"]["completion_tokens"] == max_tokens
+    return body["choices"][0]["text"]
+
+
+def rendered_text(loaded, tokens: list[int]) -> str:
+    """``tokens`` as the engine renders a generation that ends by length (streaming detokenizer)."""
+    detok = loaded.tokenizer.detokenizer()
+    return "".join(detok.add(t) for t in tokens) + detok.flush()
 
 
 @pytest.fixture(scope="module")

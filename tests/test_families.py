@@ -19,7 +19,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from families import SCHEDULE, SEQ, SPECS, WINDOW, build_mlx_lm, build_ours, hf_cached_logits, hf_setup, run_schedule
+from families import (SCHEDULE, SEQ, SPECS, WINDOW, build_mlx_lm, build_ours, check_hidden_phase_split, hf_cached_logits,
+                      hf_setup, run_schedule)
 from mlx_infer.contracts import GraphDeclaration
 from mlx_infer.models import family_of, get_model_classes, graph_family
 
@@ -74,12 +75,7 @@ def test_cached_steps_match_transformers(name):
 @pytest.mark.parametrize("name", ALL)
 def test_hidden_phase_split_and_input_embeddings(name):
     _, _, ids, _ = hf_setup(name)
-    model = build_ours(name)
-    x = mx.array(ids[:, :10])
-    logits = model(x)
-    assert mx.array_equal(model.logits_from_hidden(model.model(x)), logits)
-    emb = model.model.embed_tokens(x)  # (B, L, hidden)
-    assert mx.array_equal(model(None, input_embeddings=emb), logits)
+    check_hidden_phase_split(build_ours(name), ids)
 
 
 @pytest.mark.parametrize("name", WITH_MLX_LM)

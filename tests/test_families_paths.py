@@ -19,17 +19,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import httpx
 import mlx.core as mx
 import pytest
 
 from families import SPECS, hf_setup
+from http_helpers import completion_text, rendered_text
 from mlx_infer.artifacts.convert import convert
 from mlx_infer.artifacts.loader import load_model
 from mlx_infer.engine import Engine, EngineConfig, EngineRequest
 from mlx_infer.generation.autoregressive import generate_tokens
 from mlx_infer.generation.bindings.autoregressive import bind_autoregressive
-from mlx_infer.server import ServerThread, create_app
 from mlx_infer.state.kv import RotatingKVCache
 from mlx_infer.state.paged.store import model_geometry
 
@@ -57,23 +56,10 @@ def engine_tokens(loaded) -> list[list[int]]:
 
 def server_text(loaded) -> str:
     engine = Engine(loaded, EngineConfig(page_size=4)).start()
-    server = ServerThread(create_app(engine, model_id="tiny")).start()
     try:
-        r = httpx.post(server.url + "/v1/completions", timeout=120, json={
-            "model": "tiny", "prompt": PROMPT, "max_tokens": N, "temperature": 0, "ignore_eos": True,
-            "skip_special_tokens": False})
+        return completion_text(engine, PROMPT, N)
     finally:
-        server.stop()
         engine.stop()
-    assert r.status_code == 200, r.text
-    body = r.json()
-    assert body["usage"]["completion_tokens"] == N
-    return body["choices"][0]["text"]
-
-
-def reference_text(loaded, tokens: list[int]) -> str:
-    detok = loaded.tokenizer.detokenizer()
-    return "".join(detok.add(t) for t in tokens) + detok.flush()
 
 
 @pytest.mark.parametrize("kernels", KERNELS)
@@ -89,7 +75,7 @@ def test_same_greedy_tokens_on_every_path(name, kernels):
     assert len(set().union(*want)) >= MIN_DISTINCT, f"a near-constant reference hides nothing: {want}"
     assert engine_tokens(load()) == want
     fresh = load()
-    assert server_text(fresh) == reference_text(fresh, want[0])
+    assert server_text(fresh) == rendered_text(fresh, want[0])
 
 
 @pytest.mark.parametrize("name", ALL)

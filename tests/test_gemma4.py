@@ -42,6 +42,7 @@ import pytest
 import torch
 import transformers as tf
 
+from families import check_hidden_phase_split
 from mlx_infer.contracts import GraphDeclaration
 from mlx_infer.errors import UnsupportedModelError
 from mlx_infer.models import MODEL_TYPE_ALIASES, get_model_classes
@@ -295,11 +296,8 @@ def test_hidden_phase_split_and_input_embeddings(name):
     """``model.model`` gives hidden states; embeddings alone recover the per-layer inputs' token ids."""
     _, _, ids, _ = hf_setup(name)
     model = build_ours(name)
-    x = mx.array(ids[:, :10])
-    logits = model(x)
-    assert mx.array_equal(model.logits_from_hidden(model.model(x)), logits)
+    x, logits = check_hidden_phase_split(model, ids)
     emb = model.model.embed_tokens(x)  # (B, L, hidden)
-    assert mx.array_equal(model(None, input_embeddings=emb), logits)
     pli = model.model.per_layer_inputs(x)  # (B, L, layers, P)
     assert pli.shape == (2, 10, model.args.num_hidden_layers, 8)
     assert mx.array_equal(model(None, input_embeddings=emb, per_layer_inputs=pli), logits)

@@ -34,6 +34,7 @@ import transformers as tf
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from families import SCHEDULE, SEQ, WINDOW, check_hidden_phase_split, run_schedule  # shared with the family tests
 from mlx_infer.contracts import Cache, GraphDeclaration
 from mlx_infer.errors import UnsupportedModelError
 from mlx_infer.layers.attention import create_attention_mask, create_causal_mask, scaled_dot_product_attention
@@ -42,12 +43,7 @@ from mlx_infer.models import MODEL_TYPE_ALIASES, SUPPORTED_MODEL_TYPES, get_mode
 from mlx_infer.state.kv import KVCache, RotatingKVCache
 
 HF_ATOL = 1e-4  # float32 MLX vs float32 torch; measured max |diff| <= 1.7e-6
-WINDOW = 8  # sliding window of the windowed tiny configs
 VOCAB = 256
-SEQ = 24  # prompt + continuation length used for the cached schedule
-# Cached schedule: prefill longer than the window, decode past it, a chunk, more decode.
-SCHEDULE = (12, 1, 1, 1, 1, 5, 1, 1, 1)
-assert sum(SCHEDULE) == SEQ and SCHEDULE[0] > WINDOW
 
 _SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=128, rms_norm_eps=1e-5)
@@ -167,17 +163,6 @@ def build_mlx_lm(name: str):
     return model, lambda: make_prompt_cache(model)
 
 
-def run_schedule(model, cache, ids: mx.array, schedule=SCHEDULE) -> list[mx.array]:
-    """Feed ``ids`` in chunks; return each chunk's logits (B, chunk, V)."""
-    outs, pos = [], 0
-    for n in schedule:
-        logits = model(ids[:, pos : pos + n], cache=cache)
-        mx.eval(logits)
-        outs.append(logits)
-        pos += n
-    return outs
-
-
 ALL = list(FAMILIES)
 
 
@@ -263,12 +248,7 @@ def test_cached_steps_match_transformers(name):
 @pytest.mark.parametrize("name", ALL)
 def test_hidden_phase_split_and_input_embeddings(name):
     _, _, _, ids, _ = hf_setup(name)
-    model = build_ours(name)
-    x = mx.array(ids[:, :10])
-    logits = model(x)
-    assert mx.array_equal(model.logits_from_hidden(model.model(x)), logits)
-    emb = model.model.embed_tokens(x)  # (B, L, hidden)
-    assert mx.array_equal(model(None, input_embeddings=emb), logits)
+    check_hidden_phase_split(build_ours(name), ids)
 
 
 def test_gemma3_multimodal_config_and_weights():

@@ -31,7 +31,6 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-import httpx
 import mlx.core as mx
 import pytest
 
@@ -42,9 +41,9 @@ from mlx_infer.generation.autoregressive import generate_tokens
 from mlx_infer.generation.bindings.autoregressive import bind_autoregressive
 from mlx_infer.models import (SUPPORTED_MODEL_TYPES, family_of, get_model_classes, graph_constants,
                               materialize_graph_constants)
-from mlx_infer.server import ServerThread, create_app
 from mlx_infer.state.kv import RotatingKVCache
 from mlx_infer.state.paged.store import model_geometry
+from http_helpers import completion_text, rendered_text
 from tiny import CONFIGS, GEMMA4_SWITCHES, make_tiny_model_dir
 
 N = 10  # greedy tokens per request
@@ -137,12 +136,6 @@ def reference(root: Path, variant: str, kernels: str) -> list[list[int]]:
     return _REFERENCE[variant, kernels]
 
 
-def reference_text(loaded, tokens: list[int]) -> str:
-    """``tokens`` as the engine renders a generation that ends by length (streaming detokenizer)."""
-    detok = loaded.tokenizer.detokenizer()
-    return "".join(detok.add(t) for t in tokens) + detok.flush()
-
-
 def requests() -> list[EngineRequest]:
     return [EngineRequest(prompt_ids=p, max_tokens=N, ignore_eos=True, detokenize=False) for p in PROMPTS]
 
@@ -182,19 +175,11 @@ def test_same_greedy_tokens(root, variant, kernels, path):
             check_paged_step(engine)
     else:
         engine = Engine(loaded, EngineConfig(page_size=4)).start()
-        server = ServerThread(create_app(engine, model_id="tiny")).start()
         try:
-            r = httpx.post(server.url + "/v1/completions", timeout=120, json={
-                "model": "tiny", "prompt": PROMPT, "max_tokens": N, "temperature": 0, "ignore_eos": True,
-                # the reference text keeps special tokens (random tiny models emit them)
-                "skip_special_tokens": False})
+            text = completion_text(engine, PROMPT, N)
         finally:
-            server.stop()
             engine.stop()
-        assert r.status_code == 200, r.text
-        body = r.json()
-        assert body["usage"]["completion_tokens"] == N
-        assert body["choices"][0]["text"] == reference_text(loaded, want[0])
+        assert text == rendered_text(loaded, want[0])
         check_paged_step(engine)
 
 

@@ -166,7 +166,6 @@ def _is_attention(m: nn.Module) -> bool:
 # is known, the swapped class computes down(act(gate(x)) * up(x)) with the fused
 # op. Keyed by (module, class name); exact classes only.
 _GATED_MLPS: dict[tuple[str, str], str] = {
-    ("mlx_infer.models.gemma2", "MLP"): "gelu_approx",
     ("mlx_infer.models.gemma3", "MLP"): "gelu_approx",
     ("mlx_infer.models.gemma4", "MLP"): "gelu_approx",
     ("mlx_infer.models.llama", "MLP"): "silu",

@@ -5,6 +5,8 @@ keys) and ``Model`` (an ``nn.Module`` satisfying :class:`mlx_infer.contracts.Gra
 ``Model`` declares its family once, as the class attribute ``family`` (the
 module's name: ``family = "llama"`` also serves ``mistral``, ``qwen2``, ``qwen3``);
 :func:`graph_family` is the one place that reads it.
+The scaffolding they share (decoder stack, LM head, ``sanitize``, caches, the
+RoPE-then-cache step) is in :mod:`mlx_infer.models.base`; ``schema`` checks configs.
 """
 
 from __future__ import annotations

@@ -29,12 +29,12 @@ import mlx.nn as nn
 
 from ..contracts import GraphDeclaration
 from ..errors import UnsupportedModelError
-from ..layers.attention import create_attention_mask, dequantized, scaled_dot_product_attention
-from ..layers.rope import SUPPORTED_ROPE_TYPES, initialize_rope, rope_type_of
+from ..layers.attention import dequantized, scaled_dot_product_attention
+from ..layers.rope import SUPPORTED_ROPE_TYPES, initialize_rope
 from ..layers.switch import SwitchGLU
-from ..state.kv import KVCache
+from .base import CausalLM, DecoderModel, PreNormBlock
 from .llama import swiglu
-from .schema import check_heads, check_number, check_rope_dict, config_fields
+from .schema import check_heads, check_number, config_fields, rope_settings
 
 
 @dataclass
@@ -81,13 +81,8 @@ class ModelArgs:
 
     def __post_init__(self) -> None:
         check_heads(self.num_attention_heads, self.num_key_value_heads or self.num_attention_heads)
-        rp = self.rope_parameters or {}
-        if self.rope_scaling is None and rope_type_of(rp) != "default":
-            self.rope_scaling = rp
-        check_rope_dict("rope_scaling", self.rope_scaling, SUPPORTED_ROPE_TYPES)
-        if self.rope_theta is None:
-            self.rope_theta = rp.get("rope_theta", 10000.0)
-        self.rope_theta = check_number("rope_theta", self.rope_theta, integer=False, lo=0.0, hi=3.4e38, lo_open=True)
+        self.rope_theta, self.rope_scaling = rope_settings(self.rope_theta, self.rope_scaling, self.rope_parameters,
+                                                           SUPPORTED_ROPE_TYPES, default_theta=10000.0)
         if self.n_routed_experts is not None:
             if self.topk_method != "noaux_tc" or self.scoring_func != "sigmoid":
                 raise UnsupportedModelError(
@@ -274,41 +269,12 @@ class MoE(nn.Module):
         return y
 
 
-class TransformerBlock(nn.Module):
+class TransformerBlock(PreNormBlock):
     """Pre-norm block: ``h = x + mla(norm(x)); out = h + mlp(norm(h))``."""
 
     def __init__(self, args: ModelArgs, layer: int):
-        super().__init__()
-        self.use_sliding = False
-        self.self_attn = Attention(args)
-        self.mlp = MoE(args) if args.is_moe_layer(layer) else MLP(args.hidden_size, args.intermediate_size)
-        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-
-    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), mask, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-
-class DeepseekV3Model(nn.Module):
-    """Embedding, blocks and final norm: tokens to final hidden states."""
-
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [TransformerBlock(args, i) for i in range(args.num_hidden_layers)]
-        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-
-    def __call__(self, inputs: mx.array | None, cache: list[Any] | None = None,
-                 input_embeddings: mx.array | None = None) -> mx.array:
-        """Return the final-norm hidden states ``(B, L, hidden)``."""
-        h = input_embeddings if input_embeddings is not None else self.embed_tokens(inputs)  # (B, L, E)
-        if cache is None:
-            cache = [None] * len(self.layers)
-        mask = create_attention_mask(h, cache[0], return_array=True)
-        for layer, c in zip(self.layers, cache):
-            h = layer(h, mask, c)
-        return self.norm(h)
+        super().__init__(args, Attention(args),
+                         MoE(args) if args.is_moe_layer(layer) else MLP(args.hidden_size, args.intermediate_size))
 
 
 def _dense(weights: dict[str, mx.array], base: str, in_dims: int) -> mx.array:
@@ -320,7 +286,7 @@ def _dense(weights: dict[str, mx.array], base: str, in_dims: int) -> mx.array:
     return mx.dequantize(w, scales, biases, group_size=in_dims // scales.shape[-1], bits=w.shape[-1] * 32 // in_dims)
 
 
-class Model(nn.Module):
+class Model(CausalLM):
     """DeepSeek V3 causal LM: ``inputs (B, L) -> logits (B, L, vocab)``; eager decode only."""
 
     #: The family this graph belongs to (its module here; see :func:`mlx_infer.models.graph_family`).
@@ -332,23 +298,8 @@ class Model(nn.Module):
                                      "absorbed attention), so no kv_b_proj layer runs"}
 
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.model_type = args.model_type
-        self.model = DeepseekV3Model(args)
-        if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-
-    def __call__(self, inputs: mx.array | None, cache: list[Any] | None = None,
-                 input_embeddings: mx.array | None = None) -> mx.array:
-        """Logits ``(B, L, vocab)`` for token ids ``(B, L)`` (or ``input_embeddings``)."""
-        return self.logits_from_hidden(self.model(inputs, cache, input_embeddings))
-
-    def logits_from_hidden(self, h: mx.array) -> mx.array:
-        """Project final hidden states ``(B, L, hidden)`` to logits ``(B, L, vocab)``."""
-        if self.args.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(h)
-        return self.lm_head(h)
+        # The MLA attention folds the mask into its RoPE scores: an array.
+        super().__init__(args, DecoderModel(args, lambda i: TransformerBlock(args, i), mask_as_array=True))
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Stack the experts, split ``kv_b_proj`` into ``embed_q`` / ``unembed_out`` (dense: a
@@ -373,17 +324,4 @@ class Model(nn.Module):
                 v = v.reshape(a.num_attention_heads, a.qk_nope_head_dim + a.v_head_dim, -1)
                 weights[f"{attn}.embed_q.weight"] = mx.contiguous(v[:, : a.qk_nope_head_dim, :].swapaxes(-1, -2))
                 weights[f"{attn}.unembed_out.weight"] = mx.contiguous(v[:, a.qk_nope_head_dim:, :])
-        if not a.tie_word_embeddings and not any(k.startswith("lm_head.") for k in weights):
-            a.tie_word_embeddings = True
-            self.pop("lm_head")
-        if a.tie_word_embeddings:
-            weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
-        return weights
-
-    @property
-    def layers(self) -> list[TransformerBlock]:
-        return self.model.layers
-
-    def make_cache(self) -> list[KVCache]:
-        """One growing cache per layer, holding latents (as keys) and RoPE keys (as values)."""
-        return [KVCache() for _ in self.layers]
+        return self.sanitize_head(weights)

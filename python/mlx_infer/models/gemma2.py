@@ -27,10 +27,10 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..contracts import GraphDeclaration
-from ..layers.attention import create_attention_mask, softcapped_attention
+from ..layers.attention import softcapped_attention
 from ..layers.rope import initialize_rope
-from ..state.kv import KVCache, RotatingKVCache
-from .gemma3 import RMSNorm
+from .base import CausalLM, DecoderModel, GQAttention, rope_and_cache
+from .gemma3 import MLP, RMSNorm
 from .schema import FULL, SLIDING, check_heads, check_layer_types, check_number, check_rope_dict, config_fields
 
 
@@ -77,52 +77,24 @@ class ModelArgs:
             self.layer_types = [FULL] * self.num_hidden_layers
 
 
-class Attention(nn.Module):
+class Attention(GQAttention):
     """Grouped-query attention with soft-capped scores."""
 
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        dim = args.hidden_size
-        self.n_heads = args.num_attention_heads
-        self.n_kv_heads = args.num_key_value_heads
-        self.head_dim = head_dim = args.head_dim
-        self.scale = 1.0 / (args.query_pre_attn_scalar**0.5)
+        super().__init__(args, scale=1.0 / (args.query_pre_attn_scalar**0.5))
         self.softcap = args.attn_logit_softcapping
-        self.q_proj = nn.Linear(dim, self.n_heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(dim, self.n_kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(dim, self.n_kv_heads * head_dim, bias=False)
-        self.o_proj = nn.Linear(self.n_heads * head_dim, dim, bias=False)
-        self.rope = initialize_rope(head_dim, args.rope_theta, args.rope_traditional)
+        self.rope = initialize_rope(self.head_dim, args.rope_theta, args.rope_traditional)
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         B, L, _ = x.shape
         queries = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)  # (B, H, L, D)
         keys = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)  # (B, KVH, L, D)
         values = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)  # (B, KVH, L, D)
-        if cache is not None:
-            queries = self.rope(queries, offset=cache.offset)
-            keys = self.rope(keys, offset=cache.offset)
-            keys, values = cache.update_and_fetch(keys, values)  # (B, KVH, S, D)
-        else:
-            queries = self.rope(queries)
-            keys = self.rope(keys)
+        queries, keys, values = rope_and_cache(self.rope, queries, keys, values, cache)  # k, v: (B, KVH, S, D)
         out = softcapped_attention(queries, keys, values, scale=self.scale, mask=mask,
                                    softcap=self.softcap)  # (B, H, L, D)
         out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)  # (B, L, H*D)
         return self.o_proj(out)
-
-
-class MLP(nn.Module):
-    """GELU-tanh gated feed-forward."""
-
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
-        self.up_proj = nn.Linear(dim, hidden, bias=False)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.gelu_approx(self.gate_proj(x)) * self.up_proj(x))
 
 
 class TransformerBlock(nn.Module):
@@ -146,42 +118,24 @@ class TransformerBlock(nn.Module):
         return h + self.post_feedforward_layernorm(r)
 
 
-class Gemma2Model(nn.Module):
-    """Embedding, blocks and final norm: tokens to final hidden states."""
+class Gemma2Model(DecoderModel):
+    """Embedding (scaled), blocks and final norm: tokens to final hidden states."""
 
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.window_size = args.sliding_window
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [TransformerBlock(args, sliding=t == SLIDING) for t in args.layer_types]
-        self.norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self._full_idx = next((i for i, t in enumerate(args.layer_types) if t == FULL), None)
-        self._swa_idx = next((i for i, t in enumerate(args.layer_types) if t == SLIDING), None)
+        # softcapped_attention adds the mask to its materialized scores: an array.
+        super().__init__(args, lambda i: TransformerBlock(args, sliding=args.layer_types[i] == SLIDING),
+                         norm=RMSNorm, mask_as_array=True)
 
-    def __call__(self, inputs: mx.array | None, cache: list[Any] | None = None,
-                 input_embeddings: mx.array | None = None) -> mx.array:
-        """Return the final-norm hidden states ``(B, L, hidden)``."""
-        h = input_embeddings if input_embeddings is not None else self.embed_tokens(inputs)  # (B, L, E)
-        h = h * (self.args.hidden_size**0.5)
-        if cache is None:
-            cache = [None] * len(self.layers)
-        full_mask = swa_mask = None
-        if self._full_idx is not None:
-            full_mask = create_attention_mask(h, cache[self._full_idx], return_array=True)
-        if self._swa_idx is not None:
-            swa_mask = create_attention_mask(h, cache[self._swa_idx], window_size=self.window_size,
-                                             return_array=True)
-        for layer, c in zip(self.layers, cache):
-            h = layer(h, swa_mask if layer.use_sliding else full_mask, c)
-        return self.norm(h)
+    def embed(self, inputs: mx.array | None, input_embeddings: mx.array | None) -> mx.array:
+        """Token embeddings (or unscaled ``input_embeddings``) ``(B, L, hidden)`` times ``sqrt(hidden_size)``."""
+        return super().embed(inputs, input_embeddings) * (self.args.hidden_size**0.5)
 
 
-class Model(nn.Module):
+class Model(CausalLM):
     """Gemma 2 causal LM: ``inputs (B, L) -> logits (B, L, vocab)``.
 
     No compiled C++ decode step (``compiled_decode=False``): generate and the engine run the
-    eager graph (the engine over paged KV).
+    eager graph (the engine over paged KV). ``input_embeddings`` are taken unscaled.
     """
 
     #: The family this graph belongs to (its module here; see :func:`mlx_infer.models.graph_family`).
@@ -189,42 +143,13 @@ class Model(nn.Module):
     declaration = GraphDeclaration(method="autoregressive", compiled_decode=False)
 
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.model_type = args.model_type
-        self.model = Gemma2Model(args)
-        if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-
-    def __call__(self, inputs: mx.array | None, cache: list[Any] | None = None,
-                 input_embeddings: mx.array | None = None) -> mx.array:
-        """Logits ``(B, L, vocab)`` for token ids ``(B, L)`` (or unscaled ``input_embeddings``)."""
-        return self.logits_from_hidden(self.model(inputs, cache, input_embeddings))
+        super().__init__(args, Gemma2Model(args))
 
     def logits_from_hidden(self, h: mx.array) -> mx.array:
         """Project final hidden states ``(B, L, hidden)`` to soft-capped logits ``(B, L, vocab)``."""
-        out = self.model.embed_tokens.as_linear(h) if self.args.tie_word_embeddings else self.lm_head(h)
+        out = super().logits_from_hidden(h)
         cap = self.args.final_logit_softcapping
         if cap is not None:
             out = mx.tanh(out / cap)
             out = out * cap
         return out
-
-    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        """Drop ``rotary_emb.inv_freq`` buffers and, for a tied head, ``lm_head.weight``."""
-        weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
-        if not self.args.tie_word_embeddings and not any(k.startswith("lm_head.") for k in weights):
-            self.args.tie_word_embeddings = True
-            self.pop("lm_head")
-        if self.args.tie_word_embeddings:
-            weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
-        return weights
-
-    @property
-    def layers(self) -> list[TransformerBlock]:
-        return self.model.layers
-
-    def make_cache(self) -> list[KVCache | RotatingKVCache]:
-        """One cache per layer: rotating (window-sized) for sliding layers, growing for global."""
-        return [RotatingKVCache(self.args.sliding_window) if layer.use_sliding else KVCache()
-                for layer in self.layers]

@@ -27,12 +27,11 @@ import mlx.nn as nn
 
 from ..contracts import GraphDeclaration
 from ..errors import UnsupportedModelError
-from ..layers.attention import create_attention_mask, scaled_dot_product_attention
+from ..layers.attention import scaled_dot_product_attention
 from ..layers.rope import SUPPORTED_ROPE_TYPES, initialize_rope, rope_type_of
-from ..state.kv import KVCache, RotatingKVCache
-from .schema import check_heads, check_layer_types, check_nested_rope, check_number, check_rope_dict, config_fields
-
-FULL, SLIDING = "full_attention", "sliding_attention"
+from .base import CausalLM, DecoderModel, GQAttention, rope_and_cache
+from .schema import (FULL, SLIDING, check_heads, check_layer_types, check_nested_rope, check_number, check_rope_dict,
+                     config_fields)
 
 # Defaults HF's Gemma3TextConfig supplies when a multimodal text_config omits them.
 _MULTIMODAL_TEXT_DEFAULTS = {"num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 262208}
@@ -137,20 +136,12 @@ def residual_add(x: mx.array, y: mx.array) -> mx.array:
     return mx.clip(x.astype(mx.float32) + y.astype(mx.float32), -bound, bound).astype(mx.float16)
 
 
-class Attention(nn.Module):
+class Attention(GQAttention):
     """Grouped-query attention with q/k RMSNorm; local or global rope per layer kind."""
 
     def __init__(self, args: ModelArgs, *, sliding: bool):
-        super().__init__()
-        dim = args.hidden_size
-        self.n_heads = args.num_attention_heads
-        self.n_kv_heads = args.num_key_value_heads
-        self.head_dim = head_dim = args.head_dim
-        self.scale = args.query_pre_attn_scalar**-0.5
-        self.q_proj = nn.Linear(dim, self.n_heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(dim, self.n_kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(dim, self.n_kv_heads * head_dim, bias=False)
-        self.o_proj = nn.Linear(self.n_heads * head_dim, dim, bias=False)
+        super().__init__(args, scale=args.query_pre_attn_scalar**-0.5)
+        head_dim = self.head_dim
         self.q_norm = RMSNorm(head_dim, eps=args.rms_norm_eps)
         self.k_norm = RMSNorm(head_dim, eps=args.rms_norm_eps)
         if sliding:
@@ -166,15 +157,7 @@ class Attention(nn.Module):
         values = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)  # (B, KVH, L, D)
         queries = self.q_norm(queries)
         keys = self.k_norm(keys)
-
-        if cache is not None:
-            queries = self.rope(queries, offset=cache.offset)
-            keys = self.rope(keys, offset=cache.offset)
-            keys, values = cache.update_and_fetch(keys, values)  # (B, KVH, S, D)
-        else:
-            queries = self.rope(queries)
-            keys = self.rope(keys)
-
+        queries, keys, values = rope_and_cache(self.rope, queries, keys, values, cache)  # k, v: (B, KVH, S, D)
         out = scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)  # (B, H, L, D)
         out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)  # (B, L, H*D)
         return self.o_proj(out)
@@ -214,76 +197,38 @@ class TransformerBlock(nn.Module):
         return residual_add(h, self.post_feedforward_layernorm(r))
 
 
-class Gemma3Model(nn.Module):
-    """Embedding, blocks and final norm: tokens to final hidden states."""
+class Gemma3Model(DecoderModel):
+    """Embedding (scaled), blocks and final norm: tokens to final hidden states."""
 
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.window_size = args.sliding_window
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [TransformerBlock(args, sliding=t == SLIDING) for t in args.layer_types]
-        self.norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        # One mask per layer kind, built from the first layer of that kind.
-        self._full_idx = next((i for i, t in enumerate(args.layer_types) if t == FULL), None)
-        self._swa_idx = next((i for i, t in enumerate(args.layer_types) if t == SLIDING), None)
+        super().__init__(args, lambda i: TransformerBlock(args, sliding=args.layer_types[i] == SLIDING),
+                         norm=RMSNorm)
         # sqrt(hidden) rounded to bfloat16, as the checkpoints were trained and as mlx-lm
         # computes it (transformers in float32 uses the exact root: 25.30 vs 25.25 at 640).
         self.embed_scale: float = mx.array(args.hidden_size**0.5, mx.bfloat16).item()
 
-    def __call__(self, inputs: mx.array | None, cache: list[Any] | None = None,
-                 input_embeddings: mx.array | None = None) -> mx.array:
-        """Return the final-norm hidden states ``(B, L, hidden)``."""
-        h = input_embeddings if input_embeddings is not None else self.embed_tokens(inputs)  # (B, L, E)
-        h = h * mx.array(self.embed_scale, h.dtype)
-        if cache is None:
-            cache = [None] * len(self.layers)
-        full_mask = swa_mask = None
-        if self._full_idx is not None:
-            full_mask = create_attention_mask(h, cache[self._full_idx])
-        if self._swa_idx is not None:
-            swa_mask = create_attention_mask(h, cache[self._swa_idx], window_size=self.window_size)
-        for layer, c in zip(self.layers, cache):
-            h = layer(h, swa_mask if layer.use_sliding else full_mask, c)
-        return self.norm(h)
+    def embed(self, inputs: mx.array | None, input_embeddings: mx.array | None) -> mx.array:
+        """Token embeddings (or unscaled ``input_embeddings``) ``(B, L, hidden)`` times ``embed_scale``."""
+        h = super().embed(inputs, input_embeddings)  # (B, L, E)
+        return h * mx.array(self.embed_scale, h.dtype)
 
 
-class Model(nn.Module):
-    """Gemma 3 causal LM: ``inputs (B, L) -> logits (B, L, vocab)``."""
+class Model(CausalLM):
+    """Gemma 3 causal LM: ``inputs (B, L) -> logits (B, L, vocab)``.
+
+    ``input_embeddings`` are taken unscaled (the ``sqrt(hidden)`` normalizer is applied to them).
+    """
 
     #: The family this graph belongs to (its module here; see :func:`mlx_infer.models.graph_family`).
     family = "gemma3"
     declaration = GraphDeclaration(method="autoregressive", compiled_decode=True)
 
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.model_type = args.model_type
-        self.model = Gemma3Model(args)
-        if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-
-    def __call__(self, inputs: mx.array | None, cache: list[Any] | None = None,
-                 input_embeddings: mx.array | None = None) -> mx.array:
-        """Logits for every position.
-
-        Args:
-            inputs: token ids ``(B, L)``; ignored when ``input_embeddings`` is given.
-            cache: one cache per layer (from :meth:`make_cache`), updated in place.
-            input_embeddings: ``(B, L, hidden)`` unscaled embeddings to use instead
-                of ``inputs`` (the ``sqrt(hidden)`` normalizer is applied to them).
-
-        Returns:
-            ``(B, L, vocab)`` logits.
-        """
-        return self.logits_from_hidden(self.model(inputs, cache, input_embeddings))
+        super().__init__(args, Gemma3Model(args))
 
     def logits_from_hidden(self, h: mx.array) -> mx.array:
-        """Project final hidden states ``(B, L, hidden)`` to logits ``(B, L, vocab)``."""
-        if self.args.tie_word_embeddings:
-            logits = self.model.embed_tokens.as_linear(h)
-        else:
-            logits = self.lm_head(h)
+        """Project final hidden states ``(B, L, hidden)`` to logits ``(B, L, vocab)``, soft-capped when configured."""
+        logits = super().logits_from_hidden(h)
         cap = self.args.final_logit_softcapping
         if cap is not None:
             logits = mx.tanh(logits / cap) * cap
@@ -292,32 +237,16 @@ class Model(nn.Module):
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Map checkpoint weights (text-only or multimodal layouts) to this module's names.
 
-        Drops the vision tower and projector, strips the ``language_model``
-        prefixes, drops ``rotary_emb.inv_freq`` buffers, and drops
-        ``lm_head.weight`` for a tied head (switching to a tied head when an
-        untied config's checkpoint has no ``lm_head``).
+        Drops the vision tower and projector and strips the ``language_model`` prefixes;
+        then the shared ``inv_freq`` and tied-head handling (:meth:`CausalLM.sanitize`).
         """
         out = {}
         for k, v in weights.items():
-            if k.startswith(_DROPPED_PREFIXES) or "rotary_emb.inv_freq" in k:
+            if k.startswith(_DROPPED_PREFIXES):
                 continue
             for old, new in _PREFIX_MAP:
                 if k.startswith(old):
                     k = new + k[len(old):]
                     break
             out[k] = v
-        if not self.args.tie_word_embeddings and not any(k.startswith("lm_head.") for k in out):
-            self.args.tie_word_embeddings = True
-            self.pop("lm_head")
-        if self.args.tie_word_embeddings:
-            out = {k: v for k, v in out.items() if not k.startswith("lm_head.")}
-        return out
-
-    @property
-    def layers(self) -> list[TransformerBlock]:
-        return self.model.layers
-
-    def make_cache(self) -> list[KVCache | RotatingKVCache]:
-        """One cache per layer: rotating (window-sized) for sliding layers, growing for global."""
-        return [RotatingKVCache(self.args.sliding_window) if layer.use_sliding else KVCache()
-                for layer in self.layers]
+        return super().sanitize(out)

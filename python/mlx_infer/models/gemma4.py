@@ -45,9 +45,9 @@ from ..layers.attention import create_attention_mask, scaled_dot_product_attenti
 from ..layers.rope import SUPPORTED_ROPE_TYPES, initialize_rope, rope_type_of
 from ..layers.switch import FP_MODES, QuantizedEmbeddingKept, QuantizedLinearKept, SwitchGLU, SwitchLinear
 from ..state.kv import KVCache, RotatingKVCache
-from .schema import check_heads, check_layer_types, check_nested_rope, check_value, config_fields, per_layer_indices
-
-FULL, SLIDING = "full_attention", "sliding_attention"
+from .base import CausalLM
+from .schema import (FULL, SLIDING, check_heads, check_layer_types, check_nested_rope, check_value, config_fields,
+                     per_layer_indices)
 
 _DEFAULT_ROPE = {
     SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
@@ -442,7 +442,7 @@ class Gemma4Model(nn.Module):
         return self.norm(h)
 
 
-class Model(nn.Module):
+class Model(CausalLM):
     """Gemma 4 causal LM: ``inputs (B, L) -> logits (B, L, vocab)``.
 
     Compiled decode is declared: the C++ step (``cpp/decode/gemma4.cpp``) covers
@@ -455,12 +455,7 @@ class Model(nn.Module):
     declaration = GraphDeclaration(method="autoregressive", compiled_decode=True)
 
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.model_type = args.model_type
-        self.model = Gemma4Model(args)
-        if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        super().__init__(args, Gemma4Model(args))
 
     def __call__(self, inputs: mx.array | None, cache: list[Any] | None = None,
                  input_embeddings: mx.array | None = None, per_layer_inputs: mx.array | None = None) -> mx.array:
@@ -469,7 +464,7 @@ class Model(nn.Module):
 
     def logits_from_hidden(self, h: mx.array) -> mx.array:
         """Project final hidden states ``(B, L, hidden)`` to soft-capped logits ``(B, L, vocab)``."""
-        logits = self.model.embed_tokens.as_linear(h) if self.args.tie_word_embeddings else self.lm_head(h)
+        logits = super().logits_from_hidden(h)
         cap = self.args.final_logit_softcapping
         return logit_softcap(cap, logits) if cap is not None else logits
 
@@ -508,11 +503,7 @@ class Model(nn.Module):
             if k.endswith(".experts.down_proj"):
                 k = k[: -len("down_proj")] + "switch_glu.down_proj.weight"
             out[k] = v
-        if not self.args.tie_word_embeddings and not any(k.startswith("lm_head.") for k in out):
-            self.args.tie_word_embeddings = True
-            self.pop("lm_head")
-        if self.args.tie_word_embeddings:
-            out = {k: v for k, v in out.items() if not k.startswith("lm_head.")}
+        out = self.sanitize_head(out)
         self._adopt_quantization(out)
         return out
 
@@ -549,10 +540,6 @@ class Model(nn.Module):
     def quant_predicate(self):
         """mlx-lm's choice for converting: the router projection at 8 bits, everything else the default."""
         return lambda path, _: {"group_size": 64, "bits": 8} if path.endswith("router.proj") else True
-
-    @property
-    def layers(self) -> list[DecoderLayer]:
-        return self.model.layers
 
     def make_cache(self) -> list[KVCache | RotatingKVCache]:
         """One cache per KV-owning layer (KV-shared layers read their donor's): rotating for sliding layers."""

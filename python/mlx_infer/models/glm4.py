@@ -6,7 +6,8 @@ What sets it apart from Llama:
   ``out = h + post_mlp_norm(mlp(post_attention_norm(h)))``.
 - RoPE rotates the first ``partial_rotary_factor`` of each head (default 1/2) in the
   interleaved ("traditional") layout.
-- Bias on q/k/v (``attention_bias``), none on o_proj; one fused ``gate_up_proj``
+- Bias on q/k/v (``attention_bias``), none on o_proj (otherwise Llama's attention,
+  :class:`~mlx_infer.models.llama.Attention`); one fused ``gate_up_proj``
   (:class:`~mlx_infer.models.phi3.MLP`).
 """
 
@@ -19,10 +20,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..contracts import GraphDeclaration
-from ..layers.attention import create_attention_mask, scaled_dot_product_attention
 from ..layers.rope import initialize_rope
-from ..state.kv import KVCache
 from . import llama
+from .base import CausalLM, DecoderModel
 from .phi3 import MLP
 from .schema import check_number, config_fields
 
@@ -47,40 +47,19 @@ class ModelArgs(llama.ModelArgs):
         self.partial_rotary_factor = check_number("partial_rotary_factor", self.partial_rotary_factor,
                                                   integer=False, lo=0.0, hi=1.0, lo_open=True)
 
+    @property
+    def o_proj_bias(self) -> bool:
+        """GLM-4 has no bias on o_proj, whatever ``attention_bias`` says (it biases q/k/v only)."""
+        return False
 
-class Attention(nn.Module):
-    """Grouped-query attention with q/k/v bias and partial interleaved RoPE."""
+
+class Attention(llama.Attention):
+    """Llama's attention (q/k/v bias from ``attention_bias``, none on o_proj) with partial interleaved RoPE."""
 
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        dim = args.hidden_size
-        self.n_heads = args.num_attention_heads
-        self.n_kv_heads = args.num_key_value_heads
-        self.head_dim = head_dim = args.head_dim
-        self.scale = head_dim**-0.5
-        bias = args.attention_bias
-        self.q_proj = nn.Linear(dim, self.n_heads * head_dim, bias=bias)
-        self.k_proj = nn.Linear(dim, self.n_kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(dim, self.n_kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * head_dim, dim, bias=False)
-        self.rope = initialize_rope(int(head_dim * args.partial_rotary_factor), args.rope_theta,
+        super().__init__(args, qk_norm=False)
+        self.rope = initialize_rope(int(self.head_dim * args.partial_rotary_factor), args.rope_theta,
                                     args.rope_traditional, args.rope_scaling, args.max_position_embeddings)
-
-    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
-        B, L, _ = x.shape
-        queries = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)  # (B, H, L, D)
-        keys = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)  # (B, KVH, L, D)
-        values = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)  # (B, KVH, L, D)
-        if cache is not None:
-            queries = self.rope(queries, offset=cache.offset)
-            keys = self.rope(keys, offset=cache.offset)
-            keys, values = cache.update_and_fetch(keys, values)  # (B, KVH, S, D)
-        else:
-            queries = self.rope(queries)
-            keys = self.rope(keys)
-        out = scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)  # (B, H, L, D)
-        out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)  # (B, L, H*D)
-        return self.o_proj(out)
 
 
 class TransformerBlock(nn.Module):
@@ -102,29 +81,7 @@ class TransformerBlock(nn.Module):
         return self.post_mlp_layernorm(self.mlp(self.post_attention_layernorm(h))) + h
 
 
-class Glm4Model(nn.Module):
-    """Embedding, blocks and final norm: tokens to final hidden states."""
-
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [TransformerBlock(args) for _ in range(args.num_hidden_layers)]
-        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-
-    def __call__(self, inputs: mx.array | None, cache: list[Any] | None = None,
-                 input_embeddings: mx.array | None = None) -> mx.array:
-        """Return the final-norm hidden states ``(B, L, hidden)``."""
-        h = input_embeddings if input_embeddings is not None else self.embed_tokens(inputs)  # (B, L, E)
-        if cache is None:
-            cache = [None] * len(self.layers)
-        mask = create_attention_mask(h, cache[0])
-        for layer, c in zip(self.layers, cache):
-            h = layer(h, mask, c)
-        return self.norm(h)
-
-
-class Model(llama.Model):
+class Model(CausalLM):
     """GLM-4 causal LM: ``inputs (B, L) -> logits (B, L, vocab)``; eager decode only."""
 
     #: The family this graph belongs to (its module here; see :func:`mlx_infer.models.graph_family`).
@@ -132,13 +89,4 @@ class Model(llama.Model):
     declaration = GraphDeclaration(method="autoregressive", compiled_decode=False)
 
     def __init__(self, args: ModelArgs):
-        nn.Module.__init__(self)
-        self.args = args
-        self.model_type = args.model_type
-        self.model = Glm4Model(args)
-        if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-
-    def make_cache(self) -> list[KVCache]:
-        """One growing cache per layer (every layer is global)."""
-        return [KVCache() for _ in self.layers]
+        super().__init__(args, DecoderModel(args, lambda i: TransformerBlock(args)))

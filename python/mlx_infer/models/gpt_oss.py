@@ -27,11 +27,11 @@ import mlx.nn as nn
 
 from ..contracts import GraphDeclaration
 from ..errors import ModelLoadError
-from ..layers.attention import create_attention_mask, scaled_dot_product_attention
-from ..layers.rope import SUPPORTED_ROPE_TYPES, initialize_rope, rope_type_of
+from ..layers.attention import scaled_dot_product_attention
+from ..layers.rope import SUPPORTED_ROPE_TYPES, initialize_rope
 from ..layers.switch import QuantizedSwitchLinear, SwitchGLU
-from ..state.kv import KVCache, RotatingKVCache
-from .schema import FULL, SLIDING, check_heads, check_layer_types, check_number, check_rope_dict, config_fields
+from .base import CausalLM, DecoderModel, GQAttention, PreNormBlock, rope_and_cache
+from .schema import FULL, SLIDING, check_heads, check_layer_types, check_number, config_fields, rope_settings
 
 
 @dataclass
@@ -65,13 +65,8 @@ class ModelArgs:
 
     def __post_init__(self) -> None:
         check_heads(self.num_attention_heads, self.num_key_value_heads)
-        rp = self.rope_parameters or {}
-        if self.rope_scaling is None and rope_type_of(rp) != "default":
-            self.rope_scaling = rp
-        check_rope_dict("rope_scaling", self.rope_scaling, SUPPORTED_ROPE_TYPES)
-        if self.rope_theta is None:
-            self.rope_theta = rp.get("rope_theta", 150000.0)
-        self.rope_theta = check_number("rope_theta", self.rope_theta, integer=False, lo=0.0, hi=3.4e38, lo_open=True)
+        self.rope_theta, self.rope_scaling = rope_settings(self.rope_theta, self.rope_scaling, self.rope_parameters,
+                                                           SUPPORTED_ROPE_TYPES, default_theta=150000.0)
         self.num_experts_per_tok = check_number("num_experts_per_tok", self.num_experts_per_tok, integer=True,
                                                 lo=1, hi=self.num_local_experts)
         if self.layer_types is None:
@@ -87,35 +82,21 @@ def swiglu_oai(gate: mx.array, x: mx.array, alpha: float = 1.702, limit: float =
     return (x + 1.0) * (gate * mx.sigmoid(alpha * gate))
 
 
-class Attention(nn.Module):
+class Attention(GQAttention):
     """Grouped-query attention with biases and per-head attention sinks."""
 
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        dim = args.hidden_size
-        self.n_heads = args.num_attention_heads
-        self.n_kv_heads = args.num_key_value_heads
-        self.head_dim = head_dim = args.head_dim
-        self.scale = head_dim**-0.5
+        super().__init__(args, qkv_bias=True, o_bias=True)
         self.sinks = mx.zeros((self.n_heads,))
-        self.q_proj = nn.Linear(dim, self.n_heads * head_dim, bias=True)
-        self.k_proj = nn.Linear(dim, self.n_kv_heads * head_dim, bias=True)
-        self.v_proj = nn.Linear(dim, self.n_kv_heads * head_dim, bias=True)
-        self.o_proj = nn.Linear(self.n_heads * head_dim, dim, bias=True)
-        self.rope = initialize_rope(head_dim, args.rope_theta, False, args.rope_scaling, args.max_position_embeddings)
+        self.rope = initialize_rope(self.head_dim, args.rope_theta, False, args.rope_scaling,
+                                    args.max_position_embeddings)
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         B, L, _ = x.shape
         q = self.q_proj(x).reshape(B, L, -1, self.head_dim).swapaxes(1, 2)  # (B, H, L, D)
         k = self.k_proj(x).reshape(B, L, -1, self.head_dim).swapaxes(1, 2)  # (B, KVH, L, D)
         v = self.v_proj(x).reshape(B, L, -1, self.head_dim).swapaxes(1, 2)  # (B, KVH, L, D)
-        if cache is not None:
-            q = self.rope(q, offset=cache.offset)
-            k = self.rope(k, offset=cache.offset)
-            k, v = cache.update_and_fetch(k, v)  # (B, KVH, S, D)
-        else:
-            q = self.rope(q)
-            k = self.rope(k)
+        q, k, v = rope_and_cache(self.rope, q, k, v, cache)  # k, v: (B, KVH, S, D)
         out = scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask, sinks=self.sinks)  # (B, H, L, D)
         return self.o_proj(out.swapaxes(1, 2).reshape(B, L, -1))
 
@@ -139,48 +120,11 @@ class MLPBlock(nn.Module):
         return (y * mx.expand_dims(weights, axis=-1)).sum(axis=-2)
 
 
-class TransformerBlock(nn.Module):
+class TransformerBlock(PreNormBlock):
     """Pre-norm block: ``h = x + attn(norm(x)); out = h + moe(norm(h))``."""
 
     def __init__(self, args: ModelArgs, *, sliding: bool):
-        super().__init__()
-        self.use_sliding = sliding
-        self.self_attn = Attention(args)
-        self.mlp = MLPBlock(args)
-        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-
-    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), mask, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-
-class GptOssModel(nn.Module):
-    """Embedding, blocks and final norm: tokens to final hidden states."""
-
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [TransformerBlock(args, sliding=t == SLIDING) for t in args.layer_types]
-        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self._full_idx = next((i for i, t in enumerate(args.layer_types) if t == FULL), None)
-        self._swa_idx = next((i for i, t in enumerate(args.layer_types) if t == SLIDING), None)
-
-    def __call__(self, inputs: mx.array | None, cache: list[Any] | None = None,
-                 input_embeddings: mx.array | None = None) -> mx.array:
-        """Return the final-norm hidden states ``(B, L, hidden)``."""
-        h = input_embeddings if input_embeddings is not None else self.embed_tokens(inputs)  # (B, L, E)
-        if cache is None:
-            cache = [None] * len(self.layers)
-        full_mask = swa_mask = None
-        if self._full_idx is not None:
-            full_mask = create_attention_mask(h, cache[self._full_idx])
-        if self._swa_idx is not None:
-            swa_mask = create_attention_mask(h, cache[self._swa_idx], window_size=self.args.sliding_window)
-        for layer, c in zip(self.layers, cache):
-            h = layer(h, swa_mask if layer.use_sliding else full_mask, c)
-        return self.norm(h)
+        super().__init__(args, Attention(args), MLPBlock(args), sliding=sliding)
 
 
 def _mxfp4_shell(weight_blocks: mx.array, bias: bool) -> QuantizedSwitchLinear:
@@ -189,7 +133,7 @@ def _mxfp4_shell(weight_blocks: mx.array, bias: bool) -> QuantizedSwitchLinear:
     return QuantizedSwitchLinear(mx.zeros((E, out, groups * 32)), 32, 4, "mxfp4", bias=bias)
 
 
-class Model(nn.Module):
+class Model(CausalLM):
     """gpt-oss causal LM: ``inputs (B, L) -> logits (B, L, vocab)``; eager decode only."""
 
     #: The family this graph belongs to (its module here; see :func:`mlx_infer.models.graph_family`).
@@ -197,34 +141,18 @@ class Model(nn.Module):
     declaration = GraphDeclaration(method="autoregressive", compiled_decode=False)
 
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.model_type = args.model_type
-        self.model = GptOssModel(args)
-        if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-
-    def __call__(self, inputs: mx.array | None, cache: list[Any] | None = None,
-                 input_embeddings: mx.array | None = None) -> mx.array:
-        """Logits ``(B, L, vocab)`` for token ids ``(B, L)`` (or ``input_embeddings``)."""
-        return self.logits_from_hidden(self.model(inputs, cache, input_embeddings))
-
-    def logits_from_hidden(self, h: mx.array) -> mx.array:
-        """Project final hidden states ``(B, L, hidden)`` to logits ``(B, L, vocab)``."""
-        if self.args.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(h)
-        return self.lm_head(h)
+        model = DecoderModel(args, lambda i: TransformerBlock(args, sliding=args.layer_types[i] == SLIDING))
+        super().__init__(args, model)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Map transformers' fused bf16 experts and OpenAI's MXFP4 ones to ``mlp.experts.*``.
 
         MXFP4 experts switch the layer's expert linears to MLX's ``mxfp4`` mode here (the
-        checkpoint's config carries no MLX ``quantization`` entry).
+        checkpoint's config carries no MLX ``quantization`` entry). Then the shared ``inv_freq``
+        and tied-head handling (:meth:`CausalLM.sanitize`).
         """
         out: dict[str, mx.array] = {}
         for k, v in weights.items():
-            if "rotary_emb.inv_freq" in k:
-                continue
             if k.endswith(("gate_up_proj", "gate_up_proj_blocks", "gate_up_proj_scales")):
                 base = k.rsplit(".", 1)[0]  # model.layers.{i}.mlp.experts
                 if k.endswith("gate_up_proj"):  # (E, hidden, 2I), gate/up interleaved on the last axis
@@ -255,12 +183,7 @@ class Model(nn.Module):
                 out[f"{k[: -len('_bias')]}.bias"] = v
             else:
                 out[k] = v
-        if not self.args.tie_word_embeddings and not any(k.startswith("lm_head.") for k in out):
-            self.args.tie_word_embeddings = True
-            self.pop("lm_head")
-        if self.args.tie_word_embeddings:
-            out = {k: v for k, v in out.items() if not k.startswith("lm_head.")}
-        return out
+        return super().sanitize(out)
 
     def _use_mxfp4(self, experts_path: str, proj: str, blocks: mx.array) -> None:
         parts = experts_path.split(".")  # model.layers.{i}.mlp.experts
@@ -269,12 +192,3 @@ class Model(nn.Module):
         experts = self.layers[int(parts[2])].mlp.experts
         if not isinstance(experts[proj], QuantizedSwitchLinear):
             setattr(experts, proj, _mxfp4_shell(blocks, bias=True))
-
-    @property
-    def layers(self) -> list[TransformerBlock]:
-        return self.model.layers
-
-    def make_cache(self) -> list[KVCache | RotatingKVCache]:
-        """One cache per layer: rotating (window-sized) for sliding layers, growing for full ones."""
-        return [RotatingKVCache(self.args.sliding_window) if layer.use_sliding else KVCache()
-                for layer in self.layers]

@@ -15,12 +15,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-import mlx.nn as nn
 
 from ..contracts import GraphDeclaration
-from ..layers.attention import create_attention_mask
-from ..state.kv import KVCache
 from . import llama
+from .base import CausalLM, DecoderModel, PreNormBlock
 from .llama import MLP, Attention
 from .schema import check_number, config_fields
 
@@ -50,17 +48,12 @@ class ModelArgs(llama.ModelArgs):
                                              lo_open=True))
 
 
-class TransformerBlock(nn.Module):
+class TransformerBlock(PreNormBlock):
     """Pre-norm block with scaled residual branches."""
 
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.use_sliding = False
-        self.self_attn = Attention(args, qk_norm=False)
+        super().__init__(args, Attention(args, qk_norm=False), MLP(args))
         self.self_attn.scale = args.attention_multiplier
-        self.mlp = MLP(args)
-        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.residual_multiplier = args.residual_multiplier
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
@@ -68,30 +61,18 @@ class TransformerBlock(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h)) * self.residual_multiplier
 
 
-class GraniteModel(nn.Module):
+class GraniteModel(DecoderModel):
     """Embedding (scaled), blocks and final norm: tokens to final hidden states."""
 
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [TransformerBlock(args) for _ in range(args.num_hidden_layers)]
-        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        super().__init__(args, lambda i: TransformerBlock(args))
 
-    def __call__(self, inputs: mx.array | None, cache: list[Any] | None = None,
-                 input_embeddings: mx.array | None = None) -> mx.array:
-        """Return the final-norm hidden states ``(B, L, hidden)``."""
-        h = input_embeddings if input_embeddings is not None else self.embed_tokens(inputs)  # (B, L, E)
-        h = h * self.args.embedding_multiplier
-        if cache is None:
-            cache = [None] * len(self.layers)
-        mask = create_attention_mask(h, cache[0])
-        for layer, c in zip(self.layers, cache):
-            h = layer(h, mask, c)
-        return self.norm(h)
+    def embed(self, inputs: mx.array | None, input_embeddings: mx.array | None) -> mx.array:
+        """Token embeddings (or ``input_embeddings``) ``(B, L, hidden)`` times ``embedding_multiplier``."""
+        return super().embed(inputs, input_embeddings) * self.args.embedding_multiplier
 
 
-class Model(llama.Model):
+class Model(CausalLM):
     """Granite causal LM: ``inputs (B, L) -> logits (B, L, vocab)``; eager decode only."""
 
     #: The family this graph belongs to (its module here; see :func:`mlx_infer.models.graph_family`).
@@ -99,17 +80,8 @@ class Model(llama.Model):
     declaration = GraphDeclaration(method="autoregressive", compiled_decode=False)
 
     def __init__(self, args: ModelArgs):
-        nn.Module.__init__(self)
-        self.args = args
-        self.model_type = args.model_type
-        self.model = GraniteModel(args)
-        if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        super().__init__(args, GraniteModel(args))
 
     def logits_from_hidden(self, h: mx.array) -> mx.array:
         """Project final hidden states ``(B, L, hidden)`` to logits ``(B, L, vocab)`` over ``logits_scaling``."""
         return super().logits_from_hidden(h) / self.args.logits_scaling
-
-    def make_cache(self) -> list[KVCache]:
-        """One growing cache per layer (every layer is global)."""
-        return [KVCache() for _ in self.layers]

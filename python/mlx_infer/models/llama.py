@@ -22,13 +22,11 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..contracts import GraphDeclaration
-from ..layers.attention import create_attention_mask, scaled_dot_product_attention
 from ..errors import ModelLoadError
+from ..layers.attention import scaled_dot_product_attention
 from ..layers.rope import SUPPORTED_ROPE_TYPES, initialize_rope
-from ..state.kv import KVCache, RotatingKVCache
-from .schema import check_heads, check_layer_types, check_number, check_rope_dict, config_fields
-
-FULL, SLIDING = "full_attention", "sliding_attention"
+from .base import CausalLM, DecoderModel, GQAttention, PreNormBlock, rope_and_cache
+from .schema import FULL, SLIDING, check_heads, check_layer_types, check_number, check_rope_dict, config_fields
 
 
 @dataclass
@@ -114,21 +112,12 @@ def swiglu(gate: mx.array, x: mx.array) -> mx.array:
     return nn.silu(gate) * x
 
 
-class Attention(nn.Module):
+class Attention(GQAttention):
     """Grouped-query self-attention with RoPE and optional per-head q/k norms."""
 
     def __init__(self, args: ModelArgs, *, qk_norm: bool):
-        super().__init__()
-        dim = args.hidden_size
-        self.n_heads = args.num_attention_heads
-        self.n_kv_heads = args.num_key_value_heads
-        self.head_dim = head_dim = args.head_dim
-        self.scale = head_dim**-0.5
-        qkv_bias = args.qkv_bias
-        self.q_proj = nn.Linear(dim, self.n_heads * head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(dim, self.n_kv_heads * head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(dim, self.n_kv_heads * head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.n_heads * head_dim, dim, bias=args.o_proj_bias)
+        super().__init__(args, qkv_bias=args.qkv_bias, o_bias=args.o_proj_bias)
+        head_dim = self.head_dim
         self.qk_norm = qk_norm
         if qk_norm:
             self.q_norm = nn.RMSNorm(head_dim, eps=args.rms_norm_eps)
@@ -147,15 +136,7 @@ class Attention(nn.Module):
         queries = queries.transpose(0, 2, 1, 3)  # (B, H, L, D)
         keys = keys.transpose(0, 2, 1, 3)  # (B, KVH, L, D)
         values = values.transpose(0, 2, 1, 3)  # (B, KVH, L, D)
-
-        if cache is not None:
-            queries = self.rope(queries, offset=cache.offset)
-            keys = self.rope(keys, offset=cache.offset)
-            keys, values = cache.update_and_fetch(keys, values)  # (B, KVH, S, D)
-        else:
-            queries = self.rope(queries)
-            keys = self.rope(keys)
-
+        queries, keys, values = rope_and_cache(self.rope, queries, keys, values, cache)  # k, v: (B, KVH, S, D)
         out = scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)  # (B, H, L, D)
         out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)  # (B, L, H*D)
         return self.o_proj(out)
@@ -175,107 +156,24 @@ class MLP(nn.Module):
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
-class TransformerBlock(nn.Module):
+class TransformerBlock(PreNormBlock):
     """Pre-norm block: ``h = x + attn(norm(x)); out = h + mlp(norm(h))``."""
 
     def __init__(self, args: ModelArgs, *, sliding: bool):
-        super().__init__()
-        self.use_sliding = sliding
-        self.self_attn = Attention(args, qk_norm=args.model_type == "qwen3")
-        self.mlp = MLP(args)
-        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-
-    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), mask, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        super().__init__(args, Attention(args, qk_norm=args.model_type == "qwen3"), MLP(args), sliding=sliding)
 
 
-class LlamaModel(nn.Module):
-    """Embedding, blocks and final norm: tokens to final hidden states."""
+class Model(CausalLM):
+    """A Llama-family causal LM: ``inputs (B, L) -> logits (B, L, vocab)``.
 
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.sliding_window = args.sliding_window
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [TransformerBlock(args, sliding=t == SLIDING) for t in args.layer_types]
-        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        # One mask per layer kind, built from the first layer of that kind.
-        self._full_idx = next((i for i, t in enumerate(args.layer_types) if t == FULL), None)
-        self._swa_idx = next((i for i, t in enumerate(args.layer_types) if t == SLIDING), None)
-
-    def __call__(self, inputs: mx.array | None, cache: list[Any] | None = None,
-                 input_embeddings: mx.array | None = None) -> mx.array:
-        """Return the final-norm hidden states ``(B, L, hidden)``."""
-        h = input_embeddings if input_embeddings is not None else self.embed_tokens(inputs)  # (B, L, E)
-        if cache is None:
-            cache = [None] * len(self.layers)
-        full_mask = swa_mask = None
-        if self._full_idx is not None:
-            full_mask = create_attention_mask(h, cache[self._full_idx])
-        if self._swa_idx is not None:
-            swa_mask = create_attention_mask(h, cache[self._swa_idx], window_size=self.sliding_window)
-        for layer, c in zip(self.layers, cache):
-            h = layer(h, swa_mask if layer.use_sliding else full_mask, c)
-        return self.norm(h)
-
-
-class Model(nn.Module):
-    """A Llama-family causal LM: ``inputs (B, L) -> logits (B, L, vocab)``."""
+    ``sanitize`` drops precomputed ``rotary_emb.inv_freq`` buffers and, for a tied head,
+    ``lm_head.weight`` (:class:`~mlx_infer.models.base.CausalLM`).
+    """
 
     #: The family this graph belongs to (its module here; see :func:`mlx_infer.models.graph_family`).
     family = "llama"
     declaration = GraphDeclaration(method="autoregressive", compiled_decode=True)
 
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.model_type = args.model_type
-        self.model = LlamaModel(args)
-        if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-
-    def __call__(self, inputs: mx.array | None, cache: list[Any] | None = None,
-                 input_embeddings: mx.array | None = None) -> mx.array:
-        """Logits for every position.
-
-        Args:
-            inputs: token ids ``(B, L)``; ignored when ``input_embeddings`` is given.
-            cache: one cache per layer (from :meth:`make_cache`), updated in place.
-            input_embeddings: ``(B, L, hidden)`` embeddings to use instead of ``inputs``.
-
-        Returns:
-            ``(B, L, vocab)`` logits.
-        """
-        return self.logits_from_hidden(self.model(inputs, cache, input_embeddings))
-
-    def logits_from_hidden(self, h: mx.array) -> mx.array:
-        """Project final hidden states ``(B, L, hidden)`` to logits ``(B, L, vocab)``."""
-        if self.args.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(h)
-        return self.lm_head(h)
-
-    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        """Map checkpoint weights to this module's names.
-
-        Drops precomputed ``rotary_emb.inv_freq`` buffers and, for a tied head,
-        ``lm_head.weight``. An untied config whose checkpoint lacks
-        ``lm_head.weight`` is switched to a tied head (what HF does on load).
-        """
-        weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
-        if not self.args.tie_word_embeddings and not any(k.startswith("lm_head.") for k in weights):
-            self.args.tie_word_embeddings = True
-            self.pop("lm_head")
-        if self.args.tie_word_embeddings:
-            weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
-        return weights
-
-    @property
-    def layers(self) -> list[TransformerBlock]:
-        return self.model.layers
-
-    def make_cache(self) -> list[KVCache | RotatingKVCache]:
-        """One cache per layer: rotating for sliding-window layers, growing otherwise."""
-        return [RotatingKVCache(self.args.sliding_window) if layer.use_sliding else KVCache()
-                for layer in self.layers]
+        model = DecoderModel(args, lambda i: TransformerBlock(args, sliding=args.layer_types[i] == SLIDING))
+        super().__init__(args, model)

@@ -20,30 +20,20 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..contracts import GraphDeclaration
-from ..layers.attention import create_attention_mask, scaled_dot_product_attention
+from ..layers.attention import scaled_dot_product_attention
 from ..layers.rope import initialize_rope
-from ..state.kv import KVCache
-from . import llama
+from .base import CausalLM, DecoderModel, GQAttention, rope_and_cache
 from .llama import MLP, ModelArgs
 
 __all__ = ["Model", "ModelArgs"]
 
 
-class Attention(nn.Module):
+class Attention(GQAttention):
     """Grouped-query attention with RMSNorm over the whole q and k projections."""
 
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        dim = args.hidden_size
-        self.n_heads = args.num_attention_heads
-        self.n_kv_heads = args.num_key_value_heads
-        self.head_dim = head_dim = args.head_dim
-        self.scale = head_dim**-0.5
-        bias = args.attention_bias
-        self.q_proj = nn.Linear(dim, self.n_heads * head_dim, bias=bias)
-        self.k_proj = nn.Linear(dim, self.n_kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(dim, self.n_kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * head_dim, dim, bias=bias)
+        super().__init__(args, qkv_bias=args.attention_bias, o_bias=args.attention_bias)
+        head_dim = self.head_dim
         self.q_norm = nn.RMSNorm(self.n_heads * head_dim, eps=args.rms_norm_eps)
         self.k_norm = nn.RMSNorm(self.n_kv_heads * head_dim, eps=args.rms_norm_eps)
         self.rope = initialize_rope(head_dim, args.rope_theta, args.rope_traditional, args.rope_scaling,
@@ -57,13 +47,7 @@ class Attention(nn.Module):
         queries = queries.reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)  # (B, H, L, D)
         keys = keys.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)  # (B, KVH, L, D)
         values = values.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)  # (B, KVH, L, D)
-        if cache is not None:
-            queries = self.rope(queries, offset=cache.offset)
-            keys = self.rope(keys, offset=cache.offset)
-            keys, values = cache.update_and_fetch(keys, values)  # (B, KVH, S, D)
-        else:
-            queries = self.rope(queries)
-            keys = self.rope(keys)
+        queries, keys, values = rope_and_cache(self.rope, queries, keys, values, cache)  # k, v: (B, KVH, S, D)
         out = scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)  # (B, H, L, D)
         out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)  # (B, L, H*D)
         return self.o_proj(out)
@@ -85,29 +69,7 @@ class TransformerBlock(nn.Module):
         return h + self.post_feedforward_layernorm(self.mlp(h))
 
 
-class Olmo2Model(nn.Module):
-    """Embedding, blocks and final norm: tokens to final hidden states."""
-
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [TransformerBlock(args) for _ in range(args.num_hidden_layers)]
-        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-
-    def __call__(self, inputs: mx.array | None, cache: list[Any] | None = None,
-                 input_embeddings: mx.array | None = None) -> mx.array:
-        """Return the final-norm hidden states ``(B, L, hidden)``."""
-        h = input_embeddings if input_embeddings is not None else self.embed_tokens(inputs)  # (B, L, E)
-        if cache is None:
-            cache = [None] * len(self.layers)
-        mask = create_attention_mask(h, cache[0])
-        for layer, c in zip(self.layers, cache):
-            h = layer(h, mask, c)
-        return self.norm(h)
-
-
-class Model(llama.Model):
+class Model(CausalLM):
     """OLMo 2 causal LM: ``inputs (B, L) -> logits (B, L, vocab)``; eager decode only."""
 
     #: The family this graph belongs to (its module here; see :func:`mlx_infer.models.graph_family`).
@@ -115,13 +77,4 @@ class Model(llama.Model):
     declaration = GraphDeclaration(method="autoregressive", compiled_decode=False)
 
     def __init__(self, args: ModelArgs):
-        nn.Module.__init__(self)
-        self.args = args
-        self.model_type = args.model_type
-        self.model = Olmo2Model(args)
-        if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-
-    def make_cache(self) -> list[KVCache]:
-        """One growing cache per layer (every layer is global)."""
-        return [KVCache() for _ in self.layers]
+        super().__init__(args, DecoderModel(args, lambda i: TransformerBlock(args)))

@@ -21,11 +21,11 @@ import mlx.nn as nn
 
 from ..contracts import GraphDeclaration
 from ..errors import ModelLoadError
-from ..layers.attention import create_attention_mask, scaled_dot_product_attention
+from ..layers.attention import scaled_dot_product_attention
 from ..layers.rope import LongRoPE, initialize_rope, rope_type_of
-from ..state.kv import KVCache, RotatingKVCache
+from .base import CausalLM, DecoderModel, PreNormBlock, rope_and_cache
 from .llama import swiglu
-from .schema import check_heads, check_number, check_rope_dict, config_fields
+from .schema import check_heads, check_number, config_fields, rope_settings
 
 ROPE_TYPES = ("default", "linear", "longrope", "su")
 
@@ -63,13 +63,9 @@ class ModelArgs:
         check_heads(self.num_attention_heads, self.num_key_value_heads)
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
+        self.rope_theta, self.rope_scaling = rope_settings(self.rope_theta, self.rope_scaling, self.rope_parameters,
+                                                           ROPE_TYPES, default_theta=10000.0)
         rp = self.rope_parameters or {}
-        if self.rope_scaling is None and rope_type_of(rp) != "default":
-            self.rope_scaling = rp
-        check_rope_dict("rope_scaling", self.rope_scaling, ROPE_TYPES)
-        if self.rope_theta is None:
-            self.rope_theta = rp.get("rope_theta", 10000.0)
-        self.rope_theta = check_number("rope_theta", self.rope_theta, integer=False, lo=0.0, hi=3.4e38, lo_open=True)
         if self.partial_rotary_factor is None:
             self.partial_rotary_factor = rp.get("partial_rotary_factor", 1.0)
         self.partial_rotary_factor = check_number("partial_rotary_factor", self.partial_rotary_factor,
@@ -121,13 +117,7 @@ class Attention(nn.Module):
         queries = queries.reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)  # (B, H, L, D)
         keys = keys.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)  # (B, KVH, L, D)
         values = values.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)  # (B, KVH, L, D)
-        if cache is not None:
-            queries = self.rope(queries, offset=cache.offset)
-            keys = self.rope(keys, offset=cache.offset)
-            keys, values = cache.update_and_fetch(keys, values)  # (B, KVH, S, D)
-        else:
-            queries = self.rope(queries)
-            keys = self.rope(keys)
+        queries, keys, values = rope_and_cache(self.rope, queries, keys, values, cache)  # k, v: (B, KVH, S, D)
         out = scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)  # (B, H, L, D)
         out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)  # (B, L, H*D)
         return self.o_proj(out)
@@ -146,45 +136,15 @@ class MLP(nn.Module):
         return self.down_proj(swiglu(gate, up))
 
 
-class TransformerBlock(nn.Module):
-    """Pre-norm block: ``h = x + attn(norm(x)); out = h + mlp(norm(h))``."""
+class TransformerBlock(PreNormBlock):
+    """Pre-norm block: ``h = x + attn(norm(x)); out = h + mlp(norm(h))``; sliding when the config has a window."""
 
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.use_sliding = args.sliding_window is not None
-        self.self_attn = Attention(args)
-        self.mlp = MLP(args.hidden_size, args.intermediate_size)
-        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-
-    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), mask, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        super().__init__(args, Attention(args), MLP(args.hidden_size, args.intermediate_size),
+                         sliding=args.sliding_window is not None)
 
 
-class Phi3Model(nn.Module):
-    """Embedding, blocks and final norm: tokens to final hidden states."""
-
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [TransformerBlock(args) for _ in range(args.num_hidden_layers)]
-        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-
-    def __call__(self, inputs: mx.array | None, cache: list[Any] | None = None,
-                 input_embeddings: mx.array | None = None) -> mx.array:
-        """Return the final-norm hidden states ``(B, L, hidden)``."""
-        h = input_embeddings if input_embeddings is not None else self.embed_tokens(inputs)  # (B, L, E)
-        if cache is None:
-            cache = [None] * len(self.layers)
-        mask = create_attention_mask(h, cache[0], window_size=self.args.sliding_window)
-        for layer, c in zip(self.layers, cache):
-            h = layer(h, mask, c)
-        return self.norm(h)
-
-
-class Model(nn.Module):
+class Model(CausalLM):
     """Phi-3 causal LM: ``inputs (B, L) -> logits (B, L, vocab)``; eager decode only."""
 
     #: The family this graph belongs to (its module here; see :func:`mlx_infer.models.graph_family`).
@@ -192,39 +152,4 @@ class Model(nn.Module):
     declaration = GraphDeclaration(method="autoregressive", compiled_decode=False)
 
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.model_type = args.model_type
-        self.model = Phi3Model(args)
-        if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-
-    def __call__(self, inputs: mx.array | None, cache: list[Any] | None = None,
-                 input_embeddings: mx.array | None = None) -> mx.array:
-        """Logits ``(B, L, vocab)`` for token ids ``(B, L)`` (or ``input_embeddings``)."""
-        return self.logits_from_hidden(self.model(inputs, cache, input_embeddings))
-
-    def logits_from_hidden(self, h: mx.array) -> mx.array:
-        """Project final hidden states ``(B, L, hidden)`` to logits ``(B, L, vocab)``."""
-        if self.args.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(h)
-        return self.lm_head(h)
-
-    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        """Drop ``rotary_emb.inv_freq`` buffers and, for a tied head, ``lm_head.weight``."""
-        weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
-        if not self.args.tie_word_embeddings and not any(k.startswith("lm_head.") for k in weights):
-            self.args.tie_word_embeddings = True
-            self.pop("lm_head")
-        if self.args.tie_word_embeddings:
-            weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
-        return weights
-
-    @property
-    def layers(self) -> list[TransformerBlock]:
-        return self.model.layers
-
-    def make_cache(self) -> list[KVCache | RotatingKVCache]:
-        """One cache per layer: rotating when the config has a sliding window."""
-        return [RotatingKVCache(self.args.sliding_window) if layer.use_sliding else KVCache()
-                for layer in self.layers]
+        super().__init__(args, DecoderModel(args, lambda i: TransformerBlock(args)))

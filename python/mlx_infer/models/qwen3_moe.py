@@ -22,10 +22,9 @@ import mlx.nn as nn
 
 from ..contracts import GraphDeclaration
 from ..errors import ModelLoadError
-from ..layers.attention import create_attention_mask
 from ..layers.switch import SwitchGLU
-from ..state.kv import KVCache, RotatingKVCache
 from . import llama
+from .base import CausalLM, DecoderModel, PreNormBlock
 from .llama import MLP, Attention, swiglu
 from .schema import check_number, config_fields
 
@@ -90,45 +89,16 @@ class SparseMoeBlock(nn.Module):
         return (y * scores[..., None]).sum(axis=-2).astype(y.dtype)
 
 
-class TransformerBlock(nn.Module):
+class TransformerBlock(PreNormBlock):
     """Pre-norm block with Qwen 3 attention and a sparse (or dense) MLP."""
 
     def __init__(self, args: ModelArgs, layer: int):
-        super().__init__()
-        self.use_sliding = args.layer_types[layer] == llama.SLIDING
-        self.self_attn = Attention(args, qk_norm=True)
-        self.mlp = SparseMoeBlock(args) if args.is_moe_layer(layer) else MLP(args)
-        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-
-    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), mask, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        super().__init__(args, Attention(args, qk_norm=True),
+                         SparseMoeBlock(args) if args.is_moe_layer(layer) else MLP(args),
+                         sliding=args.layer_types[layer] == llama.SLIDING)
 
 
-class Qwen3MoeModel(nn.Module):
-    """Embedding, blocks and final norm: tokens to final hidden states."""
-
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [TransformerBlock(args, i) for i in range(args.num_hidden_layers)]
-        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-
-    def __call__(self, inputs: mx.array | None, cache: list[Any] | None = None,
-                 input_embeddings: mx.array | None = None) -> mx.array:
-        """Return the final-norm hidden states ``(B, L, hidden)``."""
-        h = input_embeddings if input_embeddings is not None else self.embed_tokens(inputs)  # (B, L, E)
-        if cache is None:
-            cache = [None] * len(self.layers)
-        mask = create_attention_mask(h, cache[0], window_size=self.args.sliding_window)
-        for layer, c in zip(self.layers, cache):
-            h = layer(h, mask, c)
-        return self.norm(h)
-
-
-class Model(llama.Model):
+class Model(CausalLM):
     """Qwen 3 MoE causal LM: ``inputs (B, L) -> logits (B, L, vocab)``; eager decode only."""
 
     #: The family this graph belongs to (its module here; see :func:`mlx_infer.models.graph_family`).
@@ -136,16 +106,11 @@ class Model(llama.Model):
     declaration = GraphDeclaration(method="autoregressive", compiled_decode=False)
 
     def __init__(self, args: ModelArgs):
-        nn.Module.__init__(self)
-        self.args = args
-        self.model_type = args.model_type
-        self.model = Qwen3MoeModel(args)
-        if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        super().__init__(args, DecoderModel(args, lambda i: TransformerBlock(args, i)))
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Stack per-expert (or split transformers 5's fused) expert weights into ``switch_mlp``;
-        then the Llama family's head and ``inv_freq`` handling."""
+        then the shared ``inv_freq`` and tied-head handling (:meth:`CausalLM.sanitize`)."""
         weights = dict(weights)
         n = self.args.num_experts
         for i, layer in enumerate(self.layers):
@@ -165,8 +130,3 @@ class Model(llama.Model):
                         weights[f"{prefix}.switch_mlp.{proj}.{part}"] = mx.stack(
                             [weights.pop(f"{prefix}.experts.{e}.{proj}.{part}") for e in range(n)])
         return super().sanitize(weights)
-
-    def make_cache(self) -> list[KVCache | RotatingKVCache]:
-        """One cache per layer: rotating when the config uses its sliding window."""
-        return [RotatingKVCache(self.args.sliding_window) if layer.use_sliding else KVCache()
-                for layer in self.layers]

@@ -20,6 +20,7 @@ import math
 from typing import Any, Iterable, Mapping
 
 from ..errors import ModelLoadError
+from ..layers.rope import rope_type_of
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 #: Attention kinds a ``layer_types`` entry may name (every family here reads these two).
@@ -221,6 +222,24 @@ def check_rope_dict(name: str, rope: Any, supported: Iterable[str]) -> None:
         raise ModelLoadError(f"\"{name}\" of RoPE type {kind!r} needs a \"factor\".")
     if kind == "llama3" and rope.get("low_freq_factor", 1.0) == rope.get("high_freq_factor", 4.0):
         raise ModelLoadError(f"\"{name}\": llama3 RoPE needs low_freq_factor != high_freq_factor.")
+
+
+def rope_settings(theta: Any, scaling: Any, parameters: Any, supported: Iterable[str],
+                  default_theta: float) -> tuple[float, dict[str, Any] | None]:
+    """``(rope_theta, rope_scaling)`` from a config's top-level keys or transformers 5's ``rope_parameters``.
+
+    A top-level value wins; otherwise the theta is ``rope_parameters["rope_theta"]`` (else
+    ``default_theta``) and the scaling is ``rope_parameters`` itself when it names a type other
+    than ``default``. The scaling is checked against ``supported`` (:func:`check_rope_dict`), the
+    theta must be a positive number.
+    """
+    rp = parameters or {}
+    if scaling is None and rope_type_of(rp) != "default":
+        scaling = rp
+    check_rope_dict("rope_scaling", scaling, supported)
+    if theta is None:
+        theta = rp.get("rope_theta", default_theta)
+    return check_number("rope_theta", theta, integer=False, lo=0.0, hi=3.4e38, lo_open=True), scaling
 
 
 def check_nested_rope(name: str, rope: Any, supported: Iterable[str]) -> None:
