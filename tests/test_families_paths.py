@@ -4,11 +4,12 @@ Each spec of tests/families.py (a checkpoint transformers saved: safetensors +
 config.json) is loaded by the loader and decoded greedily (EOS ignored, :data:`N`
 tokens) on:
 
-- ``eager``   ``generate_tokens`` on the eager graph (the reference); these families
-  have no compiled C++ step, so the binding must refuse it with a reason and
-  ``generate`` runs this path;
-- ``engine``  ``Engine`` over paged KV, two requests batched; the compiled paged step
-  is refused likewise and the engine decodes on the eager graph over the pages;
+- ``eager``   ``generate_tokens`` on the eager graph (the reference);
+- ``compiled`` for the families the C++ step's llama forward runs (:data:`COMPILED`: SmolLM 3's
+  NoPE layers, Granite's multipliers), ``generate_tokens`` through the compiled decode step;
+  the others have none, so the binding must refuse it with a reason;
+- ``engine``  ``Engine`` over paged KV, two requests batched: the compiled paged step for
+  :data:`COMPILED`, else refused likewise and the engine decodes on the eager graph over the pages;
 - ``server``  one ``/v1/completions`` request through uvicorn on 127.0.0.1;
 
 on MLX's stock kernels and (on a CPU) mlx-infer's CPU kernels, and after
@@ -39,6 +40,12 @@ PROMPTS = (PROMPT, PROMPT_2)
 MIN_DISTINCT = 6  # distinct tokens over the reference streams
 KERNELS = ("stock", "cpu") if mx.default_device() == mx.cpu else ("stock",)
 ALL = list(SPECS)
+#: Families with a compiled decode step (their specs' names start with the family).
+COMPILED = ("granite", "smollm3")
+
+
+def compiled(name: str) -> bool:
+    return name.split("_")[0] in COMPILED
 
 
 def eager_tokens(loaded, prompt: list[int]) -> list[int]:
@@ -47,9 +54,13 @@ def eager_tokens(loaded, prompt: list[int]) -> list[int]:
 
 def engine_tokens(loaded) -> list[list[int]]:
     with Engine(loaded, EngineConfig(page_size=4)) as engine:
-        assert engine.paged_decode is None and engine.paged_decode_reason  # refused, with a reason
+        if loaded.model.declaration.compiled_decode:  # COMPILED (test_families.py checks which declare it)
+            assert engine.paged_decode is not None, engine.paged_decode_reason
+        else:
+            assert engine.paged_decode is None and engine.paged_decode_reason  # refused, with a reason
         reqs = [EngineRequest(prompt_ids=p, max_tokens=N, ignore_eos=True, detokenize=False) for p in PROMPTS]
         results = engine.generate(reqs, timeout=120)
+        assert engine.paged_decode is None or engine.paged_decode.failures == 0
     assert [r.error for r in results] == [None, None]
     return [r.token_ids for r in results]
 
@@ -69,10 +80,16 @@ def test_same_greedy_tokens_on_every_path(name, kernels):
     load = lambda: load_model(path, cpu_kernels=kernels == "cpu")  # noqa: E731 - a fresh load per path
     loaded = load()
     binding = bind_autoregressive(loaded)
-    assert binding.create_decode() is None
-    assert "declares no compiled decode" in binding.decode_unavailable_reason()
     want = [eager_tokens(loaded, p) for p in PROMPTS]
     assert len(set().union(*want)) >= MIN_DISTINCT, f"a near-constant reference hides nothing: {want}"
+    if compiled(name):
+        assert binding.decode_unavailable_reason() is None
+        got = [[t.token for t in generate_tokens(loaded.model, p, max_tokens=N, decode=binding.create_decode())]
+               for p in PROMPTS]
+        assert got == want
+    else:
+        assert binding.create_decode() is None
+        assert "declares no compiled decode" in binding.decode_unavailable_reason()
     assert engine_tokens(load()) == want
     fresh = load()
     assert server_text(fresh) == rendered_text(fresh, want[0])
@@ -214,4 +231,6 @@ def test_bfloat16_eager_equals_engine(name):
         same = next((i for i, (a, b) in enumerate(zip(tokens, w)) if a != b), N)
         sure = min(next((i for i, gap in enumerate(gaps) if gap < BF16_TIE), N), same)
         assert same == N or gaps[same] < BF16_TIE, (same, gaps)  # two eager orders part only at a near-tie
-        assert g[:sure + 1] == w[:sure + 1], (sure, gaps)
+        # Up to the first near-tie (there the compiled step's own summation order, SmolLM 3's and
+        # Granite's, may pick the other of the two: measured smollm3 at a 0.016 gap, token 3).
+        assert g[:sure] == w[:sure], (sure, gaps)

@@ -132,7 +132,10 @@ def test_mixed_batch_equals_alone(family):
                           request_id=f"{n}-{i}") for i, p in enumerate(PROMPTS) for n in names + [None]]
     with Engine(loaded, EngineConfig(page_size=4, max_batch=16, prefix_cache=False)) as engine:
         results = engine.generate(reqs, timeout=300)
-        assert engine.paged_decode is None  # eager families: the per-row path over the bank's stacks
+        # Eager families: the per-row path over the bank's stacks; the compiled ones (granite, smollm3): the
+        # compiled paged step with the bank's stacks as inputs.
+        assert (engine.paged_decode is not None) == loaded.model.declaration.compiled_decode
+        assert engine.paged_decode is None or engine.paged_decode.failures == 0
     assert [r.error for r in results] == [None] * len(results)
     got = {r.request_id: r.token_ids for r in results}
     for (n, i), want in alone.items():

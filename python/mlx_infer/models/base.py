@@ -8,8 +8,8 @@
 
 A family keeps its distinctive math (attention, MLP, block order, embedding scale, logit
 caps) in its own file and subclasses these for the rest. Each family's ``Model`` class stays
-defined in the family module: the loader, the kernel swaps and the parallel plans find a
-family by ``type(model).__module__``.
+defined in the family module and declares its ``family`` there (read by
+:func:`mlx_infer.models.graph_family`).
 """
 
 from __future__ import annotations

@@ -73,14 +73,22 @@ class GraniteModel(DecoderModel):
 
 
 class Model(CausalLM):
-    """Granite causal LM: ``inputs (B, L) -> logits (B, L, vocab)``; eager decode only."""
+    """Granite causal LM: ``inputs (B, L) -> logits (B, L, vocab)``; the compiled decode step runs it
+    through the llama forward with :meth:`decode_switches`."""
 
     #: The family this graph belongs to (its module here; see :func:`mlx_infer.models.graph_family`).
     family = "granite"
-    declaration = GraphDeclaration(method="autoregressive", compiled_decode=False)
+    declaration = GraphDeclaration(method="autoregressive", compiled_decode=True)
 
     def __init__(self, args: ModelArgs):
         super().__init__(args, GraniteModel(args))
+
+    def decode_switches(self) -> dict[str, float]:
+        """What the compiled decode step (the llama forward of ``cpp/decode/graph.cpp``) adds for Granite:
+        the embedding, residual and logits multipliers (the attention one is the attention's ``scale``)."""
+        a = self.args
+        return {"embed_scale": float(a.embedding_multiplier) if a.embedding_multiplier != 1.0 else 0.0,
+                "residual_scale": float(a.residual_multiplier), "logits_divisor": float(a.logits_scaling)}
 
     def logits_from_hidden(self, h: mx.array) -> mx.array:
         """Project final hidden states ``(B, L, hidden)`` to logits ``(B, L, vocab)`` over ``logits_scaling``."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import mlx.nn as nn
 
 from ..contracts import GraphDeclaration
 from ..errors import ModelLoadError
@@ -47,11 +46,12 @@ class ModelArgs(llama.ModelArgs):
 
 
 class Model(llama.Model):
-    """SmolLM 3 causal LM: ``inputs (B, L) -> logits (B, L, vocab)``; eager decode only."""
+    """SmolLM 3 causal LM: ``inputs (B, L) -> logits (B, L, vocab)``; the compiled decode step runs it
+    through the llama forward (its NoPE layers: a RoPE of no dims)."""
 
     #: The family this graph belongs to (its module here; see :func:`mlx_infer.models.graph_family`).
     family = "smollm3"
-    declaration = GraphDeclaration(method="autoregressive", compiled_decode=False)
+    declaration = GraphDeclaration(method="autoregressive", compiled_decode=True)
 
     def __init__(self, args: ModelArgs):
         super().__init__(args)
