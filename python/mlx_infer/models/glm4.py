@@ -65,6 +65,10 @@ class Attention(llama.Attention):
 class TransformerBlock(nn.Module):
     """Sandwich-norm block (a norm before and after each sublayer)."""
 
+    #: The compiled decode step's norms (the llama forward's sandwich) <- this block's attributes.
+    decode_norms = {"attn_norm": "input_layernorm", "post_attn_norm": "post_self_attn_layernorm",
+                    "mlp_norm": "post_attention_layernorm", "post_mlp_norm": "post_mlp_layernorm"}
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.use_sliding = False
@@ -82,11 +86,12 @@ class TransformerBlock(nn.Module):
 
 
 class Model(CausalLM):
-    """GLM-4 causal LM: ``inputs (B, L) -> logits (B, L, vocab)``; eager decode only."""
+    """GLM-4 causal LM: ``inputs (B, L) -> logits (B, L, vocab)``; the compiled decode step runs it through
+    the llama forward (sandwich norms by :attr:`TransformerBlock.decode_norms`, the fused gate|up)."""
 
     #: The family this graph belongs to (its module here; see :func:`mlx_infer.models.graph_family`).
     family = "glm4"
-    declaration = GraphDeclaration(method="autoregressive", compiled_decode=False)
+    declaration = GraphDeclaration(method="autoregressive", compiled_decode=True)
 
     def __init__(self, args: ModelArgs):
         super().__init__(args, DecoderModel(args, lambda i: TransformerBlock(args)))

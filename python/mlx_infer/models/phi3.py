@@ -145,11 +145,13 @@ class TransformerBlock(PreNormBlock):
 
 
 class Model(CausalLM):
-    """Phi-3 causal LM: ``inputs (B, L) -> logits (B, L, vocab)``; eager decode only."""
+    """Phi-3 causal LM: ``inputs (B, L) -> logits (B, L, vocab)``; the compiled decode step runs it through
+    the llama forward (its fused qkv_proj and gate_up_proj as they are), except with LongRoPE (refused:
+    decoded eagerly)."""
 
     #: The family this graph belongs to (its module here; see :func:`mlx_infer.models.graph_family`).
     family = "phi3"
-    declaration = GraphDeclaration(method="autoregressive", compiled_decode=False)
+    declaration = GraphDeclaration(method="autoregressive", compiled_decode=True)
 
     def __init__(self, args: ModelArgs):
         super().__init__(args, DecoderModel(args, lambda i: TransformerBlock(args)))

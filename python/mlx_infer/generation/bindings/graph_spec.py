@@ -41,10 +41,12 @@ from ...models.gemma4 import FULL, SLIDING, ProportionalRoPE
 from .fused import fuse_in_place
 
 #: Families with a C++ step (module name of the graph's family file).
-SUPPORTED_FAMILIES = ("llama", "gemma3", "gemma4", "smollm3", "granite")
+SUPPORTED_FAMILIES = ("llama", "gemma3", "gemma4", "smollm3", "granite", "glm4", "phi3")
 #: Families the llama forward of the C++ step runs, with the switches their spec sets (NoPE layers: a RoPE
-#: of no dims; granite's multipliers: embed_scale, attn_scale, residual_scale, logits_divisor).
-LLAMA_FORWARD = ("llama", "smollm3", "granite")
+#: of no dims; granite's multipliers: embed_scale, attn_scale, residual_scale, logits_divisor; glm4's
+#: sandwich norms under its own names, decode_norms, and its fused gate_up_proj; phi3's fused qkv_proj and
+#: gate_up_proj — not its LongRoPE, whose table depends on the sequence's length: refused, decoded eagerly).
+LLAMA_FORWARD = ("llama", "smollm3", "granite", "glm4", "phi3")
 
 #: KV scheme name -> the buffer dtype the C++ step takes.
 KV_DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}
@@ -214,24 +216,14 @@ def graph_spec(model: Any, *, kv_scheme: str | None = None,
     for i, layer in enumerate(inner.layers):
         p = f"layers.{i}"
         attn, mlp = layer.self_attn, layer.mlp
-        qkv = fuse_in_place(attn, ("q_proj", "k_proj", "v_proj"), "qkv") if fuse else None
-        gate_up = fuse_in_place(mlp, ("gate_proj", "up_proj"), "gate_up") if fuse else None
-        if qkv is not None:
-            _add_fused(f"{p}.qkv", [attn.q_proj, attn.k_proj, attn.v_proj], qkv, weights, quant, fast, read)
-        if gate_up is not None:
-            _add_fused(f"{p}.gate_up", [mlp.gate_proj, mlp.up_proj], gate_up, weights, quant, fast, read)
-        for short, mod in (("q", attn.q_proj), ("k", attn.k_proj), ("v", attn.v_proj), ("o", attn.o_proj),
-                           ("gate", mlp.gate_proj), ("up", mlp.up_proj), ("down", mlp.down_proj)):
-            if (qkv is not None and short in "qkv") or (gate_up is not None and short in ("gate", "up")):
-                continue
-            _add_linear(f"{p}.{short}", mod, weights, quant, fast)
-        norm(f"{p}.attn_norm", layer.input_layernorm)
-        if gemma:
-            norm(f"{p}.post_attn_norm", layer.post_attention_layernorm)
-            norm(f"{p}.mlp_norm", layer.pre_feedforward_layernorm)
-            norm(f"{p}.post_mlp_norm", layer.post_feedforward_layernorm)
-        else:
-            norm(f"{p}.mlp_norm", layer.post_attention_layernorm)
+        _add_projections(p, attn, ("q_proj", "k_proj", "v_proj"), "qkv", ("q", "k", "v"), fuse, weights, quant,
+                         fast, read)
+        _add_projections(p, mlp, ("gate_proj", "up_proj"), "gate_up", ("gate", "up"), fuse, weights, quant,
+                         fast, read)
+        _add_linear(f"{p}.o", attn.o_proj, weights, quant, fast)
+        _add_linear(f"{p}.down", mlp.down_proj, weights, quant, fast)
+        for step_norm, attr in (getattr(layer, "decode_norms", None) or BLOCK_NORMS[gemma]).items():
+            norm(f"{p}.{step_norm}", layer[attr])
         if gemma or getattr(attn, "qk_norm", False):
             norm(f"{p}.q_norm", attn.q_norm)
             norm(f"{p}.k_norm", attn.k_norm)
@@ -288,6 +280,29 @@ def _apply_tensor_parallel(cfg: Any, model: Any) -> None:
     cfg.vocab_start = tp.vocab_start
     cfg.per_layer_vocab_start = tp.per_layer_vocab_start
     cfg.expert_start = tp.expert_start
+
+
+#: The step's norms of a block <- the block's attributes: pre-norm (llama) and sandwich (gemma3) blocks.
+#: A family with other names declares ``decode_norms`` on its block class (models/glm4.py).
+BLOCK_NORMS = {False: {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"},
+               True: {"attn_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm",
+                      "mlp_norm": "pre_feedforward_layernorm", "post_mlp_norm": "post_feedforward_layernorm"}}
+
+
+def _add_projections(p: str, owner: nn.Module, names: tuple[str, ...], fused_name: str, shorts: tuple[str, ...],
+                     fuse: bool, weights: dict, quant: dict, fast: list, read: list) -> None:
+    """A block's q/k/v (or gate/up): one product already fused in the checkpoint (``qkv_proj``,
+    ``gate_up_proj``: phi3, glm4), fused in place (``fuse``), or one product each."""
+    own = f"{fused_name}_proj"
+    if own in owner:
+        _add_linear(f"{p}.{fused_name}", owner[own], weights, quant, fast)
+        return
+    fused = fuse_in_place(owner, names, fused_name) if fuse else None
+    if fused is not None:
+        _add_fused(f"{p}.{fused_name}", [owner[n] for n in names], fused, weights, quant, fast, read)
+        return
+    for short, n in zip(shorts, names):
+        _add_linear(f"{p}.{short}", owner[n], weights, quant, fast)
 
 
 def _add_fused(name: str, mods: list[nn.Module], fused: dict[str, mx.array], weights: dict, quant: dict,
