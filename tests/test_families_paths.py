@@ -41,7 +41,7 @@ MIN_DISTINCT = 6  # distinct tokens over the reference streams
 KERNELS = ("stock", "cpu") if mx.default_device() == mx.cpu else ("stock",)
 ALL = list(SPECS)
 #: Families with a compiled decode step (their specs' names start with the family)...
-COMPILED = ("granite", "smollm3", "glm4", "phi3")
+COMPILED = ("granite", "smollm3", "glm4", "phi3", "olmo2")
 #: ... and the specs whose step is refused all the same (the reason names what).
 STEP_REFUSES = {"phi3_longrope_partial": "LongRoPE"}
 

@@ -132,7 +132,7 @@ def test_mixed_batch_equals_alone(family):
                           request_id=f"{n}-{i}") for i, p in enumerate(PROMPTS) for n in names + [None]]
     with Engine(loaded, EngineConfig(page_size=4, max_batch=16, prefix_cache=False)) as engine:
         results = engine.generate(reqs, timeout=300)
-        # Eager families: the per-row path over the bank's stacks; the compiled ones (granite, smollm3, glm4):
+        # Eager families: the per-row path over the bank's stacks; the compiled ones (granite, smollm3, glm4, olmo2):
         # the compiled paged step with the bank's stacks as inputs; phi3's adapters target its fused
         # qkv_proj / gate_up_proj, which the step's adapters do not take: refused, with the reason.
         if loaded.model.declaration.compiled_decode and family != "phi3":

@@ -81,6 +81,10 @@ hold one entry per layer (window 0 = global attention).)")
       .def_rw("residual_scale", &DecodeConfig::residual_scale,
               "Each sublayer's output times this before its residual add (granite); 1 = none.")
       .def_rw("logits_divisor", &DecodeConfig::logits_divisor, "The logits over this (granite); 1 = none.")
+      .def_rw("pre_norms", &DecodeConfig::pre_norms,
+              "A norm before attention and before the MLP (false: olmo2's post-norms only).")
+      .def_rw("qk_norm_whole", &DecodeConfig::qk_norm_whole,
+              "q/k norms over the whole projection before the heads split (olmo2); else per head.")
       .def_rw("clip_f16_residual", &DecodeConfig::clip_f16_residual)
       .def_rw("final_logit_softcap", &DecodeConfig::final_logit_softcap)
       .def_rw("windows", &DecodeConfig::windows)

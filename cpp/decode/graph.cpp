@@ -289,7 +289,7 @@ mx::array decode_layers(
   for (int i = 0; i < L; ++i) {
     const auto& lw = g.layers[i];
 
-    auto x = rms(h, lw.attn_norm, cfg.rms_norm_eps);
+    auto x = lw.attn_norm ? rms(h, lw.attn_norm, cfg.rms_norm_eps) : h;  // olmo2: no pre-norm
     mx::array q(0), k(0), v(0);
     if (lw.qkv.present()) {
       auto qkv = apply_linear(lw.qkv, x);  // (B, 1, (H + 2 KVH) D)
@@ -300,10 +300,14 @@ mx::array decode_layers(
       k = apply_linear(lw.k, x);
       v = apply_linear(lw.v, x);
     }
+    if (lw.q_norm && cfg.qk_norm_whole) {  // olmo2: over all heads at once, before they split
+      q = rms(q, lw.q_norm, cfg.rms_norm_eps);
+      k = rms(k, lw.k_norm, cfg.rms_norm_eps);
+    }
     q = mx::reshape(q, {B, 1, H, D});
     k = mx::reshape(k, {B, 1, KVH, D});
     v = mx::reshape(v, {B, 1, KVH, D});
-    if (lw.q_norm) {
+    if (lw.q_norm && !cfg.qk_norm_whole) {
       q = rms(q, lw.q_norm, cfg.rms_norm_eps);
       k = rms(k, lw.k_norm, cfg.rms_norm_eps);
     }
@@ -339,7 +343,7 @@ mx::array decode_layers(
       h = mx::add(h, r);
     }
 
-    x = rms(h, lw.mlp_norm, cfg.rms_norm_eps);
+    x = lw.mlp_norm ? rms(h, lw.mlp_norm, cfg.rms_norm_eps) : h;
     mx::array gate(0), up(0);
     if (lw.gate_up.present()) {
       auto gu = apply_linear(lw.gate_up, x);

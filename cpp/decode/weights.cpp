@@ -176,8 +176,12 @@ void load_graph_weights(
       }
       lw.*field = read_linear(weights, quantization, fast, p + name);
     }
-    lw.attn_norm = require_weight(weights, p + "attn_norm.weight");
-    lw.mlp_norm = require_weight(weights, p + "mlp_norm.weight");
+    if (cfg.pre_norms) {
+      lw.attn_norm = require_weight(weights, p + "attn_norm.weight");
+      lw.mlp_norm = require_weight(weights, p + "mlp_norm.weight");
+    } else if (!find_weight(weights, p + "post_attn_norm.weight")) {
+      throw std::invalid_argument("[DecodeStep] " + p + "has neither pre- nor post-norms (pre_norms is off).");
+    }
     lw.post_attn_norm = find_weight(weights, p + "post_attn_norm.weight");
     lw.post_mlp_norm = find_weight(weights, p + "post_mlp_norm.weight");
     lw.q_norm = find_weight(weights, p + "q_norm.weight");

@@ -70,6 +70,8 @@ struct DecodeConfig {
   float embed_scale = 0.0f;         // multiply embeddings by this when != 0
   float residual_scale = 1.0f;      // granite: each sublayer's output times this before its residual add
   float logits_divisor = 1.0f;      // granite: the logits over this (its logits_scaling)
+  bool pre_norms = true;            // false (olmo2): no norm before attention / the MLP, post-norms only
+  bool qk_norm_whole = false;       // olmo2: q/k RMSNorm over the whole projection, before the heads split
   bool clip_f16_residual = false;   // gemma3: f16 residual sums in f32, clipped
   std::optional<float> final_logit_softcap;
   std::vector<int> windows;     // per layer: 0 = global, else the sliding window

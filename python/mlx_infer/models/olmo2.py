@@ -56,6 +56,9 @@ class Attention(GQAttention):
 class TransformerBlock(nn.Module):
     """Post-norm block: ``h = x + norm(attn(x)); out = h + norm(mlp(h))``."""
 
+    #: The compiled decode step's norms <- this block's attributes (post-norms only: Model.decode_switches).
+    decode_norms = {"post_attn_norm": "post_attention_layernorm", "post_mlp_norm": "post_feedforward_layernorm"}
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.use_sliding = False
@@ -70,11 +73,17 @@ class TransformerBlock(nn.Module):
 
 
 class Model(CausalLM):
-    """OLMo 2 causal LM: ``inputs (B, L) -> logits (B, L, vocab)``; eager decode only."""
+    """OLMo 2 causal LM: ``inputs (B, L) -> logits (B, L, vocab)``; the compiled decode step runs it through
+    the llama forward with :meth:`decode_switches` (not under tensor parallelism: its q/k norms span the heads)."""
 
     #: The family this graph belongs to (its module here; see :func:`mlx_infer.models.graph_family`).
     family = "olmo2"
-    declaration = GraphDeclaration(method="autoregressive", compiled_decode=False)
+    declaration = GraphDeclaration(method="autoregressive", compiled_decode=True)
 
     def __init__(self, args: ModelArgs):
         super().__init__(args, DecoderModel(args, lambda i: TransformerBlock(args)))
+
+    def decode_switches(self) -> dict[str, bool]:
+        """What the compiled decode step's llama forward does differently for OLMo 2: no pre-norms, and
+        q/k norms over the whole projection."""
+        return {"pre_norms": False, "qk_norm_whole": True}

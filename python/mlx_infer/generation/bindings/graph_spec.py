@@ -41,12 +41,13 @@ from ...models.gemma4 import FULL, SLIDING, ProportionalRoPE
 from .fused import fuse_in_place
 
 #: Families with a C++ step (module name of the graph's family file).
-SUPPORTED_FAMILIES = ("llama", "gemma3", "gemma4", "smollm3", "granite", "glm4", "phi3")
+SUPPORTED_FAMILIES = ("llama", "gemma3", "gemma4", "smollm3", "granite", "glm4", "phi3", "olmo2")
 #: Families the llama forward of the C++ step runs, with the switches their spec sets (NoPE layers: a RoPE
 #: of no dims; granite's multipliers: embed_scale, attn_scale, residual_scale, logits_divisor; glm4's
 #: sandwich norms under its own names, decode_norms, and its fused gate_up_proj; phi3's fused qkv_proj and
-#: gate_up_proj — not its LongRoPE, whose table depends on the sequence's length: refused, decoded eagerly).
-LLAMA_FORWARD = ("llama", "smollm3", "granite", "glm4", "phi3")
+#: gate_up_proj — not its LongRoPE, whose table depends on the sequence's length: refused, decoded eagerly;
+#: olmo2's post-norms and whole-projection q/k norms: pre_norms, qk_norm_whole).
+LLAMA_FORWARD = ("llama", "smollm3", "granite", "glm4", "phi3", "olmo2")
 
 #: KV scheme name -> the buffer dtype the C++ step takes.
 KV_DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}
@@ -197,6 +198,9 @@ def graph_spec(model: Any, *, kv_scheme: str | None = None,
     cfg.ropes = [_rope_spec(layer.self_attn.rope) for layer in inner.layers]
     _apply_policy(cfg, kv_scheme, policy)
     _apply_tensor_parallel(cfg, model)
+    if cfg.qk_norm_whole and cfg.tp_backend:
+        raise DecodeStepUnsupported("no compiled decode step for a tensor-parallel graph whose q/k norms span "
+                                    "every head (olmo2): each rank holds some heads only")
 
     weights: dict[str, mx.array] = {}
     quant: dict[str, tuple] = {}
@@ -224,7 +228,7 @@ def graph_spec(model: Any, *, kv_scheme: str | None = None,
         _add_linear(f"{p}.down", mlp.down_proj, weights, quant, fast)
         for step_norm, attr in (getattr(layer, "decode_norms", None) or BLOCK_NORMS[gemma]).items():
             norm(f"{p}.{step_norm}", layer[attr])
-        if gemma or getattr(attn, "qk_norm", False):
+        if "q_norm" in attn:  # per head (qwen3, gemma3) or over the whole projection (qk_norm_whole: olmo2)
             norm(f"{p}.q_norm", attn.q_norm)
             norm(f"{p}.k_norm", attn.k_norm)
     _mirror_cpu_kernels(inner.layers, fast)
