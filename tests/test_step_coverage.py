@@ -46,3 +46,26 @@ def test_a_missing_weight_is_an_error():
     del weights["layers.1.mlp_norm.weight"]
     with pytest.raises(ValueError, match=r"missing weight 'layers\.1\.mlp_norm\.weight'"):
         _fast.DecodeStep(cfg, weights, quant)
+
+
+def test_a_decode_switch_the_step_lacks_is_refused_by_name():
+    """A family file's ``decode_switches`` may only name settings the C++ step has."""
+    model = _model("llama")
+    model.decode_switches = lambda: {"residual_scale": 0.5, "logit_temperature_typo": 2.0}
+    with pytest.raises(DecodeStepUnsupported, match=r"logit_temperature_typo"):
+        graph_spec(model)
+    model.decode_switches = lambda: {"residual_scale": 0.5}
+    cfg, _, _ = graph_spec(model)
+    assert cfg.residual_scale == 0.5
+
+
+def test_a_norm_over_every_head_is_refused_under_tensor_parallelism(monkeypatch):
+    """OLMo 2's q/k norms span all heads; a rank of a tensor-parallel graph holds some heads only."""
+    import mlx_infer.generation.bindings.graph_spec as spec
+
+    model = _model("llama")
+    model.decode_switches = lambda: {"qk_norm_whole": True}
+    graph_spec(model)  # one process: fine (the llama graph simply has no q/k norms)
+    monkeypatch.setattr(spec, "_apply_tensor_parallel", lambda cfg, m: setattr(cfg, "tp_backend", "ring"))
+    with pytest.raises(DecodeStepUnsupported, match=r"tensor-parallel.*q/k norms span"):
+        graph_spec(model)
