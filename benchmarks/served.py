@@ -49,7 +49,6 @@ detokenizes every id it samples.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import gc
 import json
 import statistics
@@ -61,6 +60,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import mlx.core as mx
+
+from served_http import OursHTTP, describe  # the HTTP column (its own module: client processes)
 
 ROOT = Path(__file__).resolve().parent.parent
 KERNELS: dict[str, Any] = {}  # load_model options (--stock-kernels)
@@ -219,93 +220,6 @@ class OursIdsGather(OursIds):
     policy = {"attention": "gather"}
 
 
-class OursHTTP:
-    """``mlx-infer serve`` in its own process; clients stream completions over loopback."""
-
-    name = "mlx-infer-http"
-
-    def __init__(self, path: Path, max_batch: int):
-        import socket
-        import subprocess
-
-        import httpx
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="served-http-", suffix=".log")
-        self.proc = subprocess.Popen([sys.executable, "-m", "mlx_infer", "serve", "--model", str(path),
-                                      "--port", str(port), "--max-batch", str(max_batch), "--log-level", "warning",
-                                      *(["--memory-budget", str(BUDGET_GB)] if BUDGET_GB else [])],
-                                     stdout=self.log)
-        self.model = path.name
-        self.sizing = f"--memory-budget {BUDGET_GB:g}" if BUDGET_GB else "default device sizing (own phase)"
-        self.pool = ""
-        for _ in range(600):
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    self.log.seek(0)
-                    self.pool = next((ln.strip() for ln in self.log if "KV pages" in ln), "")
-                    print(self.pool, file=sys.stderr)
-                    return
-            except httpx.HTTPError:
-                pass
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.1)
-        raise RuntimeError("mlx-infer serve did not start")
-
-    def run(self, streams: int, prompts: list[list[int]], gen: int) -> int:
-        import httpx
-
-        self.ttfts: list[float] = []
-        self.events: list[tuple[float, int, bool]] = []  # (arrival, request number, finished): the decode window
-
-        async def main() -> int:
-            queue = list(enumerate(prompts))
-            total = 0
-            limits = httpx.Limits(max_connections=streams + 4)
-            async with httpx.AsyncClient(base_url=self.url, timeout=600, limits=limits) as client:
-                async def stream() -> None:
-                    nonlocal total
-                    while queue:
-                        rid, prompt = queue.pop(0)
-                        body = {"model": self.model, "prompt": prompt, "max_tokens": gen, "stream": True,
-                                "ignore_eos": True, "temperature": 0, "stream_options": {"include_usage": True}}
-                        t0, first = time.perf_counter(), True
-                        async with client.stream("POST", "/v1/completions", json=body) as resp:
-                            async for line in resp.aiter_lines():
-                                if line.startswith("data: {"):
-                                    chunk = json.loads(line[6:])
-                                    if chunk.get("choices"):
-                                        now = time.perf_counter()
-                                        if first:
-                                            self.ttfts.append(now - t0)
-                                            first = False
-                                        self.events.append(
-                                            (now, rid, chunk["choices"][0].get("finish_reason") is not None))
-                                    usage = chunk.get("usage")
-                                    total += usage["completion_tokens"] if usage else 0
-                await asyncio.gather(*(stream() for _ in range(streams)))
-            return total
-        return asyncio.run(main())
-
-    def peak_gb(self) -> float | None:
-        """The server process's MLX peak memory (its /metrics), GB."""
-        import httpx
-
-        for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
-            if "memory_peak_bytes" in line and not line.startswith("#"):
-                return float(line.split()[-1]) / 1e9
-        return None
-
-    def close(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=30)
-        self.log.close()
-
-
 class MlxLm:
     """mlx-lm's ``BatchGenerator`` (continuous batching), refilled as requests finish."""
 
@@ -392,6 +306,9 @@ def main() -> None:
     p.add_argument("--requests-per-stream", "-r", type=int, default=2)
     p.add_argument("--num-trials", "-n", type=int, default=3)
     p.add_argument("--http", action="store_true", help="also run mlx-infer behind the HTTP server")
+    p.add_argument("--http-clients", type=int, default=None, metavar="N",
+                   help="client processes of the HTTP column (default: one per 16 streams of the largest count; "
+                        "served_http.py)")
     p.add_argument("--no-ids", action="store_true", help="skip the token-ids-only mlx-infer column")
     p.add_argument("--gather", action="store_true",
                    help="add a token-ids column whose paged step gathers K/V (attention='gather')")
@@ -441,11 +358,12 @@ def main() -> None:
         gc.collect()
         mx.clear_cache()
         if args.http:  # Phase 2: the server alone on the device
-            columns = [OursHTTP(path, max_batch)]
+            columns = [OursHTTP(path, max_batch, BUDGET_GB, args.http_clients)]
             for s in streams:
                 for r in measure(columns, s, args, vocab):
                     r.update(kernels=kernels, kv_sizing=columns[0].sizing, kv_pool=columns[0].pool,
-                             gpu_sharing="own phase: no in-process engine or model is loaded while it runs")
+                             gpu_sharing="own phase: no in-process engine or model is loaded while it runs",
+                             **describe(columns[0]))
                     by_streams[s].append(r)
     finally:
         for c in columns:

@@ -1,0 +1,163 @@
+"""``served.py``'s HTTP column: ``mlx-infer serve`` in its own process, streamed over loopback by
+clients in several processes.
+
+One Python process parsing every SSE event of 64-128 streams (httpx, one asyncio loop) can be
+the bottleneck of the measurement rather than the server: the streams are spread over client
+processes (``clients``, default one per 16 streams), started once with the column and reused by
+every trial. Each process runs its share of the streams as a closed loop over its share of the
+prompts and hands back its tokens, TTFTs and event times (``time.perf_counter``: CLOCK_MONOTONIC,
+comparable across processes on Linux and macOS), from which ``served.py`` takes the decode window.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import multiprocessing
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+#: Streams one client process serves (the default number of processes: streams / this, at least one).
+STREAMS_PER_CLIENT = 16
+
+
+def client_share(url: str, model: str, streams: int, work: list[tuple[int, list[int]]],
+                 gen: int) -> tuple[int, list[float], list[tuple[float, int, bool]]]:
+    """``streams`` closed-loop streams over ``work`` ((request number, prompt) pairs), in this process.
+    Returns the completion tokens the server counted, each request's TTFT (s) and every chunk's
+    ``(arrival, request number, finished)``."""
+    import httpx
+
+    ttfts: list[float] = []
+    events: list[tuple[float, int, bool]] = []
+
+    async def main() -> int:
+        queue = list(work)
+        total = 0
+        limits = httpx.Limits(max_connections=streams + 4)
+        async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+            async def stream() -> None:
+                nonlocal total
+                while queue:
+                    rid, prompt = queue.pop(0)
+                    body = {"model": model, "prompt": prompt, "max_tokens": gen, "stream": True,
+                            "ignore_eos": True, "temperature": 0, "stream_options": {"include_usage": True}}
+                    t0, first = time.perf_counter(), True
+                    async with client.stream("POST", "/v1/completions", json=body) as resp:
+                        async for line in resp.aiter_lines():
+                            if line.startswith("data: {"):
+                                chunk = json.loads(line[6:])
+                                if chunk.get("choices"):
+                                    now = time.perf_counter()
+                                    if first:
+                                        ttfts.append(now - t0)
+                                        first = False
+                                    events.append((now, rid, chunk["choices"][0].get("finish_reason") is not None))
+                                usage = chunk.get("usage")
+                                total += usage["completion_tokens"] if usage else 0
+            await asyncio.gather(*(stream() for _ in range(streams)))
+        return total
+
+    total = asyncio.run(main())
+    return total, ttfts, events
+
+
+def _ready() -> bool:
+    """Import the client's modules in a worker once, before any timed trial."""
+    import httpx
+
+    return httpx.AsyncClient is not None
+
+
+def split(streams: int, prompts: list[list[int]], parts: int) -> list[tuple[int, list[tuple[int, list[int]]]]]:
+    """``(streams, work)`` of each client process: streams dealt evenly, the prompts (numbered) in
+    proportion, so every process keeps its streams busy for the same number of requests each."""
+    parts = max(1, min(parts, streams))
+    per = [streams // parts + (1 if i < streams % parts else 0) for i in range(parts)]
+    numbered = list(enumerate(prompts))
+    out, start = [], 0
+    for i, n in enumerate(per):
+        take = round(len(numbered) * n / streams) if i < parts - 1 else len(numbered) - start
+        out.append((n, numbered[start:start + take]))
+        start += take
+    return out
+
+
+class OursHTTP:
+    """``mlx-infer serve`` in its own process; client processes stream completions over loopback."""
+
+    name = "mlx-infer-http"
+
+    def __init__(self, path: Path, max_batch: int, budget_gb: float | None = None, clients: int | None = None):
+        import httpx
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="served-http-", suffix=".log")
+        self.proc = subprocess.Popen([sys.executable, "-m", "mlx_infer", "serve", "--model", str(path),
+                                      "--port", str(port), "--max-batch", str(max_batch), "--log-level", "warning",
+                                      *(["--memory-budget", str(budget_gb)] if budget_gb else [])],
+                                     stdout=self.log)
+        self.model = path.name
+        self.sizing = f"--memory-budget {budget_gb:g}" if budget_gb else "default device sizing (own phase)"
+        self.clients = clients or max(1, math.ceil(max_batch / STREAMS_PER_CLIENT))
+        self.pool_executor = ProcessPoolExecutor(self.clients, mp_context=multiprocessing.get_context("spawn"))
+        for f in [self.pool_executor.submit(_ready) for _ in range(self.clients)]:
+            f.result(timeout=120)
+        self.pool = ""
+        for _ in range(600):
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    self.log.seek(0)
+                    self.pool = next((ln.strip() for ln in self.log if "KV pages" in ln), "")
+                    print(self.pool, file=sys.stderr)
+                    return
+            except httpx.HTTPError:
+                pass
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        raise RuntimeError("mlx-infer serve did not start")
+
+    def run(self, streams: int, prompts: list[list[int]], gen: int) -> int:
+        """One trial: ``streams`` closed-loop streams over ``prompts``; sets ``ttfts`` and ``events``."""
+        parts = split(streams, prompts, math.ceil(streams / STREAMS_PER_CLIENT) if self.clients > 1 else 1)
+        futures = [self.pool_executor.submit(client_share, self.url, self.model, n, work, gen) for n, work in parts]
+        self.ttfts, self.events = [], []
+        total = 0
+        for f in futures:
+            t, ttfts, events = f.result()
+            total += t
+            self.ttfts += ttfts
+            self.events += events
+        self.events.sort()
+        return total
+
+    def peak_gb(self) -> float | None:
+        """The server process's MLX peak memory (its /metrics), GB."""
+        import httpx
+
+        for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
+            if "memory_peak_bytes" in line and not line.startswith("#"):
+                return float(line.split()[-1]) / 1e9
+        return None
+
+    def close(self) -> None:
+        self.pool_executor.shutdown()
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+        self.log.close()
+
+
+def describe(e: Any) -> dict[str, Any]:
+    """What the JSON row records about the column's clients."""
+    return {"http_clients": e.clients, "streams_per_client": STREAMS_PER_CLIENT}
