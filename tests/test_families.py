@@ -38,7 +38,8 @@ def test_config_and_declaration(name):
     model = build_ours(name)
     # A compiled C++ step only where its llama forward runs the family (NoPE layers, granite's multipliers);
     # for the others the binding refuses and generate / the engine run the eager graph.
-    compiled = name.split("_")[0] in ("granite", "smollm3", "glm4", "phi3", "olmo2")
+    compiled = any(name == f or name.startswith(f + "_")
+                   for f in ("granite", "smollm3", "glm4", "phi3", "olmo2", "qwen3_moe"))
     assert model.declaration == GraphDeclaration(method="autoregressive", compiled_decode=compiled)
     assert len(model.layers) == cfg["num_hidden_layers"]
     assert graph_family(model) == family_of(cfg["model_type"])  # declared by the class, as the registry says

@@ -41,13 +41,13 @@ MIN_DISTINCT = 6  # distinct tokens over the reference streams
 KERNELS = ("stock", "cpu") if mx.default_device() == mx.cpu else ("stock",)
 ALL = list(SPECS)
 #: Families with a compiled decode step (their specs' names start with the family)...
-COMPILED = ("granite", "smollm3", "glm4", "phi3", "olmo2")
+COMPILED = ("granite", "smollm3", "glm4", "phi3", "olmo2", "qwen3_moe")
 #: ... and the specs whose step is refused all the same (the reason names what).
 STEP_REFUSES = {"phi3_longrope_partial": "LongRoPE"}
 
 
 def compiled(name: str) -> bool:
-    return name.split("_")[0] in COMPILED and name not in STEP_REFUSES
+    return any(name == f or name.startswith(f + "_") for f in COMPILED) and name not in STEP_REFUSES
 
 
 def eager_tokens(loaded, prompt: list[int]) -> list[int]:

@@ -83,6 +83,8 @@ hold one entry per layer (window 0 = global attention).)")
       .def_rw("logits_divisor", &DecodeConfig::logits_divisor, "The logits over this (granite); 1 = none.")
       .def_rw("pre_norms", &DecodeConfig::pre_norms,
               "A norm before attention and before the MLP (false: olmo2's post-norms only).")
+      .def_rw("norm_topk_prob", &DecodeConfig::norm_topk_prob,
+              "The top-k routing weights renormalized to sum to 1 (qwen3_moe).")
       .def_rw("qk_norm_whole", &DecodeConfig::qk_norm_whole,
               "q/k norms over the whole projection before the heads split (olmo2); else per head.")
       .def_rw("clip_f16_residual", &DecodeConfig::clip_f16_residual)
@@ -121,8 +123,9 @@ build the graph each step and read exact-length KV views without a mask.)")
 whose buffer it reads (KV sharing). Empty = every layer owns one.)")
       .def_rw("per_layer_width", &DecodeConfig::per_layer_width,
               "gemma4: per-layer input width (0 = no per-layer inputs).")
-      .def_rw("num_experts", &DecodeConfig::num_experts, "gemma4: experts of the MoE block (0 = none).")
-      .def_rw("top_k_experts", &DecodeConfig::top_k_experts, "gemma4: experts routed per token.");
+      .def_rw("num_experts", &DecodeConfig::num_experts,
+              "Experts of the MoE layers (gemma4, qwen3_moe; 0 = none).")
+      .def_rw("top_k_experts", &DecodeConfig::top_k_experts, "Experts routed per token.");
 
   nb::class_<DecodeStep>(
       m, "DecodeStep",

@@ -41,53 +41,6 @@ std::pair<mx::array, mx::array> route(const DecodeConfig& cfg, const Gemma4Layer
   return {idx, mx::multiply(weights, mx::take(*lw.per_expert_scale, idx, 0))};
 }
 
-// SwitchLinear / QuantizedSwitchLinear.
-mx::array switch_linear(const Linear& l, const mx::array& x, const mx::array& idx, bool sorted) {
-  if (l.quantized()) {
-    return mx::gather_qmm(x, *l.w, *l.scales, l.biases, std::nullopt, idx, /*transpose=*/true,
-                          l.group_size, l.bits, l.mode, std::nullopt, sorted);
-  }
-  return mx::gather_mm(x, mx::swapaxes(*l.w, -1, -2), std::nullopt, idx, sorted);
-}
-
-// Experts.__call__ (SwitchGLU, then the routing-weighted sum): x (B, 1, D) -> (B, 1, D).
-// Expert parallel (a sharded graph): this rank's experts only, the others' routing weights zero;
-// the caller all_sums the ranks' shares.
-mx::array experts(const DecodeConfig& cfg, const Gemma4Layer& lw, const mx::array& x_in,
-                  const mx::array& global_indices, const mx::array& global_weights, bool expert_parallel) {
-  auto indices = global_indices;
-  auto weights = global_weights;
-  if (expert_parallel) {
-    const int n = lw.expert_gate.w->shape(0);
-    auto local = mx::subtract(indices, mx::array(cfg.expert_start, indices.dtype()));  // (B, 1, k)
-    auto mine = mx::logical_and(mx::greater_equal(local, mx::array(0, local.dtype())),
-                                mx::less(local, mx::array(n, local.dtype())));
-    indices = mx::where(mine, local, mx::array(0, local.dtype()));
-    weights = mx::multiply(weights, mx::astype(mine, weights.dtype()));
-  }
-  auto x = mx::expand_dims(x_in, {-2, -3});  // (B, 1, 1, 1, D)
-  // Many rows: sorted by expert, as the eager graph does from 64 routed rows on.
-  const bool do_sort = indices.size() >= 64;
-  auto idx = indices;
-  std::optional<mx::array> inv_order;
-  if (do_sort) {
-    const int k = indices.shape(-1);
-    auto flat = mx::flatten(indices);
-    auto order = mx::argsort(flat);
-    inv_order = mx::argsort(order);
-    x = mx::take(mx::flatten(x, 0, -3), mx::floor_divide(order, mx::array(k, order.dtype())), 0);
-    idx = mx::take(flat, order, 0);  // (B*k,)
-  }
-  auto up = switch_linear(lw.expert_up, x, idx, do_sort);
-  auto gate = switch_linear(lw.expert_gate, x, idx, do_sort);
-  auto y = switch_linear(lw.expert_down, gated(cfg, gate, up), idx, do_sort);
-  if (do_sort) {
-    y = mx::unflatten(mx::take(y, *inv_order, 0), 0, indices.shape());
-  }
-  y = mx::squeeze(y, -2);                                          // (B, 1, k, D)
-  return mx::sum(mx::multiply(mx::expand_dims(weights, -1), y), -2);  // (B, 1, D)
-}
-
 // nn.gelu_approx(x) alone (shapeless-compiled as MLX compiles it): the per-layer-input gate
 // multiplies after it, outside the fused activation, as the eager layer does.
 std::vector<mx::array> gelu_approx_ops(const std::vector<mx::array>& in) {
@@ -163,7 +116,8 @@ mx::array gemma4_layers(
     if (cfg.num_experts > 0) {
       auto h1 = rms(r, lw.post_mlp_norm_1, eps);
       auto [idx, weights] = route(cfg, lw, h);
-      auto h2 = tp_sum(g, experts(cfg, lw, rms(h, lw.mlp_norm_2, eps), idx, weights, g.tp.has_value()));
+      auto h2 = tp_sum(g, switch_glu(cfg, lw.expert_gate, lw.expert_up, lw.expert_down, rms(h, lw.mlp_norm_2, eps), idx, weights,
+                                          g.tp.has_value()));
       r = mx::add(h1, rms(h2, lw.post_mlp_norm_2, eps));
     }
     h = mx::add(h, rms(r, lw.post_mlp_norm, eps));

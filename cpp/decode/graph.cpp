@@ -344,19 +344,32 @@ mx::array decode_layers(
     }
 
     x = lw.mlp_norm ? rms(h, lw.mlp_norm, cfg.rms_norm_eps) : h;
-    mx::array gate(0), up(0);
-    if (lw.gate_up.present()) {
-      auto gu = apply_linear(lw.gate_up, x);
-      auto parts = mx::split(gu, 2, -1);
-      gate = parts[0], up = parts[1];
+    if (lw.router.present()) {  // qwen3_moe's SparseMoeBlock: softmax over all experts, the top k
+      const int E = cfg.num_experts, topk = cfg.top_k_experts;
+      auto gates = mx::softmax(apply_linear(lw.router, x), -1, /*precise=*/true);  // (B, 1, E)
+      auto part = mx::argpartition(gates, E - topk, -1);
+      auto idx = mx::slice(part, {0, 0, E - topk}, part.shape());  // (B, 1, k)
+      auto scores = mx::take_along_axis(gates, idx, -1);
+      if (cfg.norm_topk_prob) {
+        scores = mx::divide(scores, mx::sum(scores, -1, /*keepdims=*/true));
+      }
+      auto y = switch_glu(cfg, lw.expert_gate, lw.expert_up, lw.expert_down, x, idx, scores, false);
+      r = mx::astype(y, x.dtype());
     } else {
-      gate = apply_linear(lw.gate, x);
-      up = apply_linear(lw.up, x);
+      mx::array gate(0), up(0);
+      if (lw.gate_up.present()) {
+        auto gu = apply_linear(lw.gate_up, x);
+        auto parts = mx::split(gu, 2, -1);
+        gate = parts[0], up = parts[1];
+      } else {
+        gate = apply_linear(lw.gate, x);
+        up = apply_linear(lw.up, x);
+      }
+      auto act = g.fast_gated
+          ? fast_gated_activation(gate, up, cfg.activation == "gelu_tanh" ? "gelu_approx" : "silu")
+          : gated(cfg, gate, up);
+      r = tp_sum(g, apply_linear(lw.down, act));
     }
-    auto act = g.fast_gated
-        ? fast_gated_activation(gate, up, cfg.activation == "gelu_tanh" ? "gelu_approx" : "silu")
-        : gated(cfg, gate, up);
-    r = tp_sum(g, apply_linear(lw.down, act));
     if (cfg.residual_scale != 1.0f) {
       r = mx::multiply(r, scalar(cfg.residual_scale, r.dtype()));
     }

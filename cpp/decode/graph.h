@@ -31,6 +31,7 @@ struct Linear {
 struct LayerWeights {
   Linear q, k, v, o, gate, up, down;
   Linear qkv, gate_up;  // fused forms, when DecodeConfig::fuse_projections allows
+  Linear router, expert_gate, expert_up, expert_down;  // a MoE layer (qwen3_moe): instead of gate/up/down
   std::optional<mx::array> attn_norm, mlp_norm, post_attn_norm, post_mlp_norm, q_norm, k_norm;
   int window = 0;
   RopeSpec rope;
@@ -157,6 +158,13 @@ mx::array rms(const mx::array& x, const std::optional<mx::array>& w, float eps);
 mx::array rope(const mx::array& x, const RopeSpec& r, const mx::array& offset);
 /// act(gate) * up, shapeless-compiled as mlx-lm compiles its activations.
 mx::array gated(const DecodeConfig& cfg, const mx::array& gate, const mx::array& up);
+/// SwitchLinear / QuantizedSwitchLinear over the rows' expert ids (moe.cpp).
+mx::array switch_linear(const Linear& l, const mx::array& x, const mx::array& idx, bool sorted);
+/// SwitchGLU over each row's top-k experts, then the routing-weighted sum: x (B, 1, D), indices and
+/// weights (B, 1, k) -> (B, 1, D). Expert parallel (a sharded graph): this rank's experts only
+/// (cfg.expert_start on), the others' weights zero; the caller all_sums the ranks' shares (moe.cpp).
+mx::array switch_glu(const DecodeConfig& cfg, const Linear& gate, const Linear& up, const Linear& down,
+                     const mx::array& x, const mx::array& indices, const mx::array& weights, bool expert_parallel);
 /// Writes one token per row into a (B, KVH, S, D) buffer at slot[b] (or at static_slot).
 mx::array write_slot(const mx::array& buf, const mx::array& x, const mx::array& slot,
                      std::optional<int> static_slot);

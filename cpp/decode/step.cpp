@@ -40,8 +40,8 @@ void validate_decode_config(const DecodeConfig& c) {
   }
   const bool gemma4 = c.family == "gemma4";
   if (!gemma4 && (!c.layer_kv_heads.empty() || !c.layer_head_dims.empty() || !c.kv_donors.empty() ||
-                  c.per_layer_width != 0 || c.num_experts != 0)) {
-    fail("per-layer KV geometry, KV sharing, per-layer inputs and experts are gemma4 switches; "
+                  c.per_layer_width != 0)) {
+    fail("per-layer KV geometry, KV sharing and per-layer inputs are gemma4 switches; "
          "family is '" + c.family + "'.");
   }
   auto per_layer = [&](const std::vector<int>& v, const char* name) {

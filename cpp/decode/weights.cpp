@@ -165,13 +165,20 @@ void load_graph_weights(
     // one product each.
     lw.qkv = read_linear(weights, quantization, fast, p + "qkv", /*required=*/false);
     lw.gate_up = read_linear(weights, quantization, fast, p + "gate_up", /*required=*/false);
+    lw.router = read_linear(weights, quantization, fast, p + "router", /*required=*/false);  // a MoE layer
+    if (lw.router.present()) {
+      lw.expert_gate = read_linear(weights, quantization, fast, p + "experts.gate");
+      lw.expert_up = read_linear(weights, quantization, fast, p + "experts.up");
+      lw.expert_down = read_linear(weights, quantization, fast, p + "experts.down");
+    }
     for (auto [field, name] : {std::pair{&LayerWeights::q, "q"}, {&LayerWeights::k, "k"},
                                {&LayerWeights::v, "v"}, {&LayerWeights::o, "o"},
                                {&LayerWeights::gate, "gate"}, {&LayerWeights::up, "up"},
                                {&LayerWeights::down, "down"}}) {
       const std::string n = name;
       if ((lw.qkv.present() && (n == "q" || n == "k" || n == "v")) ||
-          (lw.gate_up.present() && (n == "gate" || n == "up"))) {
+          (lw.gate_up.present() && (n == "gate" || n == "up")) ||
+          (lw.router.present() && (n == "gate" || n == "up" || n == "down"))) {
         continue;
       }
       lw.*field = read_linear(weights, quantization, fast, p + name);

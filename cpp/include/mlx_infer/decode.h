@@ -72,6 +72,7 @@ struct DecodeConfig {
   float logits_divisor = 1.0f;      // granite: the logits over this (its logits_scaling)
   bool pre_norms = true;            // false (olmo2): no norm before attention / the MLP, post-norms only
   bool qk_norm_whole = false;       // olmo2: q/k RMSNorm over the whole projection, before the heads split
+  bool norm_topk_prob = false;      // qwen3_moe: the top-k routing weights renormalized to sum to 1
   bool clip_f16_residual = false;   // gemma3: f16 residual sums in f32, clipped
   std::optional<float> final_logit_softcap;
   std::vector<int> windows;     // per layer: 0 = global, else the sliding window
@@ -102,7 +103,7 @@ struct DecodeConfig {
   std::vector<int> layer_head_dims;  // per layer; empty = head_dim everywhere
   std::vector<int> kv_donors;        // per layer: -1 owns a buffer, j reads layer j's; empty = all own
   int per_layer_width = 0;           // per-layer input width (0 = no per-layer inputs)
-  int num_experts = 0;               // MoE block beside the MLP when > 0...
+  int num_experts = 0;               // MoE layers (gemma4: beside the MLP; qwen3_moe: instead) when > 0...
   int top_k_experts = 0;             // ...routing each token to this many experts
 };
 

@@ -99,11 +99,12 @@ class TransformerBlock(PreNormBlock):
 
 
 class Model(CausalLM):
-    """Qwen 3 MoE causal LM: ``inputs (B, L) -> logits (B, L, vocab)``; eager decode only."""
+    """Qwen 3 MoE causal LM: ``inputs (B, L) -> logits (B, L, vocab)``; the compiled decode step runs it
+    through the llama forward with its routed experts (not under tensor parallelism)."""
 
     #: The family this graph belongs to (its module here; see :func:`mlx_infer.models.graph_family`).
     family = "qwen3_moe"
-    declaration = GraphDeclaration(method="autoregressive", compiled_decode=False)
+    declaration = GraphDeclaration(method="autoregressive", compiled_decode=True)
 
     def __init__(self, args: ModelArgs):
         super().__init__(args, DecoderModel(args, lambda i: TransformerBlock(args, i)))

@@ -41,13 +41,14 @@ from ...models.gemma4 import FULL, SLIDING, ProportionalRoPE
 from .fused import fuse_in_place
 
 #: Families with a C++ step (module name of the graph's family file).
-SUPPORTED_FAMILIES = ("llama", "gemma3", "gemma4", "smollm3", "granite", "glm4", "phi3", "olmo2")
+SUPPORTED_FAMILIES = ("llama", "gemma3", "gemma4", "smollm3", "granite", "glm4", "phi3", "olmo2", "qwen3_moe")
 #: Families the llama forward of the C++ step runs, with the switches their spec sets (NoPE layers: a RoPE
 #: of no dims; granite's multipliers: embed_scale, attn_scale, residual_scale, logits_divisor; glm4's
 #: sandwich norms under its own names, decode_norms, and its fused gate_up_proj; phi3's fused qkv_proj and
 #: gate_up_proj — not its LongRoPE, whose table depends on the sequence's length: refused, decoded eagerly;
-#: olmo2's post-norms and whole-projection q/k norms: pre_norms, qk_norm_whole).
-LLAMA_FORWARD = ("llama", "smollm3", "granite", "glm4", "phi3", "olmo2")
+#: olmo2's post-norms and whole-projection q/k norms: pre_norms, qk_norm_whole; qwen3_moe's routed experts,
+#: read from its SparseMoeBlock: num_experts, top_k_experts, norm_topk_prob).
+LLAMA_FORWARD = ("llama", "smollm3", "granite", "glm4", "phi3", "olmo2", "qwen3_moe")
 
 #: KV scheme name -> the buffer dtype the C++ step takes.
 KV_DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}
@@ -222,10 +223,13 @@ def graph_spec(model: Any, *, kv_scheme: str | None = None,
         attn, mlp = layer.self_attn, layer.mlp
         _add_projections(p, attn, ("q_proj", "k_proj", "v_proj"), "qkv", ("q", "k", "v"), fuse, weights, quant,
                          fast, read)
-        _add_projections(p, mlp, ("gate_proj", "up_proj"), "gate_up", ("gate", "up"), fuse, weights, quant,
-                         fast, read)
         _add_linear(f"{p}.o", attn.o_proj, weights, quant, fast)
-        _add_linear(f"{p}.down", mlp.down_proj, weights, quant, fast)
+        if "switch_mlp" in mlp:  # routed experts (qwen3_moe's SparseMoeBlock): the router, then SwitchGLU
+            _add_moe(p, mlp, cfg, weights, quant, fast)
+        else:
+            _add_projections(p, mlp, ("gate_proj", "up_proj"), "gate_up", ("gate", "up"), fuse, weights, quant,
+                             fast, read)
+            _add_linear(f"{p}.down", mlp.down_proj, weights, quant, fast)
         for step_norm, attr in (getattr(layer, "decode_norms", None) or BLOCK_NORMS[gemma]).items():
             norm(f"{p}.{step_norm}", layer[attr])
         if "q_norm" in attn:  # per head (qwen3, gemma3) or over the whole projection (qk_norm_whole: olmo2)
@@ -321,6 +325,20 @@ def _add_fused(name: str, mods: list[nn.Module], fused: dict[str, mx.array], wei
     if isinstance(first, nn.QuantizedLinear):
         quant[name] = (int(first.group_size), int(first.bits), str(getattr(first, "mode", "affine")))
     read.extend(v for m in mods for _, v in tree_flatten(m.parameters()))
+
+
+def _add_moe(p: str, mlp: nn.Module, cfg: Any, weights: dict, quant: dict, fast: list) -> None:
+    """A top-k routed SwiGLU expert block (``gate``: the router; ``switch_mlp``: the experts) under ``p``."""
+    if cfg.tp_backend:
+        raise DecodeStepUnsupported("no compiled decode step for routed experts in a tensor-parallel graph "
+                                    "(the llama forward holds every expert)")
+    e, k = int(mlp.gate.weight.shape[0]), int(mlp.top_k)
+    if cfg.num_experts not in (0, e) or cfg.top_k_experts not in (0, k):
+        raise DecodeStepUnsupported("no compiled decode step: its MoE layers route differently")
+    cfg.num_experts, cfg.top_k_experts, cfg.norm_topk_prob = e, k, bool(mlp.norm_topk_prob)
+    _add_linear(f"{p}.router", mlp.gate, weights, quant, fast)
+    for short in ("gate", "up", "down"):
+        _add_experts(f"{p}.experts.{short}", mlp.switch_mlp[f"{short}_proj"], weights, quant)
 
 
 def _add_experts(name: str, module: nn.Module, weights: dict, quant: dict) -> None:
