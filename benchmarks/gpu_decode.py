@@ -79,6 +79,16 @@ SHAPES: dict[str, dict[str, Any]] = {
         "rope_theta": 500000.0, "rope_scaling": {**LLAMA3_ROPE, "factor": 8.0}, "rms_norm_eps": 1e-5,
         "max_position_embeddings": 131072, "tie_word_embeddings": False,
     },
+    # Qwen3-30B-A3B's layer (hidden 2048, 128 experts of 768, top 8) over 24 of its 48 layers: the whole model
+    # saved for mlx-lm (61 GB of bf16) would not fit the GPU machine's 64 GiB disk; per-layer speed is the point.
+    "qwen3-moe-a3b-24l": {
+        "model_type": "qwen3_moe", "hidden_size": 2048, "num_hidden_layers": 24, "num_attention_heads": 32,
+        "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144, "moe_intermediate_size": 768,
+        "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True, "vocab_size": 151936,
+        "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "rope_theta": 1_000_000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 40960,
+        "tie_word_embeddings": False,
+    },
 }
 
 # --tiny: the same families at toy sizes, for a CPU smoke run.
@@ -90,6 +100,9 @@ TINY = {
                      head_dim=16, intermediate_size=128, vocab_size=1024),
     "llama-8b": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
                      head_dim=16, intermediate_size=256, vocab_size=1024),
+    "qwen3-moe-a3b-24l": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                              head_dim=16, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
+                              num_experts_per_tok=2, vocab_size=1024),
 }
 
 ENGINE_POLICIES = {

@@ -43,6 +43,8 @@ case "${1:-a}" in
     run 240 fused python benchmarks/gpu_decode.py --models llama-8b,llama-1b,gemma3-270m --batches 1,32 \
       --engines mlx-lm,step,step-unfused -n 2 --json "$out/h200-decode-fused.json"
     run 60 host-step python benchmarks/host_step.py --streams 64
+    run 200 moe python benchmarks/gpu_decode.py --models qwen3-moe-a3b-24l --batches 1,32 --engines mlx-lm,step -n 2 \
+      --json "$out/h200-decode-qwen3-moe.json"
     ;;
   *) echo "usage: $0 a|b|c" >&2; exit 2 ;;
 esac
