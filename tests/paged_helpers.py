@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from hypothesis import HealthCheck, settings
+
 from mlx_infer._fast import PagePool
 
 
@@ -13,3 +15,9 @@ def make(num_pages=6, page_size=4):
 NUM_PAGES = 20
 PAGE_SIZE = 2
 BASES = ([1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9], [5, 5, 5, 5, 5])
+
+
+def machine_settings(max_examples: int) -> settings:
+    """The stateful machines' hypothesis settings: ``max_examples`` runs of 50 steps, no deadline."""
+    return settings(max_examples=max_examples, stateful_step_count=50, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow])

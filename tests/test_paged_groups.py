@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from mlx_infer._fast import PageGroups
 
-from paged_helpers import BASES, NUM_PAGES, PAGE_SIZE
+from paged_helpers import BASES, NUM_PAGES, PAGE_SIZE, machine_settings
 
 
 # -- layer groups (PageGroups) ------------------------------------------------------
@@ -278,9 +277,4 @@ class GroupsMachine(RuleBasedStateMachine):
 
 
 TestGroupsMachine = GroupsMachine.TestCase
-TestGroupsMachine.settings = settings(
-    max_examples=300,
-    stateful_step_count=50,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+TestGroupsMachine.settings = machine_settings(300)

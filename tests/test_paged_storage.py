@@ -8,13 +8,12 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from mlx_infer._fast import PagePool, gather_pages, scatter_slots
 
-from paged_helpers import BASES, NUM_PAGES, PAGE_SIZE, make
+from paged_helpers import BASES, NUM_PAGES, PAGE_SIZE, make, machine_settings
 
 
 # -- storage index math ---------------------------------------------------------
@@ -270,9 +269,4 @@ class PoolMachine(RuleBasedStateMachine):
 
 
 TestPoolMachine = PoolMachine.TestCase
-TestPoolMachine.settings = settings(
-    max_examples=400,
-    stateful_step_count=50,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+TestPoolMachine.settings = machine_settings(400)
