@@ -5,7 +5,8 @@
 #   bash benchmarks/h200_engine.sh a   # llama-1B and gemma3-270m: served table with the HTTP column, default sizing
 #   bash benchmarks/h200_engine.sh b   # llama-8B served table; a joining request's TTFT; host time per step;
 #                                      # llama-1B at 64/128 streams with the old default's 119.5 GiB pool
-#   bash benchmarks/h200_engine.sh c   # the chunk-step CUDA probe; the products probe (issue 17); fused vs not
+#   bash benchmarks/h200_engine.sh c1  # the chunk-step CUDA probe; host time per step; the products probe (issue 17)
+#   bash benchmarks/h200_engine.sh c2  # fused vs unfused projections; qwen3-moe vs mlx-lm
 #
 # Every command has its own timeout so a phase ends inside the call's limit and keeps what finished.
 set -uo pipefail
@@ -35,16 +36,21 @@ case "${1:-a}" in
     run 150 llama-1b-pool119 $served --shape llama-1b --streams 64,128 --memory-budget 149 \
       --json "$out/h200-served-llama-1b-pool119.json"
     ;;
-  c)
-    # Which chunk-only steps fail on CUDA (the tiny-shape failure of session 5), then issue 17's probe and
-    # the fused-in-place projections against one product each (the compiled step, batch 1 and 32).
-    run 90 chunk-probe python benchmarks/gpu_chunk_probe.py
-    run 150 products python benchmarks/products.py --json "$out/h200-products.json" --plot "$out/h200-products.png"
-    run 240 fused python benchmarks/gpu_decode.py --models llama-8b,llama-1b,gemma3-270m --batches 1,32 \
+  c1)
+    # Where the tiny-shape chunk-step failure of session 5 comes from; the host time per step; issue 17's probe.
+    { command -v nvcc; ls -d /usr/local/cuda*/include/cublas_v2.h; python -m pip list 2>/dev/null | grep -i nvidia; } \
+      > "$out/toolchain.log" 2>&1
+    run 150 chunk-probe python benchmarks/gpu_chunk_probe.py
+    run 60 host-step python benchmarks/host_step.py --streams 32,64
+    run 170 products python benchmarks/products.py --json "$out/h200-products.json" --plot "$out/h200-products.png"
+    ;;
+  c2)
+    # The fused-in-place projections against one product each (the compiled step, batch 1 and 32), and the
+    # Qwen3-MoE shape against mlx-lm.
+    run 260 fused python benchmarks/gpu_decode.py --models llama-8b,llama-1b,gemma3-270m --batches 1,32 \
       --engines mlx-lm,step,step-unfused -n 2 --json "$out/h200-decode-fused.json"
-    run 60 host-step python benchmarks/host_step.py --streams 64
-    run 200 moe python benchmarks/gpu_decode.py --models qwen3-moe-a3b-24l --batches 1,32 --engines mlx-lm,step -n 2 \
+    run 230 moe python benchmarks/gpu_decode.py --models qwen3-moe-a3b-24l --batches 1,32 --engines mlx-lm,step -n 2 \
       --json "$out/h200-decode-qwen3-moe.json"
     ;;
-  *) echo "usage: $0 a|b|c" >&2; exit 2 ;;
+  *) echo "usage: $0 a|b|c1|c2" >&2; exit 2 ;;
 esac
