@@ -2,6 +2,8 @@
 
     python benchmarks/gpu_chunk_probe.py            # every case: one line each, ok / the error
     python benchmarks/gpu_chunk_probe.py --engine   # (internal) the engine cases, in this process
+    MLX_USE_CUDA_GRAPHS=0 compute-sanitizer --show-backtrace host \
+        python benchmarks/gpu_chunk_probe.py --engine --only=1   # which kernel launch is refused
 
 Session 5 found ``cudaGraphAddKernelNode ... invalid argument`` at the first chunk-only step of 64
 prompts of 16 tokens (1,024 chunk rows, 64 logit rows) on the tiny llama (hidden 64, 4 heads over 2,
@@ -82,7 +84,9 @@ def engine_cases() -> None:
         ("bf16-d16", 64, 16, 2048, {}),
         ("f32-d64", 64, 16, 2048, {}),
     ]
-    for name, n, plen, budget, kw in cases:
+    only = [int(a.split("=")[1]) for a in sys.argv if a.startswith("--only=")]
+    tokens: dict[tuple, list] = {}  # (model, prompts, length) -> the first case's tokens
+    for name, n, plen, budget, kw in [cases[i] for i in only] if only else cases:
         t = time.perf_counter()
         eng = Engine(models[name], EngineConfig(max_batch=n, num_pages=n * 16 + 1, mixed_steps=True,
                                                 prefill_step_size=budget),
@@ -93,7 +97,10 @@ def engine_cases() -> None:
                                            ignore_eos=True, detokenize=False)) for i in range(n)]
             eng.run_until_idle()
             res = {h.result(5).finish_reason for h in hs}
+            ids = [h.result(5).token_ids for h in hs]
+            same = tokens.setdefault((name, n, plen), ids) == ids
             print(f"{label}: ok mixed {eng.mixed_steps} separate {eng.separate_prefills} {res} "
+                  f"tokens {'=' if same else '!='} the first case of these prompts' "
                   f"{time.perf_counter() - t:.1f}s", flush=True)
         except Exception as e:  # noqa: BLE001
             print(f"{label}: FAIL {type(e).__name__} {str(e)[:200]}", flush=True)

@@ -26,6 +26,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlx_infer import _fast
 from mlx_infer.artifacts.loader import load_model
 from mlx_infer.engine import Engine, EngineConfig, EngineRequest
 from mlx_infer.engine.batch import DecodeBatch
@@ -204,3 +205,37 @@ def test_group_window_mismatch_and_attention_choice_are_refused(tiny):
     paged.attention = "flash"
     with pytest.raises(ValueError, match="attention must be"):
         _fast.PagedDecodeStep(cfg, paged, weights, quant)
+
+
+def _mlx_cuda_block_z(d0: int, d1: int, d2: int) -> int:
+    """The z extent of the thread block MLX 0.32's CUDA backend gives a (d0, d1, d2) launch
+    (``get_block_dims_common`` in mlx/backend/common/utils.cpp, read from its source)."""
+    pows, total = [0, 0, 0], 0
+    while True:
+        before = total
+        for axis, dim in enumerate((d0, d1, d2)):
+            if dim >= 1 << (pows[axis] + 1):
+                pows[axis] += 1
+                total += 1
+            if total == 10:
+                return 1 << pows[2]
+        if total == before:
+            return 1 << pows[2]
+
+
+@pytest.mark.parametrize("rows,heads,dims", [(1024, 4, 16), (256, 4, 16), (128, 4, 16), (64, 4, 16),
+                                             (512, 32, 16), (2048, 32, 24), (1024, 4, 32), (4096, 32, 128)])
+def test_rope_rows_per_call_keeps_cuda_blocks_within_64_in_z(rows, heads, dims):
+    # The compiled steps split the rows of a RoPE call where MLX's CUDA kernel would get a block deeper
+    # than CUDA's 64 in z (session 6 on the H200: 1,024 chunk rows of a head-dim-16 model were refused,
+    # "cudaLaunchKernelExC ... invalid argument", in RoPE::eval_gpu). Every call's block must fit; where
+    # the whole batch fits, one call; never a split off CUDA.
+    groups = -(-heads // 4)  # MLX's RoPE kernel takes 4 heads per thread
+    per = _fast.rope_rows_per_call(rows, heads, 1, dims, cuda=True)
+    assert 1 <= per <= rows
+    assert _mlx_cuda_block_z(dims // 2, 1, per * groups) <= 64
+    if _mlx_cuda_block_z(dims // 2, 1, rows * groups) <= 64:
+        assert per == rows
+    else:
+        assert per < rows and per * groups >= 64  # not needlessly many calls
+    assert _fast.rope_rows_per_call(rows, heads, 1, dims, cuda=False) == rows

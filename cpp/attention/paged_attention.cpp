@@ -4,10 +4,6 @@
 
 #include <mlx/allocator.h>
 #include <mlx/backend/cpu/encoder.h>
-#if __has_include(<mlx/backend/cuda/cuda.h>)  // every Linux wheel; maybe not a macOS one
-#include <mlx/backend/cuda/cuda.h>
-#define MLXI_HAS_CUDA_HEADER 1
-#endif
 #include <mlx/primitives.h>
 
 #include <algorithm>
@@ -17,6 +13,8 @@
 #include <sstream>
 #include <stdexcept>
 #include <vector>
+
+#include "mlx_infer/backend.h"
 
 #include "../matmul/array_util.h"
 #include "../matmul/elem.h"
@@ -206,15 +204,6 @@ class PagedAttentionCPU : public mx::UnaryPrimitive {
   int window_;
   float scale_;
 };
-
-bool cuda_backend() {
-#ifdef MLXI_HAS_CUDA_HEADER
-  static const bool yes = mx::cu::is_available();
-  return yes;
-#else
-  return false;
-#endif
-}
 
 }  // namespace
 

@@ -5,6 +5,7 @@
 
 #include <string>
 
+#include "mlx_infer/backend.h"
 #include "mlx_infer/paged_attention.h"
 
 namespace nb = nanobind;
@@ -55,4 +56,8 @@ Returns:
 
   m.def("paged_attention_splits", &mlx_infer::paged_attention_splits, "rows"_a, "kv_heads"_a, "max_keys"_a,
         "The CUDA kernels' split-K count for rows x KV heads over at most max_keys keys (1: no split).");
+  m.def("rope_rows_per_call", &mlx_infer::rope_rows_per_call, "rows"_a, "heads"_a, "tokens"_a, "dims"_a,
+        nb::kw_only(), "cuda"_a = mlx_infer::cuda_backend(),
+        "Rows per mx.fast.rope call in the compiled steps: all of them, except where MLX's CUDA RoPE kernel would "
+        "get a thread block deeper than CUDA's 64 in z (rotary dims < 32 with 128+ groups of 4 heads).");
 }

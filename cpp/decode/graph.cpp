@@ -6,6 +6,7 @@
 #include "gemma4.h"
 #include "lora.h"
 
+#include "mlx_infer/backend.h"
 #include "mlx_infer/cpu_attention.h"
 #include "mlx_infer/matmul.h"
 
@@ -140,7 +141,24 @@ mx::array rope(const mx::array& x, const RopeSpec& r, const mx::array& offset) {
       y = mx::concatenate({mx::multiply(head, m), tail}, -1);
     }
   }
-  return mx::fast::rope(y, r.dims, r.traditional, r.base, r.scale, offset, r.freqs);
+  // x: (B, N, T, D), offset: (B,) or a scalar. Split the rows where MLX's CUDA kernel cannot take them at once.
+  const int B = y.shape(0);
+  const int rows = rope_rows_per_call(B, y.shape(1), y.shape(2), r.dims);
+  if (rows >= B) {
+    return mx::fast::rope(y, r.dims, r.traditional, r.base, r.scale, offset, r.freqs);
+  }
+  std::vector<mx::array> parts;
+  for (int b = 0; b < B; b += rows) {
+    const int e = std::min(B, b + rows);
+    auto shape = y.shape();
+    shape[0] = e;
+    std::vector<int> lo(y.ndim(), 0);
+    lo[0] = b;
+    auto part = mx::slice(y, mx::Shape(lo.begin(), lo.end()), shape);
+    auto off = offset.ndim() == 0 ? offset : mx::slice(offset, {b}, {e});
+    parts.push_back(mx::fast::rope(part, r.dims, r.traditional, r.base, r.scale, off, r.freqs));
+  }
+  return mx::concatenate(parts, 0);
 }
 
 namespace {
