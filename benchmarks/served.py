@@ -14,8 +14,11 @@ tokens/s while the first S requests all decode together (from the last of
 their first tokens to the first of their ends; no prefill in that window).
 
 Each row also has the requests' TTFT p50/p95 (submit to first token, per
-request, over every trial) and the peak memory (MLX's, this process; the
-server's own from its /metrics for ``mlx-infer-http``).
+request, over every trial) and the peak memory: ``peak_gb`` is MLX's peak of this whole
+process (every column's weights, our resident pool), ``own_peak_gb`` the column's own: its
+weights + what it held resident when the trial began (our KV storage) + the trial's growth
+above the process's active memory at its start (mlx-lm's cache, our pool's growth,
+activations); the server's own from its /metrics for ``mlx-infer-http``.
 
 Warm-up: at every stream count each engine first runs one uncounted trial of the same
 shape (compile/trace paths and buffers for that batch size); the rows are medians of the
@@ -284,12 +287,25 @@ def decode_window(events: list[tuple[float, Any, bool]], streams: int) -> float 
     return n / (hi - lo) if hi > lo and n else None
 
 
-def timed(run: Callable[[], int]) -> tuple[float, int, float]:
+def timed(run: Callable[[], int]) -> tuple[float, int, float, float]:
+    """(wall s, tokens, process peak GB, peak GB above the active memory at the start)."""
     mx.clear_cache()  # the last trial's freed buffers (another engine's, maybe) are not this one's peak
     mx.reset_peak_memory()
+    start = mx.get_active_memory()
     t = time.perf_counter()
     n = run()
-    return time.perf_counter() - t, n, mx.get_peak_memory() / 1e9
+    peak = mx.get_peak_memory()
+    return time.perf_counter() - t, n, peak / 1e9, (peak - start) / 1e9
+
+
+def own_resident_gb(e: Any) -> float:
+    """GB a column holds between trials: its weights, and our engine's allocated KV storage."""
+    from mlx_infer.engine.config import weight_bytes
+
+    if isinstance(e, Ours) and getattr(e, "engine", None) is not None:
+        return (weight_bytes(e.loaded.model) + e.engine.store.nbytes) / 1e9
+    model = getattr(e, "model", None)
+    return weight_bytes(model) / 1e9 if model is not None else 0.0
 
 
 def main() -> None:
@@ -416,12 +432,15 @@ def measure(engines: list[Any], s: int, args: argparse.Namespace, vocab: int) ->
     for i in range(args.num_trials):
         prompts = prompts_for(n, args.prompt_tokens, vocab, start=(i + 1) * n)
         for e in engines:
-            wall, tokens, peak = timed(lambda: e.run(s, prompts, args.generation_tokens))
+            resident = own_resident_gb(e)
+            wall, tokens, peak, growth = timed(lambda: e.run(s, prompts, args.generation_tokens))
+            own = resident + growth
             if isinstance(e, OursHTTP):
-                peak = e.peak_gb()
+                peak = own = e.peak_gb()
             window = decode_window(getattr(e, "events", []), s)
             trials[e.name].append({"tps": tokens / wall, "decode_only_tps": window, "wall_s": wall,
-                                   "tokens": tokens, "peak_gb": peak, "ttft_s": list(e.ttfts)})
+                                   "tokens": tokens, "peak_gb": peak, "own_peak_gb": own,
+                                   "ttft_s": list(e.ttfts)})
             print(f"streams {s:>3} {e.name:>15}: {tokens / wall:9.1f} tok/s end to end, decode only "
                   f"{window or 0:9.1f} tok/s ({tokens} tokens, {wall:.2f} s)", file=sys.stderr)
     rows = []
@@ -436,6 +455,8 @@ def measure(engines: list[Any], s: int, args: argparse.Namespace, vocab: int) ->
                      "decode_only_tps": (statistics.median(x["decode_only_tps"] for x in t)
                                          if all(x["decode_only_tps"] for x in t) else None),
                      "peak_gb": max((x["peak_gb"] for x in t if x["peak_gb"] is not None), default=None),
+                     "own_peak_gb": max((x["own_peak_gb"] for x in t if x["own_peak_gb"] is not None),
+                                        default=None),
                      **memory_of(e), "trials": t})
     return rows
 
@@ -466,12 +487,14 @@ def percentile(values: list[float], q: float) -> float:
 def markdown(rows: list[dict[str, Any]]) -> str:
     """The table RESULTS.md shows: per stream count and engine."""
     out = ["| streams | engine | tokens/s end to end | vs mlx-lm | decode-only tokens/s | vs mlx-lm | "
-           "TTFT p50 ms | TTFT p95 ms | peak GB |", "|---|---|---|---|---|---|---|---|---|"]
+           "TTFT p50 ms | TTFT p95 ms | peak GB (process / own) |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         d, dr, pk = r["decode_only_tps"], r["decode_only_ratio_vs_mlx-lm"], r["peak_gb"]
+        own = r.get("own_peak_gb")
         out.append(f"| {r['batch']} | {r['engine']} | {r['decode_tps']:.1f} | {r['ratio_vs_mlx-lm']:.2f}x | "
                    f"{f'{d:.1f}' if d else '-'} | {f'{dr:.2f}x' if dr else '-'} | {r['ttft_p50_ms']:.1f} | "
-                   f"{r['ttft_p95_ms']:.1f} | {f'{pk:.2f}' if pk is not None else '-'} |")
+                   f"{r['ttft_p95_ms']:.1f} | {f'{pk:.2f}' if pk is not None else '-'} / "
+                   f"{f'{own:.2f}' if own is not None else '-'} |")
     return "\n".join(out)
 
 
