@@ -7,6 +7,7 @@
 #                                      # llama-1B at 64/128 streams with the old default's 119.5 GiB pool
 #   bash benchmarks/h200_engine.sh c1  # the chunk-step CUDA probe; host time per step; the products probe (issue 17)
 #   bash benchmarks/h200_engine.sh c2  # fused vs unfused projections; qwen3-moe vs mlx-lm
+#   bash benchmarks/h200_engine.sh d1  # after the RoPE fix: chunk probe, host step; Nsight profile of a 32-stream step
 #
 # Every command has its own timeout so a phase ends inside the call's limit and keeps what finished.
 set -uo pipefail
@@ -52,5 +53,25 @@ case "${1:-a}" in
     run 230 moe python benchmarks/gpu_decode.py --models qwen3-moe-a3b-24l --batches 1,32 --engines mlx-lm,step -n 2 \
       --json "$out/h200-decode-qwen3-moe.json"
     ;;
-  *) echo "usage: $0 a|b|c1|c2" >&2; exit 2 ;;
+  d1)
+    # After the RoPE fix: the chunk-step probe's engine cases and the host time per step (tiny llama); then
+    # where an engine decode step's GPU time goes at 32 streams (Nsight Systems, kernel by kernel).
+    run 120 chunk-probe python benchmarks/gpu_chunk_probe.py --engine
+    run 60 host-step python benchmarks/host_step.py --streams 32,64
+    nsys=$(command -v nsys || ls /usr/local/cuda/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -1)
+    echo "nsys: ${nsys:-none}" | tee -a "$out/phase.log"
+    if [ -n "$nsys" ]; then
+      for shape in llama-1b llama-8b; do
+        run 150 "profile-$shape" "$nsys" profile --trace=cuda --cuda-graph-trace=node \
+          --capture-range=cudaProfilerApi --capture-range-end=stop -o "$out/prof-$shape" -f true \
+          python benchmarks/gpu_engine_profile.py --shape "$shape" --streams 32 --steps 64
+        "$nsys" stats --report cuda_gpu_kern_sum --format csv -o "$out/prof-$shape" "$out/prof-$shape.nsys-rep" \
+          > /dev/null 2>&1
+        python benchmarks/gpu_engine_profile.py --summarize "$out/prof-${shape}_cuda_gpu_kern_sum.csv" --steps 64 \
+          > "$out/profile-$shape-summary.txt" 2>&1
+        rm -f "$out/prof-$shape.nsys-rep" "$out/prof-$shape.sqlite"
+      done
+    fi
+    ;;
+  *) echo "usage: $0 a|b|c1|c2|d1" >&2; exit 2 ;;
 esac
