@@ -61,7 +61,7 @@ case "${1:-a}" in
     nsys=$(command -v nsys || ls /usr/local/cuda/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -1)
     echo "nsys: ${nsys:-none}" | tee -a "$out/phase.log"
     if [ -n "$nsys" ]; then
-      for shape in llama-1b llama-8b; do
+      for shape in llama-1b gemma3-270m; do
         run 150 "profile-$shape" "$nsys" profile --trace=cuda --cuda-graph-trace=node \
           --capture-range=cudaProfilerApi --capture-range-end=stop -o "$out/prof-$shape" -f true \
           python benchmarks/gpu_engine_profile.py --shape "$shape" --streams 32 --steps 64
