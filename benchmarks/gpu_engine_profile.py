@@ -5,6 +5,7 @@
         python benchmarks/gpu_engine_profile.py --shape llama-1b --streams 32
     nsys stats --report cuda_gpu_kern_sum --format csv -o /tmp/eng /tmp/eng.nsys-rep
     python benchmarks/gpu_engine_profile.py --summarize /tmp/eng_cuda_gpu_kern_sum.csv --steps 64
+    python benchmarks/gpu_engine_profile.py --shape llama-1b --torch-profiler /tmp/k.csv   # without nsys
 
 The engine (default settings, random bf16 weights of a real shape) takes ``--streams`` requests of
 ``-p`` prompt tokens; once every row decodes, ``cudaProfilerStart`` opens the capture for
@@ -65,6 +66,22 @@ def summarize(path: str, steps: int) -> None:
               f"{counts[g] / steps:6.1f} launches/step  (largest: {top})")
 
 
+def write_kernel_csv(prof, path: str) -> None:
+    """torch.profiler's CUDA kernel records (CUPTI: every kernel of the process, MLX's inside its CUDA
+    graphs included) as nsys's cuda_gpu_kern_sum CSV columns that :func:`summarize` reads."""
+    total: dict[str, float] = defaultdict(float)
+    count: dict[str, int] = defaultdict(int)
+    for ev in prof.events():
+        if getattr(ev, "device_type", None) is not None and str(ev.device_type).endswith("CUDA"):
+            total[ev.name] += ev.time_range.elapsed_us() * 1e3
+            count[ev.name] += 1
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["Total Time (ns)", "Instances", "Name"])
+        for name, ns in sorted(total.items(), key=lambda kv: -kv[1]):
+            w.writerow([f"{ns:.0f}", count[name], name])
+
+
 def profile(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import mlx.core as mx
@@ -101,14 +118,26 @@ def profile(args: argparse.Namespace) -> None:
         for _ in range(8):
             engine.step()
         mx.synchronize()
-        if warm == 1 and cudart is not None:
+        torch_prof = None
+        if warm == 1 and args.torch_profiler:
+            import torch
+            from torch.profiler import ProfilerActivity
+
+            torch.zeros(1, device="cuda")  # CUPTI needs a context in torch too
+            torch_prof = torch.profiler.profile(activities=[ProfilerActivity.CUDA])
+            torch_prof.__enter__()
+        elif warm == 1 and cudart is not None:
             cudart.cudaProfilerStart()
         t = time.perf_counter()
         for _ in range(args.steps):
             engine.step()
         mx.synchronize()
         wall = time.perf_counter() - t
-        if warm == 1 and cudart is not None:
+        if torch_prof is not None:
+            torch_prof.__exit__(None, None, None)
+            write_kernel_csv(torch_prof, args.torch_profiler)
+            summarize(args.torch_profiler, args.steps)
+        elif warm == 1 and cudart is not None:
             cudart.cudaProfilerStop()
         engine.run_until_idle()
         print(f"round {warm}: {args.steps} steps of {args.streams} rows in {wall * 1e3:.1f} ms "
@@ -123,6 +152,8 @@ def main() -> None:
     p.add_argument("--prompt-tokens", "-p", type=int, default=512)
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--summarize", default=None, metavar="CSV", help="fold nsys's cuda_gpu_kern_sum CSV")
+    p.add_argument("--torch-profiler", default=None, metavar="CSV",
+                   help="profile with torch.profiler (CUPTI) instead of nsys; write the kernel table here")
     args = p.parse_args()
     if args.summarize:
         summarize(args.summarize, args.steps)

@@ -53,6 +53,13 @@ case "${1:-a}" in
     run 230 moe python benchmarks/gpu_decode.py --models qwen3-moe-a3b-24l --batches 1,32 --engines mlx-lm,step -n 2 \
       --json "$out/h200-decode-qwen3-moe.json"
     ;;
+  prof)
+    # Only the kernel-by-kernel profile of a 32-stream engine decode step (CUPTI through torch.profiler).
+    for shape in llama-1b gemma3-270m; do
+      run 150 "profile-$shape" python benchmarks/gpu_engine_profile.py --shape "$shape" --streams 32 --steps 64 \
+        --torch-profiler "$out/prof-$shape-kernels.csv"
+    done
+    ;;
   d1)
     # After the RoPE fix: the chunk-step probe's engine cases and the host time per step (tiny llama); then
     # where an engine decode step's GPU time goes at 32 streams (Nsight Systems, kernel by kernel).
@@ -70,6 +77,11 @@ case "${1:-a}" in
         python benchmarks/gpu_engine_profile.py --summarize "$out/prof-${shape}_cuda_gpu_kern_sum.csv" --steps 64 \
           > "$out/profile-$shape-summary.txt" 2>&1
         rm -f "$out/prof-$shape.nsys-rep" "$out/prof-$shape.sqlite"
+      done
+    else  # CUPTI through torch.profiler: every kernel of the process, MLX's CUDA graphs' nodes included
+      for shape in llama-1b gemma3-270m; do
+        run 150 "profile-$shape" python benchmarks/gpu_engine_profile.py --shape "$shape" --streams 32 --steps 64 \
+          --torch-profiler "$out/prof-$shape-kernels.csv"
       done
     fi
     ;;
