@@ -458,11 +458,14 @@ class Engine:
                 mx.async_eval(logits)
                 return Step([], mx.zeros((0,), mx.uint32), None)
             logits = logits[:len(rows)]  # (B + ended, vocab): the logit rows' padding dropped
-        tokens, outs = sample_rows(rows, logits)
-        queue_outputs(tokens, outs)
+        tokens, outs = sample_rows(rows, logits)  # (B,) uint32: the next step's input, left on the device
+        # The host reads a copy: on CUDA, MLX moves an array the host reads into managed memory, and
+        # the next step's first kernel reading it would fault its pages back (~0.1 ms in the profile).
+        readback = tokens.astype(mx.int32)  # (B,)
+        queue_outputs(readback, outs)
         for i, r in enumerate(rows):
             r.next_input = (tokens, i)
-        return Step(rows, tokens, outs)
+        return Step(rows, readback, outs)
 
     def _paged_decode(self, composition: Composition,
                       policy: PagedDecodePolicy) -> tuple[CompiledPagedDecodeStep | None, str | None]:
