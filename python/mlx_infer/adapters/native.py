@@ -7,8 +7,11 @@ or for a small bank the concatenated ``a_cat (S r, in)``, ``b_cat (out, S r)``),
 (S,)`` and DoRA's ``g (S, out)``, and per step each row's slot. Linears of a layer that share
 their input (q, k, v; gate, up) go as one group target ``layers.0.q+layers.0.k+layers.0.v``
 (A's stacked, B's block-diagonal): one pair of products for the group instead of one per
-linear, which is most of the update's cost at small shapes (each product a kernel call). A target the step
-has no name for (the LM head, say) keeps the step off (the eager graph runs it).
+linear, which is most of the update's cost at small shapes (each product a kernel call). Where
+the step fuses a layer's q|k|v (gate|up) into one product (``bindings/fused.py``) the targets keep
+their members' names: the fused product gets every member's update added to its rows
+(:func:`runs_linear`). A target the step has no name for (the LM head, say) keeps the step off
+(the eager graph runs it).
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ def step_inputs(bank: AdapterBank, weight_names: Any) -> tuple[list[str], list, 
         if name is None:
             raise AdapterTargetUnsupported(f"adapters target {path!r}, which the compiled step does not run "
                                            "as a named linear")
-        if f"{name}.weight" in weight_names:
+        if runs_linear(name, weight_names):
             by_name[name] = s
     targets, a, b, scales, g = [], [], [], [], []
     grouped: set[str] = set()
@@ -89,6 +92,18 @@ def step_inputs(bank: AdapterBank, weight_names: Any) -> tuple[list[str], list, 
 
 #: Linears of one layer that read the same input: the step runs one update for each group.
 GROUPS = (("q", "k", "v"), ("gate", "up"))
+#: The fused linear a group's members become in a step that fuses projections (bindings/fused.py):
+#: the step adds each member's update to the member's rows of the fused product.
+FUSED = dict(zip(("qkv", "gate_up"), GROUPS))
+
+
+def runs_linear(name: str, weight_names: Any) -> bool:
+    """Whether a step whose weights are ``weight_names`` runs the linear ``name`` (``layers.3.q``):
+    as itself, or as a member of its layer's fused q|k|v or gate|up."""
+    if f"{name}.weight" in weight_names:
+        return True
+    layer, short = name.rsplit(".", 1)
+    return any(short in members and f"{layer}.{fused}.weight" in weight_names for fused, members in FUSED.items())
 
 
 def _block_diagonal(parts: list[mx.array]) -> mx.array:

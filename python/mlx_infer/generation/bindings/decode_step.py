@@ -14,14 +14,12 @@ the unchanged KV, so the tokens do not change.
 from __future__ import annotations
 
 import warnings
-from dataclasses import replace
 from typing import Any, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from ... import _fast
-from ...adapters.bank import bank_of
 from ...adapters.native import AdapterTargetUnsupported, NativeAdapters
 from ...state.kv import KVCache, RotatingKVCache
 
@@ -153,9 +151,7 @@ class CompiledDecodeStep:
 
     def __init__(self, model: Any, *, kv_scheme: str | None = None,
                  policy: DecodePolicy = DecodePolicy()):
-        bank = bank_of(model)
-        if bank is not None:
-            policy = replace(policy, fuse_projections=False)  # a fused q|k|v takes no adapter
+        # With adapters too: a fused q|k|v (gate|up) adds its members' updates (cpp/decode/lora.cpp).
         cfg, weights, quant = graph_spec(model, kv_scheme=kv_scheme, policy=policy)
         self._model = model
         self._cfg = cfg

@@ -39,7 +39,6 @@ from typing import Any, Protocol, Sequence
 import mlx.core as mx
 
 from ... import _fast
-from ...adapters.bank import bank_of
 from ...adapters.apply import adapter_rows
 from ...adapters.native import AdapterTargetUnsupported, NativeAdapters
 from .graph_spec import DecodePolicy, DecodeStepUnsupported, graph_spec
@@ -146,8 +145,8 @@ class CompiledPagedDecodeStep:
         reason = paged_unsupported_reason(store)
         if reason is not None:
             raise ValueError(reason)
-        fuse = False if bank_of(model) is not None else None  # a fused q|k|v takes no adapter
-        cfg, weights, quant = graph_spec(model, policy=DecodePolicy(compile=False, fuse_projections=fuse))
+        # Fused per the device's default, adapters or not (a fused linear adds its members' updates).
+        cfg, weights, quant = graph_spec(model, policy=DecodePolicy(compile=False))
         paged = _fast.PagedDecodeConfig()
         paged.layer_groups = layer_groups(store.layer_windows, group_windows)
         paged.compile = policy.compile
