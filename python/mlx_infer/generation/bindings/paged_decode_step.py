@@ -41,7 +41,7 @@ import mlx.core as mx
 from ... import _fast
 from ...adapters.apply import adapter_rows
 from ...adapters.native import AdapterTargetUnsupported, NativeAdapters
-from .graph_spec import DecodePolicy, DecodeStepUnsupported, graph_spec
+from .graph_spec import DecodePolicy, DecodeStepUnsupported, graph_spec, has_fused_projections
 
 log = logging.getLogger("mlx_infer.engine")
 
@@ -158,6 +158,8 @@ class CompiledPagedDecodeStep:
         self.policy = policy
         self.group_windows = list(group_windows)
         self.native: Any = _fast.PagedDecodeStep(cfg, paged, weights, quant)
+        #: True when some layer runs q|k|v or gate|up as one product (adapters or not).
+        self.fused_projections = has_fused_projections(weights)
         # The bank's stacks are inputs of the step; each row's slot comes with the batch.
         self.adapters = NativeAdapters(model, weights)
         try:

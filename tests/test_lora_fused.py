@@ -1,0 +1,231 @@
+"""Adapters on fused projections (issue 17): where the compiled steps run a layer's q|k|v and
+gate|up as one product each (generation/bindings/fused.py), the fused product adds its members'
+adapter updates (cpp/decode/lora.cpp), so a model with an adapter bank (``mlx-infer serve``)
+decodes fused like any other.
+
+Fusion is forced on here (``DecodePolicy(fuse_projections=True)``; the engine's paged step by
+making ``None`` resolve as on a GPU). Oracles, per step: the unfused compiled step and the eager
+model with the same adapters (teacher-forced on the eager graph's greedy tokens, so one argmax
+flip cannot desynchronise the rest): the same argmax, logits within ``LOGITS_ATOL``. Measured
+max |fused - eager| (CPU, mlx 0.32.4, float32 tiny models, logits up to ~10): stock kernels
+0.0 (llama, qwen3) and <= 2e-6 (gemma3); mlx-infer's CPU kernels <= 3e-5 (the unfused step's
+one-op update vs the fused product plus a separate update); the unfused step alike.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from lora_helpers import make_mlx_adapter
+from tiny import make_tiny_model_dir
+
+from mlx_infer.adapters import adapter_rows, attach_adapter, bank_of
+from mlx_infer.artifacts.loader import load_model
+from mlx_infer.engine import Engine, EngineConfig, EngineRequest
+from mlx_infer.generation.autoregressive import generate_tokens
+from mlx_infer.generation.bindings import graph_spec as spec_module
+from mlx_infer.generation.bindings.decode_step import CompiledDecodeStep
+from mlx_infer.generation.bindings.graph_spec import DecodePolicy
+
+LOGITS_ATOL = 1e-4  # measured <= 3e-5 (see the module doc)
+STEPS = 10
+PROMPTS = [[5, 17, 33, 2, 90, 41], [7, 12, 99, 4], [61, 3, 8, 150, 22, 9, 14]]
+QV = ["self_attn.q_proj", "self_attn.v_proj"]
+ALL = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+       "mlp.up_proj", "mlp.down_proj"]
+KU = ["self_attn.k_proj", "mlp.up_proj"]  # a member of each fused product, not its first
+SPREAD = {"gemma3": {"vector_noise": True, "embed_scale": 0.5}}
+FUSED = DecodePolicy(compile_min_batch=1, fuse_projections=True)
+UNFUSED = DecodePolicy(compile_min_batch=1, fuse_projections=False)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("lora-fused")
+
+
+def model_dir(root: Path, family: str) -> Path:
+    d = root / family
+    if not d.exists():
+        make_tiny_model_dir(d, family, **SPREAD.get(family, {}))
+    return d
+
+
+def adapter(root: Path, family: str, tag: str, keys: list[str], *, seed: int, rank: int = 4,
+            dora: bool = False) -> Path:
+    p = root / f"{family}-{tag}"
+    if not p.exists():
+        make_mlx_adapter(model_dir(root, family), p, seed=seed, rank=rank, keys=keys, dora=dora, b_std=1.0)
+    return p
+
+
+def fused_on_gpu_default(monkeypatch) -> None:
+    """``fuse_projections=None`` resolves on, as on a GPU; an explicit value is kept (so a rule that
+    turns fusion off for a bank, by setting it False, still turns it off here)."""
+    monkeypatch.setattr(spec_module.DecodePolicy, "resolved_fuse_projections",
+                        lambda self: True if self.fuse_projections is None else self.fuse_projections)
+
+
+class Lockstep:
+    """Rows decoded side by side by the eager model (each row alone, under its slot), a fused and an
+    unfused compiled step (all rows in one batch, per-row slots), fed the eager graph's greedy tokens."""
+
+    def __init__(self, model, prompts: list[list[int]], slots: list[int]):
+        self.model = model
+        self.eager, firsts = [], []
+        paths = {"fused": [], "unfused": []}
+        for p, s in zip(prompts, slots):
+            for caches in (self.eager, paths["fused"], paths["unfused"]):
+                c = model.make_cache()
+                with adapter_rows(s):
+                    logits = model(mx.array([p]), cache=c)[:, -1]
+                caches.append(c)
+            firsts.append(int(logits.argmax().item()))
+        self.rows = paths
+        self.tokens = firsts
+        self.steps = {"fused": CompiledDecodeStep(model, policy=FUSED),
+                      "unfused": CompiledDecodeStep(model, policy=UNFUSED)}
+        assert self.steps["fused"].fused_projections and not self.steps["unfused"].fused_projections
+
+    def step(self, slots: list[int]) -> None:
+        want = []
+        for r, (caches, s) in enumerate(zip(self.eager, slots)):
+            with adapter_rows(s):
+                want.append(self.model(mx.array([[self.tokens[r]]]), cache=caches)[0, -1])
+        want = mx.stack(want)  # (B, vocab)
+        tokens = mx.array(self.tokens, mx.uint32)
+        for kind, step in self.steps.items():
+            with adapter_rows(mx.array(slots, mx.int32)):
+                got = step.step(tokens, self.rows[kind])
+            assert not step.failed, (kind, step.last_error)
+            diff = mx.abs(got - want).max().item()
+            assert diff <= LOGITS_ATOL, (kind, slots, diff)
+            assert got.argmax(-1).tolist() == want.argmax(-1).tolist(), (kind, slots)
+        self.tokens = want.argmax(-1).tolist()
+
+
+def changes_tokens(model, slot: int, prompt: list[int]) -> bool:
+    """Whether the adapter in ``slot`` changes the greedy tokens (else the test could hide a no-op)."""
+    def run(s):
+        c, out, y = model.make_cache(), [], mx.array([prompt])
+        for _ in range(STEPS):
+            with adapter_rows(s):
+                y = model(y, cache=c)[:, -1].argmax(-1, keepdims=True)
+            out.append(y.item())
+        return out
+    return run(slot) != run(0)
+
+
+CASES = [("llama", "stock", "qv", False), ("llama", "stock", "all", False), ("llama", "cpu", "qv", False),
+         ("llama", "cpu", "all", True), ("qwen3", "stock", "all", False), ("gemma3", "stock", "ku", False),
+         ("gemma3", "stock", "all", True)]
+
+
+@pytest.mark.parametrize("family,kernels,keys,dora", CASES,
+                         ids=[f"{f}-{k}-{t}{'-dora' if d else ''}" for f, k, t, d in CASES])
+def test_fused_step_with_an_adapter_equals_unfused_and_eager(root, family, kernels, keys, dora):
+    loaded = load_model(model_dir(root, family), cpu_kernels=kernels == "cpu")
+    model = loaded.model
+    tag = f"{keys}{'-dora' if dora else ''}"
+    name = attach_adapter(model, adapter(root, family, tag, {"qv": QV, "all": ALL, "ku": KU}[keys], seed=11,
+                                         dora=dora))
+    slot = bank_of(model).acquire(name)
+    assert changes_tokens(model, slot, PROMPTS[0])
+    run = Lockstep(model, PROMPTS[:1], [slot])
+    for _ in range(STEPS):
+        run.step([slot])
+    fused = run.steps["fused"].native
+    assert "layers.0.q" in fused.adapter_targets or "layers.0.k" in fused.adapter_targets
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_batch_mixing_adapters_and_none_with_hot_load_and_unload(root, family):
+    """Rows with different adapters and none share one fused step; adapters loaded (new targets:
+    a new trace) and unloaded between steps, down to an empty bank and back."""
+    loaded = load_model(model_dir(root, family), cpu_kernels=False)
+    model = loaded.model
+    a = attach_adapter(model, adapter(root, family, "qv", QV, seed=21), name="a")
+    bank = bank_of(model)
+
+    def slot(name: str) -> int:
+        s = bank.acquire(name)
+        bank.release(name)
+        return s
+
+    assert changes_tokens(model, slot(a), PROMPTS[0])
+    run = Lockstep(model, PROMPTS, [slot(a), 0, slot(a)])
+    for _ in range(3):
+        run.step([slot(a), 0, slot(a)])
+    traces = run.steps["fused"].traces
+    # Hot: the steps see the bank's new version at their next call. New targets and a larger rank:
+    # a new layout, traced anew.
+    b = attach_adapter(model, adapter(root, family, "all-r8", ALL, seed=22, rank=8), name="b")
+    c = attach_adapter(model, adapter(root, family, "ku", KU, seed=23), name="c")
+    bank.unload(a)
+    assert changes_tokens(model, slot(b), PROMPTS[1]) and changes_tokens(model, slot(c), PROMPTS[0])
+    for _ in range(3):
+        run.step([slot(c), slot(b), 0])
+    assert run.steps["fused"].traces > traces
+    bank.unload(b)
+    bank.unload(c)
+    assert not bank.stacks
+    for _ in range(2):
+        run.step([0, 0, 0])
+    a = attach_adapter(model, adapter(root, family, "qv", QV, seed=21), name="a")
+    for _ in range(3):
+        run.step([0, slot(a), slot(a)])
+
+
+def test_the_engine_fuses_with_a_bank_and_rows_keep_their_tokens(root, monkeypatch):
+    """The paged step (what ``mlx-infer serve`` runs) with a bank: fused where the device default
+    says, each request's tokens those it gets alone, before and after a hot swap of adapters."""
+    fused_on_gpu_default(monkeypatch)
+    loaded = load_model(model_dir(root, "llama"), cpu_kernels=False)
+    model = loaded.model
+    names = [attach_adapter(model, adapter(root, "llama", "qv", QV, seed=31), name="qv"),
+             attach_adapter(model, adapter(root, "llama", "all-dora", ALL, seed=32, dora=True), name="dora")]
+
+    def alone(name, prompt):
+        return [t.token for t in generate_tokens(model, prompt, max_tokens=STEPS, adapter=name)]
+
+    def batch(engine, chosen):
+        reqs = [EngineRequest(prompt_ids=p, max_tokens=STEPS, ignore_eos=True, detokenize=False, adapter=n)
+                for p in PROMPTS for n in chosen]
+        out = engine.generate(reqs, timeout=300)
+        assert [r.error for r in out] == [None] * len(out)
+        assert [r.token_ids for r in out] == [alone(n, p) for p in PROMPTS for n in chosen]
+
+    with Engine(loaded, EngineConfig(page_size=4, prefix_cache=False)) as engine:
+        step = engine.paged_decode
+        assert step is not None and step.fused_projections, engine.paged_decode_reason
+        batch(engine, names + [None])
+        bank_of(model).unload("qv")
+        names[0] = attach_adapter(model, adapter(root, "llama", "ku", KU, seed=33), name="ku")
+        batch(engine, [None] + names)
+        assert not step.failed and step.eager_steps == 0, step.last_error
+        assert step.adapters.active  # the adapters ran inside the step, not beside it
+
+
+def test_a_bank_no_longer_turns_fusion_off(root, monkeypatch):
+    """With fusion left to the device default (on, as on a GPU), a model with a bank decodes fused in
+    both compiled steps; fails if the rule "bank => unfused" comes back."""
+    fused_on_gpu_default(monkeypatch)
+    loaded = load_model(model_dir(root, "llama"), cpu_kernels=False)
+    attach_adapter(loaded.model, adapter(root, "llama", "qv", QV, seed=41))
+    assert CompiledDecodeStep(loaded.model).fused_projections
+    with Engine(loaded, EngineConfig(page_size=4)) as engine:
+        assert engine.paged_decode is not None and engine.paged_decode.fused_projections
+
+
+def test_a_target_the_fused_step_does_not_run_is_refused_by_name(root):
+    """The step's linears are its members' names; a name it has no linear for is a clear error."""
+    loaded = load_model(model_dir(root, "llama"), cpu_kernels=False)
+    step = CompiledDecodeStep(loaded.model, policy=FUSED)
+    a, b = mx.zeros((8, 64)), mx.zeros((64, 8))  # (S r, in), (out, S r): S = 2, r = 4
+    with pytest.raises(ValueError, match="no linear named 'layers.0.qkv_x'"):
+        step.native.set_adapters(["layers.0.qkv_x"], [a], [b], [mx.ones((2,))], [None])
+    step.native.set_adapters(["layers.0.q"], [a], [b], [mx.ones((2,))], [None])  # a member: accepted
+    assert step.native.adapter_targets == ["layers.0.q"]
