@@ -86,8 +86,8 @@ std::shared_ptr<const LoraLayout> make_lora_layout(const LoraInputs& in,
     for (const auto& m : members) {
       auto it = outs.find(m);
       if (it == outs.end()) {
-        fail("the step has no linear named '" + m + "' (it runs layers.i.{q,k,v,o,gate,up,down}, a fused "
-             "q|k|v or gate|up by its members).");
+        fail("the step has no linear named '" + m + "' (it runs layers.i.{q,k,v,o,gate,up,down}, a q|k|v or "
+             "gate|up it fuses by its members' names, and layers.i.{qkv,gate_up} where the checkpoint fuses them).");
       }
       out += it->second;
     }
@@ -123,6 +123,20 @@ std::shared_ptr<const LoraLayout> make_lora_layout(const LoraInputs& in,
       if (!layout->entries.emplace(members[p], e).second) fail("linear '" + members[p] + "' is given twice.");
     }
     layout->key += target + (in.g[i] ? "+g;" : ";") + (dense ? "d;" : "s;");
+  }
+  // A fused linear is targeted by its own name or by its members', never both (one update per row).
+  for (const auto& [name, _] : layout->entries) {
+    const auto dot = name.rfind('.');
+    const auto tail = name.substr(dot + 1);
+    if (tail != "qkv" && tail != "gate_up") continue;
+    for (const auto* m : tail == "qkv" ? std::vector<const char*>{"q", "k", "v"}
+                                       : std::vector<const char*>{"gate", "up"}) {
+      const auto member = name.substr(0, dot + 1) + m;
+      if (layout->entries.count(member)) {
+        fail("'" + name + "' and its member '" + member + "' are both targeted: give the fused linear's "
+             "update or its members', not both.");
+      }
+    }
   }
   layout->count = idx;
   return layout;

@@ -94,8 +94,9 @@ std::unordered_map<std::string, int> linear_outs(const DecodeStep::Graph& g) {
   };
   for (const auto& lw : g.layers) {
     for (const auto* l : {&lw.q, &lw.k, &lw.v, &lw.o, &lw.gate, &lw.up, &lw.down}) add(*l);
-    for (const auto* l : {&lw.qkv, &lw.gate_up}) {  // a fused form: its members take the adapters
-      if (!l->present()) continue;
+    for (const auto* l : {&lw.qkv, &lw.gate_up}) {  // a fused form: by its members, or (fused in the
+      if (!l->present()) continue;                    // checkpoint: phi3, glm4) by its own name
+      add(*l);
       for (const auto& [name, rows] : l->members) out.emplace(name, rows);
     }
   }

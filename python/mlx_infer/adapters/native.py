@@ -28,6 +28,8 @@ _SHORT = {
     "self_attn.q_proj": "q", "self_attn.k_proj": "k", "self_attn.v_proj": "v", "self_attn.o_proj": "o",
     "mlp.gate_proj": "gate", "mlp.up_proj": "up", "mlp.down_proj": "down",
     "per_layer_input_gate": "pli_gate", "per_layer_projection": "pli_proj",
+    # fused in the checkpoint (phi3's qkv_proj and gate_up_proj, glm4's gate_up_proj): one linear each
+    "self_attn.qkv_proj": "qkv", "mlp.gate_up_proj": "gate_up",
 }
 _PATH = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
