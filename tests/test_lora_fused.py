@@ -146,6 +146,41 @@ def test_fused_step_with_an_adapter_equals_unfused_and_eager(root, family, kerne
     assert "layers.0.q" in fused.adapter_targets or "layers.0.k" in fused.adapter_targets
 
 
+def test_a_large_bank_runs_the_gathered_product_on_fused_members(root):
+    """Past DENSE_MAX_COLS (slots x rank) the bank keeps per-slot stacks only: each member's update is
+    gather_mm per row, concatenated into the fused product's rows the same way."""
+    from mlx_infer.adapters import AdapterBank
+
+    loaded = load_model(model_dir(root, "llama"), cpu_kernels=False)
+    model = loaded.model
+    bank = AdapterBank(model, capacity=40)
+    name = attach_adapter(model, adapter(root, "llama", "qv-r16", QV, seed=61, rank=16))
+    assert all(not s.dense for s in bank.stacks.values())
+    slot = bank.acquire(name)
+    assert changes_tokens(model, slot, PROMPTS[0])
+    run = Lockstep(model, PROMPTS[:2], [slot, 0])
+    for _ in range(STEPS):
+        run.step([slot, 0])
+
+
+def test_a_bfloat16_model_with_float32_adapters(root):
+    """mlx-lm trains float32 adapters for a bfloat16 model: the members' updates run in float32 (as
+    ``x @ a`` promotes) and are cast to bfloat16 before the one add."""
+    d = root / "llama-bf16"
+    if not d.exists():
+        make_tiny_model_dir(d, "llama", dtype=mx.bfloat16)
+    model = load_model(d, cpu_kernels=False).model
+    p = root / "llama-bf16-all"
+    if not p.exists():
+        make_mlx_adapter(d, p, seed=71, keys=ALL, b_std=1.0)
+    name = attach_adapter(model, p)
+    slot = bank_of(model).acquire(name)
+    assert changes_tokens(model, slot, PROMPTS[0])
+    run = Lockstep(model, PROMPTS[:2], [slot, 0])
+    for _ in range(STEPS):
+        run.step([slot, 0])
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_a_batch_mixing_adapters_and_none_with_hot_load_and_unload(root, family):
     """Rows with different adapters and none share one fused step; adapters loaded (new targets:
