@@ -24,6 +24,10 @@ MLX writes the new rows in place (no per-step copy of the cache).
 Gemma 4's KV-shared layers have no storage of their own (the store pages the
 KV-owning layers only): they attend over their donor's gather of the same step.
 
+A layer's q|k|v and gate|up run as one product each where the device default says (a GPU:
+``DecodePolicy.fuse_projections``), with an adapter bank too (``mlx-infer serve``): the fused
+product adds its members' updates (``bindings/fused.py``).
+
 Quantized KV storage has no compiled paged step: :func:`paged_unsupported_reason`
 says so and the engine decodes eagerly.
 """
