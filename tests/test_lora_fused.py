@@ -247,6 +247,21 @@ def test_a_batch_mixing_adapters_and_none_with_hot_load_and_unload(root, family)
         run.step([0, slot(a), slot(a)])
 
 
+def test_a_bank_created_after_the_fused_step_reaches_its_members(root):
+    """A server may create the bank after the engine's step (server/adapters.py): the fused step,
+    built with no bank, then applies adapters on q/v (they were once left out, unnoticed)."""
+    model = load_model(model_dir(root, "llama"), cpu_kernels=False).model
+    assert bank_of(model) is None
+    run = Lockstep(model, PROMPTS[:2], [0, 0])
+    run.step([0, 0])
+    name = attach_adapter(model, adapter(root, "llama", "qv", QV, seed=11))
+    slot = bank_of(model).acquire(name)
+    assert changes_tokens(model, slot, PROMPTS[0])
+    for _ in range(STEPS):
+        run.step([slot, slot])
+    assert "layers.0.qkv" in run.steps["fused"].native.adapter_targets
+
+
 #: Families whose checkpoints fuse projections themselves, and their adapters' targets: phi3's fused
 #: qkv_proj and gate_up_proj are one linear each (targeted by those names); glm4's gate_up_proj too,
 #: its q/k/v fused in place by the step (targeted by their members' names).
