@@ -11,8 +11,8 @@ linear, which is most of the update's cost at small shapes (each product a kerne
 the step fuses a layer's q|k|v (gate|up) into one product (``bindings/fused.py``), its members'
 dense updates go as one target on the fused linear (``layers.0.qkv``, :func:`_fused_stack`): one
 update and one add for the fused product; DoRA and a large bank's gathered stacks keep their
-members' names, and the step concatenates their updates onto the fused product's rows. A target the step has no name for (the LM head, say) keeps the step off
-(the eager graph runs it).
+members' names, and the step concatenates their updates onto the fused product's rows. A
+target the step has no name for (the LM head, say) keeps the step off (the eager graph runs it).
 """
 
 from __future__ import annotations
