@@ -290,9 +290,11 @@ def test_checkpoint_fused_projections_take_adapters(root, family):
     assert "layers.0.gate_up" in run.steps["fused"].native.adapter_targets
 
 
-def test_the_engine_fuses_with_a_bank_and_rows_keep_their_tokens(root, monkeypatch):
+@pytest.mark.parametrize("mixed", [False, True], ids=["decode", "mixed"])
+def test_the_engine_fuses_with_a_bank_and_rows_keep_their_tokens(root, monkeypatch, mixed):
     """The paged step (what ``mlx-infer serve`` runs) with a bank: fused where the device default
-    says, each request's tokens those it gets alone, before and after a hot swap of adapters."""
+    says, each request's tokens those it gets alone, before and after a hot swap of adapters;
+    ``mixed``: a batch of 4, so later requests' prefill chunks ride in the decode steps."""
     fused_on_gpu_default(monkeypatch)
     loaded = load_model(model_dir(root, "llama"), cpu_kernels=False)
     model = loaded.model
@@ -309,7 +311,9 @@ def test_the_engine_fuses_with_a_bank_and_rows_keep_their_tokens(root, monkeypat
         assert [r.error for r in out] == [None] * len(out)
         assert [r.token_ids for r in out] == [alone(n, p) for p in PROMPTS for n in chosen]
 
-    with Engine(loaded, EngineConfig(page_size=4, prefix_cache=False)) as engine:
+    config = EngineConfig(page_size=4, prefix_cache=False, max_batch=4 if mixed else 32, mixed_steps=mixed,
+                          prefill_step_size=4 if mixed else 512)
+    with Engine(loaded, config) as engine:
         step = engine.paged_decode
         assert step is not None and step.fused_projections, engine.paged_decode_reason
         batch(engine, names + [None])
