@@ -6,6 +6,7 @@
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
 #include <vector>
 
 #include "mlx_infer/decode.h"
@@ -22,7 +23,10 @@ struct Linear {
   int bits = 0;
   std::string mode = "affine";
   bool fast = false;  // product on mlx-infer's CPU kernels (mlx_infer/matmul.h), as the model's layer
-  std::string name;   // canonical name (``layers.3.q``): what adapters target; empty for fused forms
+  std::string name;   // canonical name (``layers.3.q``): what adapters target
+  // A fused form (q|k|v, gate|up): its linears' canonical names and output features, in output
+  // order. Adapters target these members; apply_linear adds each member's update to its rows.
+  std::vector<std::pair<std::string, int>> members;
 
   bool present() const { return w.has_value(); }
   bool quantized() const { return scales.has_value(); }
@@ -30,7 +34,7 @@ struct Linear {
 
 struct LayerWeights {
   Linear q, k, v, o, gate, up, down;
-  Linear qkv, gate_up;  // fused forms, when DecodeConfig::fuse_projections allows
+  Linear qkv, gate_up;  // fused forms (handed over fused, or DecodeConfig::fuse_projections): members set
   Linear router, expert_gate, expert_up, expert_down;  // a MoE layer (qwen3_moe): instead of gate/up/down
   std::optional<mx::array> attn_norm, mlp_norm, post_attn_norm, post_mlp_norm, q_norm, k_norm;
   int window = 0;

@@ -12,14 +12,21 @@ namespace mlx_infer {
 
 namespace {
 
+// One group's dense update of one input: the whole (B, L, sum of outs) and its part per member.
+struct GroupUpdate {
+  std::uintptr_t input = 0;  // the input's id
+  mx::array whole = mx::array(0);
+  std::vector<mx::array> parts;
+};
+
 struct Active {
   const LoraLayout* layout = nullptr;
   const std::vector<mx::array>* inputs = nullptr;
   int start = 0;
   // The dense product's slot masks (B, 1, width), built once per forward, width and dtype.
   std::vector<std::pair<std::pair<int, mx::Dtype>, mx::array>> masks;
-  // A group's update, built by its first member's call: (input id, one part per member).
-  std::unordered_map<int, std::pair<std::uintptr_t, std::vector<mx::array>>> groups;
+  // A group's update, built by its first member's call (or once for a fused linear).
+  std::unordered_map<int, GroupUpdate> groups;
 };
 
 // The forward being built on this thread (a step's forward runs synchronously, tracing included).
@@ -79,8 +86,8 @@ std::shared_ptr<const LoraLayout> make_lora_layout(const LoraInputs& in,
     for (const auto& m : members) {
       auto it = outs.find(m);
       if (it == outs.end()) {
-        fail("the step has no linear named '" + m + "' (fused projections take no adapter: turn "
-             "fuse_projections off).");
+        fail("the step has no linear named '" + m + "' (it runs layers.i.{q,k,v,o,gate,up,down}, a q|k|v or "
+             "gate|up it fuses by its members' names, and layers.i.{qkv,gate_up} where the checkpoint fuses them).");
       }
       out += it->second;
     }
@@ -116,6 +123,20 @@ std::shared_ptr<const LoraLayout> make_lora_layout(const LoraInputs& in,
       if (!layout->entries.emplace(members[p], e).second) fail("linear '" + members[p] + "' is given twice.");
     }
     layout->key += target + (in.g[i] ? "+g;" : ";") + (dense ? "d;" : "s;");
+  }
+  // A fused linear is targeted by its own name or by its members', never both (one update per row).
+  for (const auto& [name, _] : layout->entries) {
+    const auto dot = name.rfind('.');
+    const auto tail = name.substr(dot + 1);
+    if (tail != "qkv" && tail != "gate_up") continue;
+    for (const auto* m : tail == "qkv" ? std::vector<const char*>{"q", "k", "v"}
+                                       : std::vector<const char*>{"gate", "up"}) {
+      const auto member = name.substr(0, dot + 1) + m;
+      if (layout->entries.count(member)) {
+        fail("'" + name + "' and its member '" + member + "' are both targeted: give the fused linear's "
+             "update or its members', not both.");
+      }
+    }
   }
   layout->count = idx;
   return layout;
@@ -203,57 +224,141 @@ mx::array fused_update(const Linear& l, const mx::array& x, const mx::array& x3,
 
 }  // namespace
 
-std::optional<mx::array> lora_linear(const Linear& l, const mx::array& x) {
-  if (active.layout == nullptr || l.name.empty()) return std::nullopt;
-  auto it = active.layout->entries.find(l.name);
-  if (it == active.layout->entries.end()) return std::nullopt;
+namespace {
+
+// e's group's dense update of x, built once per input and group.
+const GroupUpdate& group_update(const Linear& l, const mx::array& x, const mx::array& x3,
+                                const LoraLayout::Entry& e) {
   const auto& in = *active.inputs;
   const int s0 = active.start;
-  const auto& e = it->second;
+  const auto& grp = active.layout->groups[e.group];
+  const auto key = reinterpret_cast<std::uintptr_t>(x.id());
+  auto found = active.groups.find(e.group);
+  if (found == active.groups.end() || found->second.input != key) {
+    const int S = in[s0 + e.scales].shape(0);
+    GroupUpdate u;
+    u.input = key;
+    u.whole = dense_update(l, x3, in[s0 + e.a], in[s0 + e.b], in[s0], S, grp.members);  // (B, L, sum of outs)
+    std::vector<int> cuts;
+    int at = 0;
+    for (size_t p = 0; p + 1 < grp.outs.size(); ++p) cuts.push_back(at += grp.outs[p]);
+    u.parts = mx::split(u.whole, mx::Shape(cuts.begin(), cuts.end()), -1);  // slices: free where unused
+    found = active.groups.insert_or_assign(e.group, std::move(u)).first;
+  }
+  return found->second;
+}
+
+// The update of the linear ``e`` targets (B, L, out), in x's dtype; ``l`` runs its products (a
+// fused linear for its members: they share its kind).
+mx::array member_delta(const Linear& l, const mx::array& x, const mx::array& x3, const LoraLayout::Entry& e) {
+  const auto& in = *active.inputs;
+  const int s0 = active.start;
   const auto& slots = in[s0];
   const auto& A = in[s0 + e.a];
   const auto& Bm = in[s0 + e.b];
   const int S = in[s0 + e.scales].shape(0);
-  const int B = x.shape(0);
-  auto x3 = mx::reshape(x, {B, -1, x.shape(-1)});  // (B, L, in)
-  if (l.fast && A.ndim() == 2) {  // the CPU kernels: the update and its add in one op (matmul.h)
-    return fused_update(l, x, x3, A, Bm, slots, S, e, e.g >= 0 ? &in[s0 + e.g] : nullptr);
-  }
-  mx::array delta(0);
+  const int B = x3.shape(0);
   if (e.group >= 0) {  // linears sharing this input: one update for all, split by member
-    const auto& grp = active.layout->groups[e.group];
-    const auto key = reinterpret_cast<std::uintptr_t>(x.id());
-    auto found = active.groups.find(e.group);
-    if (found == active.groups.end() || found->second.first != key) {
-      auto z = dense_update(l, x3, A, Bm, slots, S, grp.members);
-      std::vector<int> cuts;
-      int at = 0;
-      for (size_t p = 0; p + 1 < grp.outs.size(); ++p) cuts.push_back(at += grp.outs[p]);
-      auto parts = mx::split(z, mx::Shape(cuts.begin(), cuts.end()), -1);
-      found = active.groups.insert_or_assign(e.group, std::make_pair(key, std::move(parts))).first;
-    }
-    delta = mx::astype(found->second.second[e.part], x.dtype());
-  } else if (A.ndim() == 2) {  // dense: every slot's columns at once, the others masked
-    delta = mx::astype(dense_update(l, x3, A, Bm, slots, S, 1), x.dtype());
-  } else {
-    auto xa = mx::gather_mm(x3, A, std::nullopt, slots);                    // (B, L, r)
-    auto z = mx::gather_mm(xa, Bm, std::nullopt, slots);                    // (B, L, out)
-    auto s = mx::reshape(mx::take(in[s0 + e.scales], slots, 0), {B, 1, 1});  // (B, 1, 1)
-    delta = mx::astype(mx::multiply(s, z), x.dtype());
+    return mx::astype(group_update(l, x, x3, e).parts[e.part], x.dtype());
   }
+  if (A.ndim() == 2) {  // dense: every slot's columns at once, the others masked
+    return mx::astype(dense_update(l, x3, A, Bm, slots, S, 1), x.dtype());
+  }
+  auto xa = mx::gather_mm(x3, A, std::nullopt, slots);                    // (B, L, r)
+  auto z = mx::gather_mm(xa, Bm, std::nullopt, slots);                    // (B, L, out)
+  auto s = mx::reshape(mx::take(in[s0 + e.scales], slots, 0), {B, 1, 1});  // (B, 1, 1)
+  return mx::astype(mx::multiply(s, z), x.dtype());
+}
+
+// y = base(x) + delta, or DoRA's g * (x W^T + delta) + bias where ``g`` (B, 1, out) is given.
+mx::array adapted(const Linear& l, const mx::array& x, const mx::array& x3, const mx::array& delta,
+                  const std::optional<mx::array>& g) {
   mx::array y(0);
-  if (e.g < 0) {
+  if (!g) {
     y = mx::add(base_linear(l, x3), delta);
   } else {
     Linear nobias = l;
     nobias.bias.reset();
-    auto g = mx::astype(mx::expand_dims(mx::take(in[s0 + e.g], slots, 0), 1), x.dtype());  // (B, 1, out)
-    y = mx::multiply(g, mx::add(base_linear(nobias, x3), delta));
+    y = mx::multiply(*g, mx::add(base_linear(nobias, x3), delta));
     if (l.bias) y = mx::add(y, *l.bias);
   }
   auto shape = x.shape();
   shape.back() = y.shape(-1);
   return mx::reshape(y, shape);
+}
+
+// DoRA's g[slots] (B, 1, out) of ``e``, in x's dtype.
+mx::array dora_gain(const LoraLayout::Entry& e, const mx::array& x) {
+  const auto& in = *active.inputs;
+  return mx::astype(mx::expand_dims(mx::take(in[active.start + e.g], in[active.start], 0), 1), x.dtype());
+}
+
+// A fused linear (q|k|v, gate|up) whose members the layout targets: one product over the fused
+// weights and one add of every member's update, concatenated by output row in member order (zeros
+// for members no adapter targets; a group covering all members in order is the update as it is).
+// Per member the same ops as the member's own linear, so its rows are what the unfused step gives.
+std::optional<mx::array> fused_lora_linear(const Linear& l, const mx::array& x) {
+  const auto& entries = active.layout->entries;
+  std::vector<const LoraLayout::Entry*> es;
+  bool any = false, dora = false;
+  for (const auto& [name, rows] : l.members) {
+    auto it = entries.find(name);
+    es.push_back(it == entries.end() ? nullptr : &it->second);
+    any = any || es.back() != nullptr;
+    dora = dora || (es.back() != nullptr && es.back()->g >= 0);
+  }
+  if (!any) return std::nullopt;
+  const int B = x.shape(0);
+  auto x3 = mx::reshape(x, {B, -1, x.shape(-1)});  // (B, L, in)
+  const int L = x3.shape(1);
+  const int n = static_cast<int>(es.size());
+  bool whole = es[0] != nullptr && es[0]->group >= 0 && active.layout->groups[es[0]->group].members == n;
+  for (int p = 0; whole && p < n; ++p) {
+    whole = es[p] != nullptr && es[p]->group == es[0]->group && es[p]->part == p;
+  }
+  mx::array delta(0);
+  if (whole) {
+    delta = mx::astype(group_update(l, x, x3, *es[0]).whole, x.dtype());  // (B, L, sum of outs)
+  } else {
+    std::vector<mx::array> parts;
+    for (int p = 0; p < n; ++p) {
+      parts.push_back(es[p] != nullptr ? member_delta(l, x, x3, *es[p])
+                                       : mx::zeros({B, L, l.members[p].second}, x.dtype()));  // (B, L, out_p)
+    }
+    delta = mx::concatenate(parts, -1);  // (B, L, sum of outs)
+  }
+  std::optional<mx::array> g;
+  if (dora) {  // the DoRA members' gains, 1 on the others' rows
+    std::vector<mx::array> gains;
+    for (int p = 0; p < n; ++p) {
+      gains.push_back(es[p] != nullptr && es[p]->g >= 0 ? dora_gain(*es[p], x)
+                                                        : mx::ones({B, 1, l.members[p].second}, x.dtype()));
+    }
+    g = mx::concatenate(gains, -1);  // (B, 1, sum of outs)
+  }
+  return adapted(l, x, x3, delta, g);
+}
+
+}  // namespace
+
+std::optional<mx::array> lora_linear(const Linear& l, const mx::array& x) {
+  if (active.layout == nullptr) return std::nullopt;
+  auto it = l.name.empty() ? active.layout->entries.end() : active.layout->entries.find(l.name);
+  if (it == active.layout->entries.end()) {
+    return l.members.empty() ? std::nullopt : fused_lora_linear(l, x);
+  }
+  const auto& in = *active.inputs;
+  const int s0 = active.start;
+  const auto& e = it->second;
+  const auto& A = in[s0 + e.a];
+  const int B = x.shape(0);
+  auto x3 = mx::reshape(x, {B, -1, x.shape(-1)});  // (B, L, in)
+  if (l.fast && A.ndim() == 2) {  // the CPU kernels: the update and its add in one op (matmul.h)
+    const int S = in[s0 + e.scales].shape(0);
+    return fused_update(l, x, x3, A, in[s0 + e.b], in[s0], S, e, e.g >= 0 ? &in[s0 + e.g] : nullptr);
+  }
+  auto delta = member_delta(l, x, x3, e);
+  return adapted(l, x, x3, delta, e.g >= 0 ? std::optional<mx::array>(dora_gain(e, x)) : std::nullopt);
 }
 
 }  // namespace mlx_infer

@@ -94,6 +94,11 @@ std::unordered_map<std::string, int> linear_outs(const DecodeStep::Graph& g) {
   };
   for (const auto& lw : g.layers) {
     for (const auto* l : {&lw.q, &lw.k, &lw.v, &lw.o, &lw.gate, &lw.up, &lw.down}) add(*l);
+    for (const auto* l : {&lw.qkv, &lw.gate_up}) {  // a fused form: by its members, or (fused in the
+      if (!l->present()) continue;                    // checkpoint: phi3, glm4) by its own name
+      add(*l);
+      for (const auto& [name, rows] : l->members) out.emplace(name, rows);
+    }
   }
   if (g.gemma4) {
     for (const auto& lw : g.gemma4->layers) {
@@ -116,7 +121,8 @@ bool same_kind(const Linear& a, const Linear& b) {
 // Rows of W (and of its scales, biases and bias) concatenated: one matmul for several outputs.
 Linear fuse(const std::vector<const Linear*>& ls) {
   Linear out = *ls[0];
-  out.name.clear();  // a fused form takes no adapter
+  out.name.clear();  // adapters target its members
+  for (auto* l : ls) out.members.emplace_back(l->name, l->w->shape(0));
   auto cat = [&](auto member) {
     std::vector<mx::array> parts;
     for (auto* l : ls) {
@@ -165,6 +171,20 @@ void load_graph_weights(
     // one product each.
     lw.qkv = read_linear(weights, quantization, fast, p + "qkv", /*required=*/false);
     lw.gate_up = read_linear(weights, quantization, fast, p + "gate_up", /*required=*/false);
+    // Their members, in output order, as the forward splits them: what adapters on q/k/v, gate/up target.
+    if (lw.qkv.present()) {
+      const int H = cfg.num_heads * cfg.head_dim, KV = cfg.num_kv_heads * cfg.head_dim;
+      if (lw.qkv.w->shape(0) != H + 2 * KV) {
+        throw std::invalid_argument("[DecodeStep] " + p + "qkv has " + std::to_string(lw.qkv.w->shape(0)) +
+                                    " output rows, not (num_heads + 2 num_kv_heads) head_dim = " +
+                                    std::to_string(H + 2 * KV) + ".");
+      }
+      lw.qkv.members = {{p + "q", H}, {p + "k", KV}, {p + "v", KV}};
+    }
+    if (lw.gate_up.present()) {
+      const int I = lw.gate_up.w->shape(0) / 2;
+      lw.gate_up.members = {{p + "gate", I}, {p + "up", I}};
+    }
     lw.router = read_linear(weights, quantization, fast, p + "router", /*required=*/false);  // a MoE layer
     if (lw.router.present()) {
       lw.expert_gate = read_linear(weights, quantization, fast, p + "experts.gate");

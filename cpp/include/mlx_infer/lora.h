@@ -21,6 +21,12 @@
 //   dense:    xa = (x @ a^T) * mask, mask[b, c] = (c / r == slots[b]);  y = base(x) + (xa @ b^T).astype(x.dtype)
 //   DoRA: y = g[slots] * (x W^T + delta) + bias
 //
+// A fused q|k|v or gate|up (one product over concatenated weights) is targeted by its own
+// name (``layers.3.qkv``: one update over its rows; the bindings give untargeted members zero
+// rows of b), or by its members' names: the fused product then gets each member's delta added
+// to the member's rows (zeros for members no adapter targets), the same ops per member as its
+// own linear. Not both.
+//
 // Where the layer runs on the CPU kernels the dense form is one op per linear instead
 // (mlx_infer/matmul.h's fast_lora_linear / fast_lora_quantized_matmul, fast_lora_update for
 // DoRA's bias-free base): the product, each row's own slot's r columns of a and b, the add.

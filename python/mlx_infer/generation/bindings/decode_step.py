@@ -14,18 +14,16 @@ the unchanged KV, so the tokens do not change.
 from __future__ import annotations
 
 import warnings
-from dataclasses import replace
 from typing import Any, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from ... import _fast
-from ...adapters.bank import bank_of
 from ...adapters.native import AdapterTargetUnsupported, NativeAdapters
 from ...state.kv import KVCache, RotatingKVCache
 
-from .graph_spec import DecodePolicy, DecodeStepUnsupported, graph_spec
+from .graph_spec import DecodePolicy, DecodeStepUnsupported, graph_spec, has_fused_projections
 
 
 def kv_layers(cfg: Any) -> list[int]:
@@ -153,9 +151,7 @@ class CompiledDecodeStep:
 
     def __init__(self, model: Any, *, kv_scheme: str | None = None,
                  policy: DecodePolicy = DecodePolicy()):
-        bank = bank_of(model)
-        if bank is not None:
-            policy = replace(policy, fuse_projections=False)  # a fused q|k|v takes no adapter
+        # With adapters too: a fused q|k|v (gate|up) adds its members' updates (cpp/decode/lora.cpp).
         cfg, weights, quant = graph_spec(model, kv_scheme=kv_scheme, policy=policy)
         self._model = model
         self._cfg = cfg
@@ -164,6 +160,7 @@ class CompiledDecodeStep:
         self._kv_heads = [cfg.layer_kv_heads[i] if cfg.layer_kv_heads else cfg.num_kv_heads for i in owners]
         self._head_dims = [cfg.layer_head_dims[i] if cfg.layer_head_dims else cfg.head_dim for i in owners]
         self._step: Any = _fast.DecodeStep(cfg, weights, quant)
+        self._fused = has_fused_projections(weights)
         # The bank's stacks are inputs of the step (adapters/native.py); rows pick slots per step.
         self._adapters = NativeAdapters(model, weights)
         try:
@@ -202,6 +199,11 @@ class CompiledDecodeStep:
     def native(self) -> Any:
         """The ``mlx_infer._fast.DecodeStep``."""
         return self._step
+
+    @property
+    def fused_projections(self) -> bool:
+        """True when some layer runs q|k|v or gate|up as one product (fused in place or in the checkpoint)."""
+        return self._fused
 
     # -- the contract -----------------------------------------------------------------
 

@@ -16,6 +16,19 @@ shapes while the device holds each weight once::
 Quantized projections fuse their packed weights, scales and biases the same way (all are
 indexed by output row); a bias fuses along with them. Projections of different kinds (one
 quantized, one not; different group sizes or bits; a bias on some only) are left alone.
+
+Adapters (an :class:`~mlx_infer.adapters.AdapterBank`) keep targeting the members; the eager
+graph's hooked projections run on the views as before, and the compiled steps add, to the one
+fused product, each member's update for the rows whose slot targets it and zeros on the rows
+of members no adapter targets::
+
+    y = x fused^T + delta      delta (B, L, out_q + out_k + out_v) = [delta_q, 0_k, delta_v], one add
+
+The members' dense updates go as one low-rank target on the fused linear, B zero on an
+untargeted member's rows (``adapters/native.py``); DoRA members and a large bank's gathered
+stacks go by the members' names and the step concatenates their updates
+(``cpp/decode/lora.cpp``). Each member's rows get its own values, as unfused (a DoRA member's
+gain scales its rows only), so a model with a bank fuses like any other.
 """
 
 from __future__ import annotations

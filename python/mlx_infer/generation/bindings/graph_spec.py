@@ -82,7 +82,10 @@ class DecodePolicy:
             projections made views of the fused weights (``bindings/fused.py``: no
             second copy). ``None`` picks on for a GPU (one launch instead of three,
             the small k/v products no longer alone) and off for the CPU, whose
-            kernels run each product on its own.
+            kernels run each product on its own. Adapters do not change it: the
+            fused product gets each targeted member's update added to its rows
+            (``cpp/decode/lora.cpp``), so a model with an adapter bank (``mlx-infer
+            serve``) decodes fused on a GPU too.
     """
 
     capacity_step: int = 256
@@ -240,6 +243,11 @@ def graph_spec(model: Any, *, kv_scheme: str | None = None,
     check_every_parameter_used(model, [*weights.values(), *read])
     mx.eval(list(weights.values()))
     return cfg, weights, quant
+
+
+def has_fused_projections(weights: Any) -> bool:
+    """Whether a spec's canonical ``weights`` (names) run some layer's q|k|v or gate|up as one product."""
+    return any(k.endswith((".qkv.weight", ".gate_up.weight")) for k in weights)
 
 
 def check_every_parameter_used(model: nn.Module, used: Sequence[mx.array]) -> None:

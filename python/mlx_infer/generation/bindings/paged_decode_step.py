@@ -24,6 +24,10 @@ MLX writes the new rows in place (no per-step copy of the cache).
 Gemma 4's KV-shared layers have no storage of their own (the store pages the
 KV-owning layers only): they attend over their donor's gather of the same step.
 
+A layer's q|k|v and gate|up run as one product each where the device default says (a GPU:
+``DecodePolicy.fuse_projections``), with an adapter bank too (``mlx-infer serve``): the fused
+product adds its members' updates (``bindings/fused.py``).
+
 Quantized KV storage has no compiled paged step: :func:`paged_unsupported_reason`
 says so and the engine decodes eagerly.
 """
@@ -39,10 +43,9 @@ from typing import Any, Protocol, Sequence
 import mlx.core as mx
 
 from ... import _fast
-from ...adapters.bank import bank_of
 from ...adapters.apply import adapter_rows
 from ...adapters.native import AdapterTargetUnsupported, NativeAdapters
-from .graph_spec import DecodePolicy, DecodeStepUnsupported, graph_spec
+from .graph_spec import DecodePolicy, DecodeStepUnsupported, graph_spec, has_fused_projections
 
 log = logging.getLogger("mlx_infer.engine")
 
@@ -146,8 +149,8 @@ class CompiledPagedDecodeStep:
         reason = paged_unsupported_reason(store)
         if reason is not None:
             raise ValueError(reason)
-        fuse = False if bank_of(model) is not None else None  # a fused q|k|v takes no adapter
-        cfg, weights, quant = graph_spec(model, policy=DecodePolicy(compile=False, fuse_projections=fuse))
+        # Fused per the device's default, adapters or not (a fused linear adds its members' updates).
+        cfg, weights, quant = graph_spec(model, policy=DecodePolicy(compile=False))
         paged = _fast.PagedDecodeConfig()
         paged.layer_groups = layer_groups(store.layer_windows, group_windows)
         paged.compile = policy.compile
@@ -159,6 +162,8 @@ class CompiledPagedDecodeStep:
         self.policy = policy
         self.group_windows = list(group_windows)
         self.native: Any = _fast.PagedDecodeStep(cfg, paged, weights, quant)
+        #: True when some layer runs q|k|v or gate|up as one product (adapters or not).
+        self.fused_projections = has_fused_projections(weights)
         # The bank's stacks are inputs of the step; each row's slot comes with the batch.
         self.adapters = NativeAdapters(model, weights)
         try:
