@@ -21,6 +21,7 @@
 #include "../matmul/array_util.h"
 #include "../matmul/elem.h"
 #include "../matmul/threadpool.h"
+#include "mlx_infer/softcap_attention.h"
 #include "paged_attention_cuda.h"
 
 namespace mlx_infer {
@@ -40,7 +41,8 @@ std::string shape_str(const mx::array& a) {
 }
 
 void validate(const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& tables,
-              const mx::array& lengths) {
+              const mx::array& lengths, float softcap) {
+  if (!(softcap >= 0.0f) || std::isinf(softcap)) fail("softcap must be a finite number >= 0 (0 = no cap).");
   if (q.ndim() != 3) fail("q must be (R, H, D), got " + shape_str(q) + ".");
   if (k.ndim() != 4 || k.shape() != v.shape()) {
     fail("k_storage and v_storage must share one (pages, KVH, P, D) shape, got " + shape_str(k) + " and " +
@@ -75,7 +77,7 @@ inline float ld(const void* p, int64_t i) {
 template <typename QT, typename KT>
 void attend_task(int64_t task, const void* q, const void* k, const void* v, const int32_t* tables,
                  const int32_t* lengths, float* out, int H, int KVH, int D, int P, int T, int64_t pages,
-                 int window, float scale) {
+                 int window, float scale, float softcap) {
   const int r = static_cast<int>(task / KVH), kvh = static_cast<int>(task % KVH);
   const int G = H / KVH;
   const int len = lengths[r];
@@ -100,7 +102,7 @@ void attend_task(int64_t task, const void* q, const void* k, const void* v, cons
       float dot = 0.0f;
       const float* qg = &qf[g * D];
       for (int d = 0; d < D; ++d) dot += qg[d] * kf[d];
-      s[g] = dot;
+      s[g] = softcap > 0.0f ? softcap * std::tanh(dot / softcap) : dot;
     }
     for (int g = 0; g < G; ++g) {
       float* a = &acc[g * D];
@@ -124,22 +126,23 @@ void attend_task(int64_t task, const void* q, const void* k, const void* v, cons
 
 template <typename QT, typename KT>
 void attend_all(const void* q, const void* k, const void* v, const int32_t* tables, const int32_t* lengths,
-                float* out, int R, int H, int KVH, int D, int P, int T, int64_t pages, int window, float scale) {
+                float* out, int R, int H, int KVH, int D, int P, int T, int64_t pages, int window, float scale,
+                float softcap) {
   cpu::pool().parallel_for(static_cast<int64_t>(R) * KVH, [&](int64_t task) {
-    attend_task<QT, KT>(task, q, k, v, tables, lengths, out, H, KVH, D, P, T, pages, window, scale);
+    attend_task<QT, KT>(task, q, k, v, tables, lengths, out, H, KVH, D, P, T, pages, window, scale, softcap);
   });
 }
 
 template <typename QT>
 void dispatch_kv(mx::Dtype kt, const void* q, const void* k, const void* v, const int32_t* tables,
                  const int32_t* lengths, float* out, int R, int H, int KVH, int D, int P, int T, int64_t pages,
-                 int window, float scale) {
+                 int window, float scale, float softcap) {
   if (kt == mx::float32) {
-    attend_all<QT, float>(q, k, v, tables, lengths, out, R, H, KVH, D, P, T, pages, window, scale);
+    attend_all<QT, float>(q, k, v, tables, lengths, out, R, H, KVH, D, P, T, pages, window, scale, softcap);
   } else if (kt == mx::bfloat16) {
-    attend_all<QT, cpu::bf16_t>(q, k, v, tables, lengths, out, R, H, KVH, D, P, T, pages, window, scale);
+    attend_all<QT, cpu::bf16_t>(q, k, v, tables, lengths, out, R, H, KVH, D, P, T, pages, window, scale, softcap);
   } else {
-    attend_all<QT, cpu::f16_t>(q, k, v, tables, lengths, out, R, H, KVH, D, P, T, pages, window, scale);
+    attend_all<QT, cpu::f16_t>(q, k, v, tables, lengths, out, R, H, KVH, D, P, T, pages, window, scale, softcap);
   }
 }
 
@@ -157,7 +160,8 @@ void store_out(const float* src, void* dst, mx::Dtype t, size_t n) {
 
 class PagedAttentionCPU : public mx::UnaryPrimitive {
  public:
-  PagedAttentionCPU(mx::Stream s, int window, float scale) : mx::UnaryPrimitive(s), window_(window), scale_(scale) {}
+  PagedAttentionCPU(mx::Stream s, int window, float scale, float softcap)
+      : mx::UnaryPrimitive(s), window_(window), scale_(scale), softcap_(softcap) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     out.set_data(mx::allocator::malloc(out.nbytes()));
@@ -165,7 +169,7 @@ class PagedAttentionCPU : public mx::UnaryPrimitive {
     for (const auto& a : inputs) enc.set_input_array(a);
     enc.set_output_array(out);
     enc.dispatch([inputs, out_ptr = out.data<void>(), out_dtype = out.dtype(), out_size = out.size(),
-                  window = window_, scale = scale_]() {
+                  window = window_, scale = scale_, softcap = softcap_]() {
       const auto &q = inputs[0], &k = inputs[1], &v = inputs[2], &tables = inputs[3], &lengths = inputs[4];
       std::vector<uint8_t> qb, kb, vb, tb, lb;
       const void* qp = contiguous_bytes(q, qb);
@@ -177,13 +181,14 @@ class PagedAttentionCPU : public mx::UnaryPrimitive {
       const int T = tables.shape(1);
       std::vector<float> acc(out_size);
       if (q.dtype() == mx::float32) {
-        dispatch_kv<float>(k.dtype(), qp, kp, vp, tp, lp, acc.data(), R, H, KVH, D, P, T, k.shape(0), window, scale);
+        dispatch_kv<float>(k.dtype(), qp, kp, vp, tp, lp, acc.data(), R, H, KVH, D, P, T, k.shape(0), window, scale,
+                           softcap);
       } else if (q.dtype() == mx::bfloat16) {
         dispatch_kv<cpu::bf16_t>(k.dtype(), qp, kp, vp, tp, lp, acc.data(), R, H, KVH, D, P, T, k.shape(0), window,
-                                 scale);
+                                 scale, softcap);
       } else {
         dispatch_kv<cpu::f16_t>(k.dtype(), qp, kp, vp, tp, lp, acc.data(), R, H, KVH, D, P, T, k.shape(0), window,
-                                scale);
+                                scale, softcap);
       }
       store_out(acc.data(), out_ptr, out_dtype, out_size);
     });
@@ -195,7 +200,7 @@ class PagedAttentionCPU : public mx::UnaryPrimitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const PagedAttentionCPU&>(other);
-    return window_ == o.window_ && scale_ == o.scale_;
+    return window_ == o.window_ && scale_ == o.scale_ && softcap_ == o.softcap_;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
@@ -205,6 +210,7 @@ class PagedAttentionCPU : public mx::UnaryPrimitive {
  private:
   int window_;
   float scale_;
+  float softcap_;  // 0: no cap
 };
 
 bool cuda_backend() {
@@ -243,8 +249,8 @@ std::pair<mx::array, mx::array> paged_gather_index(const mx::array& block_tables
 
 mx::array paged_attention_gather(const mx::array& q, const mx::array& k_storage, const mx::array& v_storage,
                                  const mx::array& block_tables, const mx::array& lengths, int window,
-                                 float scale, mx::StreamOrDevice s) {
-  validate(q, k_storage, v_storage, block_tables, lengths);
+                                 float scale, float softcap, mx::StreamOrDevice s) {
+  validate(q, k_storage, v_storage, block_tables, lengths, softcap);
   const int R = q.shape(0), H = q.shape(1), D = q.shape(2);
   auto [rows, mask] = paged_gather_index(block_tables, lengths, window, k_storage.shape(1), k_storage.shape(2));
   auto keys = mx::take(mx::reshape(k_storage, {-1, D}, s), rows, 0, s);    // (R, KVH, S, D)
@@ -254,7 +260,9 @@ mx::array paged_attention_gather(const mx::array& q, const mx::array& k_storage,
     keys = mx::astype(keys, q.dtype(), s);
     values = mx::astype(values, q.dtype(), s);
   }
-  auto out = mx::fast::scaled_dot_product_attention(q4, keys, values, scale, "array", mask, {}, false, s);
+  auto out = softcap > 0.0f
+      ? softcapped_attention(q4, keys, values, scale, softcap, mask, s)
+      : mx::fast::scaled_dot_product_attention(q4, keys, values, scale, "array", mask, {}, false, s);
   return mx::reshape(out, {R, H, D}, s);  // (R, H, D)
 }
 
@@ -276,16 +284,18 @@ std::string paged_attention_backend(const mx::array& q, const mx::array& k_stora
 
 mx::array paged_attention(const mx::array& q, const mx::array& k_storage, const mx::array& v_storage,
                           const mx::array& block_tables, const mx::array& lengths, int window, float scale,
-                          mx::StreamOrDevice s) {
-  validate(q, k_storage, v_storage, block_tables, lengths);
+                          float softcap, mx::StreamOrDevice s) {
+  validate(q, k_storage, v_storage, block_tables, lengths, softcap);
   const auto backend = paged_attention_backend(q, k_storage, s);
   if (backend == "gather") {
-    return paged_attention_gather(q, k_storage, v_storage, block_tables, lengths, window, scale, s);
+    return paged_attention_gather(q, k_storage, v_storage, block_tables, lengths, window, scale, softcap, s);
   }
   if (backend == "cuda") {
-    return cuda_paged_attention(q, k_storage, v_storage, block_tables, lengths, window, scale, mx::to_stream(s));
+    return cuda_paged_attention(q, k_storage, v_storage, block_tables, lengths, window, scale, softcap,
+                                mx::to_stream(s));
   }
-  return mx::array(q.shape(), q.dtype(), std::make_shared<PagedAttentionCPU>(mx::to_stream(s), window, scale),
+  return mx::array(q.shape(), q.dtype(),
+                   std::make_shared<PagedAttentionCPU>(mx::to_stream(s), window, scale, softcap),
                    {q, k_storage, v_storage, block_tables, lengths});
 }
 

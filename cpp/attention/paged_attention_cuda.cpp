@@ -7,7 +7,9 @@
 //   a warp reads KPW = 32 / LPK keys at a time, LPK lanes per key, E = D / LPK
 //   contiguous elements per lane (16-byte loads for 16-bit K/V); the G query
 //   heads of the KV head sit in registers (pre-scaled by scale * log2 e), so
-//   each key is read once for all of them. Scores are reduced over the LPK
+//   each key is read once for all of them. With a soft cap (kSoftcap, the cap in
+//   scale[1]) the queries are scaled by scale alone: the cap applies to the
+//   natural score s, c = cap * tanh(s / cap), and c * log2 e enters the softmax. Scores are reduced over the LPK
 //   lanes by shuffles; each lane group keeps its own online softmax (m, l,
 //   acc[G][E], float32); groups merge by shuffles, warps through shared memory.
 //   A row's keys [max(0, length - window), length) are cut into gridDim.x
@@ -41,7 +43,8 @@ __device__ __forceinline__ float mlxi_scale_of(float m, float M) {
 }
 )";
 
-// Pass 1. Template constants: QT KT OT (dtypes), kD kP kG kKVH kWindow kNW kLPK kE; MLXI_STORE: the store.
+// Pass 1. Template constants: QT KT OT (dtypes), kD kP kG kKVH kWindow kNW kLPK kE, kSoftcap (bool: the
+// cap is compiled away when false); MLXI_STORE: the store. ``scale``: [scale, cap] float32.
 constexpr const char* kPass1 = R"(
   constexpr int kKPW = 32 / kLPK;
   const int split = blockIdx.x, kvh = blockIdx.y, r = blockIdx.z;
@@ -58,7 +61,12 @@ constexpr const char* kPass1 = R"(
   const int s_lo = lo + split * chunk;
   const int s_hi = min(hi, s_lo + chunk);
 
-  const float qscale = scale[0] * 1.4426950408889634f;  // exp2 domain
+  constexpr float kLog2e = 1.4426950408889634f;
+  // exp2 domain; soft-capped: the natural score first, capped, then into the exp2 domain.
+  const float qscale = kSoftcap ? scale[0] : scale[0] * kLog2e;
+  const float cap = kSoftcap ? scale[1] : 0.0f;
+  const float inv_cap = kSoftcap ? 1.0f / cap : 0.0f;
+  const float cap_log2e = cap * kLog2e;
   float qr[kG][kE], acc[kG][kE], m[kG], l[kG];
   #pragma unroll
   for (int g = 0; g < kG; ++g) {
@@ -93,6 +101,7 @@ constexpr const char* kPass1 = R"(
       for (int e = 0; e < kE; ++e) s += qr[g][e] * kf[e];
       #pragma unroll
       for (int o = kLPK / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+      if (kSoftcap) s = cap_log2e * tanhf(s * inv_cap);
       if (valid) {
         const float mn = fmaxf(m[g], s);
         const float c = mlxi_scale_of(m[g], mn);
@@ -239,7 +248,7 @@ bool cuda_paged_attention_supports(const mx::array& q, const mx::array& k_storag
 
 mx::array cuda_paged_attention(const mx::array& q, const mx::array& k_storage, const mx::array& v_storage,
                                const mx::array& block_tables, const mx::array& lengths, int window, float scale,
-                               mx::Stream s) {
+                               float softcap, mx::Stream s) {
   const int R = q.shape(0), H = q.shape(1), D = q.shape(2);
   const int KVH = k_storage.shape(1), P = k_storage.shape(2), T = block_tables.shape(1);
   const int G = H / KVH;
@@ -247,12 +256,13 @@ mx::array cuda_paged_attention(const mx::array& q, const mx::array& k_storage, c
   const int max_keys = window > 0 ? std::min(window, T * P) : T * P;
   const int splits = paged_attention_splits(R, KVH, max_keys);
   const bool split = splits > 1;
-  auto sc = mx::array(scale, mx::float32);
-  auto sc1 = mx::reshape(sc, {1});
+  const bool capped = softcap > 0.0f;
+  auto sc = mx::array({scale, capped ? softcap : 0.0f});  // (2,) float32: [scale, cap]
   std::vector<std::pair<std::string, mx::fast::TemplateArg>> targs{
       {"QT", q.dtype()}, {"KT", k_storage.dtype()}, {"OT", q.dtype()}, {"kD", D}, {"kP", P}, {"kG", G},
-      {"kKVH", KVH}, {"kWindow", std::max(window, 0)}, {"kNW", kWarps}, {"kLPK", t.lpk}, {"kE", t.e}};
-  std::vector<mx::array> in{q, k_storage, v_storage, block_tables, lengths, sc1};
+      {"kKVH", KVH}, {"kWindow", std::max(window, 0)}, {"kNW", kWarps}, {"kLPK", t.lpk}, {"kE", t.e},
+      {"kSoftcap", capped}};
+  std::vector<mx::array> in{q, k_storage, v_storage, block_tables, lengths, sc};
   const std::tuple<int, int, int> grid{32 * kWarps * splits, KVH, R}, block{32 * kWarps, 1, 1};
   if (!split) {
     return kernel(0)(in, {q.shape()}, {q.dtype()}, grid, block, targs, std::nullopt, false, s)[0];

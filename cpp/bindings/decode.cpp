@@ -76,6 +76,8 @@ hold one entry per layer (window 0 = global attention).)")
       .def_rw("vocab_size", &DecodeConfig::vocab_size)
       .def_rw("rms_norm_eps", &DecodeConfig::rms_norm_eps)
       .def_rw("attn_scale", &DecodeConfig::attn_scale)
+      .def_rw("attn_softcap", &DecodeConfig::attn_softcap,
+              "Attention scores soft-capped, cap * tanh(scores / cap), before the softmax (gemma2); 0 = none.")
       .def_rw("activation", &DecodeConfig::activation, "'silu' or 'gelu_tanh'.")
       .def_rw("embed_scale", &DecodeConfig::embed_scale, "Embedding multiplier; 0 = none.")
       .def_rw("residual_scale", &DecodeConfig::residual_scale,

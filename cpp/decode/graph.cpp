@@ -1,5 +1,5 @@
-// The one-token forward of the llama and gemma3 families, composed of the same
-// MLX ops, in the same order, as python/mlx_infer/models/{llama,gemma3}.py, so
+// The one-token forward of the llama and gemma2/gemma3 families, composed of the same
+// MLX ops, in the same order, as python/mlx_infer/models/{llama,gemma2,gemma3}.py, so
 // the compiled step's logits stay within rounding of the eager graph's.
 #include "graph.h"
 
@@ -8,6 +8,7 @@
 
 #include "mlx_infer/cpu_attention.h"
 #include "mlx_infer/matmul.h"
+#include "mlx_infer/softcap_attention.h"
 
 #include <algorithm>
 #include <stdexcept>
@@ -180,6 +181,17 @@ mx::array gated(const DecodeConfig& cfg, const mx::array& gate, const mx::array&
   return (cfg.activation == "gelu_tanh" ? geglu : swiglu)({gate, up})[0];
 }
 
+mx::array attend(const DecodeStep::Graph& g, const mx::array& q, const AttentionInputs& in) {
+  const auto& cfg = g.cfg;
+  if (cfg.attn_softcap > 0.0f) {  // no fused kernel has the cap: the eager graph's composed ops
+    return softcapped_attention(q, in.keys, in.values, cfg.attn_scale, cfg.attn_softcap, in.mask);
+  }
+  const std::string mode = in.mask ? "array" : "";
+  return g.fast_attention ? fast_sdpa(q, in.keys, in.values, cfg.attn_scale, mode, in.mask)
+                          : mx::fast::scaled_dot_product_attention(q, in.keys, in.values, cfg.attn_scale, mode,
+                                                                   in.mask);
+}
+
 // Writes one token per row into a (B, KVH, S, D) buffer at slot[b].
 mx::array write_slot(const mx::array& buf, const mx::array& x, const mx::array& slot,
                      std::optional<int> static_slot) {
@@ -318,19 +330,7 @@ mx::array decode_layers(
     k = rope(k, lw.rope, positions);
 
     auto direct = kv.write_attend(i, q, k, v);  // (B, H, 1, D), or none: write_read and SDPA
-    mx::array attn(0);
-    if (direct) {
-      attn = *direct;
-    } else {
-      auto in = kv.write_read(i, k, v);
-      attn = in.mask
-          ? (g.fast_attention ? fast_sdpa(q, in.keys, in.values, cfg.attn_scale, "array", in.mask)
-                              : mx::fast::scaled_dot_product_attention(q, in.keys, in.values, cfg.attn_scale,
-                                                                       "array", in.mask))
-          : (g.fast_attention ? fast_sdpa(q, in.keys, in.values, cfg.attn_scale)
-                              : mx::fast::scaled_dot_product_attention(q, in.keys, in.values, cfg.attn_scale,
-                                                                       "", std::nullopt));
-    }
+    auto attn = direct ? *direct : attend(g, q, kv.write_read(i, k, v));
     attn = mx::reshape(mx::transpose(attn, {0, 2, 1, 3}), {B, 1, H * D});  // (B, 1, H*D)
     auto r = tp_sum(g, apply_linear(lw.o, attn));  // (B, 1, E): all heads' sum under tensor parallel
     if (cfg.residual_scale != 1.0f) {

@@ -165,6 +165,10 @@ mx::array switch_linear(const Linear& l, const mx::array& x, const mx::array& id
 /// (cfg.expert_start on), the others' weights zero; the caller all_sums the ranks' shares (moe.cpp).
 mx::array switch_glu(const DecodeConfig& cfg, const Linear& gate, const Linear& up, const Linear& down,
                      const mx::array& x, const mx::array& indices, const mx::array& weights, bool expert_parallel);
+/// Attention of q (B, H, 1, D) over what a layer's K/V access returned, at cfg.attn_scale: composed of MLX ops
+/// with the scores soft-capped when cfg.attn_softcap > 0 (as gemma2's eager attention), else MLX's SDPA, on
+/// mlx-infer's CPU kernel when the model's attention modules run there (g.fast_attention).
+mx::array attend(const DecodeStep::Graph& g, const mx::array& q, const AttentionInputs& in);
 /// Writes one token per row into a (B, KVH, S, D) buffer at slot[b] (or at static_slot).
 mx::array write_slot(const mx::array& buf, const mx::array& x, const mx::array& slot,
                      std::optional<int> static_slot);

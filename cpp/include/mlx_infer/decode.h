@@ -66,6 +66,7 @@ struct DecodeConfig {
   int vocab_size = 0;
   float rms_norm_eps = 1e-6f;
   float attn_scale = 1.0f;
+  float attn_softcap = 0.0f;        // gemma2: scores = cap * tanh(scores / cap) before the softmax; 0 = none
   std::string activation = "silu";  // "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
   float embed_scale = 0.0f;         // multiply embeddings by this when != 0
   float residual_scale = 1.0f;      // granite: each sublayer's output times this before its residual add
