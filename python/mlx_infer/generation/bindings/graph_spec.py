@@ -1,6 +1,6 @@
 """A model's graph read into what the compiled C++ decode step takes (``mlx_infer._fast.DecodeStep``).
 
-:func:`graph_spec` reads a llama-, gemma3- or gemma4-family graph into a :class:`~mlx_infer._fast.DecodeConfig`,
+:func:`graph_spec` reads a llama-, gemma2/gemma3- or gemma4-family graph into a :class:`~mlx_infer._fast.DecodeConfig`,
 the weights under canonical names (no copy: the same arrays the model holds) and the quantization of each
 quantized linear. :class:`DecodePolicy` is the binding's choice of how the step runs;
 :class:`DecodeStepUnsupported` says why a graph has no step.
@@ -9,7 +9,7 @@ Canonical weight names::
 
     embed.{weight,scales,biases}            norm.weight        lm_head.* (untied only)
     layers.{i}.{q,k,v,o,gate,up,down}.{weight,bias,scales,biases}
-    layers.{i}.attn_norm.weight             llama input_layernorm / gemma input_layernorm
+    layers.{i}.attn_norm.weight             llama input_layernorm / gemma (2, 3) input_layernorm
     layers.{i}.mlp_norm.weight              llama post_attention_layernorm / gemma pre_feedforward_layernorm
     layers.{i}.post_attn_norm.weight        gemma post_attention_layernorm
     layers.{i}.post_mlp_norm.weight         gemma post_feedforward_layernorm
@@ -41,7 +41,8 @@ from ...models.gemma4 import FULL, SLIDING, ProportionalRoPE
 from .fused import fuse_in_place
 
 #: Families with a C++ step (module name of the graph's family file).
-SUPPORTED_FAMILIES = ("llama", "gemma3", "gemma4", "smollm3", "granite", "glm4", "phi3", "olmo2", "qwen3_moe")
+SUPPORTED_FAMILIES = ("llama", "gemma2", "gemma3", "gemma4", "smollm3", "granite", "glm4", "phi3", "olmo2",
+                      "qwen3_moe")
 #: Families the llama forward of the C++ step runs, with the switches their spec sets (NoPE layers: a RoPE
 #: of no dims; granite's multipliers: embed_scale, attn_scale, residual_scale, logits_divisor; glm4's
 #: sandwich norms under its own names, decode_norms, and its fused gate_up_proj; phi3's fused qkv_proj and
@@ -49,6 +50,10 @@ SUPPORTED_FAMILIES = ("llama", "gemma3", "gemma4", "smollm3", "granite", "glm4",
 #: olmo2's post-norms and whole-projection q/k norms: pre_norms, qk_norm_whole; qwen3_moe's routed experts,
 #: read from its SparseMoeBlock: num_experts, top_k_experts, norm_topk_prob).
 LLAMA_FORWARD = ("llama", "smollm3", "granite", "glm4", "phi3", "olmo2", "qwen3_moe")
+#: Families read as gemma blocks (``1 + w`` norms, sandwich norms, GELU-tanh, the embedding scale, the final
+#: logit soft cap): gemma3, and gemma2 without q/k norms, its attention scores soft-capped (its
+#: decode_switches: attn_softcap) and plain residual adds (gemma3's clip float16 sums).
+GEMMA_FORWARD = ("gemma3", "gemma2")
 
 #: KV scheme name -> the buffer dtype the C++ step takes.
 KV_DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}
@@ -154,7 +159,7 @@ def graph_spec(model: Any, *, kv_scheme: str | None = None,
     """The C++ step's config, canonical weights and quantization for ``model``.
 
     Args:
-        model: a llama- or gemma3-family graph.
+        model: a graph of one of :data:`SUPPORTED_FAMILIES`.
         kv_scheme: ``"bf16"``, ``"f16"``, ``"f32"`` or ``None`` (the prefill's dtype).
         policy: capacity and compile choices.
 
@@ -171,7 +176,7 @@ def graph_spec(model: Any, *, kv_scheme: str | None = None,
         return _gemma4_spec(model, kv_scheme, policy)
     args = model.args
     inner = model.model
-    gemma = family == "gemma3"
+    gemma = family in GEMMA_FORWARD
     attn0 = inner.layers[0].self_attn
     cfg = _fast.DecodeConfig()
     cfg.family = "llama" if family in LLAMA_FORWARD else family
@@ -185,7 +190,7 @@ def graph_spec(model: Any, *, kv_scheme: str | None = None,
     cfg.attn_scale = float(attn0.scale)
     cfg.activation = "gelu_tanh" if gemma else "silu"
     cfg.embed_scale = float(inner.embed_scale) if gemma else 0.0
-    cfg.clip_f16_residual = gemma
+    cfg.clip_f16_residual = family == "gemma3"  # gemma3.residual_add
     cfg.final_logit_softcap = (float(args.final_logit_softcapping)
                                if gemma and args.final_logit_softcapping is not None else None)
     switches = getattr(model, "decode_switches", None)  # what the family's file says its forward adds
