@@ -61,12 +61,12 @@ constexpr const char* kPass1 = R"(
   const int s_lo = lo + split * chunk;
   const int s_hi = min(hi, s_lo + chunk);
 
-  constexpr float kLog2e = 1.4426950408889634f;
+  constexpr float kMlxiLog2e = 1.4426950408889634f;
   // exp2 domain; soft-capped: the natural score first, capped, then into the exp2 domain.
-  const float qscale = kSoftcap ? scale[0] : scale[0] * kLog2e;
+  const float qscale = kSoftcap ? scale[0] : scale[0] * kMlxiLog2e;
   const float cap = kSoftcap ? scale[1] : 0.0f;
   const float inv_cap = kSoftcap ? 1.0f / cap : 0.0f;
-  const float cap_log2e = cap * kLog2e;
+  const float cap_log2e = cap * kMlxiLog2e;
   float qr[kG][kE], acc[kG][kE], m[kG], l[kG];
   #pragma unroll
   for (int g = 0; g < kG; ++g) {
