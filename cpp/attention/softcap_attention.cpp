@@ -6,7 +6,8 @@
 namespace mlx_infer {
 
 mx::array softcapped_attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
-                               float softcap, const std::optional<mx::array>& mask, mx::StreamOrDevice s) {
+                               float softcap, const std::optional<mx::array>& mask,
+                               const std::optional<mx::array>& sinks, mx::StreamOrDevice s) {
   if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4 || k.shape(1) < 1 || q.shape(1) % k.shape(1) != 0) {
     throw std::invalid_argument(
         "[softcapped_attention] takes q (B, H, L, D), k and v (B, KVH, S, D) with H a multiple of KVH.");
@@ -41,7 +42,19 @@ mx::array softcapped_attention(const mx::array& q, const mx::array& k, const mx:
       scores = mx::add(scores, m, s);
     }
   }
+  if (sinks) {  // (H,) -> a first column of each head's scores, dropped after the softmax
+    auto col = mx::astype(*sinks, scores.dtype(), s);
+    col = repeats > 1 ? mx::reshape(col, {1, KVH, repeats, 1, 1}, s) : mx::reshape(col, {1, H, 1, 1}, s);
+    auto shape = scores.shape();
+    shape.back() = 1;
+    scores = mx::concatenate({mx::broadcast_to(col, shape, s), scores}, -1, s);
+  }
   scores = mx::softmax(scores, -1, /*precise=*/true, s);
+  if (sinks) {
+    auto start = mx::Shape(scores.ndim(), 0);
+    start.back() = 1;
+    scores = mx::slice(scores, start, scores.shape(), s);
+  }
   auto out = mx::matmul(scores, values, s);
   if (repeats > 1) {
     out = mx::reshape(out, {B, H, L, -1}, s);  // (B, H, L, Dv)

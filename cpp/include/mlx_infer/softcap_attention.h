@@ -12,7 +12,8 @@ namespace mx = mlx::core;
 
 /// The ops of ``mlx_infer.layers.attention.softcapped_attention``, in its order, so a compiled step's
 /// scores round as the eager graph's do: ``q * scale``, ``q @ kᵀ`` (GQA by a reshape), the cap, the mask
-/// (bool: false -> the dtype's lowest; float: added), a precise softmax, ``@ v``.
+/// (bool: false -> the dtype's lowest; float: added), a precise softmax, ``@ v``. With ``sinks`` (H,) each
+/// head's sink logit joins its softmax as a score with no value, as MLX's SDPA composes it (gpt-oss).
 ///
 /// q (B, H, L, D), k (B, KVH, S, D), v (B, KVH, S, Dv), H a multiple of KVH; mask broadcastable to
 /// (B, H, L, S) or none; softcap > 0 (0 runs no cap: plain composed attention). -> (B, H, L, Dv).
@@ -23,6 +24,7 @@ mx::array softcapped_attention(
     float scale,
     float softcap,
     const std::optional<mx::array>& mask = std::nullopt,
+    const std::optional<mx::array>& sinks = std::nullopt,
     mx::StreamOrDevice s = {});
 
 }  // namespace mlx_infer
