@@ -134,11 +134,10 @@ def test_mixed_batch_equals_alone(family):
     with Engine(loaded, EngineConfig(page_size=4, max_batch=16, prefix_cache=False)) as engine:
         results = engine.generate(reqs, timeout=300)
         # Eager families: the per-row path over the bank's stacks; the compiled ones (granite, smollm3, glm4, olmo2,
-        # gemma2):
-        # the compiled paged step with the bank's stacks as inputs; phi3's adapters target its fused
-        # qkv_proj / gate_up_proj and qwen3_moe's its router (mlp.gate), which the step's adapters do not
-        # take: refused, with the reason.
-        if loaded.model.declaration.compiled_decode and family not in ("phi3", "qwen3_moe"):
+        # gemma2): the compiled paged step with the bank's stacks as inputs; phi3's adapters target its fused
+        # qkv_proj / gate_up_proj, qwen3_moe's and gpt_oss's their routers (mlp.gate, mlp.router), which the
+        # step's adapters do not take: refused, with the reason.
+        if loaded.model.declaration.compiled_decode and family not in ("phi3", "qwen3_moe", "gpt_oss"):
             assert engine.paged_decode is not None and engine.paged_decode.failures == 0
         else:
             assert engine.paged_decode is None and engine.paged_decode_reason

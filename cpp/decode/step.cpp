@@ -78,9 +78,10 @@ void validate_decode_config(const DecodeConfig& c) {
       c.top_k_experts > c.num_experts) {
     fail("the MoE block needs 1 <= top_k_experts <= num_experts (both 0 without one).");
   }
-  if (c.activation != "silu" && c.activation != "gelu_tanh") {
-    fail("activation must be 'silu' or 'gelu_tanh', got '" + c.activation + "'.");
+  if (c.activation != "silu" && c.activation != "gelu_tanh" && c.activation != "swiglu_oai") {
+    fail("activation must be 'silu', 'gelu_tanh' or 'swiglu_oai', got '" + c.activation + "'.");
   }
+  if (!(c.swiglu_limit > 0.0f)) fail("swiglu_limit must be > 0.");
   if (!(c.attn_softcap >= 0.0f) || std::isinf(c.attn_softcap)) {
     fail("attn_softcap must be a finite number >= 0 (0 = no soft cap).");
   }
