@@ -9,12 +9,14 @@
 //   heads of the KV head sit in registers (pre-scaled by scale * log2 e), so
 //   each key is read once for all of them. With a soft cap (kSoftcap, the cap in
 //   scale[1]) the queries are scaled by scale alone: the cap applies to the
-//   natural score s, c = cap * tanh(s / cap), and c * log2 e enters the softmax. Scores are reduced over the LPK
-//   lanes by shuffles; each lane group keeps its own online softmax (m, l,
-//   acc[G][E], float32); groups merge by shuffles, warps through shared memory.
+//   natural score s, c = cap * tanh(s / cap), and c * log2 e enters the softmax.
+//   Scores are reduced over the LPK lanes by shuffles; each lane group keeps its
+//   own online softmax (m, l, acc[G][E], float32); groups merge by shuffles,
+//   warps through shared memory.
 //   A row's keys [max(0, length - window), length) are cut into gridDim.x
 //   contiguous splits (flash decoding); page = block_tables[r, j / P].
 // Pass 2 (only when split): per (row, head, d) the splits' (m, l, o) merge.
+// Sinks (kSinks) join the final (M, L, A) once: in pass 1 unsplit, else in pass 2.
 #include "paged_attention_cuda.h"
 
 #include <mlx/fast.h>
