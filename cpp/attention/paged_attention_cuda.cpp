@@ -288,8 +288,8 @@ mx::array cuda_paged_attention(const mx::array& q, const mx::array& k_storage, c
       {"QT", q.dtype()}, {"KT", k_storage.dtype()}, {"OT", q.dtype()}, {"kD", D}, {"kP", P}, {"kG", G},
       {"kKVH", KVH}, {"kWindow", std::max(window, 0)}, {"kNW", kWarps}, {"kLPK", t.lpk}, {"kE", t.e},
       {"kSoftcap", capped}, {"kSinks", sinks.has_value() && !split}};  // a split's partial has no sink
-  // sinks: (H,) float32 (the caller casts), or one unread zero.
-  const auto sk = sinks ? *sinks : mx::zeros({1}, mx::float32);
+  // sinks: (H,) float32 (the caller casts); without them the scale array stands in, never read (no extra op).
+  const auto sk = sinks ? *sinks : sc;
   std::vector<mx::array> in{q, k_storage, v_storage, block_tables, lengths, sc, sk};
   const std::tuple<int, int, int> grid{32 * kWarps * splits, KVH, R}, block{32 * kWarps, 1, 1};
   if (!split) {
