@@ -8,7 +8,12 @@ Checks (fresh random inputs each): ``‖out - ref‖ / ‖ref‖`` of ``impl="au
 reference against a float64 numpy reference, over head dims 64/128/256, GQA
 groups 1/4, pages of 8/16 tokens, windows, lengths 1..300, row counts that do
 and do not split (flash decoding), the op inside ``mx.compile``; a row of
-length 0 must give zeros. Then the time per call of the kernel and of the
+length 0 must give zeros. Soft-capped cases (Gemma 2's ``attn_logit_softcapping``:
+each score ``s`` becomes ``cap * tanh(s / cap)`` before the softmax) against the
+reference capped likewise, where caps that bind must also move the output away from
+the uncapped reference (``rel_uncapped``). Cases with attention sinks (gpt-oss: a
+per-head logit joins each softmax with no value), split and unsplit, against the
+reference with the sink in its denominator, and away from it without (``rel_no_sinks``). Then the time per call of the kernel and of the
 gather path at serving shapes (llama-1B/8B attention: 32 heads over 8 KV heads),
 with the bytes of K/V each must read.
 """
@@ -45,9 +50,10 @@ def case(rng: np.random.Generator, R: int, H: int, KVH: int, D: int, P: int, max
     return arrs + [mx.array(tables), mx.array(lengths)]
 
 
-def reference(q, k, v, tables, lengths, window: int, scale: float) -> np.ndarray:
+def reference(q, k, v, tables, lengths, window: int, scale: float, softcap: float = 0.0, sinks=None) -> np.ndarray:
     """float64 attention of each row over its keys [max(0, len - window), len), read through the table."""
     q, k, v = (np.array(x.astype(mx.float32), dtype=np.float64) for x in (q, k, v))
+    sinks = None if sinks is None else np.array(sinks.astype(mx.float32), dtype=np.float64)
     tables, lengths = np.array(tables), np.array(lengths)
     R, H, D = q.shape
     KVH, P = k.shape[1], k.shape[2]
@@ -64,8 +70,12 @@ def reference(q, k, v, tables, lengths, window: int, scale: float) -> np.ndarray
         vals = v[pg, :, pos % P]
         for h in range(H):
             s = keys[:, h // G] @ q[r, h] * scale
-            w = np.exp(s - s.max())
-            out[r, h] = (w / w.sum()) @ vals[:, h // G]
+            if softcap > 0:
+                s = softcap * np.tanh(s / softcap)
+            top = s.max() if sinks is None else max(s.max(), sinks[h])
+            w = np.exp(s - top)
+            den = w.sum() + (0.0 if sinks is None else np.exp(sinks[h] - top))
+            out[r, h] = (w / den) @ vals[:, h // G]
     return out
 
 
@@ -86,25 +96,70 @@ def check(quick: bool) -> list[dict]:
         (1, 32, 8, 128, 16, 2000, 0, mx.bfloat16), (9, 4, 1, 256, 8, 700, 512, mx.bfloat16),
         (33, 32, 8, 64, 16, 300, 100, mx.float32),
     ]
+    configs = [(*c, 0.0) for c in configs] + [  # ..., softcap: Gemma 2's 50 (hardly binds) and caps that bind
+        (5, 32, 8, 128, 16, 300, 0, mx.bfloat16, 1.0), (1, 32, 8, 128, 16, 2000, 0, mx.bfloat16, 2.0),
+        (9, 4, 1, 256, 8, 700, 512, mx.bfloat16, 50.0), (33, 32, 8, 64, 16, 300, 100, mx.float32, 0.5),
+        (2, 16, 4, 128, 8, 300, 0, mx.float16, 1.0), (64, 8, 4, 256, 16, 300, 0, mx.bfloat16, 50.0),
+    ]
     if quick:
-        configs = [(3, 8, 2, 64, 8, 100, 0, mx.float32), (2, 4, 1, 128, 16, 60, 20, mx.bfloat16)]
-    for R, H, KVH, D, P, L, W, dt in configs:
+        configs = [(3, 8, 2, 64, 8, 100, 0, mx.float32, 0.0), (2, 4, 1, 128, 16, 60, 20, mx.bfloat16, 0.0),
+                   (3, 8, 2, 64, 8, 100, 0, mx.float32, 1.0)]
+    for R, H, KVH, D, P, L, W, dt, cap in configs:
         q, k, v, tab, lens = case(rng, R, H, KVH, D, P, L, dt)
+        if cap:
+            q = q * 3  # scores of a few units: a cap of 0.5..2 bends them
         scale = D ** -0.5
-        ref = reference(q, k, v, tab, lens, W, scale)
-        got = _fast.paged_attention(q, k, v, tab, lens, window=W, scale=scale)
-        gat = _fast.paged_attention(q, k, v, tab, lens, window=W, scale=scale, impl="gather")
-        fn = mx.compile(lambda a, b, c, t, n: _fast.paged_attention(a, b, c, t, n, window=W, scale=scale))
+        ref = reference(q, k, v, tab, lens, W, scale, cap)
+        got = _fast.paged_attention(q, k, v, tab, lens, window=W, scale=scale, softcap=cap)
+        gat = _fast.paged_attention(q, k, v, tab, lens, window=W, scale=scale, softcap=cap, impl="gather")
+        fn = mx.compile(lambda a, b, c, t, n: _fast.paged_attention(a, b, c, t, n, window=W, scale=scale, softcap=cap))
         comp = fn(q, k, v, tab, lens)
         mx.eval(got, gat, comp)
         T = tab.shape[1]
         row = {"R": R, "H": H, "KVH": KVH, "D": D, "P": P, "max_len": L, "window": W, "dtype": str(dt),
-               "backend": _fast.paged_attention_backend(q, k),
+               "softcap": cap, "backend": _fast.paged_attention_backend(q, k),
                "splits": _fast.paged_attention_splits(R, KVH, min(W, T * P) if W else T * P),
                "rel_kernel": rel(got, ref), "rel_gather": rel(gat, ref), "rel_compiled": rel(comp, ref)}
         row["ok"] = max(row["rel_kernel"], row["rel_compiled"]) <= TOL[dt]
+        if 0 < cap <= 2:  # a binding cap: the kernel's output must be far from the uncapped attention
+            row["rel_uncapped"] = rel(got, reference(q, k, v, tab, lens, W, scale))
+            row["ok"] = row["ok"] and row["rel_uncapped"] > 5 * TOL[dt]
         rows.append(row)
         print(json.dumps(row), flush=True)
+    sink_configs = [  # R, H, KVH, D, P, max_len, window, dtype: gpt-oss-like heads (64 over 8), split and not
+        (4, 64, 8, 64, 16, 300, 128, mx.bfloat16), (1, 64, 8, 64, 16, 2000, 0, mx.bfloat16),
+        (33, 32, 8, 64, 16, 300, 0, mx.float32), (2, 16, 4, 128, 8, 300, 0, mx.float16),
+        (6, 64, 8, 64, 16, 300, 64, mx.bfloat16), (160, 32, 8, 128, 16, 200, 0, mx.bfloat16),  # unsplit
+    ]
+    if quick:
+        sink_configs = [(3, 8, 2, 64, 8, 100, 0, mx.float32)]
+    for R, H, KVH, D, P, L, W, dt in sink_configs:
+        q, k, v, tab, lens = case(rng, R, H, KVH, D, P, L, dt)
+        # about log(keys) + 1: the sink keeps a share of the softmax however many keys a row has
+        sinks = mx.array(rng.normal(np.log(min(W or L, L)) + 1, 1.0, size=H).astype(np.float32)).astype(dt)
+        scale = D ** -0.5
+        ref = reference(q, k, v, tab, lens, W, scale, sinks=sinks)
+        got = _fast.paged_attention(q, k, v, tab, lens, window=W, scale=scale, sinks=sinks)
+        gat = _fast.paged_attention(q, k, v, tab, lens, window=W, scale=scale, sinks=sinks, impl="gather")
+        fn = mx.compile(lambda a, b, c, t, n, z: _fast.paged_attention(a, b, c, t, n, window=W, scale=scale, sinks=z))
+        comp = fn(q, k, v, tab, lens, sinks)
+        mx.eval(got, gat, comp)
+        T = tab.shape[1]
+        row = {"R": R, "H": H, "KVH": KVH, "D": D, "P": P, "max_len": L, "window": W, "dtype": str(dt),
+               "sinks": True, "backend": _fast.paged_attention_backend(q, k),
+               "splits": _fast.paged_attention_splits(R, KVH, min(W, T * P) if W else T * P),
+               "rel_kernel": rel(got, ref), "rel_gather": rel(gat, ref), "rel_compiled": rel(comp, ref),
+               "rel_no_sinks": rel(got, reference(q, k, v, tab, lens, W, scale))}
+        row["ok"] = max(row["rel_kernel"], row["rel_compiled"]) <= TOL[dt] and row["rel_no_sinks"] > 5 * TOL[dt]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    # A row of length 0 attends to nothing: zeros from the kernel.
+    q, k, v, tab, lens = case(rng, 4, 8, 2, 64, 16, 40, mx.float32)
+    lens = mx.array([0, 5, 0, 40], mx.int32)
+    got = np.array(_fast.paged_attention(q, k, v, tab, lens, scale=0.125, sinks=mx.ones((8,))))
+    ok = bool(np.all(got[[0, 2]] == 0) and np.isfinite(got).all())
+    rows.append({"case": "zero-length rows with sinks", "ok": ok})
+    print(json.dumps(rows[-1]), flush=True)
     # A row of length 0 attends to nothing: zeros from the kernel.
     q, k, v, tab, lens = case(rng, 4, 8, 2, 64, 16, 40, mx.float32)
     lens = mx.array([0, 5, 0, 40], mx.int32)

@@ -5,8 +5,9 @@ config.json) is loaded by the loader and decoded greedily (EOS ignored, :data:`N
 tokens) on:
 
 - ``eager``   ``generate_tokens`` on the eager graph (the reference);
-- ``compiled`` for the families the C++ step's llama forward runs (:data:`COMPILED`: SmolLM 3's
-  NoPE layers, Granite's multipliers), ``generate_tokens`` through the compiled decode step;
+- ``compiled`` for the families the C++ step runs (:data:`COMPILED`: SmolLM 3's NoPE layers,
+  Granite's multipliers, Gemma 2's soft-capped attention, gpt-oss's sinks), ``generate_tokens`` through the
+  compiled decode step;
   the others have none, so the binding must refuse it with a reason;
 - ``engine``  ``Engine`` over paged KV, two requests batched: the compiled paged step for
   :data:`COMPILED`, else refused likewise and the engine decodes on the eager graph over the pages;
@@ -41,7 +42,7 @@ MIN_DISTINCT = 6  # distinct tokens over the reference streams
 KERNELS = ("stock", "cpu") if mx.default_device() == mx.cpu else ("stock",)
 ALL = list(SPECS)
 #: Families with a compiled decode step (their specs' names start with the family)...
-COMPILED = ("granite", "smollm3", "glm4", "phi3", "olmo2", "qwen3_moe")
+COMPILED = ("granite", "smollm3", "glm4", "phi3", "olmo2", "qwen3_moe", "gemma2", "gpt_oss")
 #: ... and the specs whose step is refused all the same (the reason names what).
 STEP_REFUSES = {"phi3_longrope_partial": "LongRoPE"}
 

@@ -13,7 +13,8 @@ MoE routers (qwen3_moe ``mlp.gate``, gpt_oss ``mlp.router``), DeepSeek's MLA pro
   there the prompt and a cached schedule stay within the window (8 tokens).
 - ``mlx-infer fuse`` of the adapter loads back and gives its logits (1e-4).
 - The engine: a batch mixing 4 adapters (one DoRA) and no adapter gives each row exactly
-  the greedy tokens it gets alone (these families decode eagerly: the per-row path).
+  the greedy tokens it gets alone (the compiled paged step with the bank's stacks where the family
+  has one, else the eager per-row path).
 - PEFT + transformers (granite, phi3's fused layers, deepseek_v3's MLA projections with and
   without q_lora_rank, gpt_oss's attention with its sinks): within 1e-4 absolute + 1e-4
   relative, greedy tokens equal (as tests/test_lora_peft.py).
@@ -132,11 +133,11 @@ def test_mixed_batch_equals_alone(family):
                           request_id=f"{n}-{i}") for i, p in enumerate(PROMPTS) for n in names + [None]]
     with Engine(loaded, EngineConfig(page_size=4, max_batch=16, prefix_cache=False)) as engine:
         results = engine.generate(reqs, timeout=300)
-        # Eager families: the per-row path over the bank's stacks; the compiled ones (granite, smollm3, glm4, olmo2):
-        # the compiled paged step with the bank's stacks as inputs (phi3's adapters on its fused qkv_proj /
-        # gate_up_proj too: one linear each in the step); qwen3_moe's target its router (mlp.gate), which
-        # the step's adapters do not take: refused, with the reason.
-        if loaded.model.declaration.compiled_decode and family != "qwen3_moe":
+        # Eager families: the per-row path over the bank's stacks; the compiled ones (granite, smollm3, glm4, olmo2,
+        # gemma2): the compiled paged step with the bank's stacks as inputs (phi3's adapters on its fused qkv_proj /
+        # gate_up_proj too: one linear each in the step); qwen3_moe's and gpt_oss's target their routers
+        # (mlp.gate, mlp.router), which the step's adapters do not take: refused, with the reason.
+        if loaded.model.declaration.compiled_decode and family not in ("qwen3_moe", "gpt_oss"):
             assert engine.paged_decode is not None and engine.paged_decode.failures == 0
         else:
             assert engine.paged_decode is None and engine.paged_decode_reason

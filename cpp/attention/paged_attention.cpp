@@ -19,6 +19,7 @@
 #include "../matmul/array_util.h"
 #include "../matmul/elem.h"
 #include "../matmul/threadpool.h"
+#include "mlx_infer/softcap_attention.h"
 #include "paged_attention_cuda.h"
 
 namespace mlx_infer {
@@ -38,7 +39,12 @@ std::string shape_str(const mx::array& a) {
 }
 
 void validate(const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& tables,
-              const mx::array& lengths) {
+              const mx::array& lengths, float softcap, const std::optional<mx::array>& sinks) {
+  if (!(softcap >= 0.0f) || std::isinf(softcap)) fail("softcap must be a finite number >= 0 (0 = no cap).");
+  if (sinks && (sinks->ndim() != 1 || q.ndim() != 3 || sinks->shape(0) != q.shape(1) ||
+                !mx::issubdtype(sinks->dtype(), mx::floating))) {
+    fail("sinks must be (H,) floating point, one logit per query head, got " + shape_str(*sinks) + ".");
+  }
   if (q.ndim() != 3) fail("q must be (R, H, D), got " + shape_str(q) + ".");
   if (k.ndim() != 4 || k.shape() != v.shape()) {
     fail("k_storage and v_storage must share one (pages, KVH, P, D) shape, got " + shape_str(k) + " and " +
@@ -70,35 +76,50 @@ inline float ld(const void* p, int64_t i) {
   return cpu::to_f32(static_cast<const T*>(p)[i]);
 }
 
+// One call's pointers and sizes (q, storage, tables and lengths contiguous; sinks float32 or null).
+struct Problem {
+  const void *q, *k, *v;
+  const int32_t *tables, *lengths;
+  const float* sinks;  // (H,) per-head sink logits, or nullptr
+  float* out;          // (R, H, D) float32
+  int R, H, KVH, D, P, T;
+  int64_t pages;
+  int window;
+  float scale, softcap;
+};
+
 template <typename QT, typename KT>
-void attend_task(int64_t task, const void* q, const void* k, const void* v, const int32_t* tables,
-                 const int32_t* lengths, float* out, int H, int KVH, int D, int P, int T, int64_t pages,
-                 int window, float scale) {
+void attend_task(int64_t task, const Problem& pb) {
+  const int H = pb.H, KVH = pb.KVH, D = pb.D, P = pb.P, T = pb.T;
   const int r = static_cast<int>(task / KVH), kvh = static_cast<int>(task % KVH);
   const int G = H / KVH;
-  const int len = lengths[r];
-  const int lo = window > 0 ? std::max(0, len - window) : 0;
+  const int len = pb.lengths[r];
+  const int lo = pb.window > 0 ? std::max(0, len - pb.window) : 0;
   const int hi = std::min(len, T * P);  // a table never covers more than T pages
   std::vector<float> qf(static_cast<size_t>(G) * D), acc(static_cast<size_t>(G) * D, 0.0f);
   std::vector<float> m(G, -std::numeric_limits<float>::infinity()), l(G, 0.0f), s(G);
   for (int g = 0; g < G; ++g) {
     const int64_t base = (static_cast<int64_t>(r) * H + kvh * G + g) * D;
-    for (int d = 0; d < D; ++d) qf[g * D + d] = ld<QT>(q, base + d) * scale;
+    for (int d = 0; d < D; ++d) qf[g * D + d] = ld<QT>(pb.q, base + d) * pb.scale;
+    if (pb.sinks != nullptr) {  // the sink joins the softmax as one more score, with no value: exp(0) = 1 at m
+      m[g] = pb.sinks[kvh * G + g];
+      l[g] = 1.0f;
+    }
   }
   std::vector<float> kf(D), vf(D);
   for (int j = lo; j < hi; ++j) {
-    int64_t page = tables[static_cast<int64_t>(r) * T + j / P];
-    page = std::min<int64_t>(std::max<int64_t>(page, 0), pages - 1);  // memory safety only: a caller contract
+    int64_t page = pb.tables[static_cast<int64_t>(r) * T + j / P];
+    page = std::min<int64_t>(std::max<int64_t>(page, 0), pb.pages - 1);  // memory safety only: a caller contract
     const int64_t at = ((page * KVH + kvh) * P + j % P) * D;
     for (int d = 0; d < D; ++d) {
-      kf[d] = ld<KT>(k, at + d);
-      vf[d] = ld<KT>(v, at + d);
+      kf[d] = ld<KT>(pb.k, at + d);
+      vf[d] = ld<KT>(pb.v, at + d);
     }
     for (int g = 0; g < G; ++g) {
       float dot = 0.0f;
       const float* qg = &qf[g * D];
       for (int d = 0; d < D; ++d) dot += qg[d] * kf[d];
-      s[g] = dot;
+      s[g] = pb.softcap > 0.0f ? pb.softcap * std::tanh(dot / pb.softcap) : dot;
     }
     for (int g = 0; g < G; ++g) {
       float* a = &acc[g * D];
@@ -115,29 +136,24 @@ void attend_task(int64_t task, const void* q, const void* k, const void* v, cons
   }
   for (int g = 0; g < G; ++g) {
     const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
-    float* o = out + (static_cast<int64_t>(r) * H + kvh * G + g) * D;
+    float* o = pb.out + (static_cast<int64_t>(r) * H + kvh * G + g) * D;
     for (int d = 0; d < D; ++d) o[d] = acc[g * D + d] * inv;
   }
 }
 
 template <typename QT, typename KT>
-void attend_all(const void* q, const void* k, const void* v, const int32_t* tables, const int32_t* lengths,
-                float* out, int R, int H, int KVH, int D, int P, int T, int64_t pages, int window, float scale) {
-  cpu::pool().parallel_for(static_cast<int64_t>(R) * KVH, [&](int64_t task) {
-    attend_task<QT, KT>(task, q, k, v, tables, lengths, out, H, KVH, D, P, T, pages, window, scale);
-  });
+void attend_all(const Problem& pb) {
+  cpu::pool().parallel_for(static_cast<int64_t>(pb.R) * pb.KVH, [&](int64_t task) { attend_task<QT, KT>(task, pb); });
 }
 
 template <typename QT>
-void dispatch_kv(mx::Dtype kt, const void* q, const void* k, const void* v, const int32_t* tables,
-                 const int32_t* lengths, float* out, int R, int H, int KVH, int D, int P, int T, int64_t pages,
-                 int window, float scale) {
+void dispatch_kv(mx::Dtype kt, const Problem& pb) {
   if (kt == mx::float32) {
-    attend_all<QT, float>(q, k, v, tables, lengths, out, R, H, KVH, D, P, T, pages, window, scale);
+    attend_all<QT, float>(pb);
   } else if (kt == mx::bfloat16) {
-    attend_all<QT, cpu::bf16_t>(q, k, v, tables, lengths, out, R, H, KVH, D, P, T, pages, window, scale);
+    attend_all<QT, cpu::bf16_t>(pb);
   } else {
-    attend_all<QT, cpu::f16_t>(q, k, v, tables, lengths, out, R, H, KVH, D, P, T, pages, window, scale);
+    attend_all<QT, cpu::f16_t>(pb);
   }
 }
 
@@ -155,7 +171,8 @@ void store_out(const float* src, void* dst, mx::Dtype t, size_t n) {
 
 class PagedAttentionCPU : public mx::UnaryPrimitive {
  public:
-  PagedAttentionCPU(mx::Stream s, int window, float scale) : mx::UnaryPrimitive(s), window_(window), scale_(scale) {}
+  PagedAttentionCPU(mx::Stream s, int window, float scale, float softcap)
+      : mx::UnaryPrimitive(s), window_(window), scale_(scale), softcap_(softcap) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     out.set_data(mx::allocator::malloc(out.nbytes()));
@@ -163,25 +180,28 @@ class PagedAttentionCPU : public mx::UnaryPrimitive {
     for (const auto& a : inputs) enc.set_input_array(a);
     enc.set_output_array(out);
     enc.dispatch([inputs, out_ptr = out.data<void>(), out_dtype = out.dtype(), out_size = out.size(),
-                  window = window_, scale = scale_]() {
+                  window = window_, scale = scale_, softcap = softcap_]() {
       const auto &q = inputs[0], &k = inputs[1], &v = inputs[2], &tables = inputs[3], &lengths = inputs[4];
-      std::vector<uint8_t> qb, kb, vb, tb, lb;
-      const void* qp = contiguous_bytes(q, qb);
-      const void* kp = contiguous_bytes(k, kb);  // the storage is row-contiguous: no copy
-      const void* vp = contiguous_bytes(v, vb);
-      const auto* tp = static_cast<const int32_t*>(contiguous_bytes(tables, tb));
-      const auto* lp = static_cast<const int32_t*>(contiguous_bytes(lengths, lb));
-      const int R = q.shape(0), H = q.shape(1), D = q.shape(2), KVH = k.shape(1), P = k.shape(2);
-      const int T = tables.shape(1);
+      std::vector<uint8_t> qb, kb, vb, tb, lb, sb;
+      Problem pb{};
+      pb.q = contiguous_bytes(q, qb);
+      pb.k = contiguous_bytes(k, kb);  // the storage is row-contiguous: no copy
+      pb.v = contiguous_bytes(v, vb);
+      pb.tables = static_cast<const int32_t*>(contiguous_bytes(tables, tb));
+      pb.lengths = static_cast<const int32_t*>(contiguous_bytes(lengths, lb));
+      pb.sinks = inputs.size() > 5 ? static_cast<const float*>(contiguous_bytes(inputs[5], sb)) : nullptr;
+      pb.R = q.shape(0), pb.H = q.shape(1), pb.D = q.shape(2), pb.KVH = k.shape(1), pb.P = k.shape(2);
+      pb.T = tables.shape(1);
+      pb.pages = k.shape(0);
+      pb.window = window, pb.scale = scale, pb.softcap = softcap;
       std::vector<float> acc(out_size);
+      pb.out = acc.data();
       if (q.dtype() == mx::float32) {
-        dispatch_kv<float>(k.dtype(), qp, kp, vp, tp, lp, acc.data(), R, H, KVH, D, P, T, k.shape(0), window, scale);
+        dispatch_kv<float>(k.dtype(), pb);
       } else if (q.dtype() == mx::bfloat16) {
-        dispatch_kv<cpu::bf16_t>(k.dtype(), qp, kp, vp, tp, lp, acc.data(), R, H, KVH, D, P, T, k.shape(0), window,
-                                 scale);
+        dispatch_kv<cpu::bf16_t>(k.dtype(), pb);
       } else {
-        dispatch_kv<cpu::f16_t>(k.dtype(), qp, kp, vp, tp, lp, acc.data(), R, H, KVH, D, P, T, k.shape(0), window,
-                                scale);
+        dispatch_kv<cpu::f16_t>(k.dtype(), pb);
       }
       store_out(acc.data(), out_ptr, out_dtype, out_size);
     });
@@ -193,7 +213,7 @@ class PagedAttentionCPU : public mx::UnaryPrimitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const PagedAttentionCPU&>(other);
-    return window_ == o.window_ && scale_ == o.scale_;
+    return window_ == o.window_ && scale_ == o.scale_ && softcap_ == o.softcap_;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
@@ -203,6 +223,7 @@ class PagedAttentionCPU : public mx::UnaryPrimitive {
  private:
   int window_;
   float scale_;
+  float softcap_;  // 0: no cap
 };
 
 }  // namespace
@@ -232,8 +253,9 @@ std::pair<mx::array, mx::array> paged_gather_index(const mx::array& block_tables
 
 mx::array paged_attention_gather(const mx::array& q, const mx::array& k_storage, const mx::array& v_storage,
                                  const mx::array& block_tables, const mx::array& lengths, int window,
-                                 float scale, mx::StreamOrDevice s) {
-  validate(q, k_storage, v_storage, block_tables, lengths);
+                                 float scale, float softcap, const std::optional<mx::array>& sinks,
+                                 mx::StreamOrDevice s) {
+  validate(q, k_storage, v_storage, block_tables, lengths, softcap, sinks);
   const int R = q.shape(0), H = q.shape(1), D = q.shape(2);
   auto [rows, mask] = paged_gather_index(block_tables, lengths, window, k_storage.shape(1), k_storage.shape(2));
   auto keys = mx::take(mx::reshape(k_storage, {-1, D}, s), rows, 0, s);    // (R, KVH, S, D)
@@ -243,7 +265,9 @@ mx::array paged_attention_gather(const mx::array& q, const mx::array& k_storage,
     keys = mx::astype(keys, q.dtype(), s);
     values = mx::astype(values, q.dtype(), s);
   }
-  auto out = mx::fast::scaled_dot_product_attention(q4, keys, values, scale, "array", mask, {}, false, s);
+  auto out = softcap > 0.0f
+      ? softcapped_attention(q4, keys, values, scale, softcap, mask, sinks, s)
+      : mx::fast::scaled_dot_product_attention(q4, keys, values, scale, "array", mask, sinks, false, s);
   return mx::reshape(out, {R, H, D}, s);  // (R, H, D)
 }
 
@@ -265,17 +289,24 @@ std::string paged_attention_backend(const mx::array& q, const mx::array& k_stora
 
 mx::array paged_attention(const mx::array& q, const mx::array& k_storage, const mx::array& v_storage,
                           const mx::array& block_tables, const mx::array& lengths, int window, float scale,
-                          mx::StreamOrDevice s) {
-  validate(q, k_storage, v_storage, block_tables, lengths);
+                          float softcap, const std::optional<mx::array>& sinks, mx::StreamOrDevice s) {
+  validate(q, k_storage, v_storage, block_tables, lengths, softcap, sinks);
   const auto backend = paged_attention_backend(q, k_storage, s);
   if (backend == "gather") {
-    return paged_attention_gather(q, k_storage, v_storage, block_tables, lengths, window, scale, s);
+    return paged_attention_gather(q, k_storage, v_storage, block_tables, lengths, window, scale, softcap, sinks, s);
   }
+  // The kernels read the sinks as float32 (exact from any float dtype).
+  std::optional<mx::array> sinks32;
+  if (sinks) sinks32 = mx::astype(*sinks, mx::float32, s);
   if (backend == "cuda") {
-    return cuda_paged_attention(q, k_storage, v_storage, block_tables, lengths, window, scale, mx::to_stream(s));
+    return cuda_paged_attention(q, k_storage, v_storage, block_tables, lengths, window, scale, softcap, sinks32,
+                                mx::to_stream(s));
   }
-  return mx::array(q.shape(), q.dtype(), std::make_shared<PagedAttentionCPU>(mx::to_stream(s), window, scale),
-                   {q, k_storage, v_storage, block_tables, lengths});
+  std::vector<mx::array> inputs{q, k_storage, v_storage, block_tables, lengths};
+  if (sinks32) inputs.push_back(*sinks32);
+  return mx::array(q.shape(), q.dtype(),
+                   std::make_shared<PagedAttentionCPU>(mx::to_stream(s), window, scale, softcap),
+                   std::move(inputs));
 }
 
 }  // namespace mlx_infer

@@ -7,12 +7,16 @@
 //   a warp reads KPW = 32 / LPK keys at a time, LPK lanes per key, E = D / LPK
 //   contiguous elements per lane (16-byte loads for 16-bit K/V); the G query
 //   heads of the KV head sit in registers (pre-scaled by scale * log2 e), so
-//   each key is read once for all of them. Scores are reduced over the LPK
-//   lanes by shuffles; each lane group keeps its own online softmax (m, l,
-//   acc[G][E], float32); groups merge by shuffles, warps through shared memory.
+//   each key is read once for all of them. With a soft cap (kSoftcap, the cap in
+//   scale[1]) the queries are scaled by scale alone: the cap applies to the
+//   natural score s, c = cap * tanh(s / cap), and c * log2 e enters the softmax.
+//   Scores are reduced over the LPK lanes by shuffles; each lane group keeps its
+//   own online softmax (m, l, acc[G][E], float32); groups merge by shuffles,
+//   warps through shared memory.
 //   A row's keys [max(0, length - window), length) are cut into gridDim.x
 //   contiguous splits (flash decoding); page = block_tables[r, j / P].
 // Pass 2 (only when split): per (row, head, d) the splits' (m, l, o) merge.
+// Sinks (kSinks) join the final (M, L, A) once: in pass 1 unsplit, else in pass 2.
 #include "paged_attention_cuda.h"
 
 #include <mlx/fast.h>
@@ -41,7 +45,9 @@ __device__ __forceinline__ float mlxi_scale_of(float m, float M) {
 }
 )";
 
-// Pass 1. Template constants: QT KT OT (dtypes), kD kP kG kKVH kWindow kNW kLPK kE; MLXI_STORE: the store.
+// Pass 1. Template constants: QT KT OT (dtypes), kD kP kG kKVH kWindow kNW kLPK kE, kSoftcap (bool: the
+// cap is compiled away when false), kSinks (bool: the sink joins; false in a split's partial); MLXI_STORE: the
+// store. ``scale``: [scale, cap] float32; ``sinks``: (H,) float32 (read only with kSinks).
 constexpr const char* kPass1 = R"(
   constexpr int kKPW = 32 / kLPK;
   const int split = blockIdx.x, kvh = blockIdx.y, r = blockIdx.z;
@@ -58,7 +64,12 @@ constexpr const char* kPass1 = R"(
   const int s_lo = lo + split * chunk;
   const int s_hi = min(hi, s_lo + chunk);
 
-  const float qscale = scale[0] * 1.4426950408889634f;  // exp2 domain
+  constexpr float kMlxiLog2e = 1.4426950408889634f;
+  // exp2 domain; soft-capped: the natural score first, capped, then into the exp2 domain.
+  const float qscale = kSoftcap ? scale[0] : scale[0] * kMlxiLog2e;
+  const float cap = kSoftcap ? scale[1] : 0.0f;
+  const float inv_cap = kSoftcap ? 1.0f / cap : 0.0f;
+  const float cap_log2e = cap * kMlxiLog2e;
   float qr[kG][kE], acc[kG][kE], m[kG], l[kG];
   #pragma unroll
   for (int g = 0; g < kG; ++g) {
@@ -93,6 +104,7 @@ constexpr const char* kPass1 = R"(
       for (int e = 0; e < kE; ++e) s += qr[g][e] * kf[e];
       #pragma unroll
       for (int o = kLPK / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+      if (kSoftcap) s = cap_log2e * tanhf(s * inv_cap);
       if (valid) {
         const float mn = fmaxf(m[g], s);
         const float c = mlxi_scale_of(m[g], mn);
@@ -151,8 +163,12 @@ constexpr const char* kPass1 = R"(
       L += sm_l[w * kG + g] * c;
       A += sm_acc[(w * kG + g) * kD + d] * c;
     }
-    const float o = L > 0.0f ? A / L : 0.0f;
     const int h = kvh * kG + g;
+    float num = A, den = L;
+    if (kSinks) {  // the final pass only (a split's partial has none)
+      MLXI_SINK
+    }
+    const float o = den > 0.0f ? num / den : 0.0f;
     MLXI_STORE
   }
 )";
@@ -166,13 +182,27 @@ constexpr const char* kStorePart = R"(
       ml[(((size_t)split * R + r) * (kKVH * kG) + h) * 2 + 1] = L;
     })";
 
-std::string pass1(const char* store) {
-  std::string src = kPass1;
-  src.replace(src.find("MLXI_STORE"), 10, store);
+// The sink (``sinks[h]``, natural log domain) joins the softmax of (M, L, A) in the exp2 domain as one more
+// score with no value; every term finite, also with no keys (M = -inf: num = 0, den = 1).
+constexpr const char* kSink = R"(
+      const float s2 = sinks[h] * kMlxiLog2e;
+      const float mx2 = fmaxf(M, s2);
+      const float c = mlxi_scale_of(M, mx2);
+      num = A * c;
+      den = L * c + exp2f(s2 - mx2);)";
+
+std::string with_sink(std::string src) {
+  src.replace(src.find("MLXI_SINK"), 9, kSink);
   return src;
 }
 
-// Pass 2: thread (d, h, r) merges the splits. Template constants: OT, kD, kH.
+std::string pass1(const char* store) {
+  std::string src = kPass1;
+  src.replace(src.find("MLXI_STORE"), 10, store);
+  return with_sink(std::move(src));
+}
+
+// Pass 2: thread (d, h, r) merges the splits, then the sink joins (kSinks). Template constants: OT, kD, kH, kSinks.
 constexpr const char* kPass2 = R"(
   const int d = blockIdx.x * blockDim.x + threadIdx.x;
   const int h = blockIdx.y, r = blockIdx.z;
@@ -187,7 +217,12 @@ constexpr const char* kPass2 = R"(
     L += c;
     A += c * o_part[i * kD + d];
   }
-  out[((size_t)r * kH + h) * kD + d] = static_cast<OT>(L > 0.0f ? A / L : 0.0f);
+  constexpr float kMlxiLog2e = 1.4426950408889634f;
+  float num = A, den = L;
+  if (kSinks) {
+    MLXI_SINK
+  }
+  out[((size_t)r * kH + h) * kD + d] = static_cast<OT>(den > 0.0f ? num / den : 0.0f);
 )";
 
 struct Layout {
@@ -212,11 +247,11 @@ const mx::fast::CustomKernelFunction& kernel(int which) {
   static std::once_flag once;
   static mx::fast::CustomKernelFunction fns[3];
   std::call_once(once, [] {
-    fns[0] = mx::fast::cuda_kernel("mlxi_paged_attn", {"q", "k", "v", "block_tables", "lengths", "scale"},
-                                   {"out"}, pass1(kStoreOut), kHeader);
-    fns[1] = mx::fast::cuda_kernel("mlxi_paged_attn_split", {"q", "k", "v", "block_tables", "lengths", "scale"},
-                                   {"o_part", "ml"}, pass1(kStorePart), kHeader);
-    fns[2] = mx::fast::cuda_kernel("mlxi_paged_attn_merge", {"o_part", "ml"}, {"out"}, kPass2, kHeader);
+    const std::vector<std::string> in{"q", "k", "v", "block_tables", "lengths", "scale", "sinks"};
+    fns[0] = mx::fast::cuda_kernel("mlxi_paged_attn", in, {"out"}, pass1(kStoreOut), kHeader);
+    fns[1] = mx::fast::cuda_kernel("mlxi_paged_attn_split", in, {"o_part", "ml"}, pass1(kStorePart), kHeader);
+    fns[2] = mx::fast::cuda_kernel("mlxi_paged_attn_merge", {"o_part", "ml", "sinks"}, {"out"},
+                                   with_sink(kPass2), kHeader);
   });
   return fns[which];
 }
@@ -239,7 +274,7 @@ bool cuda_paged_attention_supports(const mx::array& q, const mx::array& k_storag
 
 mx::array cuda_paged_attention(const mx::array& q, const mx::array& k_storage, const mx::array& v_storage,
                                const mx::array& block_tables, const mx::array& lengths, int window, float scale,
-                               mx::Stream s) {
+                               float softcap, const std::optional<mx::array>& sinks, mx::Stream s) {
   const int R = q.shape(0), H = q.shape(1), D = q.shape(2);
   const int KVH = k_storage.shape(1), P = k_storage.shape(2), T = block_tables.shape(1);
   const int G = H / KVH;
@@ -247,12 +282,15 @@ mx::array cuda_paged_attention(const mx::array& q, const mx::array& k_storage, c
   const int max_keys = window > 0 ? std::min(window, T * P) : T * P;
   const int splits = paged_attention_splits(R, KVH, max_keys);
   const bool split = splits > 1;
-  auto sc = mx::array(scale, mx::float32);
-  auto sc1 = mx::reshape(sc, {1});
+  const bool capped = softcap > 0.0f;
+  auto sc = mx::array({scale, capped ? softcap : 0.0f});  // (2,) float32: [scale, cap]
   std::vector<std::pair<std::string, mx::fast::TemplateArg>> targs{
       {"QT", q.dtype()}, {"KT", k_storage.dtype()}, {"OT", q.dtype()}, {"kD", D}, {"kP", P}, {"kG", G},
-      {"kKVH", KVH}, {"kWindow", std::max(window, 0)}, {"kNW", kWarps}, {"kLPK", t.lpk}, {"kE", t.e}};
-  std::vector<mx::array> in{q, k_storage, v_storage, block_tables, lengths, sc1};
+      {"kKVH", KVH}, {"kWindow", std::max(window, 0)}, {"kNW", kWarps}, {"kLPK", t.lpk}, {"kE", t.e},
+      {"kSoftcap", capped}, {"kSinks", sinks.has_value() && !split}};  // a split's partial has no sink
+  // sinks: (H,) float32 (the caller casts); without them the scale array stands in, never read (no extra op).
+  const auto sk = sinks ? *sinks : sc;
+  std::vector<mx::array> in{q, k_storage, v_storage, block_tables, lengths, sc, sk};
   const std::tuple<int, int, int> grid{32 * kWarps * splits, KVH, R}, block{32 * kWarps, 1, 1};
   if (!split) {
     return kernel(0)(in, {q.shape()}, {q.dtype()}, grid, block, targs, std::nullopt, false, s)[0];
@@ -260,8 +298,9 @@ mx::array cuda_paged_attention(const mx::array& q, const mx::array& k_storage, c
   auto parts = kernel(1)(in, {{splits, R, H, D}, {splits, R, H, 2}}, {mx::float32, mx::float32}, grid, block,
                          targs, std::nullopt, false, s);
   const int bx = std::min(D, 128);
-  return kernel(2)({parts[0], parts[1]}, {q.shape()}, {q.dtype()}, {D, H, R}, {bx, 1, 1},
-                   {{"OT", q.dtype()}, {"kD", D}, {"kH", H}}, std::nullopt, false, s)[0];
+  return kernel(2)({parts[0], parts[1], sk}, {q.shape()}, {q.dtype()}, {D, H, R}, {bx, 1, 1},
+                   {{"OT", q.dtype()}, {"kD", D}, {"kH", H}, {"kSinks", sinks.has_value()}}, std::nullopt, false,
+                   s)[0];
 }
 
 }  // namespace mlx_infer

@@ -3,6 +3,8 @@
 
 #include <mlx/mlx.h>
 
+#include <optional>
+
 namespace mlx_infer {
 
 namespace mx = mlx::core;
@@ -13,6 +15,6 @@ bool cuda_paged_attention_supports(const mx::array& q, const mx::array& k_storag
 /// paged_attention on a CUDA stream (inputs validated by the caller).
 mx::array cuda_paged_attention(const mx::array& q, const mx::array& k_storage, const mx::array& v_storage,
                                const mx::array& block_tables, const mx::array& lengths, int window, float scale,
-                               mx::Stream s);
+                               float softcap, const std::optional<mx::array>& sinks, mx::Stream s);
 
 }  // namespace mlx_infer

@@ -76,7 +76,13 @@ hold one entry per layer (window 0 = global attention).)")
       .def_rw("vocab_size", &DecodeConfig::vocab_size)
       .def_rw("rms_norm_eps", &DecodeConfig::rms_norm_eps)
       .def_rw("attn_scale", &DecodeConfig::attn_scale)
-      .def_rw("activation", &DecodeConfig::activation, "'silu' or 'gelu_tanh'.")
+      .def_rw("attn_softcap", &DecodeConfig::attn_softcap,
+              "Attention scores soft-capped, cap * tanh(scores / cap), before the softmax (gemma2); 0 = none.")
+      .def_rw("activation", &DecodeConfig::activation, "'silu', 'gelu_tanh' or 'swiglu_oai' (gpt_oss).")
+      .def_rw("swiglu_limit", &DecodeConfig::swiglu_limit,
+              "swiglu_oai: the gate clipped from above and the linear part to +-this (gpt_oss's swiglu_limit).")
+      .def_rw("moe_softmax_topk", &DecodeConfig::moe_softmax_topk,
+              "Routed experts: the softmax over the k chosen router logits (gpt_oss); else over all of them.")
       .def_rw("embed_scale", &DecodeConfig::embed_scale, "Embedding multiplier; 0 = none.")
       .def_rw("residual_scale", &DecodeConfig::residual_scale,
               "Each sublayer's output times this before its residual add (granite); 1 = none.")

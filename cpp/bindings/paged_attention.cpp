@@ -1,5 +1,6 @@
 // nanobind only: paged attention through block tables (cpp/attention/paged_attention.cpp).
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/variant.h>
 
@@ -16,18 +17,20 @@ void bind_paged_attention(nb::module_& m) {
   m.def(
       "paged_attention",
       [](const mx::array& q, const mx::array& k_storage, const mx::array& v_storage, const mx::array& block_tables,
-         const mx::array& lengths, int window, float scale, const std::string& impl, mx::StreamOrDevice stream) {
+         const mx::array& lengths, int window, float scale, float softcap, const std::optional<mx::array>& sinks,
+         const std::string& impl, mx::StreamOrDevice stream) {
         if (impl == "gather") {
           return mlx_infer::paged_attention_gather(q, k_storage, v_storage, block_tables, lengths, window, scale,
-                                                   stream);
+                                                   softcap, sinks, stream);
         }
         if (impl != "auto") {
           throw std::invalid_argument("[paged_attention] impl must be \"auto\" or \"gather\", got \"" + impl + "\".");
         }
-        return mlx_infer::paged_attention(q, k_storage, v_storage, block_tables, lengths, window, scale, stream);
+        return mlx_infer::paged_attention(q, k_storage, v_storage, block_tables, lengths, window, scale, softcap,
+                                          sinks, stream);
       },
       "q"_a, "k_storage"_a, "v_storage"_a, "block_tables"_a, "lengths"_a, nb::kw_only(), "window"_a = 0,
-      "scale"_a, "impl"_a = "auto", "stream"_a = nb::none(),
+      "scale"_a, "softcap"_a = 0.0f, "sinks"_a = nb::none(), "impl"_a = "auto", "stream"_a = nb::none(),
       R"(Attention of one query token per row, reading K/V through block tables.
 
 Args:
@@ -38,8 +41,13 @@ Args:
         ``[max(0, length - window), length)``.
     window: sliding window (``<= 0``: none).
     scale: score scale.
+    softcap: ``> 0``: each score ``s = scale * q.k`` becomes ``softcap * tanh(s / softcap)`` before
+        the softmax (Gemma 2's ``attn_logit_softcapping``); ``0``: no cap.
+    sinks: ``(H,)`` per-head sink logits (gpt-oss): each joins its head's softmax as one more
+        score with no value, as ``mx.fast.scaled_dot_product_attention(..., sinks=)``; or ``None``.
     impl: ``"auto"`` (the kernel of the stream's backend: CPU or CUDA; the gather
-        reference on Metal) or ``"gather"`` (the reference: gather, then MLX SDPA).
+        reference on Metal) or ``"gather"`` (the reference: gather, then MLX SDPA, or with a
+        soft cap the composed attention of ``mlx_infer.layers.attention.softcapped_attention``).
     stream: stream or device.
 
 Returns:

@@ -21,14 +21,6 @@ namespace mlx_infer {
 
 namespace {
 
-// Attention over what the layer's K/V access returned; on mlx-infer's CPU kernel when the
-// model's attention modules run there (``fast``), as decode_layers does.
-mx::array attend(const mx::array& q, const AttentionInputs& in, float scale, bool fast) {
-  const std::string mode = in.mask ? "array" : "";
-  return fast ? fast_sdpa(q, in.keys, in.values, scale, mode, in.mask)
-              : mx::fast::scaled_dot_product_attention(q, in.keys, in.values, scale, mode, in.mask);
-}
-
 // Router.__call__: (indices, weights), each (B, 1, k).
 std::pair<mx::array, mx::array> route(const DecodeConfig& cfg, const Gemma4Layer& lw,
                                       const mx::array& h) {
@@ -103,7 +95,7 @@ mx::array gemma4_layers(
                                   " reads K/V no earlier layer wrote in this step.");
     }
     q = rope(mx::transpose(q, {0, 2, 1, 3}), lw.rope, positions);  // (B, H, 1, D)
-    auto attn = attend(q, *reads[lw.buffer], cfg.attn_scale, g.fast_attention);
+    auto attn = attend(g, q, *reads[lw.buffer]);
     attn = mx::reshape(mx::transpose(attn, {0, 2, 1, 3}), {B, 1, H * D});  // (B, 1, H*D)
     h = mx::add(h, rms(tp_sum(g, apply_linear(lw.o, attn)), lw.post_attn_norm, eps));
 

@@ -1,5 +1,5 @@
-// The one-token forward of the llama and gemma3 families, composed of the same
-// MLX ops, in the same order, as python/mlx_infer/models/{llama,gemma3}.py, so
+// The one-token forward of the llama and gemma2/gemma3 families, composed of the same
+// MLX ops, in the same order, as python/mlx_infer/models/{llama,gemma2,gemma3}.py, so
 // the compiled step's logits stay within rounding of the eager graph's.
 #include "graph.h"
 
@@ -9,8 +9,12 @@
 #include "mlx_infer/backend.h"
 #include "mlx_infer/cpu_attention.h"
 #include "mlx_infer/matmul.h"
+#include "mlx_infer/softcap_attention.h"
 
 #include <algorithm>
+#include <functional>
+#include <map>
+#include <mutex>
 #include <stdexcept>
 
 namespace mlx_infer {
@@ -173,7 +177,7 @@ mx::array residual(const DecodeConfig& cfg, const mx::array& x, const mx::array&
   return mx::astype(mx::clip(s, mx::array(-bound), mx::array(bound)), mx::float16);
 }
 
-// nn.silu(gate) * up  /  nn.gelu_approx(gate) * up, op for op.
+// nn.silu(gate) * up  /  nn.gelu_approx(gate) * up  /  gpt_oss.swiglu_oai(gate, up, limit), op for op.
 std::vector<mx::array> swiglu_ops(const std::vector<mx::array>& in) {
   const auto& gate = in[0];
   return {mx::multiply(mx::multiply(gate, mx::sigmoid(gate)), in[1])};
@@ -188,6 +192,31 @@ std::vector<mx::array> geglu_ops(const std::vector<mx::array>& in) {
   return {mx::multiply(act, in[1])};
 }
 
+constexpr double kSwigluAlpha = 1.702;  // gpt_oss.swiglu_oai's alpha
+
+// gpt_oss.swiglu_oai: the gate clipped from above at limit, the linear part to +-limit and shifted by 1.
+std::vector<mx::array> swiglu_oai_ops(const std::vector<mx::array>& in, float limit) {
+  const auto dt = in[0].dtype();
+  auto gate = mx::minimum(in[0], scalar(limit, dt));
+  auto x = mx::clip(in[1], scalar(-limit, dt), scalar(limit, dt));
+  return {mx::multiply(mx::add(x, scalar(1.0, dt)),
+                       mx::multiply(gate, mx::sigmoid(mx::multiply(scalar(kSwigluAlpha, dt), gate))))};
+}
+
+// One shapeless-compiled swiglu_oai per limit (its constant, as mx.compile keys it in Python).
+const std::function<std::vector<mx::array>(const std::vector<mx::array>&)>& swiglu_oai(float limit) {
+  static std::mutex mu;
+  static std::map<float, std::function<std::vector<mx::array>(const std::vector<mx::array>&)>> fns;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = fns.find(limit);
+  if (it == fns.end()) {
+    auto fn = [limit](const std::vector<mx::array>& in) { return swiglu_oai_ops(in, limit); };
+    it = fns.emplace(limit, mx::compile(std::function<std::vector<mx::array>(const std::vector<mx::array>&)>(fn),
+                                        /*shapeless=*/true)).first;
+  }
+  return it->second;
+}
+
 }  // namespace
 
 // Shapeless-compiled, as mlx-lm compiles its activations: one fused kernel when
@@ -195,7 +224,22 @@ std::vector<mx::array> geglu_ops(const std::vector<mx::array>& in) {
 mx::array gated(const DecodeConfig& cfg, const mx::array& gate, const mx::array& up) {
   static auto swiglu = mx::compile(swiglu_ops, /*shapeless=*/true);
   static auto geglu = mx::compile(geglu_ops, /*shapeless=*/true);
+  if (cfg.activation == "swiglu_oai") {
+    return swiglu_oai(cfg.swiglu_limit)({gate, up})[0];
+  }
   return (cfg.activation == "gelu_tanh" ? geglu : swiglu)({gate, up})[0];
+}
+
+mx::array attend(const DecodeStep::Graph& g, const mx::array& q, const AttentionInputs& in,
+                 const std::optional<mx::array>& sinks) {
+  const auto& cfg = g.cfg;
+  if (cfg.attn_softcap > 0.0f) {  // no fused kernel has the cap: the eager graph's composed ops
+    return softcapped_attention(q, in.keys, in.values, cfg.attn_scale, cfg.attn_softcap, in.mask, sinks);
+  }
+  const std::string mode = in.mask ? "array" : "";
+  return g.fast_attention && !sinks  // sinks: MLX's SDPA always, as layers/attention.py runs them
+      ? fast_sdpa(q, in.keys, in.values, cfg.attn_scale, mode, in.mask)
+      : mx::fast::scaled_dot_product_attention(q, in.keys, in.values, cfg.attn_scale, mode, in.mask, sinks);
 }
 
 // Writes one token per row into a (B, KVH, S, D) buffer at slot[b].
@@ -336,19 +380,7 @@ mx::array decode_layers(
     k = rope(k, lw.rope, positions);
 
     auto direct = kv.write_attend(i, q, k, v);  // (B, H, 1, D), or none: write_read and SDPA
-    mx::array attn(0);
-    if (direct) {
-      attn = *direct;
-    } else {
-      auto in = kv.write_read(i, k, v);
-      attn = in.mask
-          ? (g.fast_attention ? fast_sdpa(q, in.keys, in.values, cfg.attn_scale, "array", in.mask)
-                              : mx::fast::scaled_dot_product_attention(q, in.keys, in.values, cfg.attn_scale,
-                                                                       "array", in.mask))
-          : (g.fast_attention ? fast_sdpa(q, in.keys, in.values, cfg.attn_scale)
-                              : mx::fast::scaled_dot_product_attention(q, in.keys, in.values, cfg.attn_scale,
-                                                                       "", std::nullopt));
-    }
+    auto attn = direct ? *direct : attend(g, q, kv.write_read(i, k, v), lw.sinks);
     attn = mx::reshape(mx::transpose(attn, {0, 2, 1, 3}), {B, 1, H * D});  // (B, 1, H*D)
     auto r = tp_sum(g, apply_linear(lw.o, attn));  // (B, 1, E): all heads' sum under tensor parallel
     if (cfg.residual_scale != 1.0f) {
@@ -362,13 +394,17 @@ mx::array decode_layers(
     }
 
     x = lw.mlp_norm ? rms(h, lw.mlp_norm, cfg.rms_norm_eps) : h;
-    if (lw.router.present()) {  // qwen3_moe's SparseMoeBlock: softmax over all experts, the top k
+    if (lw.router.present()) {  // routed experts: qwen3_moe's SparseMoeBlock, gpt_oss's MLPBlock
       const int E = cfg.num_experts, topk = cfg.top_k_experts;
-      auto gates = mx::softmax(apply_linear(lw.router, x), -1, /*precise=*/true);  // (B, 1, E)
+      auto logits = apply_linear(lw.router, x);  // (B, 1, E)
+      // qwen3_moe: the softmax over all experts, then the top k; gpt_oss: the top k logits, then their softmax.
+      auto gates = cfg.moe_softmax_topk ? logits : mx::softmax(logits, -1, /*precise=*/true);
       auto part = mx::argpartition(gates, E - topk, -1);
       auto idx = mx::slice(part, {0, 0, E - topk}, part.shape());  // (B, 1, k)
       auto scores = mx::take_along_axis(gates, idx, -1);
-      if (cfg.norm_topk_prob) {
+      if (cfg.moe_softmax_topk) {
+        scores = mx::softmax(scores, -1, /*precise=*/true);
+      } else if (cfg.norm_topk_prob) {
         scores = mx::divide(scores, mx::sum(scores, -1, /*keepdims=*/true));
       }
       auto y = switch_glu(cfg, lw.expert_gate, lw.expert_up, lw.expert_down, x, idx, scores, false);

@@ -37,6 +37,7 @@ struct LayerWeights {
   Linear qkv, gate_up;  // fused forms (handed over fused, or DecodeConfig::fuse_projections): members set
   Linear router, expert_gate, expert_up, expert_down;  // a MoE layer (qwen3_moe): instead of gate/up/down
   std::optional<mx::array> attn_norm, mlp_norm, post_attn_norm, post_mlp_norm, q_norm, k_norm;
+  std::optional<mx::array> sinks;  // (H,) attention sink logits (gpt_oss)
   int window = 0;
   RopeSpec rope;
 };
@@ -169,6 +170,12 @@ mx::array switch_linear(const Linear& l, const mx::array& x, const mx::array& id
 /// (cfg.expert_start on), the others' weights zero; the caller all_sums the ranks' shares (moe.cpp).
 mx::array switch_glu(const DecodeConfig& cfg, const Linear& gate, const Linear& up, const Linear& down,
                      const mx::array& x, const mx::array& indices, const mx::array& weights, bool expert_parallel);
+/// Attention of q (B, H, 1, D) over what a layer's K/V access returned, at cfg.attn_scale: composed of MLX ops
+/// with the scores soft-capped when cfg.attn_softcap > 0 (as gemma2's eager attention), else MLX's SDPA (with
+/// ``sinks`` (H,): MLX's, as gpt_oss's eager attention), on mlx-infer's CPU kernel when the model's attention
+/// modules run there (g.fast_attention) and there are no sinks.
+mx::array attend(const DecodeStep::Graph& g, const mx::array& q, const AttentionInputs& in,
+                 const std::optional<mx::array>& sinks = std::nullopt);
 /// Writes one token per row into a (B, KVH, S, D) buffer at slot[b] (or at static_slot).
 mx::array write_slot(const mx::array& buf, const mx::array& x, const mx::array& slot,
                      std::optional<int> static_slot);

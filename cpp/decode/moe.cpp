@@ -6,20 +6,27 @@
 
 namespace mlx_infer {
 
-// SwitchLinear / QuantizedSwitchLinear.
+// SwitchLinear / QuantizedSwitchLinear, and their per-expert bias (gpt_oss).
 mx::array switch_linear(const Linear& l, const mx::array& x, const mx::array& idx, bool sorted) {
+  mx::array y(0);
   if (l.quantized()) {
-    return mx::gather_qmm(x, *l.w, *l.scales, l.biases, std::nullopt, idx, /*transpose=*/true,
-                          l.group_size, l.bits, l.mode, std::nullopt, sorted);
+    y = mx::gather_qmm(x, *l.w, *l.scales, l.biases, std::nullopt, idx, /*transpose=*/true,
+                       l.group_size, l.bits, l.mode, std::nullopt, sorted);
+  } else {
+    auto w = mx::swapaxes(*l.w, -1, -2);  // (experts, in, out)
+    if (x.dtype() != mx::float32 && mx::default_device() == mx::Device::cpu) {
+      // MLX's CPU gather_mm computes in float32 only: widen, multiply, round back once (as SwitchLinear does).
+      y = mx::astype(mx::gather_mm(mx::astype(x, mx::float32), mx::astype(w, mx::float32), std::nullopt, idx,
+                                   sorted),
+                     x.dtype());
+    } else {
+      y = mx::gather_mm(x, w, std::nullopt, idx, sorted);
+    }
   }
-  auto w = mx::swapaxes(*l.w, -1, -2);  // (experts, in, out)
-  if (x.dtype() != mx::float32 && mx::default_device() == mx::Device::cpu) {
-    // MLX's CPU gather_mm computes in float32 only: widen, multiply, round back once (as SwitchLinear does).
-    return mx::astype(mx::gather_mm(mx::astype(x, mx::float32), mx::astype(w, mx::float32), std::nullopt, idx,
-                                    sorted),
-                      x.dtype());
+  if (l.bias) {
+    y = mx::add(y, mx::expand_dims(mx::take(*l.bias, idx, 0), -2));  // (..., 1, out): each row's expert's bias
   }
-  return mx::gather_mm(x, w, std::nullopt, idx, sorted);
+  return y;
 }
 
 mx::array switch_glu(const DecodeConfig& cfg, const Linear& gate_e, const Linear& up_e, const Linear& down_e,

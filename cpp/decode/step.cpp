@@ -1,6 +1,7 @@
 // DecodeStep: the KV buffers, their growth, prefix take-over and the commit of
 // one step (see decode.h for the layout and the transactional rule).
 #include <algorithm>
+#include <cmath>
 #include <sstream>
 #include <stdexcept>
 
@@ -77,8 +78,12 @@ void validate_decode_config(const DecodeConfig& c) {
       c.top_k_experts > c.num_experts) {
     fail("the MoE block needs 1 <= top_k_experts <= num_experts (both 0 without one).");
   }
-  if (c.activation != "silu" && c.activation != "gelu_tanh") {
-    fail("activation must be 'silu' or 'gelu_tanh', got '" + c.activation + "'.");
+  if (c.activation != "silu" && c.activation != "gelu_tanh" && c.activation != "swiglu_oai") {
+    fail("activation must be 'silu', 'gelu_tanh' or 'swiglu_oai', got '" + c.activation + "'.");
+  }
+  if (!(c.swiglu_limit > 0.0f)) fail("swiglu_limit must be > 0.");
+  if (!(c.attn_softcap >= 0.0f) || std::isinf(c.attn_softcap)) {
+    fail("attn_softcap must be a finite number >= 0 (0 = no soft cap).");
   }
   if (c.capacity_step < 1) fail("capacity_step must be >= 1.");
   if (c.compile_min_batch < 1) fail("compile_min_batch must be >= 1.");

@@ -211,6 +211,7 @@ void load_graph_weights(
     }
     lw.post_attn_norm = find_weight(weights, p + "post_attn_norm.weight");
     lw.post_mlp_norm = find_weight(weights, p + "post_mlp_norm.weight");
+    lw.sinks = find_weight(weights, p + "sinks");
     lw.q_norm = find_weight(weights, p + "q_norm.weight");
     lw.k_norm = find_weight(weights, p + "k_norm.weight");
     if (lw.q_norm.has_value() != lw.k_norm.has_value()) {

@@ -66,13 +66,16 @@ struct DecodeConfig {
   int vocab_size = 0;
   float rms_norm_eps = 1e-6f;
   float attn_scale = 1.0f;
-  std::string activation = "silu";  // "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+  float attn_softcap = 0.0f;        // gemma2: scores = cap * tanh(scores / cap) before the softmax; 0 = none
+  std::string activation = "silu";  // "silu" (SwiGLU), "gelu_tanh" (GeGLU) or "swiglu_oai" (gpt_oss's clamped)
+  float swiglu_limit = 7.0f;        // swiglu_oai: the gate clipped from above, the linear part to +-limit
   float embed_scale = 0.0f;         // multiply embeddings by this when != 0
   float residual_scale = 1.0f;      // granite: each sublayer's output times this before its residual add
   float logits_divisor = 1.0f;      // granite: the logits over this (its logits_scaling)
   bool pre_norms = true;            // false (olmo2): no norm before attention / the MLP, post-norms only
   bool qk_norm_whole = false;       // olmo2: q/k RMSNorm over the whole projection, before the heads split
   bool norm_topk_prob = false;      // qwen3_moe: the top-k routing weights renormalized to sum to 1
+  bool moe_softmax_topk = false;    // gpt_oss: the softmax over the k chosen router logits (else over all)
   bool clip_f16_residual = false;   // gemma3: f16 residual sums in f32, clipped
   std::optional<float> final_logit_softcap;
   std::vector<int> windows;     // per layer: 0 = global, else the sliding window

@@ -15,7 +15,11 @@
 // kernel does not check them. Keys past T * P are never read (a length beyond
 // it attends to the first T * P keys only).
 // Scores and the softmax accumulate in float32 (online softmax). A row with
-// length <= 0 attends to nothing and gets zeros.
+// length <= 0 attends to nothing and gets zeros. softcap > 0 caps each score
+// s = scale * q.k as softcap * tanh(s / softcap) before the softmax (Gemma 2);
+// 0 = no cap (the kernels compile the cap away). sinks (H,), when given: head
+// h's sink logit joins its softmax as one more score with no value (gpt-oss:
+// the weights of the keys sum to less than 1); the kernels read it as float32.
 //
 // Implementations (paged_attention_backend):
 //   "cpu"    an mx::Primitive (eval_cpu) on mlx-infer's thread pool, tasks over rows x KV heads
@@ -26,6 +30,7 @@
 
 #include <mlx/mlx.h>
 
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -37,12 +42,15 @@ namespace mx = mlx::core;
 /// Raises std::invalid_argument on shapes or dtypes that do not fit.
 mx::array paged_attention(const mx::array& q, const mx::array& k_storage, const mx::array& v_storage,
                           const mx::array& block_tables, const mx::array& lengths, int window, float scale,
+                          float softcap = 0.0f, const std::optional<mx::array>& sinks = std::nullopt,
                           mx::StreamOrDevice s = {});
 
-/// The same contract computed by gathering (R, KVH, S, D) and MLX SDPA: the reference.
+/// The same contract computed by gathering (R, KVH, S, D) and MLX SDPA (soft-capped: the composed
+/// softcapped_attention, mlx_infer/softcap_attention.h): the reference.
 mx::array paged_attention_gather(const mx::array& q, const mx::array& k_storage, const mx::array& v_storage,
                                  const mx::array& block_tables, const mx::array& lengths, int window,
-                                 float scale, mx::StreamOrDevice s = {});
+                                 float scale, float softcap = 0.0f,
+                                 const std::optional<mx::array>& sinks = std::nullopt, mx::StreamOrDevice s = {});
 
 /// "cpu", "cuda" or "gather": what paged_attention runs for these inputs on stream ``s``.
 std::string paged_attention_backend(const mx::array& q, const mx::array& k_storage,

@@ -9,7 +9,8 @@ What sets it apart from Llama (and from Gemma 3):
 - Attention scores are soft-capped, ``cap * tanh(scores / cap)`` with
   ``attn_logit_softcapping``, before the mask; the final logits likewise with
   ``final_logit_softcapping``. The fast attention kernel has no soft cap, so the
-  scores are materialized (:func:`~mlx_infer.layers.attention.softcapped_attention`).
+  scores are materialized (:func:`~mlx_infer.layers.attention.softcapped_attention`; the
+  compiled decode step composes the same ops, its paged kernels cap each score).
 - ``layer_types`` (default: even layers slide, odd layers are global) with a window of
   ``sliding_window`` tokens; one RoPE base for every layer; scale ``query_pre_attn_scalar ** -0.5``;
   GELU-tanh gated MLP; the head is tied to the embedding.
@@ -125,25 +126,32 @@ class Gemma2Model(DecoderModel):
         # softcapped_attention adds the mask to its materialized scores: an array.
         super().__init__(args, lambda i: TransformerBlock(args, sliding=args.layer_types[i] == SLIDING),
                          norm=RMSNorm, mask_as_array=True)
+        #: ``sqrt(hidden_size)``, exact (cast to the activation dtype when applied); the compiled step reads it.
+        self.embed_scale: float = args.hidden_size**0.5
 
     def embed(self, inputs: mx.array | None, input_embeddings: mx.array | None) -> mx.array:
         """Token embeddings (or unscaled ``input_embeddings``) ``(B, L, hidden)`` times ``sqrt(hidden_size)``."""
-        return super().embed(inputs, input_embeddings) * (self.args.hidden_size**0.5)
+        return super().embed(inputs, input_embeddings) * self.embed_scale
 
 
 class Model(CausalLM):
     """Gemma 2 causal LM: ``inputs (B, L) -> logits (B, L, vocab)``.
 
-    No compiled C++ decode step (``compiled_decode=False``): generate and the engine run the
-    eager graph (the engine over paged KV). ``input_embeddings`` are taken unscaled.
+    Decodes through the compiled C++ step (the gemma3 forward of ``cpp/decode/graph.cpp`` without
+    q/k norms, with :meth:`decode_switches`). ``input_embeddings`` are taken unscaled.
     """
 
     #: The family this graph belongs to (its module here; see :func:`mlx_infer.models.graph_family`).
     family = "gemma2"
-    declaration = GraphDeclaration(method="autoregressive", compiled_decode=False)
+    declaration = GraphDeclaration(method="autoregressive", compiled_decode=True)
 
     def __init__(self, args: ModelArgs):
         super().__init__(args, Gemma2Model(args))
+
+    def decode_switches(self) -> dict[str, float]:
+        """What the compiled decode step adds for Gemma 2: the attention scores' soft cap (0 = none)."""
+        cap = self.args.attn_logit_softcapping
+        return {"attn_softcap": float(cap) if cap is not None else 0.0}
 
     def logits_from_hidden(self, h: mx.array) -> mx.array:
         """Project final hidden states ``(B, L, hidden)`` to soft-capped logits ``(B, L, vocab)``."""

@@ -134,15 +134,25 @@ def _mxfp4_shell(weight_blocks: mx.array, bias: bool) -> QuantizedSwitchLinear:
 
 
 class Model(CausalLM):
-    """gpt-oss causal LM: ``inputs (B, L) -> logits (B, L, vocab)``; eager decode only."""
+    """gpt-oss causal LM: ``inputs (B, L) -> logits (B, L, vocab)``.
+
+    Decodes through the compiled C++ step (the llama forward of ``cpp/decode/graph.cpp`` with the attention
+    sinks, the biased routed experts and :meth:`decode_switches`); under tensor parallelism (the step holds
+    every expert) it decodes eagerly.
+    """
 
     #: The family this graph belongs to (its module here; see :func:`mlx_infer.models.graph_family`).
     family = "gpt_oss"
-    declaration = GraphDeclaration(method="autoregressive", compiled_decode=False)
+    declaration = GraphDeclaration(method="autoregressive", compiled_decode=True)
 
     def __init__(self, args: ModelArgs):
         model = DecoderModel(args, lambda i: TransformerBlock(args, sliding=args.layer_types[i] == SLIDING))
         super().__init__(args, model)
+
+    def decode_switches(self) -> dict[str, Any]:
+        """What the compiled decode step's llama forward does for gpt-oss's experts: :func:`swiglu_oai` at the
+        config's limit, and the routing softmax over the chosen logits only (:class:`MLPBlock`)."""
+        return {"activation": "swiglu_oai", "swiglu_limit": float(self.args.swiglu_limit), "moe_softmax_topk": True}
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Map transformers' fused bf16 experts and OpenAI's MXFP4 ones to ``mlp.experts.*``.

@@ -1,6 +1,6 @@
 """A model's graph read into what the compiled C++ decode step takes (``mlx_infer._fast.DecodeStep``).
 
-:func:`graph_spec` reads a llama-, gemma3- or gemma4-family graph into a :class:`~mlx_infer._fast.DecodeConfig`,
+:func:`graph_spec` reads a llama-, gemma2/gemma3- or gemma4-family graph into a :class:`~mlx_infer._fast.DecodeConfig`,
 the weights under canonical names (no copy: the same arrays the model holds) and the quantization of each
 quantized linear. :class:`DecodePolicy` is the binding's choice of how the step runs;
 :class:`DecodeStepUnsupported` says why a graph has no step.
@@ -9,11 +9,13 @@ Canonical weight names::
 
     embed.{weight,scales,biases}            norm.weight        lm_head.* (untied only)
     layers.{i}.{q,k,v,o,gate,up,down}.{weight,bias,scales,biases}
-    layers.{i}.attn_norm.weight             llama input_layernorm / gemma input_layernorm
+    layers.{i}.attn_norm.weight             llama input_layernorm / gemma (2, 3) input_layernorm
     layers.{i}.mlp_norm.weight              llama post_attention_layernorm / gemma pre_feedforward_layernorm
     layers.{i}.post_attn_norm.weight        gemma post_attention_layernorm
     layers.{i}.post_mlp_norm.weight         gemma post_feedforward_layernorm
     layers.{i}.{q_norm,k_norm}.weight       qwen3 / gemma per-head norms
+    layers.{i}.sinks                        gpt_oss per-head attention sink logits
+    layers.{i}.router.*, layers.{i}.experts.{gate,up,down}.{weight,bias,scales,biases}   routed experts
 
 Gemma's norms scale by ``1 + w``; the ``1 +`` is applied here, once.
 
@@ -41,14 +43,23 @@ from ...models.gemma4 import FULL, SLIDING, ProportionalRoPE
 from .fused import fuse_in_place
 
 #: Families with a C++ step (module name of the graph's family file).
-SUPPORTED_FAMILIES = ("llama", "gemma3", "gemma4", "smollm3", "granite", "glm4", "phi3", "olmo2", "qwen3_moe")
+SUPPORTED_FAMILIES = ("llama", "gemma2", "gemma3", "gemma4", "smollm3", "granite", "glm4", "phi3", "olmo2",
+                      "qwen3_moe", "gpt_oss")
 #: Families the llama forward of the C++ step runs, with the switches their spec sets (NoPE layers: a RoPE
 #: of no dims; granite's multipliers: embed_scale, attn_scale, residual_scale, logits_divisor; glm4's
 #: sandwich norms under its own names, decode_norms, and its fused gate_up_proj; phi3's fused qkv_proj and
 #: gate_up_proj — not its LongRoPE, whose table depends on the sequence's length: refused, decoded eagerly;
 #: olmo2's post-norms and whole-projection q/k norms: pre_norms, qk_norm_whole; qwen3_moe's routed experts,
-#: read from its SparseMoeBlock: num_experts, top_k_experts, norm_topk_prob).
-LLAMA_FORWARD = ("llama", "smollm3", "granite", "glm4", "phi3", "olmo2", "qwen3_moe")
+#: read from its SparseMoeBlock: num_experts, top_k_experts, norm_topk_prob; gpt_oss's attention sinks
+#: (``layers.{i}.sinks``), biased experts and their clamped activation, the softmax over the chosen router
+#: logits: activation, swiglu_limit, moe_softmax_topk).
+LLAMA_FORWARD = ("llama", "smollm3", "granite", "glm4", "phi3", "olmo2", "qwen3_moe", "gpt_oss")
+#: A routed-expert block's (router, experts) attributes: qwen3_moe's SparseMoeBlock, gpt_oss's MLPBlock.
+MOE_BLOCKS = (("gate", "switch_mlp"), ("router", "experts"))
+#: Families read as gemma blocks (``1 + w`` norms, sandwich norms, GELU-tanh, the embedding scale, the final
+#: logit soft cap): gemma3, and gemma2 without q/k norms, its attention scores soft-capped (its
+#: decode_switches: attn_softcap) and plain residual adds (gemma3's clip float16 sums).
+GEMMA_FORWARD = ("gemma3", "gemma2")
 
 #: KV scheme name -> the buffer dtype the C++ step takes.
 KV_DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}
@@ -157,7 +168,7 @@ def graph_spec(model: Any, *, kv_scheme: str | None = None,
     """The C++ step's config, canonical weights and quantization for ``model``.
 
     Args:
-        model: a llama- or gemma3-family graph.
+        model: a graph of one of :data:`SUPPORTED_FAMILIES`.
         kv_scheme: ``"bf16"``, ``"f16"``, ``"f32"`` or ``None`` (the prefill's dtype).
         policy: capacity and compile choices.
 
@@ -174,7 +185,7 @@ def graph_spec(model: Any, *, kv_scheme: str | None = None,
         return _gemma4_spec(model, kv_scheme, policy)
     args = model.args
     inner = model.model
-    gemma = family == "gemma3"
+    gemma = family in GEMMA_FORWARD
     attn0 = inner.layers[0].self_attn
     cfg = _fast.DecodeConfig()
     cfg.family = "llama" if family in LLAMA_FORWARD else family
@@ -188,7 +199,7 @@ def graph_spec(model: Any, *, kv_scheme: str | None = None,
     cfg.attn_scale = float(attn0.scale)
     cfg.activation = "gelu_tanh" if gemma else "silu"
     cfg.embed_scale = float(inner.embed_scale) if gemma else 0.0
-    cfg.clip_f16_residual = gemma
+    cfg.clip_f16_residual = family == "gemma3"  # gemma3.residual_add
     cfg.final_logit_softcap = (float(args.final_logit_softcapping)
                                if gemma and args.final_logit_softcapping is not None else None)
     switches = getattr(model, "decode_switches", None)  # what the family's file says its forward adds
@@ -227,8 +238,9 @@ def graph_spec(model: Any, *, kv_scheme: str | None = None,
         _add_projections(p, attn, ("q_proj", "k_proj", "v_proj"), "qkv", ("q", "k", "v"), fuse, weights, quant,
                          fast, read)
         _add_linear(f"{p}.o", attn.o_proj, weights, quant, fast)
-        if "switch_mlp" in mlp:  # routed experts (qwen3_moe's SparseMoeBlock): the router, then SwitchGLU
-            _add_moe(p, mlp, cfg, weights, quant, fast)
+        moe = next(((r, e) for r, e in MOE_BLOCKS if r in mlp and e in mlp), None)
+        if moe is not None:  # routed experts (qwen3_moe, gpt_oss): the router, then SwitchGLU
+            _add_moe(p, mlp, moe, cfg, weights, quant, fast)
         else:
             _add_projections(p, mlp, ("gate_proj", "up_proj"), "gate_up", ("gate", "up"), fuse, weights, quant,
                              fast, read)
@@ -238,6 +250,8 @@ def graph_spec(model: Any, *, kv_scheme: str | None = None,
         if "q_norm" in attn:  # per head (qwen3, gemma3) or over the whole projection (qk_norm_whole: olmo2)
             norm(f"{p}.q_norm", attn.q_norm)
             norm(f"{p}.k_norm", attn.k_norm)
+        if "sinks" in attn:  # gpt_oss: one learned logit per head joins each softmax
+            weights[f"{p}.sinks"] = attn.sinks
     _mirror_cpu_kernels(inner.layers, fast)
     cfg.cpu_kernel_linears = fast
     check_every_parameter_used(model, [*weights.values(), *read])
@@ -335,23 +349,28 @@ def _add_fused(name: str, mods: list[nn.Module], fused: dict[str, mx.array], wei
     read.extend(v for m in mods for _, v in tree_flatten(m.parameters()))
 
 
-def _add_moe(p: str, mlp: nn.Module, cfg: Any, weights: dict, quant: dict, fast: list) -> None:
-    """A top-k routed SwiGLU expert block (``gate``: the router; ``switch_mlp``: the experts) under ``p``."""
+def _add_moe(p: str, mlp: nn.Module, names: tuple[str, str], cfg: Any, weights: dict, quant: dict,
+             fast: list) -> None:
+    """A top-k routed gated expert block under ``p``; ``names``: its (router, SwitchGLU experts) attributes."""
     if cfg.tp_backend:
         raise DecodeStepUnsupported("no compiled decode step for routed experts in a tensor-parallel graph "
                                     "(the llama forward holds every expert)")
-    e, k = int(mlp.gate.weight.shape[0]), int(mlp.top_k)
+    router, experts = mlp[names[0]], mlp[names[1]]
+    e, k = int(router.weight.shape[0]), int(mlp.top_k)
     if cfg.num_experts not in (0, e) or cfg.top_k_experts not in (0, k):
         raise DecodeStepUnsupported("no compiled decode step: its MoE layers route differently")
-    cfg.num_experts, cfg.top_k_experts, cfg.norm_topk_prob = e, k, bool(mlp.norm_topk_prob)
-    _add_linear(f"{p}.router", mlp.gate, weights, quant, fast)
+    cfg.num_experts, cfg.top_k_experts = e, k
+    cfg.norm_topk_prob = bool(getattr(mlp, "norm_topk_prob", False))
+    _add_linear(f"{p}.router", router, weights, quant, fast)
     for short in ("gate", "up", "down"):
-        _add_experts(f"{p}.experts.{short}", mlp.switch_mlp[f"{short}_proj"], weights, quant)
+        _add_experts(f"{p}.experts.{short}", experts[f"{short}_proj"], weights, quant)
 
 
 def _add_experts(name: str, module: nn.Module, weights: dict, quant: dict) -> None:
-    """A SwitchLinear ``(experts, out, in)``, or its quantized form, under ``name``."""
+    """A SwitchLinear ``(experts, out, in)``, or its quantized form, and its per-expert bias, under ``name``."""
     weights[f"{name}.weight"] = module["weight"]
+    if "bias" in module:  # (experts, out): gpt_oss
+        weights[f"{name}.bias"] = module["bias"]
     if isinstance(module, QuantizedSwitchLinear):
         if module.get("global_scale") is not None:
             raise DecodeStepUnsupported(f"no compiled decode step for {name}: experts with a global "

@@ -1,0 +1,178 @@
+"""Run the paged-attention CUDA kernels' source text on the CPU (tests/test_paged_attention_cuda_text.py).
+
+The kernels of ``cpp/attention/paged_attention_cuda.cpp`` are strings that MLX's ``mx.fast.cuda_kernel``
+wraps in a ``__global__`` function (inputs, outputs, then the template arguments as ``constexpr``
+constants) and NVRTC compiles on the GPU. Here the same strings are wrapped the same way and compiled
+by the host's g++ against stand-ins for the CUDA built-ins: one ``std::thread`` per CUDA thread of a
+block, ``std::barrier`` for ``__syncthreads`` and for the warp shuffles (a warp's 32 lanes exchange
+through a table between two barriers), blocks one after another. Float32 only (``QT = KT = OT = float``).
+What it checks is the kernels' arithmetic and indexing (exp2 domain, soft cap, sinks, the split-K
+partials and their merge), not NVRTC's or the GPU's behaviour.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+
+KERNEL_FILE = Path(__file__).resolve().parents[1] / "cpp" / "attention" / "paged_attention_cuda.cpp"
+NUM_WARPS = 4  # kWarps of paged_attention_cuda.cpp
+
+_MOCK = r"""
+#include <algorithm>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <thread>
+#include <vector>
+#define __device__
+#define __forceinline__ inline
+#define __shared__ static
+struct dim3_ { int x = 0, y = 0, z = 0; };
+static dim3_ blockIdx, gridDim, blockDim;
+static thread_local dim3_ threadIdx;
+static std::barrier<>* g_block_bar;
+static std::barrier<>* g_warp_bar[32];
+static float g_shfl[32][32];
+// exp2f, tanhf, fmaxf, INFINITY: the C library's (math.h), as CUDA's device library names them.
+using std::max;
+using std::min;
+inline float __shfl_xor_sync(unsigned, float v, int o) {
+  const int w = threadIdx.x / 32, l = threadIdx.x % 32;
+  g_warp_bar[w]->arrive_and_wait();  // every lane has read the previous exchange
+  g_shfl[w][l] = v;
+  g_warp_bar[w]->arrive_and_wait();
+  return g_shfl[w][l ^ o];
+}
+inline void __syncthreads() { g_block_bar->arrive_and_wait(); }
+template <typename T, int N> struct AlignedVector { T v[N]; T operator[](int i) const { return v[i]; } };
+struct Shape { int d[8]; int operator[](int i) const { return d[i]; } };
+"""
+
+_MAIN = r"""
+template <typename F> void run_block(int threads, F f) {
+  std::barrier<> bar(threads);
+  for (int w = 0; w < (threads + 31) / 32; ++w) g_warp_bar[w] = new std::barrier<>(32);
+  g_block_bar = &bar;
+  std::vector<std::thread> ts;
+  for (int t = 0; t < threads; ++t) ts.emplace_back([t, &f] { threadIdx.x = t; f(); });
+  for (auto& t : ts) t.join();
+  for (int w = 0; w < (threads + 31) / 32; ++w) delete g_warp_bar[w];
+}
+std::vector<char> slurp(const char* p) {
+  std::vector<char> b;
+  FILE* f = fopen(p, "rb");
+  char c[65536];
+  size_t n;
+  while ((n = fread(c, 1, sizeof c, f)) > 0) b.insert(b.end(), c, c + n);
+  fclose(f);
+  return b;
+}
+int main() {
+  auto q = slurp("q.bin"), k = slurp("k.bin"), v = slurp("v.bin"), tb = slurp("t.bin"), ln = slurp("l.bin"),
+       sc = slurp("s.bin"), sk = slurp("sk.bin");
+  Shape qs{}, ts{};
+  qs.d[0] = R, qs.d[1] = H, qs.d[2] = D;
+  ts.d[0] = R, ts.d[1] = T;
+  std::vector<float> out((size_t)R * H * D), part((size_t)SPLITS * R * H * D), ml((size_t)SPLITS * R * H * 2);
+  auto *Q = (const float*)q.data(), *K = (const float*)k.data(), *V = (const float*)v.data();
+  auto *TB = (const int32_t*)tb.data(), *LN = (const int32_t*)ln.data();
+  auto *SC = (const float*)sc.data(), *SK = (const float*)sk.data();
+  gridDim = {SPLITS, KVH, R};
+  blockDim = {32 * NW, 1, 1};
+  for (int z = 0; z < R; ++z) for (int y = 0; y < KVH; ++y) for (int x = 0; x < SPLITS; ++x) {
+    blockIdx = {x, y, z};
+    if (SPLITS == 1) run_block(32 * NW, [&] { pass1_out(Q, qs, K, V, TB, ts, LN, SC, SK, out.data()); });
+    else run_block(32 * NW, [&] { pass1_part(Q, qs, K, V, TB, ts, LN, SC, SK, part.data(), ml.data()); });
+  }
+  if (SPLITS > 1) {
+    Shape ps{};
+    ps.d[0] = SPLITS, ps.d[1] = R, ps.d[2] = H, ps.d[3] = D;
+    const int bx = std::min(D, 128);
+    gridDim = {(D + bx - 1) / bx, H, R};
+    blockDim = {bx, 1, 1};
+    for (int z = 0; z < R; ++z) for (int y = 0; y < H; ++y) for (int x = 0; x < gridDim.x; ++x) {
+      blockIdx = {x, y, z};
+      for (int t = 0; t < bx; ++t) { threadIdx.x = t; pass2(part.data(), ps, ml.data(), SK, out.data()); }
+    }
+  }
+  FILE* f = fopen("o.bin", "wb");
+  fwrite(out.data(), 4, out.size(), f);
+  fclose(f);
+}
+"""
+
+
+def compiler() -> str | None:
+    """The host C++ compiler that builds the emulation (g++ with C++20's <barrier>), or None."""
+    return shutil.which("g++")
+
+
+def _sources() -> dict[str, str]:
+    text = KERNEL_FILE.read_text()
+
+    def raw(name: str) -> str:
+        m = (re.search(r'constexpr const char\* %s = R"\((.*?)\)";' % name, text, re.S)
+             or re.search(r'constexpr const char\* %s = "(.*?)";\n' % name, text, re.S))
+        assert m is not None, f"{name} not found in {KERNEL_FILE}"
+        return m.group(1)
+
+    out = {n: raw(n) for n in ("kHeader", "kPass1", "kStoreOut", "kStorePart", "kPass2", "kSink")}
+    assert out["kPass1"].count("MLXI_SINK") == 1 and out["kPass2"].count("MLXI_SINK") == 1
+    return out
+
+
+def _function(name: str, args: str, consts: dict, body: str) -> str:
+    """A kernel as mx.fast.cuda_kernel writes it: the signature, the template constants, the body."""
+    lines = []
+    for k, v in consts.items():
+        lines.append(f"  using {k} = float;" if v is float else
+                     f"  constexpr bool {k} = {'true' if v else 'false'};" if isinstance(v, bool) else
+                     f"  constexpr int {k} = {v};")
+    return f"void {name}({args}) {{\n" + "\n".join(lines) + f"\n{body}\n}}\n"
+
+
+def program(R: int, H: int, KVH: int, D: int, P: int, T: int, window: int, splits: int, softcap: bool,
+            sinks: bool) -> str:
+    """The C++ program running pass 1 (and, split, pass 2) as paged_attention_cuda.cpp launches them."""
+    s = _sources()
+    pass1 = s["kPass1"].replace("MLXI_SINK", s["kSink"])
+    pass2 = s["kPass2"].replace("MLXI_SINK", s["kSink"])
+    lpk = min(32, D // 8)
+    consts = dict(QT=float, KT=float, OT=float, kD=D, kP=P, kG=H // KVH, kKVH=KVH, kWindow=max(window, 0),
+                  kNW=NUM_WARPS, kLPK=lpk, kE=D // lpk, kSoftcap=softcap)
+    common = ("const float* q, const Shape q_shape, const float* k, const float* v, const int32_t* block_tables, "
+              "const Shape block_tables_shape, const int32_t* lengths, const float* scale, const float* sinks, ")
+    sizes = f"constexpr int R = {R}, H = {H}, KVH = {KVH}, D = {D}, T = {T}, SPLITS = {splits}, NW = {NUM_WARPS};\n"
+    return (_MOCK + s["kHeader"] + sizes
+            + _function("pass1_out", common + "float* out", {**consts, "kSinks": sinks and splits == 1},
+                        pass1.replace("MLXI_STORE", s["kStoreOut"]))
+            + _function("pass1_part", common + "float* o_part, float* ml", {**consts, "kSinks": False},
+                        pass1.replace("MLXI_STORE", s["kStorePart"]))
+            + _function("pass2", "const float* o_part, const Shape o_part_shape, const float* ml, "
+                        "const float* sinks, float* out", dict(OT=float, kD=D, kH=H, kSinks=sinks), pass2)
+            + _MAIN)
+
+
+def run(workdir: Path, q: np.ndarray, k: np.ndarray, v: np.ndarray, tables: np.ndarray, lengths: np.ndarray, *,
+        window: int, scale: float, softcap: float, sinks: np.ndarray | None, splits: int) -> np.ndarray:
+    """The kernels' output ``(R, H, D)`` float32 for float32 ``q (R, H, D)``, storage ``(pages, KVH, P, D)``."""
+    R, H, D = q.shape
+    KVH, P = k.shape[1], k.shape[2]
+    workdir.mkdir(parents=True, exist_ok=True)
+    for name, a in (("q", q), ("k", k), ("v", v), ("t", tables), ("l", lengths)):
+        np.ascontiguousarray(a).tofile(workdir / f"{name}.bin")
+    np.array([scale, softcap], np.float32).tofile(workdir / "s.bin")  # [scale, cap], as the launch passes it
+    (np.zeros(1, np.float32) if sinks is None else sinks.astype(np.float32)).tofile(workdir / "sk.bin")
+    (workdir / "emu.cpp").write_text(program(R, H, KVH, D, P, tables.shape[1], window, splits, softcap > 0,
+                                             sinks is not None))
+    build = subprocess.run([compiler(), "-std=c++20", "-O1", "-pthread", "-w", "emu.cpp", "-o", "emu"],
+                           cwd=workdir, capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr[-4000:]
+    subprocess.run(["./emu"], cwd=workdir, check=True, timeout=120)
+    return np.fromfile(workdir / "o.bin", np.float32).reshape(R, H, D)

@@ -1,0 +1,51 @@
+"""The paged-attention CUDA kernels' source text, run on the CPU (tests/cuda_emulation.py), against the float64
+reference of tests/test_paged_attention.py: unsplit and split-K (the merge kernel), a window, a soft cap
+(Gemma 2), attention sinks (gpt-oss), both, and a row of length 0 (zeros). Float32; the kernels keep every
+sum in float32, so ``‖out - ref‖ / ‖ref‖`` <= :data:`TOL` (measured <= 2.3e-7). The GPU run of
+benchmarks/gpu_paged_attention.py checks the same kernels under NVRTC on the device.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from cuda_emulation import compiler, run
+from mlx_infer import _fast
+from test_paged_attention import reference
+
+TOL = 1e-5
+
+CASES = [  # R, H, KVH, D, P, max_len, window, softcap, sinks
+    (2, 8, 2, 64, 16, 200, 0, 0.0, False),   # split: pass 1 partials, then the merge
+    (2, 4, 1, 128, 8, 200, 37, 2.0, False),  # unsplit (the window bounds the keys), capped
+    (2, 8, 2, 64, 16, 200, 0, 1.0, True),    # split, capped, with sinks (joined in the merge)
+    (2, 8, 4, 16, 4, 200, 50, 0.5, True),    # unsplit with sinks (joined in pass 1)
+]
+
+
+@pytest.mark.skipif(compiler() is None, reason="needs g++ (C++20) to build the kernels' text for the CPU")
+@pytest.mark.parametrize("R,H,KVH,D,P,max_len,window,cap,with_sinks", CASES)
+def test_cuda_kernel_text_matches_float64_reference(tmp_path, R, H, KVH, D, P, max_len, window, cap, with_sinks):
+    rng = np.random.default_rng(R * 31 + D + window)
+    lengths = rng.integers(1, max_len + 1, size=R).astype(np.int32)
+    lengths[0], lengths[-1] = max_len, 0  # the longest row, and one that attends to nothing
+    T = int(-(-lengths.max() // P)) + 1
+    pages = 1 + R * T
+    tables = rng.permutation(np.arange(1, pages))[: R * T].reshape(R, T).astype(np.int32)
+    q = (rng.standard_normal((R, H, D)) * (3 if cap else 1)).astype(np.float32)
+    k = rng.standard_normal((pages, KVH, P, D)).astype(np.float32)
+    v = rng.standard_normal((pages, KVH, P, D)).astype(np.float32)
+    sinks = rng.normal(np.log(max_len) + 1, 1.0, size=H).astype(np.float32) if with_sinks else None
+    scale = D ** -0.5
+    max_keys = min(window, T * P) if window > 0 else T * P
+    splits = _fast.paged_attention_splits(R, KVH, max_keys)  # what cuda_paged_attention launches
+    assert (splits > 1) == (window == 0)  # the cases cover both launches
+    got = run(tmp_path, q, k, v, tables, lengths, window=window, scale=scale, softcap=cap, sinks=sinks, splits=splits)
+    ref = reference(mx.array(q), mx.array(k), mx.array(v), mx.array(tables), mx.array(lengths), window, scale,
+                    softcap=cap, sinks=None if sinks is None else mx.array(sinks))
+    assert np.isfinite(got).all() and (got[-1] == 0).all()
+    rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+    print(f"splits={splits} cap={cap} sinks={with_sinks}: {rel:.2e}")
+    assert rel <= TOL
