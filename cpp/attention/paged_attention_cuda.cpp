@@ -83,14 +83,27 @@ constexpr const char* kPass1 = R"(
     l[g] = 0.0f;
   }
 
+  // The loop is latency-bound (a table load, then the K/V loads it indexes, a handful of keys per warp and
+  // iteration): the next iteration's table entry and K/V are loaded before this one's keys are scored.
   const int32_t* table = block_tables + (size_t)r * T;
-  for (int jb = s_lo + warp * kKPW; jb < s_hi; jb += kNW * kKPW) {
-    const int j = jb + grp;
-    const bool valid = j < s_hi;
-    const int jj = valid ? j : s_lo;
-    const size_t at = (((size_t)table[jj / kP] * kKVH + kvh) * kP + jj % kP) * kD + sub * kE;
-    const AlignedVector<KT, kE> kv = *reinterpret_cast<const AlignedVector<KT, kE>*>(k + at);
-    const AlignedVector<KT, kE> vv = *reinterpret_cast<const AlignedVector<KT, kE>*>(v + at);
+  constexpr int kStride = kNW * kKPW;
+  int jb = s_lo + warp * kKPW;
+  AlignedVector<KT, kE> kn, vn;  // the next iteration's key and value
+  if (jb < s_hi) {
+    const int j = min(jb + grp, s_hi - 1);
+    const size_t at = (((size_t)table[j / kP] * kKVH + kvh) * kP + j % kP) * kD + sub * kE;
+    kn = *reinterpret_cast<const AlignedVector<KT, kE>*>(k + at);
+    vn = *reinterpret_cast<const AlignedVector<KT, kE>*>(v + at);
+  }
+  for (; jb < s_hi; jb += kStride) {
+    const bool valid = jb + grp < s_hi;
+    const AlignedVector<KT, kE> kv = kn, vv = vn;
+    if (jb + kStride < s_hi) {
+      const int j = min(jb + kStride + grp, s_hi - 1);
+      const size_t at = (((size_t)table[j / kP] * kKVH + kvh) * kP + j % kP) * kD + sub * kE;
+      kn = *reinterpret_cast<const AlignedVector<KT, kE>*>(k + at);
+      vn = *reinterpret_cast<const AlignedVector<KT, kE>*>(v + at);
+    }
     float kf[kE], vf[kE];
     #pragma unroll
     for (int e = 0; e < kE; ++e) {
