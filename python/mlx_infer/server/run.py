@@ -279,11 +279,14 @@ def _pages_summary(store: Any) -> str:
 
 
 def _pool_summary(engine: Any) -> str:
-    """The KV pool on the startup line: pages per group, the tokens the global pool holds, and
-    what it was sized from."""
+    """The KV pool on the startup line: pages per group (the capacity), the tokens the global pool
+    holds, what it was sized from, and the pages materialized now where the storage grows."""
     store = engine.store
     tokens = (store.groups[0].num_pages - 1) * store.page_size
     out = f"KV pages of {store.page_size} tokens: {_pages_summary(store)}; {tokens:,} tokens"
     if engine.kv_budget is not None:
         out += f"; {engine.kv_budget.bytes / 2**30:.2f} GiB from {engine.kv_budget.source}"
+    if store.growth is not None:  # the figures above are the cap; storage starts small (state/paged/growth.py)
+        now = ", ".join(str(m - 1) for m in store.materialized)
+        out += f"; storage for {now} pages now, growing on demand to that cap"
     return out
