@@ -61,9 +61,11 @@ class PoolGrowth:
         """The materialized size after growing for ``short`` pages more than are free.
 
         ``(materialized + short) x (1 + headroom)``, rounded up to the granule, at most
-        ``capacity`` (and at least ``materialized``: growth never shrinks).
+        ``capacity``; ``materialized`` itself when nothing is short (growth never shrinks).
         """
-        need = materialized + max(0, short)
+        if short <= 0:
+            return materialized
+        need = materialized + short
         return max(materialized, self.round(math.ceil(need * (1 + self.headroom)), capacity))
 
     def initial(self, tokens: int, page_size: int, capacity: int) -> int:

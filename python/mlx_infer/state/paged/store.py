@@ -169,7 +169,7 @@ class PagedKVStore:
         """The initial materialized size of each group (``[]``: all pages), validated."""
         if materialized is None:
             return []
-        initial = [materialized] * len(sizes) if isinstance(materialized, int) else list(materialized)
+        initial = list(materialized) if isinstance(materialized, (list, tuple)) else [materialized] * len(sizes)
         if len(initial) != len(sizes):
             raise MlxInferError(
                 f"materialized has {len(initial)} entries but the store has {len(sizes)} layer groups "
