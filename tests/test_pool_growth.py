@@ -75,7 +75,7 @@ def test_the_growth_target_adds_headroom_rounded_to_the_granule():
     assert g.target(192, 28, 4096) == 320  # (192 + 28) x 1.25 = 275 -> 320
     assert g.target(192, 28, 300) == 300  # capped at the capacity
     assert g.target(192, 0, 4096) == 192  # nothing short: no growth
-    assert g.initial(2048, 16, 4096) == 192 and g.initial(2048, 16, 100) == 100
+    assert g.initial(4096) == 64 and g.initial(40) == 40 and PoolGrowth(granule=1).initial(4096) == 2
     assert PoolGrowth(headroom=0, granule=1).target(5, 3, 100) == 8
 
 
@@ -247,7 +247,7 @@ def test_admission_reasons_about_the_capacity_and_grows_once_for_a_burst(models)
     config = EngineConfig(page_size=4, prefill_step_size=8, num_pages=64, max_batch=8, mixed_steps=False,
                           grow_pool=PoolGrowth(headroom=0.25, granule=4))
     engine = Engine(loaded, config, composition=Composition(compiled_decode=False))
-    assert engine.store.materialized == initial_pages(engine.config, [64], pool_growth(engine.config)) == [4]
+    assert engine.store.materialized == initial_pages([64], pool_growth(engine.config)) == [4]
     for p in PROMPTS:  # 110 prompt tokens: 30 pages, far more than the 3 materialized usable ones
         engine.submit(EngineRequest(prompt_ids=p, max_tokens=4, detokenize=False, ignore_eos=True))
     engine._intake()
@@ -279,7 +279,7 @@ def test_a_mixing_engine_allocates_only_the_initial_pages_and_says_so(models):
     loaded = models("llama")
     engine = Engine(loaded, EngineConfig(page_size=4, prefill_step_size=16, num_pages=500, mixed_steps=True,
                                          grow_pool=PoolGrowth(headroom=0.25, granule=8)))
-    assert engine.store.materialized == [8]  # ceil(16 / 4) + 1 = 5 pages, rounded up to the granule
+    assert engine.store.materialized == [8]  # one granule
     assert all(s is not None and s.num_pages == 8 for s in engine.store.storage)
     from mlx_infer.server.run import _pool_summary
 

@@ -40,8 +40,10 @@ GROW_KV_POOL = {"gpu": True, "cpu": True}
 #: A growth materializes the pages a step (or an admission) needs plus this share more: fewer, larger growths (each
 #: changes the storage's shape, so the compiled step traces once more), at most this much unused KV memory.
 KV_GROWTH_HEADROOM = 0.25
-#: Materialized pages are rounded up to a multiple of this (few distinct storage shapes).
-KV_GROWTH_GRANULE = 64
+#: Materialized pages are rounded up to a multiple of this (few distinct storage shapes), and the storage starts at
+#: one granule: 256 tokens at the default page size, mlx-lm's KV cache step (admission grows for what it admits
+#: before a step runs, so the start only has to be small).
+KV_GROWTH_GRANULE = 16
 
 # -- the server ------------------------------------------------------------------------------------------------
 HOST = "127.0.0.1"

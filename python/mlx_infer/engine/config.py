@@ -325,17 +325,15 @@ def pool_growth(config: EngineConfig) -> PoolGrowth | None:
     return PoolGrowth() if grow else None
 
 
-def initial_pages(config: EngineConfig, sizes: list[int], growth: PoolGrowth | None) -> list[int] | None:
+def initial_pages(sizes: list[int], growth: PoolGrowth | None) -> list[int] | None:
     """Pages each group materializes at start (``None``: all of ``sizes``, no growth).
 
-    One engine iteration's prompt work: ``prefill_step_size`` tokens' pages (and the null
-    page), rounded up to the growth granule, at most the group's capacity. The first
-    iteration (a lone prompt's chunk, or a burst's first chunks) runs without a growth, and
-    an idle engine holds no more KV than one prefill chunk's, about what mlx-lm's cache
-    holds for one prompt of that length; a burst of admissions grows once for all of them
-    (the scheduler's admission).
+    One growth granule (:meth:`PoolGrowth.initial`: 16 pages by default, 256 tokens at the
+    default page size, mlx-lm's KV cache step), at most the group's capacity: an idle engine
+    holds about what mlx-lm's cache holds for one short request. The scheduler grows the
+    storage once per admission for what the admitted prompts need, before the step that
+    starts them, so a burst does not grow step by step.
     """
     if growth is None:
         return None
-    config = config.for_device()
-    return [growth.initial(config.prefill_step_size, config.page_size, cap) for cap in sizes]
+    return [growth.initial(cap) for cap in sizes]

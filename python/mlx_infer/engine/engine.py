@@ -120,7 +120,7 @@ class Engine:
         sizes = leader_value(self.model, pool_pages(self.model, config, self.context_length, self.kv_budget))
         growth = pool_growth(config)  # the storage grows on demand up to the pool's capacity (sizes)
         self.store = PagedKVStore.for_model(  # a split graph: rank 0's pool size on every rank
-            self.model, num_pages=sizes, materialized=initial_pages(config, sizes, growth), growth=growth,
+            self.model, num_pages=sizes, materialized=initial_pages(sizes, growth), growth=growth,
             page_size=config.page_size, dtype=config.kv_dtype, kv_scheme=config.kv_scheme)
         composition = composition or Composition()
         self.grammar_jump = composition.grammar_jump  # forced spans in one forward (engine/grammar_jump.py)

@@ -6,11 +6,15 @@ whose storage exists; only those ids are handed out. The store materializes more
 what is about to be appended exceeds the free materialized pages (free plus evictable
 cached), never beyond the capacity::
 
-    capacity 4096    materialized 192 (initial)                  used 180, free 12
+    capacity 4096    materialized 192                            used 180, free 12
     a step needs 40 pages  -> short 28
-    target = round_up((192 + 28) x (1 + headroom 0.25), granule 64) = 320, min(capacity)
-    storage: every layer's arrays grow to 320 pages (zeros appended, layer by layer);
-    pool: ids 192..319 join the free queue; ids below 192 (and their K/V) are untouched
+    target = round_up((192 + 28) x (1 + headroom 0.25), granule 16) = 288, min(capacity)
+    storage: every layer's arrays grow to 288 pages (zeros appended, layer by layer);
+    pool: ids 192..287 join the free queue; ids below 192 (and their K/V) are untouched
+
+The engine asks twice: once per admission, for the pages its prefilling requests still
+need (a burst of prompts grows once, before the step that starts them), and on an append
+that comes up short (a step's decode rows crossing into new pages).
 
 So a growth adds at least ``headroom`` of what is held: from ``m0`` pages to ``m``
 takes at most ``log(m / m0) / log(1 + headroom)`` growths (plus one per granule step
@@ -68,7 +72,8 @@ class PoolGrowth:
         need = materialized + short
         return max(materialized, self.round(math.ceil(need * (1 + self.headroom)), capacity))
 
-    def initial(self, tokens: int, page_size: int, capacity: int) -> int:
-        """The pages to materialize at first for ``tokens`` tokens of work: their pages and the
-        null page, rounded up to the granule, at most ``capacity``."""
-        return self.round(-(-tokens // page_size) + 1, capacity)
+    def initial(self, capacity: int) -> int:
+        """The pages to materialize at first: one granule (the null page included), at most
+        ``capacity``. Admission grows for what it admits before any step runs, so the start only
+        has to be small."""
+        return self.round(self.granule, capacity)
