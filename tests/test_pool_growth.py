@@ -175,10 +175,12 @@ TINY_GROWTH = PoolGrowth(headroom=0.0, granule=1)  # grows at nearly every step 
 
 
 def serve(loaded, *, mixed: bool, grow, compiled: bool = True, num_pages: int = 96, max_batch: int = 4,
-          prefix_cache: bool = True, max_tokens: int = 12, prepare=None) -> tuple[list[list[int]], Engine]:
+          prefix_cache: bool = True, max_tokens: int = 12, prepare=None,
+          kv_scheme=None) -> tuple[list[list[int]], Engine]:
     """The PROMPTS, one submitted at first and the rest while it decodes."""
     engine = Engine(loaded, EngineConfig(page_size=4, prefill_step_size=8, num_pages=num_pages, max_batch=max_batch,
-                                         mixed_steps=mixed, grow_pool=grow, prefix_cache=prefix_cache),
+                                         mixed_steps=mixed, grow_pool=grow, prefix_cache=prefix_cache,
+                                         kv_scheme=kv_scheme),
                     composition=Composition(compiled_decode=compiled))
     if prepare is not None:
         prepare(engine)
@@ -214,6 +216,17 @@ def test_an_engine_that_grows_many_times_gives_the_preallocated_tokens(models, f
     assert stats["kv_pages_free"] == stats["kv_pages_total"]  # idle: the whole capacity is allocatable
     assert "mlx_infer_kv_pool_growths_total" in engine.prometheus()
     engine.store.pages.check()
+
+
+def test_quantized_kv_grows_with_the_preallocated_tokens(models):
+    """8-bit KV (packed parts, scales and biases grow alike; the eager paged path)."""
+    loaded = models("qwen3")  # head_dim 32: a quantization group of 32
+    q8 = LayerKV(bits=8, group_size=32)
+    grown, engine = serve(loaded, mixed=False, grow=TINY_GROWTH, kv_scheme=q8)
+    full, _ = serve(loaded, mixed=False, grow=False, kv_scheme=q8)
+    assert grown == full and engine.store.growths >= 3 and engine.paged_decode is None
+    assert all(len(s.parts) == 6 and {p.shape[0] for p in s.parts} == {engine.store.materialized[0]}
+               for s in engine.store.storage)
 
 
 def test_preemption_happens_only_where_the_capacity_runs_out(models):

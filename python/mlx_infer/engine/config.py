@@ -157,7 +157,8 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class KVBudget:
-    """Bytes the page pool may take and where the figure came from (the startup line says it)."""
+    """Bytes the page pool may take (its capacity: with ``grow_pool`` the storage starts small and
+    grows to it on demand) and where the figure came from (the startup line says both)."""
 
     bytes: int
     source: str
