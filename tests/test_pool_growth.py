@@ -301,3 +301,20 @@ def test_a_mixing_engine_allocates_only_the_initial_pages_and_says_so(models):
     full = Engine(loaded, EngineConfig(page_size=4, prefill_step_size=16, num_pages=500, mixed_steps=True,
                                        grow_pool=False))
     assert all(s.num_pages == 500 for s in full.store.storage) and "growing" not in _pool_summary(full)
+
+
+def test_serve_preallocates_the_kv_only_when_asked(tmp_path):
+    from mlx_infer.cli import build_parser
+    from mlx_infer.server.run import ServeOptions, build
+
+    assert build_parser().parse_args(["serve", "--preallocate-kv"]).preallocate_kv is True
+    assert build_parser().parse_args(["serve"]).preallocate_kv is False
+    d = make_tiny_model_dir(tmp_path / "m", "llama")
+    for preallocate in (False, True):
+        _, engine, _ = build(ServeOptions(model=str(d), memory_budget_gb=0.05, preallocate_kv=preallocate))
+        try:
+            store = engine.store
+            assert (store.growth is None) == preallocate
+            assert (store.materialized == [g.num_pages for g in store.groups]) == preallocate
+        finally:
+            engine.stop()

@@ -30,6 +30,8 @@ class ServeOptions:
         max_batch: most requests running at once.
         memory_budget_gb: KV pages + activations budget (see EngineConfig); ``None``: sized
             from the device's memory.
+        preallocate_kv: allocate the KV pool's whole capacity at start (``EngineConfig.grow_pool=False``)
+            instead of growing its storage on demand.
         api_key: require ``Authorization: Bearer <key>`` on every endpoint but ``public``.
         public: endpoints open without the key (``health``, ``metrics``, ``docs``).
         max_tokens: a chat completion's default ``max_tokens`` and every request's upper bound.
@@ -56,6 +58,7 @@ class ServeOptions:
     port: int = DEFAULT_PORT
     max_batch: int | None = None  # None: the device type's (defaults.MAX_BATCH)
     memory_budget_gb: float | None = None
+    preallocate_kv: bool = False
     api_key: str | None = None
     public: tuple[str, ...] = DEFAULT_PUBLIC
     max_tokens: int = defaults.SERVER_MAX_TOKENS
@@ -142,7 +145,8 @@ def make_engine(options: ServeOptions, loaded: Any) -> Any:
         except MlxInferError as e:
             raise MlxInferError(f"--lora {name}={path}: {e}") from None
     config = EngineConfig(max_batch=options.max_batch, memory_budget_gb=options.memory_budget_gb,
-                          prefill_step_size=options.prefill_step_size, page_size=options.page_size)
+                          prefill_step_size=options.prefill_step_size, page_size=options.page_size,
+                          grow_pool=False if options.preallocate_kv else None)
     return Engine(loaded, config, composition=Composition(grammar_jump=options.grammar_jump))
 
 
