@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 
 import mlx.core as mx
 import pytest
@@ -265,10 +266,11 @@ def test_memory_is_released_after_requests(tiny):
     with Engine(loaded, EngineConfig(page_size=4)) as engine:
         engine.generate([EngineRequest(prompt_ids=p, max_tokens=8) for p in prompts(4)])
         time.sleep(0.1)
-        idle = mx.get_active_memory()
+        idle, kv = mx.get_active_memory(), engine.store.nbytes
         engine.generate([EngineRequest(prompt_ids=p, max_tokens=8) for p in prompts(16)])
         time.sleep(0.1)
-        assert mx.get_active_memory() <= idle + 64 * 1024
+        # Only the KV storage may have grown (state/paged/growth.py: it keeps what it materialized).
+        assert mx.get_active_memory() <= idle + (engine.store.nbytes - kv) + 64 * 1024
         assert engine.store.pool.num_used_pages() == 0
 
 
@@ -321,7 +323,9 @@ def test_mixed_windows_engine_releases_window_pages_and_reuses_prefixes(tiny):
     hold = -(-(8 - 1 + DEFAULT_WINDOW_SLACK + 16) // 4) + 1  # window + slack + one prefill chunk
     assert sizes[1] == 4 * hold + 1 < sizes[0]  # global pages get the bytes windows do not need
     want = [t.token for t in alone(loaded, prompt, 40)]
-    with Engine(loaded, config) as engine:
+    # Preallocated: a storage that grows on demand evicts released (cached) pages before it grows
+    # (state/paged/growth.py), so the window pages this test reuses would not survive.
+    with Engine(loaded, replace(config, grow_pool=False)) as engine:
         assert [g.num_pages for g in engine.store.groups] == sizes
         first = engine.generate([EngineRequest(prompt_ids=prompt, max_tokens=40)])[0]
         # A second prompt sharing 44 tokens: the windowed pages at its end were indexed chunk

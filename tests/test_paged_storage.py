@@ -90,9 +90,12 @@ class PoolMachine(RuleBasedStateMachine):
     returned slots, exactly as the K/V adapter will.
     """
 
+    #: Pages handed out at first (``None``: all); a subclass starts small and grows.
+    MATERIALIZED: int | None = None
+
     def __init__(self):
         super().__init__()
-        self.pool = PagePool(num_pages=NUM_PAGES, page_size=PAGE_SIZE)
+        self.pool = PagePool(num_pages=NUM_PAGES, page_size=PAGE_SIZE, materialized=self.MATERIALIZED)
         self.storage = np.full(NUM_PAGES * PAGE_SIZE, -1, dtype=np.int64)
         self.tokens: dict[int, list[int]] = {}
         self.next_id = 0
@@ -231,7 +234,7 @@ class PoolMachine(RuleBasedStateMachine):
     def pool_is_consistent(self):
         pool = self.pool
         pool.check()
-        total = NUM_PAGES - 1
+        total = pool.materialized - 1
         used = pool.num_used_pages()
         cached = pool.num_cached_pages()
         free_uncached = pool.num_free_pages() - cached
@@ -240,7 +243,7 @@ class PoolMachine(RuleBasedStateMachine):
         for seq in self.tokens:
             table = pool.block_table(seq)
             live = [p for p in table if p != 0]
-            assert len(set(live)) == len(live)
+            assert len(set(live)) == len(live) and all(p < pool.materialized for p in live)
             refs[live] += 1
         assert [pool.refcount(p) for p in range(NUM_PAGES)] == refs.tolist()
         assert all(pool.page_hash(p) is not None for p in pool.cached_pages())
@@ -270,3 +273,24 @@ class PoolMachine(RuleBasedStateMachine):
 
 TestPoolMachine = PoolMachine.TestCase
 TestPoolMachine.settings = machine_settings(400)
+
+
+class GrowingPoolMachine(PoolMachine):
+    """The same operations on a pool that starts with 2 of its pages materialized and grows
+    (state/paged/growth.py): ids below ``materialized`` only, written pages untouched by a growth."""
+
+    MATERIALIZED = 2
+
+    @rule(extra=st.integers(0, 6))
+    def grow(self, extra):
+        before = self._snapshot()
+        old = self.pool.materialized
+        to = min(NUM_PAGES, old + extra)
+        assert self.pool.grow(to) == to - old
+        tables, free, cached = before
+        assert self._snapshot() == (tables, free + to - old, cached)  # ids and tables unchanged
+        assert self.pool.num_unmaterialized_pages() == NUM_PAGES - to
+
+
+TestGrowingPoolMachine = GrowingPoolMachine.TestCase
+TestGrowingPoolMachine.settings = machine_settings(150)

@@ -51,13 +51,37 @@ raises ``ValueError``. Not thread-safe.
 Page states: *free* (refcount 0, no hash, FIFO queue), *cached* (refcount 0,
 hashed, evictable in LRU order, a freed sequence's tail evicted before its
 head), *used* (refcount > 0). Allocation takes a free page first, then evicts
-the least recently used cached page.)")
-      .def(nb::init<int, int>(), nb::kw_only(), "num_pages"_a, "page_size"_a,
-           R"(Args:
-    num_pages: total pages including the null page (>= 2).
-    page_size: tokens per page, a positive power of two.)")
-      .def_prop_ro("num_pages", &PagePool::num_pages, "Total pages, null page included.")
+the least recently used cached page.
+
+Capacity and materialization: ``num_pages`` is the capacity (what admission
+treats as the limit); only ids below ``materialized`` (pages whose storage
+exists) are handed out, and ``grow(to)`` makes more available. Ids never
+change and the pool never shrinks, so block tables stay valid.)")
+      .def(
+          "__init__",
+          [](PagePool* self, int num_pages, int page_size, std::optional<int> materialized) {
+            new (self) PagePool(num_pages, page_size, materialized.value_or(-1));
+          },
+          nb::kw_only(), "num_pages"_a, "page_size"_a, "materialized"_a = nb::none(),
+          R"(Args:
+    num_pages: the capacity, null page included (>= 2).
+    page_size: tokens per page, a positive power of two.
+    materialized: pages handed out at first, null page included, in
+        ``[2, num_pages]``; ``None``: all of them.)")
+      .def_prop_ro("num_pages", &PagePool::num_pages,
+                   "The capacity: most pages the pool can hold, null page included.")
       .def_prop_ro("page_size", &PagePool::page_size, "Tokens per page.")
+      .def_prop_ro("materialized", &PagePool::materialized,
+                   "Pages whose ids can be handed out now, null page included (ids ``[0, materialized)``).")
+      .def("num_unmaterialized_pages", &PagePool::num_unmaterialized_pages,
+           "Pages of the capacity not materialized yet (``num_pages - materialized``).")
+      .def("grow", &PagePool::grow, "to"_a,
+           R"(Makes ids ``[materialized, to)`` free (the back of the free queue);
+grow the storage to ``to`` pages first. Returns the number of pages added.
+
+Raises:
+    ValueError: ``to`` is below ``materialized`` (the pool never shrinks) or
+        above ``num_pages``.)")
       .def_prop_ro("cache_cap", &PagePool::cache_cap,
                    "Most cached (refcount 0, hashed) pages kept; see set_cache_cap.")
       .def_prop_ro("hits", &PagePool::hits,
@@ -102,7 +126,7 @@ A later ``truncate`` must not end the sequence inside a released page.)")
            "Physical page of each logical page (0 = released by a window).")
       .def("length", &PagePool::length, "seq_id"_a, "Tokens in the sequence.")
       .def("num_free_pages", &PagePool::num_free_pages,
-           "Pages ``append`` can still hand out: free plus evictable cached.")
+           "Pages ``append`` can still hand out: free plus evictable cached (materialized ones only).")
       .def("num_cached_pages", &PagePool::num_cached_pages,
            "Pages with refcount 0 that carry a prefix hash (evictable).")
       .def("num_used_pages", &PagePool::num_used_pages, "Pages with refcount > 0.")
@@ -135,6 +159,7 @@ No side effects.)")
            "Verifies every internal invariant; raises RuntimeError naming a broken one.")
       .def("__repr__", [](const PagePool& p) {
         return "PagePool(num_pages=" + std::to_string(p.num_pages()) +
+               ", materialized=" + std::to_string(p.materialized()) +
                ", page_size=" + std::to_string(p.page_size()) +
                ", free=" + std::to_string(p.num_free_pages()) +
                ", cached=" + std::to_string(p.num_cached_pages()) +
@@ -187,13 +212,16 @@ groups or none (``None`` when any group is out of pages); a prefix hit needs
 every group to hit: the global group all its pages, a windowed group only
 the pages of its window before the hit's end. Bad input raises
 ``ValueError``. Not thread-safe.)")
-      .def(nb::init<const std::vector<int>&, int, const std::vector<int64_t>&, int64_t>(),
+      .def(nb::init<const std::vector<int>&, int, const std::vector<int64_t>&, int64_t, const std::vector<int>&>(),
            nb::kw_only(), "num_pages"_a, "page_size"_a, "windows"_a, "slack"_a,
+           "materialized"_a = std::vector<int>{},
            R"(Args:
-    num_pages: pool size of each group, null page included (each >= 2).
+    num_pages: each group's capacity, null page included (each >= 2).
     page_size: tokens per page, a positive power of two.
     windows: sliding window of each group in tokens, 0 for global.
-    slack: tokens a windowed group keeps beyond its window, for rollback.)")
+    slack: tokens a windowed group keeps beyond its window, for rollback.
+    materialized: pages each group hands out at first (see ``PagePool``);
+        empty: all of them.)")
       .def_prop_ro("num_groups", &PageGroups::num_groups)
       .def_prop_ro("page_size", &PageGroups::page_size, "Tokens per page.")
       .def_prop_ro("slack", &PageGroups::slack, "Tokens kept beyond each window.")
@@ -241,6 +269,13 @@ Args:
 Returns:
     The step's ``StepPlan``, or ``None`` when some group has too few pages
     (no sequence grew; window releases may have happened).)")
+      .def("pages_needed", &PageGroups::pages_needed, "seq_ids"_a, "counts"_a,
+           R"(Pages each group needs to append ``counts[i]`` tokens to
+``seq_ids[i]`` for every i now: new pages plus copy-on-write copies, summed
+per group. No window release happens here, so after a failed ``append`` /
+``append_batch`` (which released) it is exact. Pure.)")
+      .def("grow", &PageGroups::grow, "group"_a, "to"_a,
+           "``PagePool.grow`` on one group; returns the pages added.")
       .def("fork", &PageGroups::fork, "src"_a, "dst"_a,
            "Creates ``dst`` sharing all of ``src``'s held pages, in every group.")
       .def("free", &PageGroups::free, "seq_id"_a, "Releases the sequence in every group.")

@@ -18,7 +18,8 @@ int64_t ceil_div(int64_t a, int64_t b) {
 }  // namespace
 
 PageGroups::PageGroups(const std::vector<int>& num_pages, int page_size,
-                       const std::vector<int64_t>& windows, int64_t slack)
+                       const std::vector<int64_t>& windows, int64_t slack,
+                       const std::vector<int>& materialized)
     : page_size_(page_size), slack_(slack) {
   if (windows.empty() || windows.size() != num_pages.size()) {
     throw std::invalid_argument(
@@ -30,6 +31,11 @@ PageGroups::PageGroups(const std::vector<int>& num_pages, int page_size,
     throw std::invalid_argument(
         "[PageGroups] slack must be >= 0 tokens, got " + std::to_string(slack) + ".");
   }
+  if (!materialized.empty() && materialized.size() != num_pages.size()) {
+    throw std::invalid_argument(
+        "[PageGroups] need one materialized size per group (or none: all pages); got " +
+        std::to_string(materialized.size()) + " for " + std::to_string(num_pages.size()) + " groups.");
+  }
   pools_.reserve(windows.size());
   for (size_t g = 0; g < windows.size(); ++g) {
     if (windows[g] < 0) {
@@ -37,7 +43,8 @@ PageGroups::PageGroups(const std::vector<int>& num_pages, int page_size,
           "[PageGroups] window of group " + std::to_string(g) +
           " must be >= 0 (0 = global), got " + std::to_string(windows[g]) + ".");
     }
-    pools_.emplace_back(num_pages[g], page_size);  // validates both
+    pools_.emplace_back(num_pages[g], page_size,
+                        materialized.empty() ? -1 : materialized[g]);  // validates all three
     windows_.push_back(windows[g]);
     // The next query reads the last w - 1 tokens; keep at least one so the
     // release call stays meaningful for w = 1.
@@ -192,6 +199,28 @@ std::optional<std::vector<AppendResult>> PageGroups::append(
     out.push_back(std::move(*r));
   }
   return out;
+}
+
+std::vector<int64_t> PageGroups::pages_needed(const std::vector<int64_t>& seq_ids,
+                                              const std::vector<int64_t>& counts) const {
+  if (seq_ids.size() != counts.size()) {
+    throw std::invalid_argument(
+        "[PageGroups.pages_needed] need one count per sequence; got " + std::to_string(seq_ids.size()) +
+        " ids and " + std::to_string(counts.size()) + " counts.");
+  }
+  std::vector<int64_t> need(pools_.size(), 0);
+  for (size_t i = 0; i < seq_ids.size(); ++i) {
+    first(seq_ids[i], "pages_needed");
+    for (size_t g = 0; g < pools_.size(); ++g) {
+      need[g] += pools_[g].pages_needed(seq_ids[i], counts[i]);
+    }
+  }
+  return need;
+}
+
+int PageGroups::grow(int group, int to) {
+  check_group(group, "grow");
+  return pools_[group].grow(to);
 }
 
 void PageGroups::fork(int64_t src, int64_t dst) {

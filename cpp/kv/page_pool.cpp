@@ -21,7 +21,7 @@ std::string id_str(int64_t seq_id) {
 
 }  // namespace
 
-PagePool::PagePool(int num_pages, int page_size) : page_size_(page_size) {
+PagePool::PagePool(int num_pages, int page_size, int materialized) : page_size_(page_size) {
   // Powers of two keep page boundaries aligned with kernel tiles and make
   // slot math a shift and a mask on every backend.
   if (page_size <= 0 || (page_size & (page_size - 1)) != 0) {
@@ -42,15 +42,40 @@ PagePool::PagePool(int num_pages, int page_size) : page_size_(page_size) {
         "got " + std::to_string(num_pages) + " * " + std::to_string(page_size) +
         "; use fewer or smaller pages.");
   }
+  if (materialized < 0) {
+    materialized = num_pages;
+  }
+  if (materialized < 2 || materialized > num_pages) {
+    throw std::invalid_argument(
+        "[PagePool] materialized must be in [2, num_pages = " + std::to_string(num_pages) +
+        "] (the null page and at least one usable page), got " + std::to_string(materialized) +
+        "; pass -1 (or None) to materialize every page.");
+  }
   refcount_.assign(num_pages, 0);
   where_.resize(num_pages);
   in_lru_.assign(num_pages, 0);
   keys_.resize(num_pages);
-  for (int p = 1; p < num_pages; ++p) {
-    free_.push_back(p);
-  }
+  materialized_ = 1;  // the null page
+  grow(materialized);
   cache_cap_ = num_pages;
   intern("");
+}
+
+// Growth appends the new ids to the free queue's back: pages freed earlier
+// are reused first, and every id below `materialized` keeps its meaning.
+int PagePool::grow(int to) {
+  if (to < materialized_ || to > num_pages()) {
+    throw std::invalid_argument(
+        "[PagePool.grow] to must be in [materialized = " + std::to_string(materialized_) +
+        ", num_pages = " + std::to_string(num_pages()) + "] (the pool never shrinks and never "
+        "exceeds its capacity), got " + std::to_string(to) + ".");
+  }
+  for (int p = materialized_; p < to; ++p) {
+    free_.push_back(p);
+  }
+  const int added = to - materialized_;
+  materialized_ = to;
+  return added;
 }
 
 // -- helpers ------------------------------------------------------------------
@@ -395,7 +420,7 @@ void PagePool::check() const {
     }
     ++lru_count;
   }
-  for (int p = 1; p < n; ++p) {
+  for (int p = 1; p < materialized_; ++p) {
     if (refs[p] != refcount_[p]) {
       fail("page " + std::to_string(p) + " has refcount " +
            std::to_string(refcount_[p]) + " but is in " +
@@ -423,9 +448,14 @@ void PagePool::check() const {
       fail("index entry points at page " + std::to_string(p) + " without its key");
     }
   }
+  for (int p = materialized_; p < n; ++p) {
+    if (refcount_[p] != 0 || in_free[p] || in_lru_[p] || keys_[p]) {
+      fail("page " + std::to_string(p) + " is not materialized but is in use, free or cached");
+    }
+  }
   if (used != used_ || lru_count != lru_.size() ||
-      free_.size() + lru_.size() + used_ != static_cast<size_t>(n - 1)) {
-    fail("free + cached + used != num_pages - 1");
+      free_.size() + lru_.size() + used_ != static_cast<size_t>(materialized_ - 1)) {
+    fail("free + cached + used != materialized - 1");
   }
   if (static_cast<int>(lru_.size()) > cache_cap_) {
     fail("more cached pages than the cache cap");

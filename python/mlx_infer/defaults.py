@@ -33,6 +33,17 @@ WINDOW_SLACK = 16
 MAX_QUEUE = 4096
 #: KV memory budget in GB; ``None`` sizes it from the device (engine/config.py: ``kv_budget``).
 MEMORY_BUDGET_GB: float | None = None
+#: Whether the engine's KV storage starts small and grows on demand up to the pool's (device-sized) cap, per device
+#: type (``EngineConfig.grow_pool=None``): on both, so the process holds the KV its requests use, as mlx-lm's caches
+#: grow with theirs, instead of the whole cap from the start (state/paged/growth.py). Off preallocates the cap.
+GROW_KV_POOL = {"gpu": True, "cpu": True}
+#: A growth materializes the pages a step (or an admission) needs plus this share more: fewer, larger growths (each
+#: changes the storage's shape, so the compiled step traces once more), at most this much unused KV memory.
+KV_GROWTH_HEADROOM = 0.25
+#: Materialized pages are rounded up to a multiple of this (few distinct storage shapes), and the storage starts at
+#: one granule: 256 tokens at the default page size, mlx-lm's KV cache step (admission grows for what it admits
+#: before a step runs, so the start only has to be small).
+KV_GROWTH_GRANULE = 16
 
 # -- the server ------------------------------------------------------------------------------------------------
 HOST = "127.0.0.1"

@@ -161,14 +161,32 @@ struct StepPlan {
 /// filled last page is copied first (copy-on-write). A hashed page is
 /// immutable while shared; its sole owner writing into it drops the hash.
 ///
+/// Capacity and materialized pages: the pool may hold up to `num_pages`
+/// (its capacity, what admission treats as the limit) but hands out only ids
+/// below `materialized()`, the pages whose storage exists. `grow(to)` makes
+/// ids [materialized, to) free (appended to the free queue); ids never change
+/// and the pool never shrinks, so block tables stay valid across growth:
+///
+///   capacity 12, materialized 6    ids 1..5 usable, 6..11 not handed out
+///   grow(9)                        ids 6..8 join the free queue (storage grown first)
+///
 /// Running out of pages is a return value (`append` -> nullopt, nothing
 /// changed); bad input throws std::invalid_argument. Not thread-safe.
 class PagePool {
  public:
-  PagePool(int num_pages, int page_size);
+  /// `materialized` < 0: all `num_pages` (no growth needed).
+  PagePool(int num_pages, int page_size, int materialized = -1);
 
+  /// The capacity: most pages the pool can ever hold, null page included.
   int num_pages() const { return static_cast<int>(refcount_.size()); }
   int page_size() const { return page_size_; }
+  /// Pages whose ids can be handed out now (null page included): [0, materialized).
+  int materialized() const { return materialized_; }
+  /// Pages of the capacity not materialized yet.
+  int num_unmaterialized_pages() const { return num_pages() - materialized_; }
+  /// Makes ids [materialized, to) available (free); `to` in [materialized, num_pages].
+  /// Returns how many pages were added. The caller grows the storage first.
+  int grow(int to);
 
   // -- sequences -----------------------------------------------------------
   void add_sequence(int64_t seq_id, const std::string& ns = "");
@@ -203,7 +221,8 @@ class PagePool {
   int64_t length(int64_t seq_id) const;
 
   // -- pages ---------------------------------------------------------------
-  /// Pages `append` can still hand out: free plus evictable cached.
+  /// Pages `append` can still hand out: free plus evictable cached (materialized pages only;
+  /// add `num_unmaterialized_pages()` for what the capacity still allows).
   int num_free_pages() const;
   int num_cached_pages() const { return static_cast<int>(lru_.size()); }
   int num_used_pages() const;
@@ -282,6 +301,7 @@ class PagePool {
       std::vector<uint64_t>* hashes) const;
 
   int page_size_;
+  int materialized_ = 0;
   std::vector<int32_t> refcount_;
   std::deque<int32_t> free_;                  // refcount 0, unhashed
   std::list<int32_t> lru_;                    // refcount 0, hashed
@@ -329,9 +349,11 @@ class PagePool {
 class PageGroups {
  public:
   /// `windows[g]`: the group's sliding window in tokens, 0 for global;
-  /// `num_pages[g]`: its pool size (null page included).
+  /// `num_pages[g]`: its pool's capacity (null page included);
+  /// `materialized[g]`: the pages it hands out at first (empty: all).
   PageGroups(const std::vector<int>& num_pages, int page_size,
-             const std::vector<int64_t>& windows, int64_t slack);
+             const std::vector<int64_t>& windows, int64_t slack,
+             const std::vector<int>& materialized = {});
 
   int num_groups() const { return static_cast<int>(pools_.size()); }
   int page_size() const { return page_size_; }
@@ -376,6 +398,14 @@ class PageGroups {
   std::vector<int32_t> block_table(int64_t seq_id, int group) const;
   /// Pages of `group` the sequence holds (non-null block-table entries).
   int held_pages(int64_t seq_id, int group) const;
+
+  /// Pages each group needs to append `counts[i]` tokens to `seq_ids[i]`
+  /// for every i now (new pages plus copy-on-write copies; no window release,
+  /// so ask after a failed append, which released). Pure.
+  std::vector<int64_t> pages_needed(const std::vector<int64_t>& seq_ids,
+                                    const std::vector<int64_t>& counts) const;
+  /// PagePool::grow on one group.
+  int grow(int group, int to);
 
   int64_t hits() const { return hits_; }
   int64_t misses() const { return misses_; }

@@ -79,7 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--memory-budget", type=float, default=None, metavar="GB",
                    help="memory for KV pages and activations, weights excluded (default: sized from the "
                         "device: 0.8 of a GPU's memory or 0.25 of available RAM, minus what this and other "
-                        "processes hold and an activation reserve)")
+                        "processes hold and an activation reserve); the KV pool's cap: its storage "
+                        "grows on demand up to it")
+    s.add_argument("--preallocate-kv", action="store_true",
+                   help="allocate the KV pool's whole cap at start instead of growing it on demand")
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every endpoint but the --public ones")
     s.add_argument("--public", default=None, metavar="LIST",

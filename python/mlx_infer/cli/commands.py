@@ -110,7 +110,8 @@ def _serve(args: argparse.Namespace) -> int:
     if template is not None and "{" not in template and Path(template).expanduser().is_file():
         template = _utf8("--chat-template", Path(template).expanduser().read_text(encoding="utf-8", errors="replace"))
     serve(ServeOptions(model=args.model, host=args.host, port=args.port, max_batch=args.max_batch,
-                       memory_budget_gb=args.memory_budget, api_key=args.api_key, max_tokens=args.max_tokens,
+                       memory_budget_gb=args.memory_budget, preallocate_kv=args.preallocate_kv,
+                       api_key=args.api_key, max_tokens=args.max_tokens,
                        prefill_step_size=args.prefill_step_size, log_level=args.log_level,
                        drain_timeout_s=args.drain_timeout, header_timeout_s=args.header_timeout,
                        body_timeout_s=args.body_timeout, served_model_name=args.served_model_name,

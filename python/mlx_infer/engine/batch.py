@@ -5,7 +5,8 @@ The step plan comes from the C++ page groups in one call
 and the positions, lengths, block tables, write slots and copy-on-write
 copies come back as int32 arrays. No per-row Python runs here::
 
-    reserve()   pages.append_batch(ids, counts)     (C++, all rows or none)
+    reserve()   pages.append_batch(ids, counts)     (C++, all rows or none; short of materialized
+                                                 pages, the store grows its storage and retries)
                 -> positions (R,), lengths (R,), per layer group g:
                    block_tables (R, T), write_slots (R,), copies (c_g,)
     forward     the compiled C++ paged step reads the plan's arrays as they are
@@ -83,9 +84,10 @@ class DecodeBatch:
         return self.plan.rows
 
     def reserve(self) -> bool:
-        """Reserve every sequence's tokens; all or nothing (``False``: out of pages)."""
-        plan = self.store.pages.append_batch(self.ids, self.counts, table_bucket=self.table_bucket,
-                                             row_bucket=self.row_bucket)
+        """Reserve every sequence's tokens, growing the store's storage where its materialized
+        pages are short; all or nothing (``False``: out of the pool's capacity)."""
+        plan = self.store.append_batch(self.ids, self.counts, table_bucket=self.table_bucket,
+                                       row_bucket=self.row_bucket)
         if plan is None:
             return False
         self.plan = plan

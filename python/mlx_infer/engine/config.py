@@ -22,6 +22,10 @@ whose RAM the OS and other processes share: vLLM's CPU backend likewise
 defaults to a fixed 4 GiB of KV rather than most of the RAM). An explicit budget gives
 :data:`KV_FRACTION` of it to KV pages. Either way no group holds more than
 its sequences can use (see :func:`pool_pages`).
+
+That figure is the pool's *capacity* (vLLM's ``gpu_memory_utilization`` is a limit too). With
+``grow_pool`` (the default) the storage starts at :func:`initial_pages` and grows on demand up
+to it (state/paged/growth.py), so the process holds the KV its requests use.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from mlx.utils import tree_flatten
 from .. import defaults
 from ..errors import MlxInferError
 from ..state.paged import DEFAULT_WINDOW_SLACK, model_geometry
+from ..state.paged.growth import PoolGrowth
 
 DEFAULT_MAX_BATCH = defaults.MAX_BATCH  # per device type
 DEFAULT_PAGE_SIZE = defaults.PAGE_SIZE
@@ -93,6 +98,11 @@ class EngineConfig:
             CPU kernel attends row by row where the separate prefill uses MLX's SDPA.
         kv_scheme: per-layer KV storage (see :class:`~mlx_infer.state.paged.PagedKVStore`).
         kv_dtype: element type of plain KV storage (default: the model's).
+        grow_pool: the KV storage starts at :func:`initial_pages` and grows on demand up to the
+            pool's capacity (the budget's, or ``num_pages``) by the default
+            :class:`~mlx_infer.state.paged.growth.PoolGrowth` (``True``) or the one given;
+            ``False`` allocates the whole capacity up front. ``None`` (default):
+            :data:`~mlx_infer.defaults.GROW_KV_POOL` of the device type (on for GPU and CPU).
     """
 
     max_batch: int | None = None
@@ -108,6 +118,7 @@ class EngineConfig:
     mixed_steps: bool | None = None
     kv_scheme: Any = None
     kv_dtype: mx.Dtype | None = None
+    grow_pool: bool | PoolGrowth | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "page_size", "prefill_step_size", "max_queue"):
@@ -129,6 +140,9 @@ class EngineConfig:
             raise MlxInferError(f"EngineConfig.memory_limit_gb must be > 0, got {self.memory_limit_gb!r}.")
         if self.num_pages is not None and (not isinstance(self.num_pages, int) or self.num_pages < 2):
             raise MlxInferError(f"EngineConfig.num_pages must be an integer >= 2, got {self.num_pages!r}.")
+        if self.grow_pool is not None and not isinstance(self.grow_pool, (bool, PoolGrowth)):
+            raise MlxInferError(f"EngineConfig.grow_pool must be True, False, a PoolGrowth or None (the device "
+                                f"type's default), got {self.grow_pool!r}.")
 
 
     def for_device(self, kind: str | None = None) -> "EngineConfig":
@@ -143,7 +157,8 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class KVBudget:
-    """Bytes the page pool may take and where the figure came from (the startup line says it)."""
+    """Bytes the page pool may take (its capacity: with ``grow_pool`` the storage starts small and
+    grows to it on demand) and where the figure came from (the startup line says both)."""
 
     bytes: int
     source: str
@@ -297,3 +312,29 @@ def pool_pages(model: Any, config: EngineConfig, context_length: int | None,
         usable = (2 if config.prefix_cache else 1) * config.max_batch * full + 1
         sizes[None] = min(budget // (windows.count(None) * layer_page), usable)
     return [sizes[w] for w in keys]
+
+
+def pool_growth(config: EngineConfig) -> PoolGrowth | None:
+    """The growth policy of the engine's store: ``grow_pool``'s own, else the default one
+    (:data:`~mlx_infer.defaults.KV_GROWTH_HEADROOM`, :data:`~mlx_infer.defaults.KV_GROWTH_GRANULE`);
+    ``None`` when ``grow_pool`` is off."""
+    grow = config.grow_pool
+    if isinstance(grow, PoolGrowth):
+        return grow
+    if grow is None:
+        grow = defaults.GROW_KV_POOL["gpu" if mx.default_device().type == mx.DeviceType.gpu else "cpu"]
+    return PoolGrowth() if grow else None
+
+
+def initial_pages(sizes: list[int], growth: PoolGrowth | None) -> list[int] | None:
+    """Pages each group materializes at start (``None``: all of ``sizes``, no growth).
+
+    One growth granule (:meth:`PoolGrowth.initial`: 16 pages by default, 256 tokens at the
+    default page size, mlx-lm's KV cache step), at most the group's capacity: an idle engine
+    holds about what mlx-lm's cache holds for one short request. The scheduler grows the
+    storage once per admission for what the admitted prompts need, before the step that
+    starts them, so a burst does not grow step by step.
+    """
+    if growth is None:
+        return None
+    return [growth.initial(cap) for cap in sizes]

@@ -55,7 +55,7 @@ from ..sampling import RequestRNG, make_sampler
 from ..state.paged import PagedKVStore
 from .adapters import AdapterSlotsBusyError, batch_slots, hold_adapter, rows_context, slots_for
 from .batch import DecodeBatch
-from .config import EngineConfig, kv_budget, pool_pages
+from .config import EngineConfig, initial_pages, kv_budget, pool_growth, pool_pages
 from .metrics import PROMETHEUS_ORDER, EngineMetrics, pool_gauges, prometheus_text
 from .request import EngineRequest, RequestHandle, RequestResult, TokenEvent
 from .mixed import advance, mixed_batch, mixed_inputs, pick_chunks
@@ -117,9 +117,10 @@ class Engine:
         self.kv_budget = None if config.num_pages is not None else kv_budget(self.model, config)
         from ..parallel.engine_rank import leader_value
 
+        sizes = leader_value(self.model, pool_pages(self.model, config, self.context_length, self.kv_budget))
+        growth = pool_growth(config)  # the storage grows on demand up to the pool's capacity (sizes)
         self.store = PagedKVStore.for_model(  # a split graph: rank 0's pool size on every rank
-            self.model, num_pages=leader_value(self.model, pool_pages(self.model, config, self.context_length,
-                                                                      self.kv_budget)),
+            self.model, num_pages=sizes, materialized=initial_pages(sizes, growth), growth=growth,
             page_size=config.page_size, dtype=config.kv_dtype, kv_scheme=config.kv_scheme)
         composition = composition or Composition()
         self.grammar_jump = composition.grammar_jump  # forced spans in one forward (engine/grammar_jump.py)

@@ -125,9 +125,11 @@ _HELP = {
     "generation_tokens_per_second": ("gauge", f"Generated tokens/s over the last {RATE_WINDOW_S:.0f} s."),
     "prompt_tokens_per_second": ("gauge", f"Prefilled tokens/s over the last {RATE_WINDOW_S:.0f} s."),
     "prefix_hit_rate": ("gauge", "cached_tokens_total / prompt_tokens_total."),
-    "kv_pages_total": ("gauge", "Usable KV pages (the null page excluded)."),
+    "kv_pages_total": ("gauge", "Usable KV pages of the pool's capacity (the null page excluded)."),
     "kv_pages_used": ("gauge", "KV pages referenced by live sequences."),
-    "kv_pages_free": ("gauge", "KV pages allocatable (free plus evictable cached)."),
+    "kv_pages_free": ("gauge", "KV pages allocatable within the capacity (free, evictable cached, not yet materialized)."),
+    "kv_pages_materialized": ("gauge", "KV pages whose storage exists (the null page excluded); grows on demand."),
+    "kv_pool_growths_total": ("counter", "Times the KV storage grew (each retraces the compiled step once)."),
     "kv_pages_cached": ("gauge", "Free KV pages still indexed by the prefix cache."),
     "kv_page_usage": ("gauge", "kv_pages_used / kv_pages_total."),
     "memory_active_bytes": ("gauge", "MLX active memory."),
@@ -157,7 +159,8 @@ PROMETHEUS_ORDER = ("queue_depth", "running", "requests_total", "prompt_tokens_t
                     "rejected_total", "forwards_total", "forced_tokens_total",
                     "grammar_jump_forwards_saved_total", "generation_tokens_per_second", "prompt_tokens_per_second",
                     "prefix_hit_rate", "kv_pages_total", "kv_pages_used", "kv_pages_free", "kv_pages_cached",
-                    "kv_page_usage", "memory_active_bytes", "memory_peak_bytes")
+                    "kv_page_usage", "kv_pages_materialized", "kv_pool_growths_total", "memory_active_bytes",
+                    "memory_peak_bytes")
 
 
 def pool_gauges(store: Any) -> dict[str, Any]:
@@ -166,6 +169,8 @@ def pool_gauges(store: Any) -> dict[str, Any]:
     total = sum(p.num_pages - 1 for p in pools)
     used = sum(p.num_used_pages() for p in pools)
     return {"kv_pages_total": total, "kv_pages_used": used,
-            "kv_pages_free": sum(p.num_free_pages() for p in pools),
+            "kv_pages_free": sum(store.free_pages()),
             "kv_pages_cached": sum(p.num_cached_pages() for p in pools),
-            "kv_page_usage": used / total if total else 0.0}
+            "kv_page_usage": used / total if total else 0.0,
+            "kv_pages_materialized": sum(p.materialized - 1 for p in pools),
+            "kv_pool_growths_total": store.growths}

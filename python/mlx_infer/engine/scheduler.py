@@ -13,6 +13,10 @@ decides who may hold pages at all::
                           >= pages it holds for prompt + 1 + one per running request
                       (a windowed group holds only its window plus a prefill chunk)
                       (optionally) MLX active memory <= a limit
+    grow              a store that grows its storage on demand materializes, once per
+                      admission, what the prefilling requests still need plus one page per
+                      running request (the pool's capacity, not its materialized pages, is
+                      the limit above)
     preempt (recompute): register the victim's full pages in the prefix
                       index, free its sequence, put it back at the head of
                       the queue; on re-admission its prompt + generated tokens
@@ -160,6 +164,8 @@ class Scheduler:
             self.waiting.popleft()
             self._start(live)
             admitted.append(live)
+        if admitted:  # one growth for the whole admission (state/paged/growth.py), not one per step
+            self.store.ensure_free([p + len(self.running) for p in self._promised()])
         return admitted, unfit
 
     def _prefix_pending(self, live: LiveRequest) -> bool:

@@ -30,6 +30,8 @@ class ServeOptions:
         max_batch: most requests running at once.
         memory_budget_gb: KV pages + activations budget (see EngineConfig); ``None``: sized
             from the device's memory.
+        preallocate_kv: allocate the KV pool's whole capacity at start (``EngineConfig.grow_pool=False``)
+            instead of growing its storage on demand.
         api_key: require ``Authorization: Bearer <key>`` on every endpoint but ``public``.
         public: endpoints open without the key (``health``, ``metrics``, ``docs``).
         max_tokens: a chat completion's default ``max_tokens`` and every request's upper bound.
@@ -56,6 +58,7 @@ class ServeOptions:
     port: int = DEFAULT_PORT
     max_batch: int | None = None  # None: the device type's (defaults.MAX_BATCH)
     memory_budget_gb: float | None = None
+    preallocate_kv: bool = False
     api_key: str | None = None
     public: tuple[str, ...] = DEFAULT_PUBLIC
     max_tokens: int = defaults.SERVER_MAX_TOKENS
@@ -142,7 +145,8 @@ def make_engine(options: ServeOptions, loaded: Any) -> Any:
         except MlxInferError as e:
             raise MlxInferError(f"--lora {name}={path}: {e}") from None
     config = EngineConfig(max_batch=options.max_batch, memory_budget_gb=options.memory_budget_gb,
-                          prefill_step_size=options.prefill_step_size, page_size=options.page_size)
+                          prefill_step_size=options.prefill_step_size, page_size=options.page_size,
+                          grow_pool=False if options.preallocate_kv else None)
     return Engine(loaded, config, composition=Composition(grammar_jump=options.grammar_jump))
 
 
@@ -279,11 +283,14 @@ def _pages_summary(store: Any) -> str:
 
 
 def _pool_summary(engine: Any) -> str:
-    """The KV pool on the startup line: pages per group, the tokens the global pool holds, and
-    what it was sized from."""
+    """The KV pool on the startup line: pages per group (the capacity), the tokens the global pool
+    holds, what it was sized from, and the pages materialized now where the storage grows."""
     store = engine.store
     tokens = (store.groups[0].num_pages - 1) * store.page_size
     out = f"KV pages of {store.page_size} tokens: {_pages_summary(store)}; {tokens:,} tokens"
     if engine.kv_budget is not None:
         out += f"; {engine.kv_budget.bytes / 2**30:.2f} GiB from {engine.kv_budget.source}"
+    if store.growth is not None:  # the figures above are the cap; storage starts small (state/paged/growth.py)
+        now = ", ".join(str(m - 1) for m in store.materialized)
+        out += f"; storage for {now} pages now, growing on demand to that cap"
     return out

@@ -56,6 +56,9 @@ class PagedBatch:
 
     def reserve(self, n: int = 1) -> bool:
         """Reserve ``n`` tokens on every row; all or nothing (``False``: out of pages)."""
+        # One growth for the whole batch (before any window release, so at most one page per
+        # windowed row more than needed) rather than one per row that comes up short.
+        self.store.ensure_free(self.store.pages.pages_needed([s.seq_id for s in self.seqs], [n] * len(self.seqs)))
         done = []
         for s in self.seqs:
             if not s.reserve(n):

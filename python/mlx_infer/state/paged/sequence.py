@@ -104,11 +104,12 @@ class PagedSequence:
     # -- steps ------------------------------------------------------------
 
     def reserve(self, n: int) -> bool:
-        """Reserve pages for the next step of ``n`` tokens; ``False`` when some group is out of pages."""
+        """Reserve pages for the next step of ``n`` tokens (growing the store's storage where its
+        materialized pages are short); ``False`` when some group's capacity is out of pages."""
         self._live("append tokens")
         assert self._idle(), "reserve() while a step is still in flight on some layers"
         pages = self.store.pages
-        results = pages.append(self.seq_id, n)
+        results = self.store.append(self.seq_id, n)
         if results is None:
             return False
         groups = []

@@ -48,6 +48,27 @@ class LayerStorage:
                 mx.zeros((pages, heads, page_size, groups), self.dtype))
 
     @property
+    def num_pages(self) -> int:
+        """Pages the arrays hold (the group's materialized pages)."""
+        return self.keys[0].shape[0]
+
+    def grow(self, pages: int) -> None:
+        """Grow every part to ``pages`` pages, zeros appended along the page axis, and evaluate
+        it (a no-op when it already holds that many: growth never shrinks).
+
+        Written pages keep their ids and contents (the concatenation copies them); the old
+        arrays are released once evaluated, so the transient is this layer's old and new parts.
+        """
+        extra = pages - self.num_pages
+        if extra <= 0:
+            return
+
+        def one(p: mx.array) -> mx.array:
+            return mx.concatenate([p, mx.zeros((extra, *p.shape[1:]), p.dtype)], axis=0)  # (pages, H, P, w)
+        self.keys, self.values = tuple(map(one, self.keys)), tuple(map(one, self.values))
+        mx.eval(self.parts)
+
+    @property
     def parts(self) -> Parts:
         return self.keys + self.values
 

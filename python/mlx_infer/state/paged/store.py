@@ -13,6 +13,7 @@ from ... import _fast
 from ...errors import MlxInferError
 from ..kv import RotatingKVCache
 from .batch_cache import PagedBatch
+from .growth import PoolGrowth
 from .scheme import LayerKV, load_kv_config, uniform_scheme
 from .sequence import PagedLayerCache, PagedSequence
 from .storage import LayerStorage
@@ -46,7 +47,8 @@ class LayerGroup:
         index: the group's index in the store's :class:`mlx_infer._fast.PageGroups`.
         window: the layers' sliding window, ``None`` for global layers.
         layers: the layer indices, ascending.
-        num_pages: the group's pool size, null page included.
+        num_pages: the group's pool capacity, null page included (its materialized
+            size, the pages with storage, is ``store.pages.pool(index).materialized``).
         keep: tokens behind a sequence's end the group holds (``None`` = all).
     """
 
@@ -79,6 +81,15 @@ class PagedKVStore:
     always allowed; a rollback that would make a windowed layer read a
     released token raises ``ValueError`` and changes nothing.
 
+    Growth (state/paged/growth.py): a group's pool holds up to ``num_pages``
+    (its capacity) but only its first ``materialized`` page ids have storage
+    and are handed out. With a ``growth`` policy, an append that finds too few
+    free materialized pages first grows the storage (:meth:`grow`: every
+    layer's arrays, zeros appended along the page axis, layer by layer) and
+    the pool, then succeeds; it fails (``None`` / ``False``) only when the
+    capacity itself is short. Page ids never move, so block tables and written
+    K/V survive a growth unchanged.
+
     Args:
         num_layers: attention layers.
         num_pages: pages per group's pool, the null page included: one int for
@@ -94,16 +105,21 @@ class PagedKVStore:
         release_windows: give windowed layers their own pools and release pages
             behind the window (``False``: one pool, every page kept).
         window_slack: tokens a windowed group keeps beyond its window.
+        materialized: pages (null page included) each group has storage for at
+            first, one int or one per group like ``num_pages``; ``None``: all.
+        growth: grow the materialized pages on demand by this policy; ``None``:
+            never by itself (:meth:`grow` still works).
 
     Raises:
         ValueError: a page size that is not a power of two, a scheme the model
-            cannot use, a bad ``kv_config`` or a bad pool size.
+            cannot use, a bad ``kv_config``, a bad pool size or materialized size.
     """
 
     def __init__(self, *, num_layers: int, num_pages: int | Sequence[int], page_size: int = DEFAULT_PAGE_SIZE,
                  layer_windows: Sequence[int | None] | None = None, dtype: mx.Dtype | None = None,
                  kv_scheme: Any = None, head_dim: int | None = None, release_windows: bool = True,
-                 window_slack: int = DEFAULT_WINDOW_SLACK):
+                 window_slack: int = DEFAULT_WINDOW_SLACK, materialized: int | Sequence[int] | None = None,
+                 growth: PoolGrowth | None = None):
         self.num_layers = num_layers
         self.page_size = page_size
         self.dtype = dtype
@@ -135,8 +151,11 @@ class PagedKVStore:
             raise MlxInferError(
                 f"num_pages has {len(sizes)} entries but the store has {len(keys)} layer groups "
                 f"(windows {keys}); give one int, or one per group.")
-        self.pages = _fast.PageGroups(num_pages=sizes, page_size=page_size,
-                                      windows=[w or 0 for w in keys], slack=window_slack)
+        initial = self._per_group(materialized, sizes, keys)
+        self.pages = _fast.PageGroups(num_pages=sizes, page_size=page_size, windows=[w or 0 for w in keys],
+                                      slack=window_slack, materialized=initial)
+        self.growth = growth
+        self.growths = 0  # grow() calls that materialized pages (each changes the storage's shape)
         self.groups: list[LayerGroup] = [
             LayerGroup(g, w, tuple(i for i, lg in enumerate(self.layer_group) if lg == g), sizes[g],
                        self.pages.keep(g) or None)
@@ -145,15 +164,34 @@ class PagedKVStore:
         self._next_id = 0
         self._live: dict[int, PagedSequence] = {}
 
+    @staticmethod
+    def _per_group(materialized: int | Sequence[int] | None, sizes: list[int], keys: list) -> list[int]:
+        """The initial materialized size of each group (``[]``: all pages), validated."""
+        if materialized is None:
+            return []
+        initial = list(materialized) if isinstance(materialized, (list, tuple)) else [materialized] * len(sizes)
+        if len(initial) != len(sizes):
+            raise MlxInferError(
+                f"materialized has {len(initial)} entries but the store has {len(sizes)} layer groups "
+                f"(windows {keys}); give one int, or one per group.")
+        for m, cap, w in zip(initial, sizes, keys):
+            if isinstance(m, bool) or not isinstance(m, int) or not 2 <= m <= cap:
+                raise MlxInferError(
+                    f"materialized pages of the {'global' if w is None else f'window-{w}'} group must be an "
+                    f"integer in [2, num_pages = {cap}] (the null page and at least one more), got {m!r}.")
+        return initial
+
     @classmethod
     def for_model(cls, model: Any, *, num_pages: int | Sequence[int], page_size: int = DEFAULT_PAGE_SIZE,
                   dtype: mx.Dtype | None = None, kv_scheme: Any = None, release_windows: bool = True,
-                  window_slack: int = DEFAULT_WINDOW_SLACK) -> "PagedKVStore":
+                  window_slack: int = DEFAULT_WINDOW_SLACK, materialized: int | Sequence[int] | None = None,
+                  growth: PoolGrowth | None = None) -> "PagedKVStore":
         """A store shaped for ``model`` (its layer count, windows and head_dim)."""
         windows, _, head_dim = model_geometry(model)
         return cls(num_layers=len(windows), num_pages=num_pages, page_size=page_size,
                    layer_windows=windows, dtype=dtype, kv_scheme=kv_scheme, head_dim=head_dim,
-                   release_windows=release_windows, window_slack=window_slack)
+                   release_windows=release_windows, window_slack=window_slack, materialized=materialized,
+                   growth=growth)
 
     def __repr__(self) -> str:
         return f"PagedKVStore(layers={self.num_layers}, sequences={len(self._live)}, {self.pages!r})"
@@ -197,8 +235,84 @@ class PagedKVStore:
         return dropped
 
     def free_pages(self) -> list[int]:
-        """Pages each group's pool can still hand out (free plus evictable cached)."""
-        return [self.pages.pool(g.index).num_free_pages() for g in self.groups]
+        """Pages each group's pool can still hand out within its capacity: free plus evictable
+        cached plus not yet materialized (what admission and preemption reason about)."""
+        return [self.pages.pool(g.index).num_free_pages() + self.pages.pool(g.index).num_unmaterialized_pages()
+                for g in self.groups]
+
+    # -- growth (state/paged/growth.py) --------------------------------------
+
+    @property
+    def materialized(self) -> list[int]:
+        """Pages (null page included) each group has storage for now."""
+        return [self.pages.pool(g.index).materialized for g in self.groups]
+
+    def grow(self, to: int | Sequence[int]) -> bool:
+        """Materialize each group up to ``to`` pages (one int for every group, or one per group;
+        a group already that large is left as it is). Returns whether anything grew.
+
+        Every allocated layer's storage grows first, one layer at a time (each evaluated before
+        the next, so the transient is one layer's old and new arrays, not the whole pool's),
+        then the pool hands out the new ids. Written pages keep their ids and contents.
+
+        Raises:
+            MlxInferError: a size above a group's capacity.
+        """
+        targets = [to] * len(self.groups) if isinstance(to, int) else list(to)
+        if len(targets) != len(self.groups):
+            raise MlxInferError(f"grow() got {len(targets)} sizes for {len(self.groups)} layer groups.")
+        grew = False
+        for g, t in zip(self.groups, targets):
+            pool = self.pages.pool(g.index)
+            if t > pool.num_pages:
+                raise MlxInferError(f"Cannot grow layer group {g.index} to {t} pages: its capacity is "
+                                    f"{pool.num_pages} (null page included).")
+            if t <= pool.materialized:
+                continue
+            for layer in g.layers:
+                if self.storage[layer] is not None:
+                    self.storage[layer].grow(t)
+            self.pages.grow(g.index, t)
+            grew = True
+        if grew:
+            self.growths += 1
+            mx.clear_cache()  # the old arrays' buffers go back to the device, not to MLX's cache
+        return grew
+
+    def ensure_free(self, need: Sequence[int]) -> bool:
+        """Grow (by :attr:`growth`) each group whose free materialized pages are fewer than
+        ``need[g]``, where its capacity can cover it; returns whether anything grew.
+
+        A group whose capacity is short too is left as it is: the append fails there, and
+        the caller frees pages (preempts) as it would with every page materialized.
+        """
+        if self.growth is None:
+            return False
+        targets = []
+        for g, n in zip(self.groups, need):
+            pool = self.pages.pool(g.index)
+            free = pool.num_free_pages()
+            short = n - free
+            fits = n <= free + pool.num_unmaterialized_pages()
+            targets.append(self.growth.target(pool.materialized, short, pool.num_pages)
+                           if short > 0 and fits else pool.materialized)
+        return self.grow(targets)
+
+    def append(self, seq_id: int, n: int) -> list | None:
+        """``pages.append(seq_id, n)``, growing the storage first where the materialized pages
+        are short (:meth:`ensure_free`); ``None`` when the capacity is."""
+        out = self.pages.append(seq_id, n)
+        if out is None and self.ensure_free(self.pages.pages_needed([seq_id], [n])):  # exact: released already
+            out = self.pages.append(seq_id, n)
+        return out
+
+    def append_batch(self, seq_ids: list[int], counts: list[int], *, table_bucket: int = 1,
+                     row_bucket: int = 1) -> Any:
+        """``pages.append_batch(...)`` (one step's plan), growing as :meth:`append` does."""
+        plan = self.pages.append_batch(seq_ids, counts, table_bucket=table_bucket, row_bucket=row_bucket)
+        if plan is None and self.ensure_free(self.pages.pages_needed(seq_ids, counts)):
+            plan = self.pages.append_batch(seq_ids, counts, table_bucket=table_bucket, row_bucket=row_bucket)
+        return plan
 
     # -- sequences ----------------------------------------------------------
 
@@ -259,7 +373,7 @@ class PagedKVStore:
             scheme.check(layer=layer, head_dim=keys.shape[-1])
             scheme.check(layer=layer, head_dim=values.shape[-1])
             group = self.groups[self.layer_group[layer]]
-            s = LayerStorage(scheme, num_pages=group.num_pages, page_size=self.page_size,
+            s = LayerStorage(scheme, num_pages=self.pages.pool(group.index).materialized, page_size=self.page_size,
                              kv_heads=keys.shape[1], k_dim=keys.shape[-1], v_dim=values.shape[-1],
                              dtype=self.dtype or keys.dtype)
             self.storage[layer] = s
@@ -276,7 +390,7 @@ class PagedKVStore:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the allocated storage (every page of each group's pool, every layer)."""
+        """Bytes of the allocated storage (every materialized page of each group, every allocated layer)."""
         return sum(s.nbytes for s in self.storage if s is not None)
 
     @property
