@@ -47,7 +47,10 @@ mx::array base_linear(const Linear& l, const mx::array& x) {
     return l.bias ? mx::add(y, *l.bias) : y;
   }
   if (l.bias) {
-    return mx::addmm(*l.bias, x, mx::transpose(*l.w));
+    return mx::addmm(*l.bias, x, mx::transpose(*l.w));  // MLX's bias epilogue (tuned_linear has none)
+  }
+  if (l.tuned) {
+    return tuned_linear(x, *l.w);
   }
   return mx::matmul(x, mx::transpose(*l.w));
 }
@@ -74,6 +77,9 @@ mx::array embed_as_linear(const Linear& e, const mx::array& x) {
   }
   if (e.quantized()) {
     return mx::quantized_matmul(x, *e.w, *e.scales, e.biases, true, e.group_size, e.bits, e.mode);
+  }
+  if (e.tuned) {
+    return tuned_linear(x, *e.w);
   }
   return mx::matmul(x, mx::transpose(*e.w));
 }
