@@ -262,10 +262,18 @@ std::vector<Candidate> candidates(cublasLtHandle_t h, Plan& p, const Key& k) {
   return out;
 }
 
+bool graph_friendly(cublasLtHandle_t h, const Plan& p, const Key& k, const Candidate& c, const void* x,
+                    const void* w, void* out, void* ws);
+
 // Median time (us) of each candidate on a private stream, the L2 flushed before each timed run (decode streams
 // its weights from HBM); inputs are the real device pointers (their values do not matter for timing).
-std::vector<float> time_candidates(cublasLtHandle_t h, const Plan& p, const Key& k,
-                                   const std::vector<Candidate>& cands, const void* x, const void* w) {
+struct Timings {
+  std::vector<float> us;  // per candidate; -1 where it did not run
+  int chosen;             // the candidate to keep, or -1 where none ran and captured cleanly
+};
+
+Timings time_candidates(cublasLtHandle_t h, const Plan& p, const Key& k, const std::vector<Candidate>& cands,
+                        const void* x, const void* w) {
   cudaStream_t s = private_stream(k.device);
   size_t ws_bytes = 0;
   for (const auto& c : cands) ws_bytes = std::max(ws_bytes, c.workspace);
@@ -307,11 +315,69 @@ std::vector<float> time_candidates(cublasLtHandle_t h, const Plan& p, const Key&
     std::nth_element(t.begin(), t.begin() + kTimed / 2, t.end());
     times[i] = t[kTimed / 2];
   }
+  // Fastest first; a candidate within 2% of the fastest with less workspace wins (less memory held per call).
+  std::vector<size_t> order;
+  for (size_t i = 0; i < cands.size(); ++i) {
+    if (times[i] >= 0) order.push_back(i);
+  }
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return times[a] < times[b]; });
+  int chosen = -1;
+  for (size_t j = 0; j < order.size() && chosen < 0; ++j) {
+    if (!graph_friendly(h, p, k, cands[order[j]], x, w, out, ws)) continue;
+    chosen = static_cast<int>(order[j]);
+    for (size_t r = j + 1; r < order.size() && times[order[r]] <= 1.02f * times[order[j]]; ++r) {
+      if (cands[order[r]].workspace < cands[chosen].workspace && graph_friendly(h, p, k, cands[order[r]], x, w, out, ws)) {
+        chosen = static_cast<int>(order[r]);
+      }
+    }
+  }
   for (auto& e : ev) cudaEventDestroy(e);
   cudaFree(flush);
   if (ws) cudaFree(ws);
   cudaFree(out);
-  return times;
+  return {times, chosen};
+}
+
+// Whether the candidate's launch, captured into a CUDA graph as MLX captures it, keeps MLX's graph updatable:
+// kernel and memset nodes only, thread-block clusters along x only (mlx/backend/cuda/device.cpp,
+// subgraph_to_key: anything else makes MLX instantiate its graph anew at every commit).
+bool graph_friendly(cublasLtHandle_t h, const Plan& p, const Key& k, const Candidate& c, const void* x,
+                    const void* w, void* out, void* ws) {
+  cudaStream_t s = private_stream(k.device);
+  const float alpha = 1.0f, beta = 0.0f;
+  if (cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  const auto st = cublasLtMatmul(h, p.desc, &alpha, w, p.a, x, p.b, &beta, out, p.d, out, p.d, &c.algo, ws,
+                                 c.workspace, s);
+  cudaGraph_t graph = nullptr;
+  const auto end = cudaStreamEndCapture(s, &graph);
+  bool ok = st == CUBLAS_STATUS_SUCCESS && end == cudaSuccess && graph != nullptr;
+  if (ok) {
+    size_t n = 0;
+    cudaGraphGetNodes(graph, nullptr, &n);
+    std::vector<cudaGraphNode_t> nodes(n);
+    if (n) cudaGraphGetNodes(graph, nodes.data(), &n);
+    for (auto node : nodes) {
+      cudaGraphNodeType type;
+      cudaGraphNodeGetType(node, &type);
+      if (type == cudaGraphNodeTypeMemset) continue;
+      if (type != cudaGraphNodeTypeKernel) {
+        ok = false;
+        break;
+      }
+      cudaLaunchAttributeValue v{};
+      if (cudaGraphKernelNodeGetAttribute(node, cudaLaunchAttributeClusterDimension, &v) == cudaSuccess &&
+          (v.clusterDim.y > 1 || v.clusterDim.z > 1)) {
+        ok = false;
+        break;
+      }
+    }
+  }
+  if (graph) cudaGraphDestroy(graph);
+  cudaGetLastError();
+  return ok;
 }
 
 const char* type_name(cudaDataType_t t) { return t == CUDA_R_16BF ? "bfloat16" : "float16"; }
@@ -344,20 +410,17 @@ const Plan& plan_for(const Key& k, cudaStream_t mlx_stream, const void* x, const
                              ", N=" + std::to_string(k.N) + ", K=" + std::to_string(k.K) + ").");
   }
   cudaStreamSynchronize(mlx_stream);  // MLX's committed work done: the timings do not share the GPU with it
-  auto times = time_candidates(h, *p, k, cands, x, w);
-  size_t best = 0;
-  for (size_t i = 0; i < times.size(); ++i) {
-    if (times[i] >= 0 && (times[best] < 0 || times[i] < times[best])) best = i;
-  }
-  if (times[best] < 0) best = 0;  // none ran on the private stream: keep the first heuristic's pick
+  const auto t = time_candidates(h, *p, k, cands, x, w);
+  // None ran and captured cleanly on the private stream: keep the first heuristic's pick (what MLX runs).
+  const size_t best = t.chosen >= 0 ? static_cast<size_t>(t.chosen) : 0;
   p->algo = cands[best].algo;
   p->workspace = cands[best].workspace;
   if (log_choices()) {
     std::fprintf(stderr,
-                 "[mlx_infer tuned_linear] M=%d N=%d K=%d %s: %zu candidates; chose %s (ws %zu B) %.1f us, first "
-                 "heuristic %.1f us\n",
-                 k.M, k.N, k.K, type_name(k.type), cands.size(), describe(p->algo).c_str(), p->workspace,
-                 times[best], times[0]);
+                 "[mlx_infer tuned_linear] M=%d N=%d K=%d %s: %zu candidates; chose #%zu %s (workspace %zu B) "
+                 "%.1f us; first heuristic %.1f us\n",
+                 k.M, k.N, k.K, type_name(k.type), cands.size(), best, describe(p->algo).c_str(), p->workspace,
+                 t.us[best], t.us[0]);
   }
   return *plans->emplace(k, std::move(p)).first->second;
 }
