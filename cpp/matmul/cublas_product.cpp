@@ -88,6 +88,16 @@ bool log_choices() {
   return on;
 }
 
+// Our CUDA runtime (linked statically, apart from libmlx's own static one) on the device MLX evaluates on: its
+// current device is its own per-thread state, which MLX's cudaSetDevice does not set.
+void use_device(int device) {
+  thread_local int current = -1;
+  if (current != device) {
+    check_cuda("cudaSetDevice", cudaSetDevice(device));
+    current = device;
+  }
+}
+
 // One cuBLASLt handle per (thread, device), as MLX keeps its own; never destroyed (process lifetime: a
 // destructor at thread or process exit could run after the CUDA runtime is gone).
 cublasLtHandle_t lt_handle(int device) {
@@ -441,6 +451,7 @@ class TunedProduct : public mx::UnaryPrimitive {
     }
     auto& enc = cu::get_command_encoder(stream());
     const int device = enc.device().cuda_device();
+    use_device(device);
     Key k{device,
           static_cast<int>(x.size() / w.shape(1)),
           w.shape(0),
