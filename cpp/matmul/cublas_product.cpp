@@ -65,6 +65,7 @@ namespace cu = mlx::core::cu;
 
 constexpr size_t kMaxWorkspace = 32u << 20;  // cuBLAS's recommendation for Hopper and later
 constexpr int kHeuristics = 16;
+constexpr int kSplitBases = 4;
 constexpr int kWarmup = 2;
 constexpr int kTimed = 10;
 
@@ -241,7 +242,8 @@ std::vector<Candidate> candidates(cublasLtHandle_t h, Plan& p, const Key& k) {
     if (res[i].state == CUBLAS_STATUS_SUCCESS && !seen(res[i].algo)) out.push_back({res[i].algo, res[i].workspaceSize});
   }
   const size_t heuristic = out.size();
-  for (size_t i = 0; i < heuristic; ++i) {
+  int expanded = 0;  // split-K variants of the first kSplitBases unsplit candidates (bounds the tuning time)
+  for (size_t i = 0; i < heuristic && expanded < kSplitBases; ++i) {
     int32_t splitk = 1;
     size_t written = 0;
     if (cublasLtMatmulAlgoConfigGetAttribute(&out[i].algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splitk, sizeof(splitk),
@@ -249,6 +251,7 @@ std::vector<Candidate> candidates(cublasLtHandle_t h, Plan& p, const Key& k) {
         splitk != 1) {
       continue;
     }
+    ++expanded;
     for (int32_t splits : {2, 4, 8, 16}) {
       if (splits > 1 && k.K / splits < 256) break;  // slices too thin to pay for their reduction
       for (uint32_t scheme : {static_cast<uint32_t>(CUBLASLT_REDUCTION_SCHEME_INPLACE),
