@@ -35,31 +35,42 @@ from products import L2_BYTES, layer_products  # noqa: E402
 
 from mlx_infer import _fast  # noqa: E402
 
-PRODUCTS = ("q", "k", "v", "o", "gate", "up", "down", "qkv", "gate_up", "head")
+#: Products of a layer and the head; ``qkv+bias``: the fused q|k|v with a bias (qwen2's), in cuBLASLt's epilogue.
+PRODUCTS = ("q", "k", "v", "o", "gate", "up", "down", "qkv", "qkv+bias", "gate_up", "head")
+Product = Callable[[mx.array, mx.array, "mx.array | None"], mx.array]
 
 
-def relative_error(out: int, inp: int, m: int) -> float:
+def mlx_product(x: mx.array, w: mx.array, b: mx.array | None) -> mx.array:
+    return x @ w.T if b is None else mx.addmm(b, x, w.T)
+
+
+def tuned_product(x: mx.array, w: mx.array, b: mx.array | None) -> mx.array:
+    return _fast.tuned_linear(x, w, b)
+
+
+def relative_error(out: int, inp: int, m: int, bias: bool) -> float:
     """``max |tuned - mlx| / max |mlx|`` for one random bf16 product."""
     w = (mx.random.normal((out, inp), key=mx.random.key(out + inp)) * 0.02).astype(mx.bfloat16)
     x = mx.random.normal((m, inp), key=mx.random.key(m)).astype(mx.bfloat16)
-    ref = (x @ w.T).astype(mx.float32)  # (m, out)
-    got = _fast.tuned_linear(x, w).astype(mx.float32)  # (m, out)
+    b = mx.random.normal((out,), key=mx.random.key(3)).astype(mx.bfloat16) if bias else None
+    ref = mlx_product(x, w, b).astype(mx.float32)  # (m, out)
+    got = tuned_product(x, w, b).astype(mx.float32)  # (m, out)
     return (mx.abs(got - ref).max() / mx.maximum(mx.abs(ref).max(), 1e-30)).item()
 
 
-def time_product(fn: Callable[[mx.array, mx.array], mx.array], out: int, inp: int, m: int, iters: int,
-                 rounds: int) -> float:
+def time_product(fn: Product, out: int, inp: int, m: int, bias: bool, iters: int, rounds: int) -> float:
     """Median seconds per product over ``rounds``, weights cycling through copies that overflow the L2."""
     copies = max(1, -(-L2_BYTES // (out * inp * 2)))
     ws = [(mx.random.normal((out, inp)) * 0.02).astype(mx.bfloat16) for _ in range(copies)]
     x = mx.random.normal((m, inp)).astype(mx.bfloat16)
-    mx.eval(ws, x)
+    b = mx.random.normal((out,)).astype(mx.bfloat16) if bias else None
+    mx.eval(ws, x, *([b] if bias else []))
     for _ in range(3):  # the first use of a shape tunes it (tuned_linear)
-        mx.eval([fn(x, w) for w in ws])
+        mx.eval([fn(x, w, b) for w in ws])
     times = []
     for _ in range(rounds):
         t = time.perf_counter()
-        mx.eval([fn(x, ws[j % len(ws)]) for j in range(iters)])
+        mx.eval([fn(x, ws[j % len(ws)], b) for j in range(iters)])
         times.append((time.perf_counter() - t) / iters)
     return statistics.median(times)
 
@@ -84,15 +95,16 @@ def main() -> int:
         prods = layer_products(dict(SHAPES[shape], **(TINY[shape] if args.tiny else {})))
         for m in ms:
             for name in PRODUCTS:
-                out, inp = prods[name]
-                err = relative_error(out, inp, m)
-                t_mlx = time_product(lambda x, w: x @ w.T, out, inp, m, args.iters, args.rounds)
-                t_tuned = time_product(_fast.tuned_linear, out, inp, m, args.iters, args.rounds)
+                bias = name.endswith("+bias")
+                out, inp = prods[name.removesuffix("+bias")]
+                err = relative_error(out, inp, m, bias)
+                t_mlx = time_product(mlx_product, out, inp, m, bias, args.iters, args.rounds)
+                t_tuned = time_product(tuned_product, out, inp, m, bias, args.iters, args.rounds)
                 row = {"shape": shape, "m": m, "product": name, "out": out, "in": inp, "rel_err": err,
                        "mlx_us": t_mlx * 1e6, "tuned_us": t_tuned * 1e6, "speedup": t_mlx / t_tuned,
                        "ok": err <= args.tol}
                 rows.append(row)
-                print(f"{shape:>12} M={m:>3} {name:>7} ({out}x{inp}): mlx {row['mlx_us']:8.1f} us  tuned "
+                print(f"{shape:>12} M={m:>3} {name:>8} ({out}x{inp}): mlx {row['mlx_us']:8.1f} us  tuned "
                       f"{row['tuned_us']:8.1f} us  {row['speedup']:5.2f}x  rel err {err:.2e}"
                       f"{'' if row['ok'] else '  ERROR ABOVE TOL'}{'  (slower)' if row['speedup'] < 0.95 else ''}")
     bad = [r for r in rows if not r["ok"]]

@@ -45,10 +45,25 @@ def test_transposed_and_mixed_inputs_equal_matmul():
     assert got.dtype == mx.float32 and mx.array_equal(got, mx.matmul(x, wf.T, stream=mx.cpu)).item()
 
 
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32], ids=str)
+def test_bias_equals_addmm_exactly_off_cuda(dtype):
+    x = mx.random.normal((2, 3, 24), key=mx.random.key(5)).astype(dtype)
+    w = mx.random.normal((40, 24), key=mx.random.key(6)).astype(dtype)
+    b = mx.random.normal((40,), key=mx.random.key(7)).astype(dtype)
+    got = _fast.tuned_linear(x, w, b, stream=mx.cpu)
+    assert mx.array_equal(got, mx.addmm(b, x, w.T, stream=mx.cpu)).item()
+
+
 @pytest.mark.parametrize("x_shape,w_shape", [((4, 24), (40, 23)), ((4, 24), (24,)), ((4, 24), (2, 40, 24))])
 def test_bad_shapes_raise_a_clear_error(x_shape, w_shape):
     with pytest.raises(ValueError, match=r"\[tuned_linear\] x must be \(\.\.\., K\) and w \(N, K\)"):
         _fast.tuned_linear(mx.zeros(x_shape), mx.zeros(w_shape))
+
+
+@pytest.mark.parametrize("b_shape", [(39,), (1, 40)])
+def test_bad_bias_raises_a_clear_error(b_shape):
+    with pytest.raises(ValueError, match=r"\[tuned_linear\] bias must be \(N,\) with N = w.shape\(0\) = 40"):
+        _fast.tuned_linear(mx.zeros((4, 24)), mx.zeros((40, 24)), mx.zeros(b_shape))
 
 
 def test_available_only_with_cuda():
@@ -57,9 +72,16 @@ def test_available_only_with_cuda():
 
 
 @pytest.fixture(scope="module")
-def bf16_llama(tmp_path_factory):
-    # bfloat16: the dtype the CUDA primitive takes, so only the device (not the dtype) keeps it off here.
-    return load_model(make_tiny_model_dir(tmp_path_factory.mktemp("tuned"), "llama", dtype=mx.bfloat16)).model
+def bf16_models(tmp_path_factory):
+    # bfloat16: the dtype the CUDA primitive takes, so only the device (not the dtype) keeps it off here;
+    # qwen2: q/k/v with biases (tuned_linear's bias path).
+    return {name: load_model(make_tiny_model_dir(tmp_path_factory.mktemp(name), name, dtype=mx.bfloat16)).model
+            for name in ("llama", "qwen2")}
+
+
+@pytest.fixture(scope="module")
+def bf16_llama(bf16_models):
+    return bf16_models["llama"]
 
 
 def test_policy_resolves_off_on_the_cpu_and_reaches_the_config(bf16_llama):
@@ -89,14 +111,16 @@ def _decode(model, policy: DecodePolicy, rows: int, steps: int = 12) -> tuple[li
     return toks, logits
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
 @pytest.mark.parametrize("compile_", [True, False], ids=["compiled", "graph"])
 @pytest.mark.parametrize("rows", [1, 3])
-def test_forcing_it_on_changes_nothing_off_cuda(bf16_llama, compile_, rows):
+def test_forcing_it_on_changes_nothing_off_cuda(bf16_models, name, compile_, rows):
     if ON_CUDA:
         pytest.skip("on CUDA the products differ in rounding order: benchmarks/gpu_tuned_products.py checks them")
+    model = bf16_models[name]
     base = dict(compile=compile_, compile_min_batch=1, fuse_projections=True)
-    want, want_logits = _decode(bf16_llama, DecodePolicy(**base, tuned_products=False), rows)
-    got, got_logits = _decode(bf16_llama, DecodePolicy(**base, tuned_products=True), rows)
+    want, want_logits = _decode(model, DecodePolicy(**base, tuned_products=False), rows)
+    got, got_logits = _decode(model, DecodePolicy(**base, tuned_products=True), rows)
     assert got == want
     assert all(mx.array_equal(a, b).item() for a, b in zip(got_logits, want_logits))
 

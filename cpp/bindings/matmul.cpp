@@ -151,25 +151,26 @@ Raises:
 
   m.def(
       "tuned_linear",
-      [](const mx::array& x, const mx::array& w, mx::StreamOrDevice stream) {
-        return mlx_infer::tuned_linear(x, w, stream);
+      [](const mx::array& x, const mx::array& w, const std::optional<mx::array>& bias, mx::StreamOrDevice stream) {
+        return mlx_infer::tuned_linear(x, w, bias, stream);
       },
-      "x"_a, "w"_a, nb::kw_only(), "stream"_a = nb::none(),
+      "x"_a, "w"_a, "bias"_a = nb::none(), nb::kw_only(), "stream"_a = nb::none(),
       R"(``x @ w.T`` through cuBLASLt with the fastest algorithm per shape on CUDA.
 
 Args:
     x: ``(..., K)``.
     w: ``(N, K)`` (a Linear layer's weight).
+    bias: optional ``(N,)``, added in cuBLASLt's epilogue (``mx.addmm`` elsewhere).
     stream: stream or device (default: the default stream).
 
 Returns:
     ``(..., N)``. On MLX's CUDA backend, for bfloat16 or float16 x and w (one dtype) and more than
     one row, a cuBLASLt product whose algorithm was timed against the other candidates on the
     first use of each (M, N, K, dtype) (``MLX_INFER_TUNED_PRODUCTS_LOG=1`` prints the choices).
-    Everywhere else ``mx.matmul(x, w.T)``, unchanged.
+    Everywhere else ``mx.matmul(x, w.T)`` (``mx.addmm(bias, x, w.T)``), unchanged.
 
 Raises:
-    ValueError: x's last axis is not w's K, or w is not 2-D.)");
+    ValueError: x's last axis is not w's K, w is not 2-D, or bias is not ``(N,)``.)");
   m.def("tuned_products_available", &mlx_infer::tuned_products_available,
         "True where tuned_linear runs cuBLASLt: built with the CUDA toolkit and MLX's CUDA backend available.");
 

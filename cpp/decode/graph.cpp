@@ -46,11 +46,11 @@ mx::array base_linear(const Linear& l, const mx::array& x) {
                                   l.bits, l.mode);
     return l.bias ? mx::add(y, *l.bias) : y;
   }
-  if (l.bias) {
-    return mx::addmm(*l.bias, x, mx::transpose(*l.w));  // MLX's bias epilogue (tuned_linear has none)
-  }
   if (l.tuned) {
-    return tuned_linear(x, *l.w);
+    return tuned_linear(x, *l.w, l.bias);
+  }
+  if (l.bias) {
+    return mx::addmm(*l.bias, x, mx::transpose(*l.w));
   }
   return mx::matmul(x, mx::transpose(*l.w));
 }

@@ -19,6 +19,7 @@
 
 #include <mlx/primitives.h>
 
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -176,14 +177,34 @@ struct Key {
   int device, M, N, K;
   cudaDataType_t type;
   int align_x, align_w;
+  bool bias;  // + bias (N,) in cuBLASLt's epilogue, as MLX's addmm
   bool operator<(const Key& o) const {
-    return std::tie(device, M, N, K, type, align_x, align_w) <
-           std::tie(o.device, o.M, o.N, o.K, o.type, o.align_x, o.align_w);
+    return std::tie(device, M, N, K, type, align_x, align_w, bias) <
+           std::tie(o.device, o.M, o.N, o.K, o.type, o.align_x, o.align_w, o.bias);
   }
 };
 
-struct Plan {
+// The operation: out^T = w x^T in float32 accumulation (see plan_for's layouts), + bias when given.
+cublasLtMatmulDesc_t make_desc(const void* bias) {
   cublasLtMatmulDesc_t desc = nullptr;
+  check_cublas("cublasLtMatmulDescCreate", cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+  check_cublas("cublasLtMatmulDescSetAttribute",
+               cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
+  check_cublas("cublasLtMatmulDescSetAttribute",
+               cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
+  if (bias != nullptr) {
+    cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;  // bias of the output's type, one per output feature
+    check_cublas("cublasLtMatmulDescSetAttribute",
+                 cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
+    check_cublas("cublasLtMatmulDescSetAttribute",
+                 cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+  }
+  return desc;
+}
+
+struct Plan {
+  cublasLtMatmulDesc_t desc = nullptr;  // for a key with bias: the tuning call's bias pointer (each call makes its own)
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;  // a = w, b = x (swapped: row-major result)
   cublasLtMatmulAlgo_t algo{};
   size_t workspace = 0;
@@ -396,7 +417,7 @@ bool graph_friendly(cublasLtHandle_t h, const Plan& p, const Key& k, const Candi
 const char* type_name(cudaDataType_t t) { return t == CUDA_R_16BF ? "bfloat16" : "float16"; }
 
 // The plan of a key, made and tuned on first use. The mutex also serializes tuning runs.
-const Plan& plan_for(const Key& k, cudaStream_t mlx_stream, const void* x, const void* w) {
+const Plan& plan_for(const Key& k, cudaStream_t mlx_stream, const void* x, const void* w, const void* bias) {
   static std::mutex mu;
   static auto* plans = new std::map<Key, std::unique_ptr<Plan>>;  // leaked, as MLX leaks its devices
   std::lock_guard<std::mutex> lock(mu);
@@ -404,12 +425,7 @@ const Plan& plan_for(const Key& k, cudaStream_t mlx_stream, const void* x, const
   if (it != plans->end()) return *it->second;
 
   auto p = std::make_unique<Plan>();
-  check_cublas("cublasLtMatmulDescCreate", cublasLtMatmulDescCreate(&p->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-  cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
-  check_cublas("cublasLtMatmulDescSetAttribute",
-               cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
-  check_cublas("cublasLtMatmulDescSetAttribute",
-               cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
+  p->desc = make_desc(bias);
   // Column-major views of the row-major buffers: w (N, K) is K x N (ld K), taken transposed; x (M, K) is
   // K x M (ld K); out (M, N) is N x M (ld N). out^T = w x^T.
   check_cublas("cublasLtMatrixLayoutCreate", cublasLtMatrixLayoutCreate(&p->a, k.type, k.K, k.N, k.K));
@@ -449,7 +465,8 @@ class TunedProduct : public mx::UnaryPrimitive {
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     const auto& x = inputs[0];
     const auto& w = inputs[1];
-    if (!x.flags().row_contiguous || !w.flags().row_contiguous) {
+    const mx::array* bias = inputs.size() > 2 ? &inputs[2] : nullptr;
+    if (!x.flags().row_contiguous || !w.flags().row_contiguous || (bias && !bias->flags().row_contiguous)) {
       throw std::runtime_error("[TunedProduct] inputs must be row-contiguous (tuned_linear makes them so).");
     }
     auto& enc = cu::get_command_encoder(stream());
@@ -461,13 +478,16 @@ class TunedProduct : public mx::UnaryPrimitive {
           w.shape(1),
           x.dtype() == mx::bfloat16 ? CUDA_R_16BF : CUDA_R_16F,
           alignment(mx::gpu_ptr<void>(x)),
-          alignment(mx::gpu_ptr<void>(w))};
+          alignment(mx::gpu_ptr<void>(w)),
+          bias != nullptr};
     cudaStream_t cs = enc.stream();
-    const Plan& p = plan_for(k, cs, mx::gpu_ptr<void>(x), mx::gpu_ptr<void>(w));
+    const void* bias_ptr = bias ? mx::gpu_ptr<void>(*bias) : nullptr;
+    const Plan& p = plan_for(k, cs, mx::gpu_ptr<void>(x), mx::gpu_ptr<void>(w), bias_ptr);
 
     out.set_data(device_buffer(out.nbytes(), device));
     enc.set_input_array(x);
     enc.set_input_array(w);
+    if (bias) enc.set_input_array(*bias);
     enc.set_output_array(out);
     void* ws = nullptr;
     if (p.workspace > 0) {
@@ -477,10 +497,16 @@ class TunedProduct : public mx::UnaryPrimitive {
     }
     const float alpha = 1.0f, beta = 0.0f;
     auto* o = mx::gpu_ptr<void>(out);
-    auto capture = enc.capture_context();
-    check_cublas("cublasLtMatmul",
-                 cublasLtMatmul(lt_handle(device), p.desc, &alpha, mx::gpu_ptr<void>(w), p.a, mx::gpu_ptr<void>(x),
-                                p.b, &beta, o, p.d, o, p.d, &p.algo, ws, p.workspace, enc.stream()));
+    // This call's bias pointer in a descriptor of its own (the plan's is shared); the launch copies what it reads.
+    cublasLtMatmulDesc_t own = bias ? make_desc(bias_ptr) : nullptr;
+    cublasStatus_t st;
+    {
+      auto capture = enc.capture_context();
+      st = cublasLtMatmul(lt_handle(device), own ? own : p.desc, &alpha, mx::gpu_ptr<void>(w), p.a,
+                          mx::gpu_ptr<void>(x), p.b, &beta, o, p.d, o, p.d, &p.algo, ws, p.workspace, enc.stream());
+    }
+    if (own) cublasLtMatmulDescDestroy(own);
+    check_cublas("cublasLtMatmul", st);
   }
 
   const char* name() const override { return "TunedProduct"; }
@@ -505,24 +531,36 @@ bool tuned_products_available() {
 #endif
 }
 
-mx::array tuned_linear(const mx::array& x, const mx::array& w, mx::StreamOrDevice s) {
+mx::array tuned_linear(const mx::array& x, const mx::array& w, const std::optional<mx::array>& bias,
+                       mx::StreamOrDevice s) {
   check_linear_args(x, w);
+  if (bias && (bias->ndim() != 1 || bias->shape(0) != w.shape(0))) {
+    throw std::invalid_argument("[tuned_linear] bias must be (N,) with N = w.shape(0) = " +
+                                std::to_string(w.shape(0)) + ", got " + std::to_string(bias->ndim()) +
+                                "-D with " + std::to_string(bias->size()) + " values.");
+  }
   const auto stream = mx::to_stream(s);
   const int64_t K = w.shape(1);
   const int64_t rows = K > 0 ? static_cast<int64_t>(x.size()) / K : 0;
   const bool ours = tuned_products_available() && stream.device == mx::Device::gpu && rows > 1 &&
-                    w.shape(0) > 0 && K > 0 && tuned_dtype(x.dtype()) && x.dtype() == w.dtype();
+                    w.shape(0) > 0 && K > 0 && tuned_dtype(x.dtype()) && x.dtype() == w.dtype() &&
+                    (!bias || bias->dtype() == x.dtype());
 #ifdef MLXI_CUBLAS
   if (ours) {
     auto xc = mx::contiguous(x, false, stream);  // shares the buffer when already row-contiguous
     auto wc = mx::contiguous(w, false, stream);
+    std::vector<mx::array> inputs{xc, wc};
+    if (bias) inputs.push_back(mx::contiguous(*bias, false, stream));
     auto shape = x.shape();
     shape.back() = w.shape(0);
-    return mx::array(std::move(shape), x.dtype(), std::make_shared<TunedProduct>(stream), {xc, wc});
+    return mx::array(std::move(shape), x.dtype(), std::make_shared<TunedProduct>(stream), std::move(inputs));
   }
 #else
   (void)ours;
 #endif
+  if (bias) {
+    return mx::addmm(*bias, x, mx::transpose(w, stream), 1.0f, 1.0f, stream);
+  }
   return mx::matmul(x, mx::transpose(w, stream), stream);
 }
 

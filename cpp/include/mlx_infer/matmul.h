@@ -132,10 +132,15 @@ mx::array fast_lora_quantized_matmul(
 /// stream of MLX's CUDA backend: a TunedProduct primitive. The first product of each (M, N, K, dtype)
 /// times up to 16 cuBLASLt heuristic candidates and their split-K variants and keeps the fastest
 /// (MLX takes the first heuristic; MLX_INFER_TUNED_PRODUCTS_LOG=1 prints each choice to stderr).
+/// With bias (N,) of x's dtype, `+ bias` in cuBLASLt's epilogue (as MLX's addmm on CUDA).
 /// Everything else (the CPU, Metal, one row, other dtypes, a build without the CUDA toolkit) gets
-/// `mx::matmul(x, mx::transpose(w))`, unchanged.
-/// Throws std::invalid_argument when x's last axis is not w's K.
-mx::array tuned_linear(const mx::array& x, const mx::array& w, mx::StreamOrDevice s = {});
+/// `mx::matmul(x, mx::transpose(w))` (`mx::addmm(bias, ...)` with a bias), unchanged.
+/// Throws std::invalid_argument when x's last axis is not w's K, or bias is not (N,).
+mx::array tuned_linear(
+    const mx::array& x,
+    const mx::array& w,
+    const std::optional<mx::array>& bias = std::nullopt,
+    mx::StreamOrDevice s = {});
 
 /// True where tuned_linear builds its primitive: compiled with cuBLASLt (MLXI_CUBLAS) and MLX's CUDA
 /// backend available.
