@@ -4,7 +4,9 @@
 // first heuristic. At the decode-sized M (8..256 rows) with N, K of a linear layer that first pick often
 // launches too few blocks to fill the GPU (measured on an H200, benchmarks/products.py: llama-8B q at M = 8,
 // 42 us vs 23 us for torch's cuBLAS). TunedProduct asks the heuristic for up to 16 candidates, adds split-K
-// variants of them, times each once per (M, N, K, dtype, alignment) on a private stream and keeps the fastest.
+// variants of them, times each once per (M, N, K, dtype, alignment, bias) on a private stream (the L2 flushed
+// before each run, as decode streams its weights) and keeps the fastest among those whose captured launch keeps
+// MLX's CUDA graph updatable. A bias (N,) goes in cuBLASLt's epilogue, as MLX's addmm does.
 //
 // Memory: MLX 0.32's exported allocator::malloc hands out unified (managed) memory, and a cached device buffer
 // it hands back is first copied to unified memory (a blocking cudaMemcpy per call); its stream-ordered
@@ -141,8 +143,15 @@ void recycle(mx::allocator::Buffer b) {
   auto* buf = static_cast<cu::CudaBuffer*>(b.ptr());
   if (buf == nullptr) return;
   if (buf->device < 0) {
-    // MLX moved it to unified memory (a CPU read: Buffer::raw_ptr) and freed our device memory itself.
-    cudaFree(buf->data);
+    // MLX moved it to unified memory (a CPU read: Buffer::raw_ptr) and freed our device memory itself; the
+    // unified memory is managed (cudaMallocManaged) or, without managed memory, pinned host memory.
+    cudaPointerAttributes attr{};
+    if (cudaPointerGetAttributes(&attr, buf->data) == cudaSuccess && attr.type == cudaMemoryTypeHost) {
+      cudaFreeHost(buf->data);
+    } else {
+      cudaFree(buf->data);
+    }
+    cudaGetLastError();
     delete buf;
     return;
   }
@@ -446,10 +455,10 @@ const Plan& plan_for(const Key& k, cudaStream_t mlx_stream, const void* x, const
   p->workspace = cands[best].workspace;
   if (log_choices()) {
     std::fprintf(stderr,
-                 "[mlx_infer tuned_linear] M=%d N=%d K=%d %s: %zu candidates; chose #%zu %s (workspace %zu B) "
+                 "[mlx_infer tuned_linear] M=%d N=%d K=%d %s%s: %zu candidates; chose #%zu %s (workspace %zu B) "
                  "%.1f us; first heuristic %.1f us\n",
-                 k.M, k.N, k.K, type_name(k.type), cands.size(), best, describe(p->algo).c_str(), p->workspace,
-                 t.us[best], t.us[0]);
+                 k.M, k.N, k.K, type_name(k.type), k.bias ? " +bias" : "", cands.size(), best,
+                 describe(p->algo).c_str(), p->workspace, t.us[best], t.us[0]);
   }
   return *plans->emplace(k, std::move(p)).first->second;
 }
