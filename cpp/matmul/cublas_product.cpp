@@ -129,9 +129,11 @@ cudaStream_t private_stream(int device) {
 
 // ---- device buffers (see the file comment) ----
 
+// Free buffers by (device, bytes). A request takes the smallest free buffer of at least its size and less than
+// twice it (as MLX's buffer cache reuses), so the rows of a batch growing or shrinking reuse what is there.
 struct BufferPool {
   std::mutex mu;
-  std::map<std::pair<int, size_t>, std::vector<cu::CudaBuffer*>> free;  // (device, bytes) -> buffers
+  std::multimap<std::pair<int, size_t>, cu::CudaBuffer*> free;
 };
 
 BufferPool& pool() {
@@ -157,7 +159,7 @@ void recycle(mx::allocator::Buffer b) {
   }
   auto& p = pool();
   std::lock_guard<std::mutex> lock(p.mu);
-  p.free[{buf->device, buf->size}].push_back(buf);
+  p.free.emplace(std::make_pair(buf->device, buf->size), buf);
 }
 
 mx::allocator::Data device_buffer(size_t bytes, int device) {
@@ -165,10 +167,10 @@ mx::allocator::Data device_buffer(size_t bytes, int device) {
   auto& p = pool();
   {
     std::lock_guard<std::mutex> lock(p.mu);
-    auto it = p.free.find({device, bytes});
-    if (it != p.free.end() && !it->second.empty()) {
-      auto* buf = it->second.back();
-      it->second.pop_back();
+    auto it = p.free.lower_bound({device, bytes});
+    if (it != p.free.end() && it->first.first == device && it->first.second < 2 * bytes) {
+      auto* buf = it->second;
+      p.free.erase(it);
       return mx::allocator::Data(mx::allocator::Buffer(buf), recycle);
     }
   }
