@@ -22,7 +22,9 @@ Engines (``--engines``):
 - ``graph``: the C++ step built every step without the whole-step compile
   (exact-length KV views, no mask: the fused decode-attention kernel applies);
 - ``step-fused`` / ``compiled-fused`` / ``graph-fused``: the same with q|k|v and
-  gate|up fused into one matmul each.
+  gate|up fused into one matmul each;
+- ``step-untuned``: ``step`` with MLX's own matmul for the dense products instead of
+  ``_fast.tuned_linear`` (cuBLASLt's fastest algorithm per shape, on by default on CUDA).
 
 After the trials it prints, per model and batch, the C++ step's per-step time
 split (32 unpipelined steps, median): host graph build (``step()`` + argmax,
@@ -113,6 +115,7 @@ ENGINE_POLICIES = {
     "graph": DecodePolicy(compile=False),
     "compiled-fused": DecodePolicy(compile=True, compile_min_batch=1, fuse_projections=True),
     "graph-fused": DecodePolicy(compile=False, fuse_projections=True),
+    "step-untuned": DecodePolicy(tuned_products=False),  # A/B of the tuned products (the CUDA default)
 }
 
 

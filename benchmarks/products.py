@@ -14,7 +14,8 @@ the device's bandwidth (``--bandwidth``, default the H200's 4.8 TB/s).
 
 Engines: ``mlx`` (``x @ W.T``, bf16), ``mlx-fused`` (the same, with q|k|v and gate|up as one
 product: what the compiled steps run on a GPU), ``cublas`` (``torch.nn.functional.linear`` on
-CUDA; absent without a CUDA torch). The timing queues ``--iters`` products and waits once (MLX:
+CUDA; absent without a CUDA torch), ``tuned`` (``_fast.tuned_linear``, cuBLASLt's fastest algorithm per
+shape, fused q|k|v and gate|up as the compiled steps run them; where ``_fast.tuned_products_available()``). The timing queues ``--iters`` products and waits once (MLX:
 one ``mx.eval``; torch: one ``cuda.synchronize``), so launch overhead counts as it does in a step.
 """
 
@@ -33,6 +34,8 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_decode import SHAPES, TINY  # noqa: E402
 
+from mlx_infer import _fast  # noqa: E402
+
 L2_BYTES = 64 * 2**20  # more than an H200's 50 MB L2: each timed product reads its weights from HBM
 
 
@@ -46,22 +49,23 @@ def layer_products(cfg: dict[str, Any]) -> dict[str, tuple[int, int]]:
 
 #: Which products make a step for each engine (per layer; the head once).
 STEP = {"mlx": ("q", "k", "v", "o", "gate", "up", "down"), "mlx-fused": ("qkv", "o", "gate_up", "down"),
-        "cublas": ("q", "k", "v", "o", "gate", "up", "down")}
+        "cublas": ("q", "k", "v", "o", "gate", "up", "down"), "tuned": ("qkv", "o", "gate_up", "down")}
 
 
 def _copies(out: int, inp: int) -> int:
     return max(1, -(-L2_BYTES // (out * inp * 2)))
 
 
-def time_mlx(out: int, inp: int, m: int, iters: int) -> float:
-    """Seconds per ``x @ W.T`` (bf16), weights cycling through copies that overflow the L2."""
+def time_mlx(out: int, inp: int, m: int, iters: int, fn: Callable[[mx.array, mx.array], mx.array] | None = None) -> float:
+    """Seconds per ``x @ W.T`` (bf16; ``fn(x, W)`` when given), weights cycling through copies that overflow the L2."""
+    fn = fn or (lambda x, w: x @ w.T)
     ws = [mx.random.normal((out, inp)).astype(mx.bfloat16) * 0.02 for _ in range(_copies(out, inp))]
     x = mx.random.normal((m, inp)).astype(mx.bfloat16)
     mx.eval(ws, x)
     for _ in range(3):
-        mx.eval([x @ w.T for w in ws])
+        mx.eval([fn(x, w) for w in ws])
     t = time.perf_counter()
-    ys = [x @ ws[j % len(ws)].T for j in range(iters)]
+    ys = [fn(x, ws[j % len(ws)]) for j in range(iters)]
     mx.eval(ys)
     return (time.perf_counter() - t) / iters
 
@@ -91,8 +95,10 @@ def measure(shape: str, cfg: dict[str, Any], ms: list[int], iters: int, bandwidt
     rows = []
     prods = layer_products(cfg)
     timers: dict[str, Callable[..., float | None]] = {"mlx": time_mlx, "cublas": time_cublas}
+    if _fast.tuned_products_available():  # the compiled steps' products on CUDA (_fast.tuned_linear)
+        timers["tuned"] = lambda o, i, m, n: time_mlx(o, i, m, n, _fast.tuned_linear)
     for m in ms:
-        per: dict[str, dict[str, float]] = {"mlx": {}, "cublas": {}}
+        per: dict[str, dict[str, float]] = {e: {} for e in timers}
         for name, (out, inp) in prods.items():
             for engine, timer in timers.items():
                 s = timer(out, inp, m, iters)
@@ -107,7 +113,7 @@ def measure(shape: str, cfg: dict[str, Any], ms: list[int], iters: int, bandwidt
         weights = sum(o * i * 2 for n, (o, i) in prods.items() if n in STEP["mlx"]) * layers \
             + prods["head"][0] * prods["head"][1] * 2
         for engine, names in STEP.items():
-            src = per["mlx" if engine == "mlx-fused" else engine]
+            src = per.get("mlx" if engine == "mlx-fused" else engine, {})
             if not src or any(n not in src for n in names):
                 continue
             step = (sum(src[n] for n in names) * layers + src["head"]) * 1e3

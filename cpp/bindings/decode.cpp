@@ -111,6 +111,9 @@ build the graph each step and read exact-length KV views without a mask.)")
               "Linears (``embed``: the tied head) whose products run on mlx-infer's CPU kernels.")
       .def_rw("fuse_projections", &DecodeConfig::fuse_projections,
               "Run q|k|v and gate|up as one matmul each (holds a fused copy of those weights).")
+      .def_rw("tuned_products", &DecodeConfig::tuned_products,
+              R"(Dense bfloat16/float16 products through ``tuned_linear`` (cuBLASLt's fastest algorithm
+per shape on CUDA; ``mx.matmul`` elsewhere, so harmless off CUDA).)")
       .def_rw("tp_backend", &DecodeConfig::tp_backend,
               "Tensor parallel: the mx.distributed backend of the group ('' = one process).")
       .def_rw("vocab_parallel", &DecodeConfig::vocab_parallel,

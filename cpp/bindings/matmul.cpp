@@ -149,6 +149,31 @@ Raises:
       "``fast_lora_update(fast_quantized_matmul(x, w, scales, biases, ...), x, a, b, slots, ...)`` as one op "
       "on CPU streams (affine mode).");
 
+  m.def(
+      "tuned_linear",
+      [](const mx::array& x, const mx::array& w, const std::optional<mx::array>& bias, mx::StreamOrDevice stream) {
+        return mlx_infer::tuned_linear(x, w, bias, stream);
+      },
+      "x"_a, "w"_a, "bias"_a = nb::none(), nb::kw_only(), "stream"_a = nb::none(),
+      R"(``x @ w.T`` through cuBLASLt with the fastest algorithm per shape on CUDA.
+
+Args:
+    x: ``(..., K)``.
+    w: ``(N, K)`` (a Linear layer's weight).
+    bias: optional ``(N,)``, added in cuBLASLt's epilogue (``mx.addmm`` elsewhere).
+    stream: stream or device (default: the default stream).
+
+Returns:
+    ``(..., N)``. On MLX's CUDA backend, for bfloat16 or float16 x and w (one dtype) and more than
+    one row, a cuBLASLt product whose algorithm was timed against the other candidates on the
+    first use of each (M, N, K, dtype) (``MLX_INFER_TUNED_PRODUCTS_LOG=1`` prints the choices).
+    Everywhere else ``mx.matmul(x, w.T)`` (``mx.addmm(bias, x, w.T)``), unchanged.
+
+Raises:
+    ValueError: x's last axis is not w's K, w is not 2-D, or bias is not ``(N,)``.)");
+  m.def("tuned_products_available", &mlx_infer::tuned_products_available,
+        "True where tuned_linear runs cuBLASLt: built with the CUDA toolkit and MLX's CUDA backend available.");
+
   m.def("cpu_kernel_isa", &mlx_infer::cpu_kernel_isa,
         "The instruction set the CPU kernels use: 'avx512vnni', 'avx512', 'avx2' or 'generic'.");
   m.def("set_cpu_kernel_isa", &mlx_infer::set_cpu_kernel_isa, "isa"_a,

@@ -141,7 +141,7 @@ void load_gemma4_weights(
   const auto& cfg = g.cfg;
   const auto& fast = cfg.cpu_kernel_linears;
   auto linear = [&](const std::string& name, bool required = true) {
-    return read_linear(weights, quantization, fast, name, required);
+    return with_tuned_product(read_linear(weights, quantization, fast, name, required), cfg);
   };
   auto need = [&](const std::string& name) { return require_weight(weights, name); };
   g.embed = linear("embed");

@@ -50,6 +50,9 @@ mx::array base_linear(const Linear& l, const mx::array& x) {
                                   l.bits, l.mode);
     return l.bias ? mx::add(y, *l.bias) : y;
   }
+  if (l.tuned) {
+    return tuned_linear(x, *l.w, l.bias);
+  }
   if (l.bias) {
     return mx::addmm(*l.bias, x, mx::transpose(*l.w));
   }
@@ -78,6 +81,9 @@ mx::array embed_as_linear(const Linear& e, const mx::array& x) {
   }
   if (e.quantized()) {
     return mx::quantized_matmul(x, *e.w, *e.scales, e.biases, true, e.group_size, e.bits, e.mode);
+  }
+  if (e.tuned) {
+    return tuned_linear(x, *e.w);
   }
   return mx::matmul(x, mx::transpose(*e.w));
 }

@@ -23,6 +23,7 @@ struct Linear {
   int bits = 0;
   std::string mode = "affine";
   bool fast = false;  // product on mlx-infer's CPU kernels (mlx_infer/matmul.h), as the model's layer
+  bool tuned = false;  // dense product through tuned_linear (cuBLASLt, tuned per shape; DecodeConfig::tuned_products)
   std::string name;   // canonical name (``layers.3.q``): what adapters target
   // A fused form (q|k|v, gate|up): its linears' canonical names and output features, in output
   // order. Adapters target these members; apply_linear adds each member's update to its rows.

@@ -87,6 +87,11 @@ Linear read_linear(const std::unordered_map<std::string, mx::array>& w,
   return l;
 }
 
+Linear with_tuned_product(Linear l, const DecodeConfig& cfg) {
+  l.tuned = cfg.tuned_products && l.present() && !l.fast && !l.quantized();
+  return l;
+}
+
 std::unordered_map<std::string, int> linear_outs(const DecodeStep::Graph& g) {
   std::unordered_map<std::string, int> out;
   auto add = [&out](const Linear& l) {
@@ -149,13 +154,16 @@ void load_graph_weights(
   g.fast_gated = std::find(fast.begin(), fast.end(), "gated_activation") != fast.end();
   init_tensor_parallel(g);
   ReadNames read;
+  auto linear = [&](const std::string& name, bool required = true) {
+    return with_tuned_product(read_linear(weights, quantization, fast, name, required), cfg);
+  };
   if (cfg.family == "gemma4") {
     load_gemma4_weights(g, weights, quantization);
     check_every_weight_read(weights, read.names);
     return;
   }
-  g.embed = read_linear(weights, quantization, fast, "embed");
-  g.lm_head = read_linear(weights, quantization, fast, "lm_head", /*required=*/false);
+  g.embed = linear("embed");
+  g.lm_head = linear("lm_head", /*required=*/false);
   g.norm = require_weight(weights, "norm.weight");
   g.dtype = g.embed.quantized() ? g.embed.scales->dtype() : g.embed.w->dtype();
   std::vector<mx::array> fused;  // evaluated once, here, not in the first step
@@ -169,8 +177,8 @@ void load_graph_weights(
     LayerWeights lw;
     // Handed over fused (bindings/fused.py: the model's q/k/v and gate/up are views of these), or
     // one product each.
-    lw.qkv = read_linear(weights, quantization, fast, p + "qkv", /*required=*/false);
-    lw.gate_up = read_linear(weights, quantization, fast, p + "gate_up", /*required=*/false);
+    lw.qkv = linear(p + "qkv", /*required=*/false);
+    lw.gate_up = linear(p + "gate_up", /*required=*/false);
     // Their members, in output order, as the forward splits them: what adapters on q/k/v, gate/up target.
     if (lw.qkv.present()) {
       const int H = cfg.num_heads * cfg.head_dim, KV = cfg.num_kv_heads * cfg.head_dim;
@@ -185,11 +193,11 @@ void load_graph_weights(
       const int I = lw.gate_up.w->shape(0) / 2;
       lw.gate_up.members = {{p + "gate", I}, {p + "up", I}};
     }
-    lw.router = read_linear(weights, quantization, fast, p + "router", /*required=*/false);  // a MoE layer
+    lw.router = linear(p + "router", /*required=*/false);  // a MoE layer
     if (lw.router.present()) {
-      lw.expert_gate = read_linear(weights, quantization, fast, p + "experts.gate");
-      lw.expert_up = read_linear(weights, quantization, fast, p + "experts.up");
-      lw.expert_down = read_linear(weights, quantization, fast, p + "experts.down");
+      lw.expert_gate = linear(p + "experts.gate");
+      lw.expert_up = linear(p + "experts.up");
+      lw.expert_down = linear(p + "experts.down");
     }
     for (auto [field, name] : {std::pair{&LayerWeights::q, "q"}, {&LayerWeights::k, "k"},
                                {&LayerWeights::v, "v"}, {&LayerWeights::o, "o"},
@@ -201,7 +209,7 @@ void load_graph_weights(
           (lw.router.present() && (n == "gate" || n == "up" || n == "down"))) {
         continue;
       }
-      lw.*field = read_linear(weights, quantization, fast, p + name);
+      lw.*field = linear(p + name);
     }
     if (cfg.pre_norms) {
       lw.attn_norm = require_weight(weights, p + "attn_norm.weight");

@@ -29,5 +29,8 @@ Linear read_linear(const std::unordered_map<std::string, mx::array>& w,
                    const std::unordered_map<std::string, QuantSpec>& quant,
                    const std::vector<std::string>& fast, const std::string& name,
                    bool required = true);
+/// Marks ``l`` for tuned_linear (Linear::tuned) when ``cfg.tuned_products`` is on and ``l`` is a dense
+/// product on MLX's kernels (not quantized, not on the CPU kernels); returns it.
+Linear with_tuned_product(Linear l, const DecodeConfig& cfg);
 
 }  // namespace mlx_infer

@@ -89,6 +89,9 @@ struct DecodeConfig {
                                 // hold one length, read exact-length KV views unmasked
                                 // (the GPU's fused decode-attention kernel applies)
   bool fuse_projections = false;  // q|k|v and gate|up as one matmul each (costs a weight copy)
+  /// Dense bf16/f16 products (not quantized, not on the CPU kernels) through tuned_linear
+  /// (mlx_infer/matmul.h: cuBLASLt's fastest algorithm per shape on CUDA; mx::matmul elsewhere).
+  bool tuned_products = false;
   /// Linears (``embed`` = the tied head) whose products run on mlx-infer's CPU
   /// kernels (mlx_infer/matmul.h), as the model's own layers do.
   std::vector<std::string> cpu_kernel_linears;

@@ -126,6 +126,26 @@ mx::array fast_lora_quantized_matmul(
     int row0 = 0,
     mx::StreamOrDevice s = {});
 
+/// `x @ w.T` on CUDA through cuBLASLt with the fastest algorithm per shape (cpp/matmul/cublas_product.cpp).
+///
+/// x (..., K) and w (N, K), both bfloat16 or both float16, more than one row (x.size / K > 1) on a GPU
+/// stream of MLX's CUDA backend: a TunedProduct primitive. The first product of each (M, N, K, dtype)
+/// times up to 16 cuBLASLt heuristic candidates and their split-K variants and keeps the fastest
+/// (MLX takes the first heuristic; MLX_INFER_TUNED_PRODUCTS_LOG=1 prints each choice to stderr).
+/// With bias (N,) of x's dtype, `+ bias` in cuBLASLt's epilogue (as MLX's addmm on CUDA).
+/// Everything else (the CPU, Metal, one row, other dtypes, a build without the CUDA toolkit) gets
+/// `mx::matmul(x, mx::transpose(w))` (`mx::addmm(bias, ...)` with a bias), unchanged.
+/// Throws std::invalid_argument when x's last axis is not w's K, or bias is not (N,).
+mx::array tuned_linear(
+    const mx::array& x,
+    const mx::array& w,
+    const std::optional<mx::array>& bias = std::nullopt,
+    mx::StreamOrDevice s = {});
+
+/// True where tuned_linear builds its primitive: compiled with cuBLASLt (MLXI_CUBLAS) and MLX's CUDA
+/// backend available.
+bool tuned_products_available();
+
 /// The instruction set the kernels dispatch to: "avx512vnni", "avx512", "avx2"
 /// or "generic". The default is the widest the CPU has except avx512vnni, which
 /// is opt-in: its quantized GEMV (M <= 4) rounds x to int8 per 32 values (as

@@ -97,6 +97,14 @@ class DecodePolicy:
             fused product gets each targeted member's update added to its rows
             (``cpp/decode/lora.cpp``), so a model with an adapter bank (``mlx-infer
             serve``) decodes fused on a GPU too.
+        tuned_products: run the dense bfloat16/float16 products (not quantized, not on the
+            CPU kernels) through ``_fast.tuned_linear``: cuBLASLt with the fastest of its
+            candidate algorithms, timed once per (rows, N, K, dtype), where MLX takes cuBLASLt's
+            first heuristic (on an H200 that pick is up to 3x slower than torch's cuBLAS at 8-32
+            rows: ``benchmarks/products.py``). One-row products stay on MLX's gemv. ``None``
+            picks on where ``_fast.tuned_products_available()`` (a build with the CUDA toolkit,
+            MLX's CUDA backend) and the default device is the GPU; off elsewhere, where it would
+            build ``mx.matmul`` anyway.
     """
 
     capacity_step: int = 256
@@ -104,12 +112,19 @@ class DecodePolicy:
     compile: bool = True
     compile_min_batch: int | None = None
     fuse_projections: bool | None = None
+    tuned_products: bool | None = None
 
     def resolved_fuse_projections(self) -> bool:
         """``fuse_projections``, with ``None`` resolved for the default device."""
         if self.fuse_projections is not None:
             return self.fuse_projections
         return mx.default_device().type == mx.DeviceType.gpu
+
+    def resolved_tuned_products(self) -> bool:
+        """``tuned_products``, with ``None`` resolved for the default device and this build."""
+        if self.tuned_products is not None:
+            return self.tuned_products
+        return mx.default_device().type == mx.DeviceType.gpu and _fast.tuned_products_available()
 
     def resolved_compile_min_batch(self) -> int:
         """``compile_min_batch``, with ``None`` resolved for the default device."""
@@ -296,6 +311,7 @@ def _apply_policy(cfg: Any, kv_scheme: str | None, policy: DecodePolicy) -> None
     cfg.compile = policy.compile
     cfg.compile_min_batch = policy.resolved_compile_min_batch()
     cfg.fuse_projections = False  # fused in place by graph_spec (bindings/fused.py), never copied in C++
+    cfg.tuned_products = policy.resolved_tuned_products()
 
 
 def _apply_tensor_parallel(cfg: Any, model: Any) -> None:

@@ -73,6 +73,9 @@ class PagedDecodePolicy:
         attention: ``"kernel"``: paged attention reads K/V through the block
             tables (CPU and CUDA kernels; Metal has none yet and gathers);
             ``"gather"``: the reference, a gathered (B, KVH, S, D) copy and MLX SDPA.
+        tuned_products: the dense products through cuBLASLt's fastest algorithm per shape
+            (:class:`~mlx_infer.generation.bindings.graph_spec.DecodePolicy`; ``None``: on
+            where CUDA has them).
 
     Compiled is the default, measured on this project's 2-core CPU (mlx
     0.32.4, engine decode tok/s vs the eager paged graph, 64-token prompts,
@@ -85,6 +88,7 @@ class PagedDecodePolicy:
     t_bucket: int = DEFAULT_T_BUCKET
     pad_rows: bool = True
     attention: str = "kernel"
+    tuned_products: bool | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.t_bucket, bool) or not isinstance(self.t_bucket, int) or self.t_bucket < 1:
@@ -150,7 +154,8 @@ class CompiledPagedDecodeStep:
         if reason is not None:
             raise ValueError(reason)
         # Fused per the device's default, adapters or not (a fused linear adds its members' updates).
-        cfg, weights, quant = graph_spec(model, policy=DecodePolicy(compile=False))
+        cfg, weights, quant = graph_spec(model, policy=DecodePolicy(compile=False,
+                                                                     tuned_products=policy.tuned_products))
         paged = _fast.PagedDecodeConfig()
         paged.layer_groups = layer_groups(store.layer_windows, group_windows)
         paged.compile = policy.compile
