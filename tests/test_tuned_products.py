@@ -138,3 +138,13 @@ def test_paged_policy_passes_the_switch_to_graph_spec(bf16_llama, monkeypatch):
         with pytest.raises(DecodeStepUnsupported):
             CompiledPagedDecodeStep(bf16_llama, object(), [None], policy=PagedDecodePolicy(tuned_products=forced))
         assert seen[-1].tuned_products is forced
+
+
+def test_the_environment_turns_the_tuned_default_off(monkeypatch):
+    # MLX_INFER_TUNED_PRODUCTS=0: the operator's way back to MLX's matmul where the tuned products misbehave
+    # (None resolves off); an explicit policy value still wins.
+    from mlx_infer.generation.bindings.graph_spec import DecodePolicy
+
+    monkeypatch.setenv("MLX_INFER_TUNED_PRODUCTS", "0")
+    assert DecodePolicy().resolved_tuned_products() is False
+    assert DecodePolicy(tuned_products=True).resolved_tuned_products() is True

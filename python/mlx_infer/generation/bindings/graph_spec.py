@@ -28,6 +28,7 @@ layers only, in the order of ``model.make_cache()``.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -121,9 +122,12 @@ class DecodePolicy:
         return mx.default_device().type == mx.DeviceType.gpu
 
     def resolved_tuned_products(self) -> bool:
-        """``tuned_products``, with ``None`` resolved for the default device and this build."""
+        """``tuned_products``, with ``None`` resolved for the default device and this build
+        (``MLX_INFER_TUNED_PRODUCTS=0`` in the environment turns the default off: MLX's matmul)."""
         if self.tuned_products is not None:
             return self.tuned_products
+        if os.environ.get("MLX_INFER_TUNED_PRODUCTS", "1") == "0":
+            return False
         return mx.default_device().type == mx.DeviceType.gpu and _fast.tuned_products_available()
 
     def resolved_compile_min_batch(self) -> int:
