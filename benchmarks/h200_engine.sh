@@ -89,14 +89,19 @@ case "${1:-a}" in
     # Session 6's last call: the GPU checks of what landed (adapters on fused products, Gemma 2's soft cap and
     # gpt-oss's sinks in the CUDA kernel, the tuned cuBLASLt product), then tuned vs MLX's products in the
     # compiled step (llama-8B), then the served table (llama-1B) with the growing pool and own peak memory.
-    run 90 gpu-tests python -m pytest -q -p no:cacheprovider -x tests/test_lora_fused.py \
-      tests/test_gemma2_decode_step.py tests/test_gpt_oss_decode_step.py -k "not cpu"
-    run 70 paged-attention python benchmarks/gpu_paged_attention.py --json "$out/h200-paged-attention.json"
+    python -c "from mlx_infer import _fast; print('tuned products available:', _fast.tuned_products_available())" \
+      | tee -a "$out/phase.log"
+    run 80 gpu-tests python -m pytest -q -p no:cacheprovider tests/test_lora_fused.py \
+      tests/test_gemma2_decode_step.py tests/test_gpt_oss_decode_step.py tests/test_pool_growth.py -k "not cpu"
+    run 60 paged-attention python benchmarks/gpu_paged_attention.py --json "$out/h200-paged-attention.json"
     MLX_INFER_TUNED_PRODUCTS_LOG=1 run 90 tuned python benchmarks/gpu_tuned_products.py \
       --json "$out/h200-tuned-products.json"
+    if ! tail -3 "$out/tuned.log" | grep -q PASS; then
+      export MLX_INFER_TUNED_PRODUCTS=0; echo "tuned products off for the rest (check failed)" | tee -a "$out/phase.log"
+    fi
     run 110 decode-tuned python benchmarks/gpu_decode.py --models llama-8b --batches 1,32 \
       --engines mlx-lm,step,step-untuned -n 2 --json "$out/h200-decode-tuned.json"
-    run 190 served-llama-1b python benchmarks/served.py -p 512 -g 128 -r 1 -n 2 --no-text --streams 1,8,32,64 \
+    run 160 served-llama-1b python benchmarks/served.py -p 512 -g 128 -r 1 -n 2 --no-text --streams 1,32,64 \
       --shape llama-1b --json "$out/h200-served-llama-1b.json"
     ;;
   *) echo "usage: $0 a|b|c1|c2|d1|prof|e" >&2; exit 2 ;;
