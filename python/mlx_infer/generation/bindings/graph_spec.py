@@ -104,8 +104,9 @@ class DecodePolicy:
             first heuristic (on an H200 that pick is up to 3x slower than torch's cuBLAS at 8-32
             rows: ``benchmarks/products.py``). One-row products stay on MLX's gemv. ``None``
             picks on where ``_fast.tuned_products_available()`` (a build with the CUDA toolkit,
-            MLX's CUDA backend) and the default device is the GPU; off elsewhere, where it would
-            build ``mx.matmul`` anyway.
+            MLX's CUDA backend and ``-DMLX_INFER_CUBLAS=ON``, off by default: its first call
+            crashed on the H200 in session 6, not yet localized) and the default device is the
+            GPU; off elsewhere, where it would build ``mx.matmul`` anyway.
     """
 
     capacity_step: int = 256
