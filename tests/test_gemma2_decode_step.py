@@ -90,7 +90,11 @@ def test_spec_carries_both_caps():
 @pytest.mark.parametrize("compile_", [True, False], ids=["compiled", "graph"])
 @pytest.mark.parametrize("name", NAMES)
 def test_plain_step_matches_eager(name, compile_, cpu_kernels):
-    model = model_of(name, cpu_kernels)
+    assert_plain_step_matches_eager(model_of(name, cpu_kernels), compile_, f"{name} cpu_kernels={cpu_kernels}")
+
+
+def assert_plain_step_matches_eager(model, compile_: bool, label: str) -> None:
+    """The compiled plain step's tokens equal the eager graph's, greedy and teacher-forced, logits within ATOL."""
     policy = DecodePolicy(compile=compile_, compile_min_batch=1)
     for forced in (None, mx.random.randint(3, 300, (STEPS,), key=mx.random.key(7)).astype(mx.uint32)):
         want, want_logits = run_plain(model, forced, None)
@@ -99,7 +103,7 @@ def test_plain_step_matches_eager(name, compile_, cpu_kernels):
         assert step.failures == 0
         assert got == want
         diff = max_diff(got_logits, want_logits)
-        print(f"{name} compile={compile_} cpu_kernels={cpu_kernels} forced={forced is not None}: {diff:.2e}")
+        print(f"{label} compile={compile_} forced={forced is not None}: {diff:.2e}")
         assert diff <= ATOL
     assert len(set(want)) > 3, want  # a near-constant stream would hide a wrong step
 
@@ -146,12 +150,17 @@ def paged_logits(model, mode: str) -> list[mx.array]:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_paged_step_kernel_and_gather_match_eager(name):
-    model = model_of(name)
+    assert_paged_step_matches_eager(model_of(name), name)
+
+
+def assert_paged_step_matches_eager(model, label: str) -> None:
+    """The paged step's logits, with the attention kernel and with the gather path, within ATOL of the
+    eager paged graph's, same argmax."""
     want = paged_logits(model, "eager")
     for mode in ("kernel", "gather"):
         got = paged_logits(model, mode)
         diff = max_diff(got, want)
-        print(f"{name} paged {mode}: {diff:.2e}")
+        print(f"{label} paged {mode}: {diff:.2e}")
         assert diff <= ATOL
         for g, w in zip(got, want):
             assert mx.array_equal(mx.argmax(g, -1), mx.argmax(w, -1)).item()

@@ -24,7 +24,8 @@ from families import hf_setup
 from mlx_infer.artifacts.loader import load_model
 from mlx_infer.generation.bindings.decode_step import CompiledDecodeStep
 from mlx_infer.generation.bindings.graph_spec import DecodePolicy, graph_spec
-from test_gemma2_decode_step import KERNELS, STEPS, max_diff, paged_logits, run_plain
+from test_gemma2_decode_step import (KERNELS, STEPS, assert_paged_step_matches_eager,
+                                     assert_plain_step_matches_eager, max_diff, paged_logits, run_plain)
 
 # Float32, logits up to ~5. Measured on CPU (mlx 0.32.4) max |step - eager| over 24 steps: plain step
 # <= 1.7e-6, paged kernel <= 2.4e-6, gather 0.0 (summation order only).
@@ -56,31 +57,12 @@ def test_spec_carries_sinks_and_the_expert_switches():
 @pytest.mark.parametrize("compile_", [True, False], ids=["compiled", "graph"])
 @pytest.mark.parametrize("name", NAMES)
 def test_plain_step_matches_eager(name, compile_, cpu_kernels):
-    model = model_of(name, cpu_kernels)
-    policy = DecodePolicy(compile=compile_, compile_min_batch=1)
-    for forced in (None, mx.random.randint(3, 300, (STEPS,), key=mx.random.key(7)).astype(mx.uint32)):
-        want, want_logits = run_plain(model, forced, None)
-        step = CompiledDecodeStep(model, policy=policy)
-        got, got_logits = run_plain(model, forced, step)
-        assert step.failures == 0
-        assert got == want
-        diff = max_diff(got_logits, want_logits)
-        print(f"{name} compile={compile_} cpu_kernels={cpu_kernels} forced={forced is not None}: {diff:.2e}")
-        assert diff <= ATOL
-    assert len(set(want)) > 3, want  # a near-constant stream would hide a wrong step
+    assert_plain_step_matches_eager(model_of(name, cpu_kernels), compile_, f"{name} cpu_kernels={cpu_kernels}")
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_paged_step_kernel_and_gather_match_eager(name):
-    model = model_of(name)
-    want = paged_logits(model, "eager")
-    for mode in ("kernel", "gather"):
-        got = paged_logits(model, mode)
-        diff = max_diff(got, want)
-        print(f"{name} paged {mode}: {diff:.2e}")
-        assert diff <= ATOL
-        for g, w in zip(got, want):
-            assert mx.array_equal(mx.argmax(g, -1), mx.argmax(w, -1)).item()
+    assert_paged_step_matches_eager(model_of(name), name)
 
 
 def test_steps_follow_the_sinks():
