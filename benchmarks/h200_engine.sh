@@ -104,5 +104,16 @@ case "${1:-a}" in
     run 160 served-llama-1b python benchmarks/served.py -p 512 -g 128 -r 1 -n 2 --no-text --streams 1,32,64 \
       --shape llama-1b --json "$out/h200-served-llama-1b.json"
     ;;
-  *) echo "usage: $0 a|b|c1|c2|d1|prof|e" >&2; exit 2 ;;
+  next)
+    # For the next session (not run in session 6): where the tuned products crash (a build with them:
+    # `sed -i 's/^option(MLX_INFER_CUBLAS \(.*\) OFF)/option(MLX_INFER_CUBLAS \1 ON)/' CMakeLists.txt` before
+    # `source .gpu2/install.sh`), then the served table of the three shapes at every stream count of issue 16.
+    run 120 tuned-gdb gdb -batch -ex run -ex bt --args python benchmarks/gpu_tuned_products.py --shapes llama-1b \
+      --ms 8
+    run 280 served-llama-1b python benchmarks/served.py -p 512 -g 128 -r 1 -n 2 --no-text --streams 1,8,32,64,128 \
+      --shape llama-1b --http --json "$out/h200-served-llama-1b.json"
+    run 280 served-gemma3 python benchmarks/served.py -p 512 -g 128 -r 1 -n 2 --no-text --streams 1,8,32,64,128 \
+      --shape gemma3-270m --json "$out/h200-served-gemma3-270m.json"
+    ;;
+  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next" >&2; exit 2 ;;
 esac
