@@ -105,7 +105,14 @@ def profile(args: argparse.Namespace) -> None:
     loaded = load_model(path)
     engine = Engine(loaded, EngineConfig(max_batch=args.streams))
     vocab = loaded.model.args.vocab_size
+    from mlx_infer.engine.config import weight_bytes
+
+    weights = weight_bytes(loaded.model)
     for warm in range(2):  # the first round traces; the second is what is profiled
+        mx.synchronize()
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        active0 = mx.get_active_memory()
         hs = [engine.submit(EngineRequest(prompt_ids=p, max_tokens=args.steps + 32, ignore_eos=True,
                                           detokenize=False))
               for p in prompts_for(args.streams, args.prompt_tokens, vocab, start=warm * args.streams)]
@@ -115,6 +122,9 @@ def profile(args: argparse.Namespace) -> None:
         while sched.waiting or len(sched.running) < args.streams or any(
                 r.state != DECODE for r in sched.running):  # until every row decodes
             engine.step()
+        mx.synchronize()
+        prefill_peak = mx.get_peak_memory()
+        mx.reset_peak_memory()
         for _ in range(8):
             engine.step()
         mx.synchronize()
@@ -139,6 +149,10 @@ def profile(args: argparse.Namespace) -> None:
             summarize(args.torch_profiler, args.steps)
         elif warm == 1 and cudart is not None:
             cudart.cudaProfilerStop()
+        decode_peak = mx.get_peak_memory()
+        print(f"round {warm} memory (GB): weights {weights / 1e9:.2f}, KV storage {engine.store.nbytes / 1e9:.2f}, "
+              f"active before {active0 / 1e9:.2f}; peak while prompts prefilled {prefill_peak / 1e9:.2f}, "
+              f"while every row decoded {decode_peak / 1e9:.2f}", flush=True)
         engine.run_until_idle()
         print(f"round {warm}: {args.steps} steps of {args.streams} rows in {wall * 1e3:.1f} ms "
               f"({wall / args.steps * 1e3:.3f} ms/step, {args.streams * args.steps / wall:.0f} tok/s)", flush=True)

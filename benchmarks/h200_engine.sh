@@ -112,6 +112,7 @@ case "${1:-a}" in
       --ms 8
     run 280 served-llama-1b python benchmarks/served.py -p 512 -g 128 -r 1 -n 2 --no-text --streams 1,8,32,64,128 \
       --shape llama-1b --http --json "$out/h200-served-llama-1b.json"
+    run 100 memory-llama-1b python benchmarks/gpu_engine_profile.py --shape llama-1b --streams 64 --steps 64
     run 280 served-gemma3 python benchmarks/served.py -p 512 -g 128 -r 1 -n 2 --no-text --streams 1,8,32,64,128 \
       --shape gemma3-270m --json "$out/h200-served-gemma3-270m.json"
     ;;
