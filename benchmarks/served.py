@@ -304,8 +304,9 @@ def own_resident_gb(e: Any) -> float:
 
     if isinstance(e, Ours) and getattr(e, "engine", None) is not None:
         return (weight_bytes(e.loaded.model) + e.engine.store.nbytes) / 1e9
-    model = getattr(e, "model", None)
-    return weight_bytes(model) / 1e9 if model is not None else 0.0
+    if isinstance(e, MlxLm) and e.model is not None:
+        return weight_bytes(e.model) / 1e9
+    return 0.0  # the HTTP column: its server reports its own peak
 
 
 def main() -> None:

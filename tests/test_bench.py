@@ -93,10 +93,14 @@ def test_served_benchmark_on_a_toy_shape_writes_ttft_memory_json_and_plot(tmp_pa
         assert row["warmup_trials"] == 1 and row["gpu_sharing"]
         if row["engine"] == "mlx-infer":  # the pool was allocated (0.8 of --memory-budget at most)
             assert 0 < row["kv_pool_gb"] and 0 < row["weights_gb"] < row["peak_gb"] and row["kv_pool_tokens"] > 0
+            # its own peak: at least its weights and storage, at most the process's
+            assert row["weights_gb"] + row["kv_pool_gb"] <= row["own_peak_gb"] + 1e-9 <= row["peak_gb"] + 1e-6
             assert row["kv_sizing"] == "--memory-budget 0.25 each"
+        if row["engine"] == "mlx-lm":
+            assert 0 < row["own_peak_gb"] <= row["peak_gb"] + 1e-6
         if row["engine"] == "mlx-infer-http":  # its own phase, its pool from its startup line
             assert row["gpu_sharing"].startswith("own phase") and "KV pages of" in row["kv_pool"]
-    assert "| TTFT p50 ms | TTFT p95 ms | peak GB |" in r.stdout
+    assert "| TTFT p50 ms | TTFT p95 ms | peak GB (process / own) |" in r.stdout
     assert (tmp_path / "served.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
