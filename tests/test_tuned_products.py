@@ -115,12 +115,17 @@ def _decode(model, policy: DecodePolicy, rows: int, steps: int = 12) -> tuple[li
 @pytest.mark.parametrize("compile_", [True, False], ids=["compiled", "graph"])
 @pytest.mark.parametrize("rows", [1, 3])
 def test_forcing_it_on_changes_nothing_off_cuda(bf16_models, name, compile_, rows):
-    if ON_CUDA:
-        pytest.skip("on CUDA the products differ in rounding order: benchmarks/gpu_tuned_products.py checks them")
+    # Off CUDA the switch builds mx.matmul itself: bit-identical. Where the tuned products exist (a CUDA build
+    # with MLX_INFER_CUBLAS=ON) the accumulation order differs: the logits agree within bfloat16 rounding.
     model = bf16_models[name]
     base = dict(compile=compile_, compile_min_batch=1, fuse_projections=True)
     want, want_logits = _decode(model, DecodePolicy(**base, tuned_products=False), rows)
     got, got_logits = _decode(model, DecodePolicy(**base, tuned_products=True), rows)
+    if ON_CUDA:
+        worst = max(mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max().item()
+                    for a, b in zip(got_logits, want_logits))
+        assert worst <= 5e-2, worst
+        return
     assert got == want
     assert all(mx.array_equal(a, b).item() for a, b in zip(got_logits, want_logits))
 
