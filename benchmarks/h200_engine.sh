@@ -116,5 +116,33 @@ case "${1:-a}" in
     run 280 served-gemma3 python benchmarks/served.py -p 512 -g 128 -r 1 -n 2 --no-text --streams 1,8,32,64,128 \
       --shape gemma3-270m --json "$out/h200-served-gemma3-270m.json"
     ;;
-  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next" >&2; exit 2 ;;
+  s7a)
+    # Session 7, call 1: where the tuned cuBLASLt products crash (a second build with them), then the llama-1B
+    # served table at every stream count with the activation-bound A/B column (engine/activations.py).
+    t=$(date +%s)
+    (cd /tmp/proj && CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install -q --no-build-isolation --no-deps \
+      --no-compile -Ccmake.define.MLX_INFER_LTO=OFF -Ccmake.define.MLX_INFER_CUBLAS=ON --target /tmp/site-cublas . \
+      > "$out/build-cublas.log" 2>&1) && echo "built the cuBLAS copy in $(( $(date +%s) - t )) s" | tee -a "$out/phase.log"
+    tuned="benchmarks/gpu_tuned_products.py --shapes llama-1b --ms 8 --iters 5 --rounds 1"
+    if command -v gdb > /dev/null; then
+      PYTHONPATH=/tmp/site-cublas:/tmp/site MLX_INFER_TUNED_PRODUCTS_LOG=1 run 150 tuned-gdb gdb -batch -ex run \
+        -ex bt -ex "info registers rip" -ex "x/6i \$pc" --args python $tuned
+    else
+      PYTHONPATH=/tmp/site-cublas:/tmp/site MLX_INFER_TUNED_PRODUCTS_LOG=1 run 100 tuned-fh python -X faulthandler $tuned
+    fi
+    run 420 served-llama-1b $served --shape llama-1b --unbounded --json "$out/h200-served-llama-1b.json"
+    ;;
+  s7b)
+    # Session 7, call 2: gemma3-270m's table, the HTTP column at 32 streams, a joining request's TTFT, host time.
+    run 260 served-gemma3 $served --shape gemma3-270m --json "$out/h200-served-gemma3-270m.json"
+    run 120 http-llama-1b python benchmarks/served.py -p 512 -g 128 -r 1 -n 2 --no-text --streams 32 \
+      --shape llama-1b --http --json "$out/h200-served-llama-1b-http.json"
+    run 120 join-ttft python benchmarks/join_ttft.py --shape llama-1b -p 512 -n 3
+    run 60 host-step python benchmarks/host_step.py --streams 32,64
+    ;;
+  s7c)
+    # Session 7, call 3: llama-8B's table at every stream count.
+    run 560 served-llama-8b $served --shape llama-8b --json "$out/h200-served-llama-8b.json"
+    ;;
+  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c" >&2; exit 2 ;;
 esac

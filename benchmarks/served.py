@@ -129,6 +129,7 @@ class Ours:
     name = "mlx-infer"
 
     policy: dict[str, Any] = {}  # PagedDecodePolicy fields of this column (default: the engine's)
+    config: dict[str, Any] = {}  # EngineConfig fields of this column (default: the engine's)
 
     def __init__(self, path: Path, max_batch: int):
         from mlx_infer.artifacts.loader import load_model
@@ -149,7 +150,8 @@ class Ours:
         from mlx_infer.engine import Engine, EngineConfig
         from mlx_infer.generation.bindings.paged_decode_step import PagedDecodePolicy
 
-        self.engine = Engine(self.loaded, EngineConfig(max_batch=self.max_batch, memory_budget_gb=budget_gb),
+        self.engine = Engine(self.loaded, EngineConfig(max_batch=self.max_batch, memory_budget_gb=budget_gb,
+                                                         **self.config),
                              decode_policy=PagedDecodePolicy(**self.policy)).start()
         self.sizing = sizing
         store = self.engine.store
@@ -221,6 +223,14 @@ class OursIdsGather(OursIds):
 
     name = "mlx-infer-ids-gather"
     policy = {"attention": "gather"}
+
+
+class OursIdsUnbounded(OursIds):
+    """Token ids, each iteration's activations not held to the engine's reserve (the A/B of
+    ``EngineConfig.bound_activations``, engine/activations.py)."""
+
+    name = "mlx-infer-ids-unbounded"
+    config = {"bound_activations": False}
 
 
 class MlxLm:
@@ -329,6 +339,8 @@ def main() -> None:
     p.add_argument("--no-ids", action="store_true", help="skip the token-ids-only mlx-infer column")
     p.add_argument("--gather", action="store_true",
                    help="add a token-ids column whose paged step gathers K/V (attention='gather')")
+    p.add_argument("--unbounded", action="store_true",
+                   help="add a token-ids column whose iterations' activations are not bounded (bound_activations=False)")
     p.add_argument("--no-text", action="store_true",
                    help="skip the detokenizing mlx-infer column (random-weight models: --shape)")
     p.add_argument("--stock-kernels", action="store_true",
@@ -351,7 +363,8 @@ def main() -> None:
     path = model_dir(args)
     streams = [int(s) for s in args.streams.split(",")]
     ours_kinds: list[type] = (([] if args.no_text else [Ours]) + ([] if args.no_ids else [OursIds])
-                              + ([OursIdsGather] if args.gather else []))
+                              + ([OursIdsGather] if args.gather else [])
+                                  + ([OursIdsUnbounded] if args.unbounded else []))
     vocab = int(json.loads((path / "config.json").read_text()).get("vocab_size", 320))
     max_batch = max(streams)
     by_streams: dict[int, list[dict[str, Any]]] = {s: [] for s in streams}

@@ -37,6 +37,9 @@ MEMORY_BUDGET_GB: float | None = None
 #: type (``EngineConfig.grow_pool=None``): on both, so the process holds the KV its requests use, as mlx-lm's caches
 #: grow with theirs, instead of the whole cap from the start (state/paged/growth.py). Off preallocates the cap.
 GROW_KV_POOL = {"gpu": True, "cpu": True}
+#: Whether an engine iteration's activations are held to the pool sizing's activation reserve by MLX's memory
+#: limit (``EngineConfig.bound_activations=None``; engine/activations.py), by device type.
+BOUND_ACTIVATIONS = {"gpu": True, "cpu": False}
 #: A growth materializes the pages a step (or an admission) needs plus this share more: fewer, larger growths (each
 #: changes the storage's shape, so the compiled step traces once more), at most this much unused KV memory.
 KV_GROWTH_HEADROOM = 0.25

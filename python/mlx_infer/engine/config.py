@@ -96,6 +96,11 @@ class EngineConfig:
             512-token prompt's first token came later mixed (79-122 ms) than prefilled in
             its own forward (44-45 ms; toy gemma3-270m shape, benchmarks/join_ttft.py): the
             CPU kernel attends row by row where the separate prefill uses MLX's SDPA.
+        bound_activations: hold each iteration's activations to the reserve the pool sizing left
+            for them (:func:`activation_reserve`), with MLX's memory limit set for the iteration
+            (engine/activations.py): MLX keeps a command buffer's inputs alive until the device
+            has run it, so a 2,048-row prompt-chunk step would hold gigabytes at once. ``None``
+            (default): :data:`~mlx_infer.defaults.BOUND_ACTIVATIONS` of the device type.
         kv_scheme: per-layer KV storage (see :class:`~mlx_infer.state.paged.PagedKVStore`).
         kv_dtype: element type of plain KV storage (default: the model's).
         grow_pool: the KV storage starts at :func:`initial_pages` and grows on demand up to the
@@ -116,6 +121,7 @@ class EngineConfig:
     prefix_cache: bool = True
     pipeline: bool = True
     mixed_steps: bool | None = None
+    bound_activations: bool | None = None
     kv_scheme: Any = None
     kv_dtype: mx.Dtype | None = None
     grow_pool: bool | PoolGrowth | None = None
@@ -140,6 +146,9 @@ class EngineConfig:
             raise MlxInferError(f"EngineConfig.memory_limit_gb must be > 0, got {self.memory_limit_gb!r}.")
         if self.num_pages is not None and (not isinstance(self.num_pages, int) or self.num_pages < 2):
             raise MlxInferError(f"EngineConfig.num_pages must be an integer >= 2, got {self.num_pages!r}.")
+        if self.bound_activations is not None and not isinstance(self.bound_activations, bool):
+            raise MlxInferError(f"EngineConfig.bound_activations must be True, False or None (the device type's "
+                                f"default), got {self.bound_activations!r}.")
         if self.grow_pool is not None and not isinstance(self.grow_pool, (bool, PoolGrowth)):
             raise MlxInferError(f"EngineConfig.grow_pool must be True, False, a PoolGrowth or None (the device "
                                 f"type's default), got {self.grow_pool!r}.")

@@ -53,6 +53,7 @@ from ..generation.text_output import TextOutput, token_limit
 from ..models import materialize_graph_constants
 from ..sampling import RequestRNG, make_sampler
 from ..state.paged import PagedKVStore
+from .activations import activation_ceiling
 from .adapters import AdapterSlotsBusyError, batch_slots, hold_adapter, rows_context, slots_for
 from .batch import DecodeBatch
 from .config import EngineConfig, initial_pages, kv_budget, pool_growth, pool_pages
@@ -156,6 +157,7 @@ class Engine:
         self._mixing = mixed and self.paged_decode is not None and self.paged_decode.policy.attention == "kernel"
         self.mixed_steps = 0  # steps that carried prefill chunks
         self.separate_prefills = 0  # prompt forwards of their own (the eager graph's; see step())
+        self._ceiling = activation_ceiling(self)  # None where activations are not bounded
         self._gauges: dict[str, Any] = {}
         self._update_gauges()
         from ..parallel.engine_rank import attach_lockstep
@@ -321,6 +323,15 @@ class Engine:
         """One iteration (see the module docstring); returns whether it did any work."""
         self._intake()
         admitted, unfit = self.scheduler.admit()
+        if self._ceiling is None:
+            return self._iterate(admitted, unfit)
+        self._ceiling.engage()  # after admission: the storage grown for the admitted prompts counts
+        try:
+            return self._iterate(admitted, unfit)
+        finally:
+            self._ceiling.release()
+
+    def _iterate(self, admitted: list[LiveRequest], unfit: list[LiveRequest]) -> bool:
         for r in unfit:
             self._finish(r, "length")
         busy, first, launched = False, None, None
@@ -438,6 +449,8 @@ class Engine:
             rows = [r for r in self.scheduler.running if r.state == DECODE]
         if not rows and not chunks:
             return None  # (prompt chunks alone that do not fit: the separate prefill preempts or fails)
+        if self._ceiling is not None:
+            self._ceiling.engage()  # the storage may have grown for this step's pages
         inputs = step_inputs(rows) if rows else mx.zeros((0,), mx.uint32)  # (B,)
         ended: list[LiveRequest] = []
         if chunks:

@@ -1,0 +1,113 @@
+"""An engine iteration's activations held to the sizing's reserve (engine/activations.py)."""
+
+import mlx.core as mx
+import pytest
+from tiny import make_tiny_model_dir
+
+from mlx_infer.artifacts.loader import load_model
+from mlx_infer.engine import Engine, EngineConfig, EngineRequest
+from mlx_infer.engine.activations import WINDOW, ActivationCeiling, activation_ceiling
+from mlx_infer.engine.config import activation_reserve
+from mlx_infer.errors import MlxInferError
+
+
+@pytest.fixture(autouse=True)
+def keep_limit():
+    before = mx.set_memory_limit(mx.get_memory_limit())
+    yield
+    mx.set_memory_limit(before)
+
+
+def test_engage_sets_resident_plus_reserve_and_release_restores():
+    kv = [mx.zeros((1000,), mx.uint8)]  # the KV storage (it grows by allocating)
+    mx.eval(kv)
+    ceiling = ActivationCeiling(50_000_000, lambda: sum(a.nbytes for a in kv))
+    before = mx.get_memory_limit()
+    active = mx.get_active_memory()
+    ceiling.engage()
+    assert ceiling.engaged
+    limit = mx.get_memory_limit()
+    # The estimate is the active memory at the start (less the KV storage, then its size added back) + the reserve.
+    assert active + 50_000_000 - 1 <= limit <= mx.get_active_memory() + 50_000_000 + 1
+    kv.append(mx.zeros((10_000_000,), mx.uint8))  # the storage grew inside the iteration: re-engaging counts it
+    mx.eval(kv)
+    ceiling.engage()
+    assert mx.get_memory_limit() == pytest.approx(limit + 10_000_000, abs=1_000_000)
+    ceiling.release()
+    assert not ceiling.engaged and mx.get_memory_limit() == before
+
+
+def test_resident_estimate_is_the_smallest_start_of_the_window():
+    ceiling = ActivationCeiling(1, lambda: 0)
+    held = [mx.zeros((4_000_000,), mx.uint8)]  # 4 MB in flight at the first start only
+    mx.eval(held)
+    first = ceiling.ceiling()
+    del held
+    second = ceiling.ceiling()  # less active now, but the window's minimum is what counts
+    assert second <= first - 3_000_000
+    for _ in range(WINDOW + 1):
+        ceiling.ceiling()
+    assert len(ceiling._starts) == WINDOW
+
+
+def test_a_lower_limit_the_user_set_stays_in_force():
+    user = mx.get_active_memory() + 1_000_000
+    before = mx.set_memory_limit(user)
+    try:
+        ceiling = ActivationCeiling(10 * 2**30, lambda: 0)
+        ceiling.engage()
+        assert mx.get_memory_limit() == user
+        ceiling.release()
+        assert mx.get_memory_limit() == user
+    finally:
+        mx.set_memory_limit(before)
+
+
+def test_bad_reserve_and_config_are_refused():
+    with pytest.raises(ValueError, match="reserve must be > 0"):
+        ActivationCeiling(0, lambda: 0)
+    with pytest.raises(MlxInferError, match="bound_activations"):
+        EngineConfig(bound_activations="yes")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return load_model(make_tiny_model_dir(tmp_path_factory.mktemp("ceiling") / "llama", "llama"))
+
+
+PROMPTS = [[(7 * i + 3 * j) % 290 + 5 for j in range(96)] for i in range(8)]
+
+
+def run(loaded, bound: bool, reserve: int | None = None) -> tuple[list[list[int]], float, Engine]:
+    engine = Engine(loaded, EngineConfig(page_size=4, prefill_step_size=512, max_batch=8, mixed_steps=True,
+                                         bound_activations=bound))
+    if reserve is not None:
+        engine._ceiling.reserve = reserve
+    mx.synchronize()
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    start = mx.get_active_memory()
+    limit = mx.get_memory_limit()
+    hs = [engine.submit(EngineRequest(prompt_ids=p, max_tokens=6, detokenize=False, ignore_eos=True)) for p in PROMPTS]
+    engine.run_until_idle()
+    mx.synchronize()
+    assert mx.get_memory_limit() == limit  # restored after every iteration
+    return [h.result(1).token_ids for h in hs], (mx.get_peak_memory() - start), engine
+
+
+def test_a_bounded_engine_peaks_lower_with_the_same_tokens(tiny):
+    free, free_peak, e1 = run(tiny, False)
+    assert e1._ceiling is None and e1.mixed_steps >= 1
+    bounded, bounded_peak, e2 = run(tiny, True, reserve=64 * 1024)
+    assert e2._ceiling is not None and e2._ceiling.reserve == 64 * 1024
+    assert bounded == free
+    # A 768-row chunk step of the tiny model holds its activations at once unbounded; bounded, the host waits.
+    assert bounded_peak < 0.8 * free_peak, (bounded_peak, free_peak)
+
+
+def test_the_default_follows_the_device_type(tiny):
+    engine = Engine(tiny, EngineConfig(page_size=4))
+    on_gpu = mx.default_device().type == mx.DeviceType.gpu
+    assert (engine._ceiling is not None) == on_gpu
+    forced = Engine(tiny, EngineConfig(page_size=4, bound_activations=True))
+    assert activation_ceiling(forced).reserve == activation_reserve(forced.model, forced.config)
