@@ -6,8 +6,8 @@ from tiny import make_tiny_model_dir
 
 from mlx_infer.artifacts.loader import load_model
 from mlx_infer.engine import Engine, EngineConfig, EngineRequest
-from mlx_infer.engine.activations import WINDOW, ActivationCeiling, activation_ceiling
-from mlx_infer.engine.config import activation_reserve
+from mlx_infer import defaults
+from mlx_infer.engine.activations import WINDOW, ActivationCeiling, activation_ceiling, row_layer_bytes
 from mlx_infer.errors import MlxInferError
 
 
@@ -21,32 +21,35 @@ def keep_limit():
 def test_engage_sets_resident_plus_reserve_and_release_restores():
     kv = [mx.zeros((1000,), mx.uint8)]  # the KV storage (it grows by allocating)
     mx.eval(kv)
-    ceiling = ActivationCeiling(50_000_000, lambda: sum(a.nbytes for a in kv))
+    ceiling = ActivationCeiling(1000, 100, lambda: sum(a.nbytes for a in kv), floor=1)
+    reserve = ceiling.reserve(12_000, 20_000)
+    assert reserve == defaults.CEILING_LAYERS_AHEAD * 12_000 * 1000 + 20_000 * 100
+    assert ceiling.reserve(1, 0) == 4000 and ActivationCeiling(1, 0, lambda: 0).reserve(1, 1) == defaults.CEILING_FLOOR_BYTES
     before = mx.get_memory_limit()
     active = mx.get_active_memory()
-    ceiling.engage()
+    ceiling.engage(12_000, 20_000)
     assert ceiling.engaged
     limit = mx.get_memory_limit()
     # The estimate is the active memory at the start (less the KV storage, then its size added back) + the reserve.
-    assert active + 50_000_000 - 1 <= limit <= mx.get_active_memory() + 50_000_000 + 1
+    assert active + reserve - 1 <= limit <= mx.get_active_memory() + reserve + 1
     kv.append(mx.zeros((10_000_000,), mx.uint8))  # the storage grew inside the iteration: re-engaging counts it
     mx.eval(kv)
-    ceiling.engage()
+    ceiling.engage(12_000, 20_000)
     assert mx.get_memory_limit() == pytest.approx(limit + 10_000_000, abs=1_000_000)
     ceiling.release()
     assert not ceiling.engaged and mx.get_memory_limit() == before
 
 
 def test_resident_estimate_is_the_smallest_start_of_the_window():
-    ceiling = ActivationCeiling(1, lambda: 0)
+    ceiling = ActivationCeiling(1, 0, lambda: 0, floor=1)
     held = [mx.zeros((4_000_000,), mx.uint8)]  # 4 MB in flight at the first start only
     mx.eval(held)
-    first = ceiling.ceiling()
+    first = ceiling.ceiling(1, 0)
     del held
-    second = ceiling.ceiling()  # less active now, but the window's minimum is what counts
+    second = ceiling.ceiling(1, 0)  # less active now, but the window's minimum is what counts
     assert second <= first - 3_000_000
     for _ in range(WINDOW + 1):
-        ceiling.ceiling()
+        ceiling.ceiling(1, 0)
     assert len(ceiling._starts) == WINDOW
 
 
@@ -54,8 +57,8 @@ def test_a_lower_limit_the_user_set_stays_in_force():
     user = mx.get_active_memory() + 1_000_000
     before = mx.set_memory_limit(user)
     try:
-        ceiling = ActivationCeiling(10 * 2**30, lambda: 0)
-        ceiling.engage()
+        ceiling = ActivationCeiling(2**30, 0, lambda: 0)
+        ceiling.engage(10, 0)
         assert mx.get_memory_limit() == user
         ceiling.release()
         assert mx.get_memory_limit() == user
@@ -64,8 +67,8 @@ def test_a_lower_limit_the_user_set_stays_in_force():
 
 
 def test_bad_reserve_and_config_are_refused():
-    with pytest.raises(ValueError, match="reserve must be > 0"):
-        ActivationCeiling(0, lambda: 0)
+    with pytest.raises(ValueError, match="row_bytes and floor must be > 0"):
+        ActivationCeiling(0, 0, lambda: 0)
     with pytest.raises(MlxInferError, match="bound_activations"):
         EngineConfig(bound_activations="yes")
 
@@ -78,11 +81,11 @@ def tiny(tmp_path_factory):
 PROMPTS = [[(7 * i + 3 * j) % 290 + 5 for j in range(96)] for i in range(8)]
 
 
-def run(loaded, bound: bool, reserve: int | None = None) -> tuple[list[list[int]], float, Engine]:
+def run(loaded, bound: bool, floor: int | None = None) -> tuple[list[list[int]], float, Engine]:
     engine = Engine(loaded, EngineConfig(page_size=4, prefill_step_size=512, max_batch=8, mixed_steps=True,
                                          bound_activations=bound))
-    if reserve is not None:
-        engine._ceiling.reserve = reserve
+    if floor is not None:  # a tiny model's rows are small: hold its steps to a floor of its own scale
+        engine._ceiling = ActivationCeiling(1, 0, lambda: engine.store.nbytes, floor=floor)
     mx.synchronize()
     mx.clear_cache()
     mx.reset_peak_memory()
@@ -98,8 +101,8 @@ def run(loaded, bound: bool, reserve: int | None = None) -> tuple[list[list[int]
 def test_a_bounded_engine_peaks_lower_with_the_same_tokens(tiny):
     free, free_peak, e1 = run(tiny, False)
     assert e1._ceiling is None and e1.mixed_steps >= 1
-    bounded, bounded_peak, e2 = run(tiny, True, reserve=64 * 1024)
-    assert e2._ceiling is not None and e2._ceiling.reserve == 64 * 1024
+    bounded, bounded_peak, e2 = run(tiny, True, floor=64 * 1024)
+    assert e2._ceiling is not None and e2._ceiling.floor == 64 * 1024 and not e2._ceiling.engaged
     assert bounded == free
     # A 768-row chunk step of the tiny model holds its activations at once unbounded; bounded, the host waits.
     assert bounded_peak < 0.8 * free_peak, (bounded_peak, free_peak)
@@ -110,4 +113,23 @@ def test_the_default_follows_the_device_type(tiny):
     on_gpu = mx.default_device().type == mx.DeviceType.gpu
     assert (engine._ceiling is not None) == on_gpu
     forced = Engine(tiny, EngineConfig(page_size=4, bound_activations=True))
-    assert activation_ceiling(forced).reserve == activation_reserve(forced.model, forced.config)
+    ceiling = activation_ceiling(forced)
+    hidden, inter = tiny.model.args.hidden_size, tiny.model.args.intermediate_size
+    assert ceiling.row_bytes == row_layer_bytes(tiny.model) == (8 * hidden + 3 * inter) * 4  # float32 tiny model
+    assert ceiling.logit_row_bytes == tiny.model.args.vocab_size * (4 + 8)
+
+
+def test_only_iterations_that_carry_prompt_tokens_engage(tiny):
+    engine = Engine(tiny, EngineConfig(page_size=4, prefill_step_size=64, max_batch=8, mixed_steps=True,
+                                       bound_activations=True))
+    calls = []
+    engage = engine._ceiling.engage
+    engine._ceiling.engage = lambda rows, logit_rows: (calls.append((rows, logit_rows)), engage(rows, logit_rows))
+    hs = [engine.submit(EngineRequest(prompt_ids=p, max_tokens=20, detokenize=False, ignore_eos=True))
+          for p in PROMPTS[:3]]
+    engine.run_until_idle()
+    assert all(len(h.result(1).token_ids) == 20 for h in hs)
+    # One engagement per forward with prompt rows (3 x 96 tokens in 64-token chunks), none for the ~20 decode steps.
+    assert len(calls) == engine.mixed_steps + engine.separate_prefills and 5 <= len(calls) <= 8
+    assert all(rows >= 16 for rows, _ in calls), calls
+    assert not engine._ceiling.engaged

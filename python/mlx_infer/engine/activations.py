@@ -1,4 +1,4 @@
-"""Holding one engine iteration's activations to the memory the KV sizing left for them.
+"""Holding a prompt-carrying engine iteration's activations to what it needs.
 
 MLX evaluates a graph asynchronously and keeps every input of a primitive alive until the
 device has run the command buffer (CUDA graph) that holds it (``mlx/backend/cuda/eval.cpp``:
@@ -7,18 +7,21 @@ committed every 100 ops or 1000 MB on Hopper and up to 10 run ahead of the host
 (``mlx/transforms.cpp: MAX_ACTIVE_TASKS``), so a 2,048-row prompt-chunk step of llama-1B keeps
 ~3 GB of activations alive at once, and back-to-back chunk-only steps (which nothing reads) stack
 theirs: on an H200 the engine's peak at 64 streams was weights + KV + ~6.7 GB (benchmarks/
-RESULTS.md, session 6), more than the 1 GiB the pool sizing reserves for activations.
+RESULTS.md, session 6), above mlx-lm's.
 
 MLX's own back-pressure bounds that: after each primitive it is handed, ``eval`` waits for the
 oldest in-flight command buffer while the active memory exceeds ``mx.set_memory_limit``'s value.
-:class:`ActivationCeiling` sets that limit, for the duration of one engine iteration, to what the
-process holds between iterations plus the reserve, and restores the previous limit afterwards
-(so another user of MLX in the process, mlx-lm in benchmarks/served.py, runs under its own
-limit). "What the process holds" is the smallest active memory seen at the start of the last
-:data:`WINDOW` iterations (the previous step may still be running at the start of this one, and
-its activations are not resident memory), with the KV storage taken at its current size (it
-grows inside an iteration, before the forward). A limit below a single kernel's needs only
-makes the host wait for the device, never fails: the allocator still allocates.
+:class:`ActivationCeiling` sets that limit, for an iteration that carries prompt tokens, to what
+the process holds between iterations plus :meth:`ActivationCeiling.reserve` (the activations of
+:data:`~mlx_infer.defaults.CEILING_LAYERS_AHEAD` layers of the step's rows, and its logits), and
+the engine restores the previous limit when the iteration ends (so another user of MLX in the
+process, mlx-lm in benchmarks/served.py, runs under its own limit). Decode-only iterations are
+left alone: their activations are small, and a limit would stall the pipelined step n+1 behind
+step n. "What the process holds" is the smallest active memory seen at the last :data:`WINDOW`
+engagements (the previous step may still be running, and its activations are not resident
+memory), with the KV storage taken at its current size (it grows inside an iteration, before
+the forward). A limit below a kernel's needs only makes the host wait for the device, never
+fails: the allocator still allocates.
 """
 from __future__ import annotations
 
@@ -28,26 +31,31 @@ from typing import Any, Callable
 import mlx.core as mx
 
 from .. import defaults
-from .config import activation_reserve
+from .config import model_dtype, model_sizes
 
 #: Iterations whose starting active memory (less the KV storage) the resident estimate is the minimum of.
 WINDOW = 8
 
 
 class ActivationCeiling:
-    """Sets MLX's memory limit to resident memory + ``reserve`` bytes while an iteration runs.
+    """Sets MLX's memory limit to resident memory + the step's reserve while an iteration runs.
 
     Args:
-        reserve: bytes one iteration's activations may take (``engine.config.activation_reserve``).
+        row_bytes: activation bytes one row of a step keeps alive per layer
+            (:func:`row_layer_bytes`).
+        logit_row_bytes: bytes of one logit row (its float32 copy and softmax included).
         kv_bytes: the KV storage's current size in bytes (it grows; counted at its current size).
+        floor: the least reserve (:data:`~mlx_infer.defaults.CEILING_FLOOR_BYTES`).
     """
 
-    def __init__(self, reserve: int, kv_bytes: Callable[[], int]) -> None:
-        if reserve <= 0:
-            raise ValueError(f"ActivationCeiling: reserve must be > 0 bytes, got {reserve}.")
-        self.reserve = int(reserve)
+    def __init__(self, row_bytes: int, logit_row_bytes: int, kv_bytes: Callable[[], int],
+                 floor: int = defaults.CEILING_FLOOR_BYTES) -> None:
+        if row_bytes <= 0 or logit_row_bytes < 0 or floor <= 0:
+            raise ValueError(f"ActivationCeiling: row_bytes and floor must be > 0 and logit_row_bytes >= 0, got "
+                             f"{row_bytes}, {floor} and {logit_row_bytes}.")
+        self.row_bytes, self.logit_row_bytes, self.floor = int(row_bytes), int(logit_row_bytes), int(floor)
         self._kv_bytes = kv_bytes
-        self._starts: deque[int] = deque(maxlen=WINDOW)  # active memory - KV storage at iteration starts
+        self._starts: deque[int] = deque(maxlen=WINDOW)  # active memory - KV storage at engagements
         self._previous: int | None = None  # the limit to restore; None while not engaged
 
     @property
@@ -55,16 +63,23 @@ class ActivationCeiling:
         """Whether the limit is set (between :meth:`engage` and :meth:`release`)."""
         return self._previous is not None
 
-    def ceiling(self) -> int:
-        """The limit for this iteration: resident memory (estimated, module doc) + the reserve."""
+    def reserve(self, rows: int, logit_rows: int) -> int:
+        """Bytes a step of ``rows`` rows (``logit_rows`` of them with logits) may hold at once:
+        :data:`~mlx_infer.defaults.CEILING_LAYERS_AHEAD` layers of its rows' activations (so the
+        device always has layers queued) plus its logits, at least ``floor``."""
+        need = defaults.CEILING_LAYERS_AHEAD * rows * self.row_bytes + logit_rows * self.logit_row_bytes
+        return max(self.floor, need)
+
+    def ceiling(self, rows: int, logit_rows: int) -> int:
+        """The limit for a step: resident memory (estimated, module doc) + its reserve."""
         kv = int(self._kv_bytes())
         self._starts.append(int(mx.get_active_memory()) - kv)
-        return min(self._starts) + kv + self.reserve
+        return min(self._starts) + kv + self.reserve(rows, logit_rows)
 
-    def engage(self) -> None:
-        """Set the limit (again, with the KV storage at its current size, if already engaged);
-        a lower limit the user set stays in force."""
-        limit = self.ceiling()
+    def engage(self, rows: int, logit_rows: int) -> None:
+        """Set the limit for a step of ``rows`` rows (again, if already engaged); a lower limit
+        the user set stays in force."""
+        limit = self.ceiling(rows, logit_rows)
         previous = mx.set_memory_limit(limit)
         if self._previous is None:
             self._previous = previous
@@ -72,10 +87,18 @@ class ActivationCeiling:
             mx.set_memory_limit(self._previous)
 
     def release(self) -> None:
-        """Restore the limit that was in force before :meth:`engage`."""
+        """Restore the limit that was in force before :meth:`engage` (nothing if not engaged)."""
         if self._previous is not None:
             mx.set_memory_limit(self._previous)
             self._previous = None
+
+
+def row_layer_bytes(model: Any) -> int:
+    """Activation bytes one row keeps alive in one layer until its command buffer has run: the
+    residual stream's copies (input, norms, attention output, projections, sums: 8 x hidden) and
+    the MLP's (gate, up, their product: 3 x intermediate), in the model's dtype."""
+    hidden, intermediate, _ = model_sizes(model)
+    return max(1, (8 * hidden + 3 * intermediate) * model_dtype(model).size)
 
 
 def activation_ceiling(engine: Any) -> ActivationCeiling | None:
@@ -86,4 +109,6 @@ def activation_ceiling(engine: Any) -> ActivationCeiling | None:
         bound = defaults.BOUND_ACTIVATIONS["gpu" if mx.default_device().type == mx.DeviceType.gpu else "cpu"]
     if not bound:
         return None
-    return ActivationCeiling(activation_reserve(engine.model, engine.config), lambda: engine.store.nbytes)
+    _, _, vocab = model_sizes(engine.model)
+    return ActivationCeiling(row_layer_bytes(engine.model), vocab * (model_dtype(engine.model).size + 8),
+                             lambda: engine.store.nbytes)

@@ -325,11 +325,10 @@ class Engine:
         admitted, unfit = self.scheduler.admit()
         if self._ceiling is None:
             return self._iterate(admitted, unfit)
-        self._ceiling.engage()  # after admission: the storage grown for the admitted prompts counts
         try:
             return self._iterate(admitted, unfit)
         finally:
-            self._ceiling.release()
+            self._ceiling.release()  # the forwards that carried prompt tokens engaged it
 
     def _iterate(self, admitted: list[LiveRequest], unfit: list[LiveRequest]) -> bool:
         for r in unfit:
@@ -449,8 +448,8 @@ class Engine:
             rows = [r for r in self.scheduler.running if r.state == DECODE]
         if not rows and not chunks:
             return None  # (prompt chunks alone that do not fit: the separate prefill preempts or fails)
-        if self._ceiling is not None:
-            self._ceiling.engage()  # the storage may have grown for this step's pages
+        if self._ceiling is not None and chunks:  # prompt rows: bound what the step holds (engine/activations.py)
+            self._ceiling.engage(len(rows) + sum(c.n for c in chunks), len(rows) + len(chunks))
         inputs = step_inputs(rows) if rows else mx.zeros((0,), mx.uint32)  # (B,)
         ended: list[LiveRequest] = []
         if chunks:

@@ -56,6 +56,8 @@ def prefill(engine: "Engine") -> tuple[bool, Step | None]:
         else:
             caches = batch.caches
         tokens = mx.array([r.all_ids[r.prefilled:r.prefilled + n] for r in rows], mx.uint32)  # (B, n)
+        if engine._ceiling is not None:  # bound what the forward holds (engine/activations.py)
+            engine._ceiling.engage(n * len(rows), len(rows))
         with rows_context(slots_for(rows)):
             h = engine.model.model(tokens, cache=caches)  # (B, n, hidden): K/V written to pages
         mx.async_eval(h)
