@@ -7,7 +7,7 @@ from tiny import make_tiny_model_dir
 from mlx_infer.artifacts.loader import load_model
 from mlx_infer.engine import Engine, EngineConfig, EngineRequest
 from mlx_infer import defaults
-from mlx_infer.engine.activations import WINDOW, ActivationCeiling, activation_ceiling, row_layer_bytes
+from mlx_infer.engine.activations import WINDOW, ActivationCeiling, activation_ceiling, step_row_bytes
 from mlx_infer.errors import MlxInferError
 
 
@@ -23,8 +23,8 @@ def test_engage_sets_resident_plus_reserve_and_release_restores():
     mx.eval(kv)
     ceiling = ActivationCeiling(1000, 100, lambda: sum(a.nbytes for a in kv), floor=1)
     reserve = ceiling.reserve(12_000, 20_000)
-    assert reserve == defaults.CEILING_LAYERS_AHEAD * 12_000 * 1000 + 20_000 * 100
-    assert ceiling.reserve(1, 0) == 4000 and ActivationCeiling(1, 0, lambda: 0).reserve(1, 1) == defaults.CEILING_FLOOR_BYTES
+    assert reserve == 12_000 * 1000 + 20_000 * 100
+    assert ceiling.reserve(1, 0) == 1000 and ActivationCeiling(1, 0, lambda: 0).reserve(1, 1) == defaults.CEILING_FLOOR_BYTES
     before = mx.get_memory_limit()
     active = mx.get_active_memory()
     ceiling.engage(12_000, 20_000)
@@ -115,7 +115,8 @@ def test_the_default_follows_the_device_type(tiny):
     forced = Engine(tiny, EngineConfig(page_size=4, bound_activations=True))
     ceiling = activation_ceiling(forced)
     hidden, inter = tiny.model.args.hidden_size, tiny.model.args.intermediate_size
-    assert ceiling.row_bytes == row_layer_bytes(tiny.model) == (8 * hidden + 3 * inter) * 4  # float32 tiny model
+    layers = tiny.model.args.num_hidden_layers
+    assert ceiling.row_bytes == step_row_bytes(tiny.model) == layers * (8 * hidden + 3 * inter) * 4  # float32 tiny
     assert ceiling.logit_row_bytes == tiny.model.args.vocab_size * (4 + 8)
 
 

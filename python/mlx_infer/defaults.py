@@ -40,9 +40,6 @@ GROW_KV_POOL = {"gpu": True, "cpu": True}
 #: Whether an engine iteration's activations are held to the pool sizing's activation reserve by MLX's memory
 #: limit (``EngineConfig.bound_activations=None``; engine/activations.py), by device type.
 BOUND_ACTIVATIONS = {"gpu": True, "cpu": False}
-#: A bounded step may hold this many layers' activations of its rows at once (plus its logits): enough that the
-#: device always has work queued while the host waits for the oldest command buffer.
-CEILING_LAYERS_AHEAD = 4
 #: The least activation reserve of a bounded step (a smaller limit would make the host wait on every kernel).
 CEILING_FLOOR_BYTES = 64 << 20
 #: A growth materializes the pages a step (or an admission) needs plus this share more: fewer, larger growths (each

@@ -12,9 +12,9 @@ RESULTS.md, session 6), above mlx-lm's.
 MLX's own back-pressure bounds that: after each primitive it is handed, ``eval`` waits for the
 oldest in-flight command buffer while the active memory exceeds ``mx.set_memory_limit``'s value.
 :class:`ActivationCeiling` sets that limit, for an iteration that carries prompt tokens, to what
-the process holds between iterations plus :meth:`ActivationCeiling.reserve` (the activations of
-:data:`~mlx_infer.defaults.CEILING_LAYERS_AHEAD` layers of the step's rows, and its logits), and
-the engine restores the previous limit when the iteration ends (so another user of MLX in the
+the process holds between iterations plus :meth:`ActivationCeiling.reserve` (an estimate of the
+activations of every layer of the step's rows, and its logits: one step in flight, not a queue
+of them), and the engine restores the previous limit when the iteration ends (so another user of MLX in the
 process, mlx-lm in benchmarks/served.py, runs under its own limit). Decode-only iterations are
 left alone: their activations are small, and a limit would stall the pipelined step n+1 behind
 step n. "What the process holds" is the smallest active memory seen at the last :data:`WINDOW`
@@ -22,6 +22,11 @@ engagements (the previous step may still be running, and its activations are not
 memory), with the KV storage taken at its current size (it grows inside an iteration, before
 the forward). A limit below a kernel's needs only makes the host wait for the device, never
 fails: the allocator still allocates.
+
+Measured (H200, benchmarks/RESULTS.md "session 7"): a flat 1 GiB reserve on every iteration held
+llama-1B's peak to 0.48-0.63x mlx-lm's at 8-128 streams (llama-8B 0.62-0.74x) but made the
+8-stream TTFT 52 ms against 38 unbounded: a reserve below one CUDA graph's activations makes the
+host drain the queue before each commit. Hence one whole step's estimate, prompt iterations only.
 """
 from __future__ import annotations
 
@@ -41,8 +46,8 @@ class ActivationCeiling:
     """Sets MLX's memory limit to resident memory + the step's reserve while an iteration runs.
 
     Args:
-        row_bytes: activation bytes one row of a step keeps alive per layer
-            (:func:`row_layer_bytes`).
+        row_bytes: activation bytes one row of a step keeps alive over all layers
+            (:func:`step_row_bytes`).
         logit_row_bytes: bytes of one logit row (its float32 copy and softmax included).
         kv_bytes: the KV storage's current size in bytes (it grows; counted at its current size).
         floor: the least reserve (:data:`~mlx_infer.defaults.CEILING_FLOOR_BYTES`).
@@ -65,9 +70,8 @@ class ActivationCeiling:
 
     def reserve(self, rows: int, logit_rows: int) -> int:
         """Bytes a step of ``rows`` rows (``logit_rows`` of them with logits) may hold at once:
-        :data:`~mlx_infer.defaults.CEILING_LAYERS_AHEAD` layers of its rows' activations (so the
-        device always has layers queued) plus its logits, at least ``floor``."""
-        need = defaults.CEILING_LAYERS_AHEAD * rows * self.row_bytes + logit_rows * self.logit_row_bytes
+        its rows' activations over every layer plus its logits, at least ``floor``."""
+        need = rows * self.row_bytes + logit_rows * self.logit_row_bytes
         return max(self.floor, need)
 
     def ceiling(self, rows: int, logit_rows: int) -> int:
@@ -93,12 +97,20 @@ class ActivationCeiling:
             self._previous = None
 
 
-def row_layer_bytes(model: Any) -> int:
-    """Activation bytes one row keeps alive in one layer until its command buffer has run: the
-    residual stream's copies (input, norms, attention output, projections, sums: 8 x hidden) and
-    the MLP's (gate, up, their product: 3 x intermediate), in the model's dtype."""
+def step_row_bytes(model: Any) -> int:
+    """Activation bytes one row keeps alive in a step until its command buffers have run: per
+    layer, the residual stream's copies (input, norms, attention output, projections, sums:
+    8 x hidden) and the MLP's (gate, up, their product: 3 x intermediate), in the model's dtype."""
     hidden, intermediate, _ = model_sizes(model)
-    return max(1, (8 * hidden + 3 * intermediate) * model_dtype(model).size)
+    return max(1, layer_count(model) * (8 * hidden + 3 * intermediate) * model_dtype(model).size)
+
+
+def layer_count(model: Any) -> int:
+    """The model's decoder layers (its args' ``num_hidden_layers``, else its ``layers``)."""
+    args = getattr(model, "args", None)
+    args = getattr(args, "text_config", None) or args
+    n = (args.get("num_hidden_layers") if isinstance(args, dict) else getattr(args, "num_hidden_layers", None))
+    return int(n or len(getattr(model, "layers", ())) or 1)
 
 
 def activation_ceiling(engine: Any) -> ActivationCeiling | None:
@@ -110,5 +122,5 @@ def activation_ceiling(engine: Any) -> ActivationCeiling | None:
     if not bound:
         return None
     _, _, vocab = model_sizes(engine.model)
-    return ActivationCeiling(row_layer_bytes(engine.model), vocab * (model_dtype(engine.model).size + 8),
+    return ActivationCeiling(step_row_bytes(engine.model), vocab * (model_dtype(engine.model).size + 8),
                              lambda: engine.store.nbytes)
