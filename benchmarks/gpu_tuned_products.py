@@ -84,7 +84,15 @@ def main() -> int:
     p.add_argument("--tol", type=float, default=1e-2, help="largest relative error accepted (bf16)")
     p.add_argument("--tiny", action="store_true", help="toy sizes of the shapes (a CPU smoke run)")
     p.add_argument("--json")
+    p.add_argument("--backtrace", action="store_true",
+                   help="on a crash print the native and the Python stack (no gdb on the device machine); with "
+                        "MLX_INFER_TUNED_PRODUCTS_LOG=2 every stage of the first calls is logged too")
     args = p.parse_args()
+    if args.backtrace:
+        import faulthandler
+
+        faulthandler.enable()
+        _fast.install_crash_backtrace()
     available = _fast.tuned_products_available()
     print(f"device {mx.default_device()}, mlx {mx.__version__}, tuned products available: {available}")
     ms = [int(v) for v in args.ms.split(",")]

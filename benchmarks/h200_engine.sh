@@ -144,5 +144,23 @@ case "${1:-a}" in
     # Session 7, call 3: llama-8B's table at every stream count.
     run 560 served-llama-8b $served --shape llama-8b --json "$out/h200-served-llama-8b.json"
     ;;
-  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c" >&2; exit 2 ;;
+  s8a)
+    # Next session, call 1: where the tuned products crash (session 7 found it is inside the first tuned_linear
+    # evaluation, before its first log line: faulthandler's Python stack only), now with the native stack and
+    # each stage logged; then the A/B of the activation bound as it is now (prompt steps only, one step's reserve).
+    t=$(date +%s)
+    (cd /tmp/proj && CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install -q --no-build-isolation --no-deps \
+      --no-compile -Ccmake.define.MLX_INFER_LTO=OFF -Ccmake.define.MLX_INFER_CUBLAS=ON --target /tmp/site-cublas . \
+      > "$out/build-cublas.log" 2>&1) && echo "built the cuBLAS copy in $(( $(date +%s) - t )) s" | tee -a "$out/phase.log"
+    PYTHONPATH=/tmp/site-cublas:/tmp/site MLX_INFER_TUNED_PRODUCTS_LOG=2 run 100 tuned-trace python \
+      benchmarks/gpu_tuned_products.py --shapes llama-1b --ms 8 --iters 5 --rounds 1 --backtrace
+    run 420 served-llama-1b $served --shape llama-1b --unbounded --json "$out/h200-served-llama-1b.json"
+    ;;
+  s8b)
+    # Next session, call 2: gemma3-270m and llama-8B with the A/B column; the HTTP column at 32 streams.
+    run 260 served-gemma3 $served --shape gemma3-270m --unbounded --json "$out/h200-served-gemma3-270m.json"
+    run 200 http-llama-1b python benchmarks/served.py -p 512 -g 128 -r 1 -n 3 --no-text --streams 32 \
+      --shape llama-1b --http --json "$out/h200-served-llama-1b-http.json"
+    ;;
+  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b" >&2; exit 2 ;;
 esac

@@ -84,12 +84,23 @@ void check_cublas(const char* what, cublasStatus_t st) {
   }
 }
 
-bool log_choices() {
-  static const bool on = [] {
+// MLX_INFER_TUNED_PRODUCTS_LOG: 1 logs each shape's choice; 2 also every stage of the first calls (where a
+// crash happens, on a machine without a debugger: see _fast.install_crash_backtrace).
+int log_level() {
+  static const int level = [] {
     const char* v = std::getenv("MLX_INFER_TUNED_PRODUCTS_LOG");
-    return v != nullptr && std::strcmp(v, "") != 0 && std::strcmp(v, "0") != 0;
+    return v == nullptr || std::strcmp(v, "") == 0 ? 0 : std::atoi(v) > 0 ? std::atoi(v) : 0;
   }();
-  return on;
+  return level;
+}
+
+bool log_choices() { return log_level() >= 1; }
+
+void trace(const char* stage) {
+  if (log_level() >= 2) {
+    std::fprintf(stderr, "[mlx_infer tuned_linear] %s\n", stage);
+    std::fflush(stderr);
+  }
 }
 
 // Our CUDA runtime (linked statically, apart from libmlx's own static one) on the device MLX evaluates on: its
@@ -366,6 +377,7 @@ Timings time_candidates(cublasLtHandle_t h, const Plan& p, const Key& k, const s
     if (times[i] >= 0) order.push_back(i);
   }
   std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return times[a] < times[b]; });
+  trace("plan: timed; graph capture checks");
   int chosen = -1;
   for (size_t j = 0; j < order.size() && chosen < 0; ++j) {
     if (!graph_friendly(h, p, k, cands[order[j]], x, w, out, ws)) continue;
@@ -435,6 +447,7 @@ const Plan& plan_for(const Key& k, cudaStream_t mlx_stream, const void* x, const
   auto it = plans->find(k);
   if (it != plans->end()) return *it->second;
 
+  trace("plan: descriptors");
   auto p = std::make_unique<Plan>();
   p->desc = make_desc(bias);
   // Column-major views of the row-major buffers: w (N, K) is K x N (ld K), taken transposed; x (M, K) is
@@ -443,13 +456,17 @@ const Plan& plan_for(const Key& k, cudaStream_t mlx_stream, const void* x, const
   check_cublas("cublasLtMatrixLayoutCreate", cublasLtMatrixLayoutCreate(&p->b, k.type, k.K, k.M, k.K));
   check_cublas("cublasLtMatrixLayoutCreate", cublasLtMatrixLayoutCreate(&p->d, k.type, k.N, k.M, k.N));
 
+  trace("plan: cuBLASLt handle");
   cublasLtHandle_t h = lt_handle(k.device);
+  trace("plan: heuristic candidates");
   auto cands = candidates(h, *p, k);
   if (cands.empty()) {
     throw std::runtime_error("[TunedProduct] cuBLASLt has no algorithm for this product (M=" + std::to_string(k.M) +
                              ", N=" + std::to_string(k.N) + ", K=" + std::to_string(k.K) + ").");
   }
+  trace("plan: synchronize MLX's stream");
   cudaStreamSynchronize(mlx_stream);  // MLX's committed work done: the timings do not share the GPU with it
+  trace("plan: time the candidates");
   const auto t = time_candidates(h, *p, k, cands, x, w);
   // None ran and captured cleanly on the private stream: keep the first heuristic's pick (what MLX runs).
   const size_t best = t.chosen >= 0 ? static_cast<size_t>(t.chosen) : 0;
@@ -480,8 +497,10 @@ class TunedProduct : public mx::UnaryPrimitive {
     if (!x.flags().row_contiguous || !w.flags().row_contiguous || (bias && !bias->flags().row_contiguous)) {
       throw std::runtime_error("[TunedProduct] inputs must be row-contiguous (tuned_linear makes them so).");
     }
+    trace("eval_gpu: command encoder");
     auto& enc = cu::get_command_encoder(stream());
     const int device = enc.device().cuda_device();
+    trace("eval_gpu: cudaSetDevice");
     use_device(device);
     Key k{device,
           static_cast<int>(x.size() / w.shape(1)),
@@ -493,9 +512,12 @@ class TunedProduct : public mx::UnaryPrimitive {
           bias != nullptr};
     cudaStream_t cs = enc.stream();
     const void* bias_ptr = bias ? mx::gpu_ptr<void>(*bias) : nullptr;
+    trace("eval_gpu: plan");
     const Plan& p = plan_for(k, cs, mx::gpu_ptr<void>(x), mx::gpu_ptr<void>(w), bias_ptr);
 
+    trace("eval_gpu: output buffer");
     out.set_data(device_buffer(out.nbytes(), device));
+    trace("eval_gpu: encoder inputs and outputs");
     enc.set_input_array(x);
     enc.set_input_array(w);
     if (bias) enc.set_input_array(*bias);
@@ -511,12 +533,14 @@ class TunedProduct : public mx::UnaryPrimitive {
     // This call's bias pointer in a descriptor of its own (the plan's is shared); the launch copies what it reads.
     cublasLtMatmulDesc_t own = bias ? make_desc(bias_ptr) : nullptr;
     cublasStatus_t st;
+    trace("eval_gpu: capture and launch");
     {
       auto capture = enc.capture_context();
       st = cublasLtMatmul(lt_handle(device), own ? own : p.desc, &alpha, mx::gpu_ptr<void>(w), p.a,
                           mx::gpu_ptr<void>(x), p.b, &beta, o, p.d, o, p.d, &p.algo, ws, p.workspace, enc.stream());
     }
     if (own) cublasLtMatmulDescDestroy(own);
+    trace("eval_gpu: done");
     check_cublas("cublasLtMatmul", st);
   }
 
