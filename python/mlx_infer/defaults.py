@@ -66,3 +66,7 @@ BODY_TIMEOUT_S = 30.0
 MAX_BODY_BYTES = 8 * 2**20
 #: Endpoints open without ``--api-key``'s key.
 PUBLIC_ENDPOINTS = ("health",)
+
+#: The server's GIL switch interval (``sys.setswitchinterval``; Python's default is 5 ms): the engine thread, back from
+#: MLX's eval, waits at most this long for the event loop's thread (server/run.py: switch_interval).
+SERVER_SWITCH_INTERVAL_S = 0.0005

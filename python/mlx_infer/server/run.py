@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import re
 import sys
 import threading
@@ -196,6 +197,22 @@ def exposure_lines(options: ServeOptions) -> list[str]:
     return lines
 
 
+def switch_interval() -> float:
+    """Seconds the server's threads hold the GIL before a waiting one may take it
+    (:data:`~mlx_infer.defaults.SERVER_SWITCH_INTERVAL_S`; ``MLX_INFER_SWITCH_INTERVAL`` overrides it,
+    for an A/B). The engine thread releases the GIL while MLX evaluates a step and needs it back
+    to plan the next one; at Python's default 5 ms it can wait a whole interval behind the event
+    loop's SSE writes, longer than a 32-stream decode step."""
+    raw = os.environ.get("MLX_INFER_SWITCH_INTERVAL", "")
+    try:
+        value = float(raw) if raw else defaults.SERVER_SWITCH_INTERVAL_S
+    except ValueError:
+        raise MlxInferError(f"MLX_INFER_SWITCH_INTERVAL must be a number of seconds, got {raw!r}.") from None
+    if not value > 0:
+        raise MlxInferError(f"MLX_INFER_SWITCH_INTERVAL must be > 0 seconds, got {raw!r}.")
+    return value
+
+
 def serve(options: ServeOptions) -> None:
     """Run until interrupted: Ctrl-C or SIGTERM drains for ``drain_timeout_s``, then stops the engine.
 
@@ -223,6 +240,7 @@ def serve(options: ServeOptions) -> None:
               f"({_pool_summary(engine)})", flush=True)
         server = make_server(app, log_level=options.log_level, drain_timeout_s=options.drain_timeout_s,
                              header_timeout_s=options.header_timeout_s)
+        sys.setswitchinterval(switch_interval())  # the engine thread gets the GIL back soon after its eval
         server.run(sockets=[sock])
     finally:
         sock.close()

@@ -15,7 +15,18 @@ _END = object()
 
 async def merge(sources: list[AsyncIterator[T]]) -> AsyncIterator[T]:
     """Items of every source as they come; ends when all have ended. A source's error is
-    raised here (the others are cancelled); closing this generator cancels them all."""
+    raised here (the others are cancelled); closing this generator cancels them all. One source
+    (the common request: one prompt, ``n`` = 1) is iterated directly: no pump task and queue hop
+    per token."""
+    if len(sources) == 1:
+        try:
+            async for item in sources[0]:
+                yield item
+        finally:  # closed early (client gone): close the source now, as cancelling its pump did
+            close = getattr(sources[0], "aclose", None)
+            if close is not None:
+                await close()
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(src: AsyncIterator[T]) -> None:
