@@ -340,9 +340,12 @@ def test_caches_hold_the_eager_kv_after_compiled_steps(name, compile_):
         got.append(y.item())
     assert got == want[:20] and step.failures == 0
     assert _layout(cache) == _layout(eager_cache)
-    for c, e in zip(cache, eager_cache):  # whole buffers: the written tokens and the unwritten zeros
-        assert mx.allclose(c.keys, e.keys, rtol=0, atol=1e-5).item()
-        assert mx.allclose(c.values, e.values, rtol=0, atol=1e-5).item()
+    # Whole buffers: the written tokens and the unwritten zeros. Built op by op the step computes K/V
+    # bit-identically; compiled, mx.compile's fusions round differently (measured <= 4.3e-6).
+    atol = 1e-5 if compile_ else 0.0
+    for c, e in zip(cache, eager_cache):
+        assert mx.allclose(c.keys, e.keys, rtol=0, atol=atol).item()
+        assert mx.allclose(c.values, e.values, rtol=0, atol=atol).item()
     for _ in range(10):  # continue eagerly from the caches the step updated
         y = mx.argmax(model(y.reshape(1, 1), cache=cache)[:, -1, :], axis=-1)
         got.append(y.item())

@@ -22,7 +22,7 @@ window of 8 is exceeded before the first step.
 Checks: greedy tokens equal for 32 steps and teacher-forced logits (a fixed random
 token stream) within the tolerance below, the whole step compiled and built per
 step; no retrace in steady state; KV buffers for KV-owning layers only; rows of
-different lengths batched; write-back then eager continuation; the binding.
+different lengths batched; the plain caches holding the KV and the eager graph continuing; the binding.
 Measured max |compiled - eager| on logits (CPU, mlx 0.32.4, greedy and forced,
 compiled and per-step graph alike; logits up to ~7 in magnitude): float32 dense
 3.5e-6, k_eq_v 4.3e-6, moe 3.7e-5, ple 1.1e-4, kv_shared 1.8e-4; 4-bit dense 3.8e-6,

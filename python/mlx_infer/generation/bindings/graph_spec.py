@@ -77,8 +77,9 @@ class DecodePolicy:
     Attributes:
         max_capacity: most tokens a row may hold (0 = unbounded); a step past it
             fails and the generation continues eagerly.
-        compile: trace the whole step once per (batch, capacity) with
-            ``mx.compile`` (attention over the whole buffer under a mask);
+        compile: trace the whole step once per (batch, the caches' buffer
+            lengths) with ``mx.compile`` (attention over the whole buffer under
+            a mask; a plain cache grows by 256 tokens, a retrace each time);
             off builds the graph in C++ every step and reads exact-length KV
             views (no mask) while all rows have one length.
         compile_min_batch: compile only from this batch size on; ``None``
