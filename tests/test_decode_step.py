@@ -298,6 +298,10 @@ def test_batched_rows_of_different_lengths_match_each_alone(name, compile_):
     for r, p in enumerate(prompts):
         want, _ = eager_run(model, prompt=p, steps=40)
         assert got[r] == want, f"row {r} (prompt of {len(p)} tokens)"
+        alone, y = prefill(model, p)  # the row's caches keep its own layout (stacked and split back)
+        for t in [y.item()] + want[:39]:
+            model(mx.array([[t]], dtype=mx.uint32), cache=alone)
+        assert _layout(rows[r]) == _layout(alone), f"row {r}"
 
 
 def test_batched_cache_of_equal_rows():

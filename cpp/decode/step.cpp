@@ -186,7 +186,7 @@ namespace {
   throw std::invalid_argument("[DecodeStep.step] " + what);
 }
 
-// (B, G) int32 from G lists of B ints, checking each against [lo, hi_b).
+// (B, G) int32 from G lists of B ints (row b, group g at [b, g]).
 mx::array group_matrix(const std::vector<std::vector<int>>& cols, int B, const char* name) {
   std::vector<int32_t> flat(static_cast<size_t>(B) * cols.size());
   for (size_t g = 0; g < cols.size(); ++g) {
@@ -220,8 +220,8 @@ DecodeStepOutput DecodeStep::step(const mx::array& tokens, const std::vector<int
     bad("slots and reads need one list per window group (window_groups: " + std::to_string(G) + "), got " +
         std::to_string(slots.size()) + " and " + std::to_string(reads.size()) + ".");
   }
-  const int needed = *std::max_element(positions.begin(), positions.end()) + 1;
   if (*std::min_element(positions.begin(), positions.end()) < 0) bad("positions must be >= 0.");
+  const int needed = *std::max_element(positions.begin(), positions.end()) + 1;
   if (cfg.max_capacity > 0 && needed > cfg.max_capacity) {
     std::ostringstream msg;
     msg << "[DecodeStep.step] capacity exhausted: the next token would be number " << needed
