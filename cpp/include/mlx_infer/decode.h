@@ -130,7 +130,6 @@ using QuantSpec = std::tuple<int, int, std::string>;
 
 struct LoraLayout;  // cpp/decode/lora.h
 
-/// A one-token decode step over its own KV buffers. Not thread-safe.
 /// What one DecodeStep::step returns, lazily: the logits and every KV-owning layer's updated buffers.
 struct DecodeStepOutput {
   mx::array logits;               // (B, vocab)
