@@ -356,6 +356,29 @@ def test_caches_hold_the_eager_kv_after_compiled_steps(name, compile_):
     assert got == want
 
 
+def test_ring_growth_in_steps_matches_eager():
+    """A window over 256 tokens: the ring grows in two steps (11 -> 267 -> 300 slots), then wraps, as eagerly."""
+    path = make_tiny_model_dir(Path(tempfile.mkdtemp()) / "wide", "llama", model_type="mistral",
+                               sliding_window=300)
+    model = load_model(path).model
+    steps = 320
+    want, _ = eager_run(model, steps=steps)
+    eager_cache, y = prefill(model, PROMPT)
+    for t in [y.item()] + want[:steps - 1]:
+        model(mx.array([[t]], dtype=mx.uint32), cache=eager_cache)
+    cache, y = prefill(model, PROMPT)
+    step = CompiledDecodeStep(model, policy=DecodePolicy(compile_min_batch=1))
+    got, widths = [], set()
+    for _ in range(steps):
+        y = mx.argmax(step.step(y, cache), axis=-1)
+        got.append(y.item())
+        widths.add(cache[0].keys.shape[2])
+    assert got == want and step.failures == 0
+    assert widths == {267, 300}
+    assert step.traces == 2 * TRACED
+    assert _layout(cache) == _layout(eager_cache)
+
+
 def _address(a: mx.array) -> int:
     """The address of ``a``'s data (evaluated); the view is dropped at once so nothing else holds it."""
     view = memoryview(a)
