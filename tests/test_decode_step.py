@@ -29,6 +29,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 import pytest
 from mlx.utils import tree_map_with_path
 
@@ -202,7 +203,7 @@ def test_bfloat16_matches_eager():
 def test_no_retrace_in_steady_state(name):
     model = tiny_model(name)
     cache, y = prefill(model, PROMPT)
-    step = CompiledDecodeStep(model, policy=DecodePolicy(capacity_step=256, compile_min_batch=1))
+    step = CompiledDecodeStep(model, policy=DecodePolicy(compile_min_batch=1))
     for _ in range(4):  # warm-up
         y = mx.argmax(step.step(y, cache), axis=-1)
     before = step.traces
@@ -241,14 +242,31 @@ def test_compile_min_batch_picks_the_path_per_batch_size():
     assert DecodePolicy().resolved_compile_min_batch() == (1 if on_cpu else 2)
 
 
-def test_capacity_growth_retraces_once_per_growth_and_keeps_tokens():
+def test_cache_growth_retraces_once_per_growth_and_keeps_tokens():
+    """The caches grow by their own rules (here steps of 16): each growth is a new buffer shape, one trace."""
     model = tiny_model("gemma3")
-    want, _ = eager_run(model)
-    got, _, step = compiled_run(model, policy=DecodePolicy(capacity_step=16, compile_min_batch=1))
+
+    def run(step):
+        cache = model.make_cache()
+        for c in cache:
+            c.step = 16
+        tokens = mx.array([PROMPT], dtype=mx.uint32)
+        model.model(tokens[:, :-1], cache=cache)
+        y, got = tokens[0, -1:], []
+        for _ in range(STEPS):
+            out = step.step(y, cache) if step else model(y.reshape(1, 1), cache=cache)[:, -1, :]
+            y = mx.argmax(out, axis=-1)
+            got.append(y.item())
+        return got, cache
+
+    want, eager_cache = run(None)
+    step = CompiledDecodeStep(model, policy=DecodePolicy(compile_min_batch=1))
+    got, cache = run(step)
     assert got == want
-    # capacity 16 at take-over (11 tokens), then 32, 48, 64, 80 as the rows reach 75 tokens:
-    # a trace per capacity where MLX compiles, none where it runs the step uncompiled
-    assert step.native.capacity == 80
+    # a global layer's buffer: 16 at the prefill (11 tokens), then 32, 48, 64, 80 as it reaches 75 tokens;
+    # a trace per length where MLX compiles, none where it runs the step uncompiled
+    assert [c.keys.shape[2] for c in cache] == [c.keys.shape[2] for c in eager_cache]
+    assert max(c.keys.shape[2] for c in cache) == 80
     assert step.traces == 5 * TRACED
 
 
@@ -276,10 +294,14 @@ def test_batched_rows_of_different_lengths_match_each_alone(name, compile_):
             got[r].append(t)
     assert step.failures == 0
     assert step.traces == (TRACED if compile_ else 0)
-    assert step.lengths == [len(p) - 1 + 40 for p in prompts]
+    assert [{c.offset for c in caches} for caches in rows] == [{len(p) - 1 + 40} for p in prompts]
     for r, p in enumerate(prompts):
         want, _ = eager_run(model, prompt=p, steps=40)
         assert got[r] == want, f"row {r} (prompt of {len(p)} tokens)"
+        alone, y = prefill(model, p)  # the row's caches keep its own layout (stacked and split back)
+        for t in [y.item()] + want[:39]:
+            model(mx.array([[t]], dtype=mx.uint32), cache=alone)
+        assert _layout(rows[r]) == _layout(alone), f"row {r}"
 
 
 def test_batched_cache_of_equal_rows():
@@ -299,35 +321,115 @@ def test_batched_cache_of_equal_rows():
         assert [g[r] for g in got] == want
 
 
-def test_sync_writes_the_kv_back_into_the_plain_caches():
-    model = tiny_model("gemma3")
+def _layout(cache) -> list[tuple]:
+    """Each cache's bookkeeping and buffer shapes: what mlx-lm's layout rules decide."""
+    return [(type(c).__name__, c.offset, c.meta_state, c.keys.shape, c.values.shape) for c in cache]
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3", "mistral-window", "llama-q4"])
+@pytest.mark.parametrize("compile_", [True, False], ids=["compiled", "graph"])
+def test_caches_hold_the_eager_kv_after_compiled_steps(name, compile_):
+    """The plain caches own the KV: after compiled steps (no sync, no close) they hold what the eager
+    steps write, in mlx-lm's layout, and the eager graph continues from them with the same tokens."""
+    model = tiny_model(name)
     want, _ = eager_run(model, steps=30)
+    eager_cache, y = prefill(model, PROMPT)
+    for t in [y.item()] + want[:19]:
+        model(mx.array([[t]], dtype=mx.uint32), cache=eager_cache)
     cache, y = prefill(model, PROMPT)
-    step = CompiledDecodeStep(model)
+    step = CompiledDecodeStep(model, policy=DecodePolicy(compile=compile_, compile_min_batch=1))
     got = []
     for _ in range(20):
         y = mx.argmax(step.step(y, cache), axis=-1)
         got.append(y.item())
-    step.sync()
-    assert all(c.offset == len(PROMPT) - 1 + 20 for c in cache)
-    for _ in range(10):  # continue eagerly from the written-back caches
+    assert got == want[:20] and step.failures == 0
+    assert _layout(cache) == _layout(eager_cache)
+    # Whole buffers: the written tokens and the unwritten zeros. Built op by op the step computes K/V
+    # bit-identically; compiled, mx.compile's fusions round differently (measured <= 4.3e-6).
+    atol = 1e-5 if compile_ else 0.0
+    for c, e in zip(cache, eager_cache):
+        assert mx.allclose(c.keys, e.keys, rtol=0, atol=atol).item()
+        assert mx.allclose(c.values, e.values, rtol=0, atol=atol).item()
+    for _ in range(10):  # continue eagerly from the caches the step updated
         y = mx.argmax(model(y.reshape(1, 1), cache=cache)[:, -1, :], axis=-1)
         got.append(y.item())
     assert got == want
+
+
+def test_ring_growth_in_steps_matches_eager():
+    """A window over 256 tokens: the ring grows in two steps (11 -> 267 -> 300 slots), then wraps, as eagerly."""
+    path = make_tiny_model_dir(Path(tempfile.mkdtemp()) / "wide", "llama", model_type="mistral",
+                               sliding_window=300)
+    model = load_model(path).model
+    steps = 320
+    want, _ = eager_run(model, steps=steps)
+    eager_cache, y = prefill(model, PROMPT)
+    for t in [y.item()] + want[:steps - 1]:
+        model(mx.array([[t]], dtype=mx.uint32), cache=eager_cache)
+    cache, y = prefill(model, PROMPT)
+    step = CompiledDecodeStep(model, policy=DecodePolicy(compile_min_batch=1))
+    got, widths = [], set()
+    for _ in range(steps):
+        y = mx.argmax(step.step(y, cache), axis=-1)
+        got.append(y.item())
+        widths.add(cache[0].keys.shape[2])
+    assert got == want and step.failures == 0
+    assert widths == {267, 300}
+    assert step.traces == 2 * TRACED
+    assert _layout(cache) == _layout(eager_cache)
+
+
+def _address(a: mx.array) -> int:
+    """The address of ``a``'s data (evaluated); the view is dropped at once so nothing else holds it."""
+    view = memoryview(a)
+    arr = np.asarray(view)
+    address = arr.__array_interface__["data"][0]
+    del arr
+    view.release()
+    return address
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+@pytest.mark.parametrize("compile_", [True, False], ids=["compiled", "graph"])
+def test_step_writes_the_caches_in_place(name, compile_):
+    """The hand-off donates the caches' buffers: every step writes its token into the same memory.
+
+    Were the caches (or the step) still holding the buffers they passed while the step
+    evaluates, MLX would copy every layer's whole K/V to write one token, into new memory.
+    """
+    model = tiny_model(name)
+    cache, y = prefill(model, [(7 * i) % 290 + 5 for i in range(300)])
+    step = CompiledDecodeStep(model, policy=DecodePolicy(compile=compile_, compile_min_batch=1))
+    for _ in range(2):  # warm-up: the trace, and the ring trimmed to its window
+        y = mx.argmax(step.step(y, cache), axis=-1)
+        mx.eval(y)
+    before = [(_address(c.keys), _address(c.values)) for c in cache]
+    for _ in range(4):  # no growth: 299 + 6 tokens in buffers of 512 (8 on the ring)
+        y = mx.argmax(step.step(y, cache), axis=-1)
+        mx.eval(y)
+        assert [(_address(c.keys), _address(c.values)) for c in cache] == before
+    assert step.failures == 0
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma3"])
 def test_failure_falls_back_to_eager_with_the_same_tokens(name):
     model = tiny_model(name)
     want, _ = eager_run(model)
-    # The step may hold at most 11 prompt + 9 decoded tokens: step 10 raises.
-    policy = DecodePolicy(max_capacity=len(PROMPT) - 1 + 9, capacity_step=8)
+    # A row may hold at most 11 prompt + 9 decoded tokens: step 10 raises.
+    policy = DecodePolicy(max_capacity=len(PROMPT) - 1 + 9)
     with pytest.warns(RuntimeWarning, match="compiled decode step failed") as record:
         got, _, step = compiled_run(model, policy=policy)
     assert got == want
     assert step.failures == 1 and step.failed
     assert len([w for w in record if "compiled decode step failed" in str(w.message)]) == 1
     assert "capacity" in str(step.last_error)
+    # the eager graph continued from the caches as the failed call left them (it committed nothing)
+    cache, y = prefill(model, PROMPT)
+    step = CompiledDecodeStep(model, policy=policy)
+    with pytest.warns(RuntimeWarning, match="capacity"):
+        for t in [y.item()] + want[:9]:
+            step.step(mx.array([t]), cache)
+    assert all(c.offset == len(PROMPT) - 1 + 10 for c in cache)
 
 
 class _PoisonOnce:
@@ -336,11 +438,11 @@ class _PoisonOnce:
     def __init__(self, native, at: int):
         self._native, self._at, self._n = native, at, 0
 
-    def step(self, tokens):
+    def step(self, tokens, *args):
         self._n += 1
         if self._n == self._at:
-            return self._native.step(mx.array([1.5]))  # float tokens: rejected before any write
-        return self._native.step(tokens)
+            return self._native.step(mx.array([1.5]), *args)  # float tokens: rejected before anything is built
+        return self._native.step(tokens, *args)
 
     def __getattr__(self, name):
         return getattr(self._native, name)
@@ -357,38 +459,38 @@ def test_poisoned_step_continues_eagerly_from_unchanged_kv():
     assert step.failures == 1
 
 
-def test_native_step_is_transactional():
-    model = tiny_model("gemma3")
-    cache, y = prefill(model, PROMPT)
-    step = CompiledDecodeStep(model, policy=DecodePolicy(max_capacity=12))
-    mx.eval(step.step(y, cache))
-    native = step.native
-    before = [tuple(mx.array(a) for a in kv) for kv in native.kv_state()]
-    lengths = native.lengths
-    with pytest.raises(ValueError, match="integer token ids"):
-        native.step(mx.array([0.5]))
-    with pytest.raises(ValueError, match="integer token ids"):
-        native.step(mx.array([1, 2], dtype=mx.int32))
-    with pytest.raises(RuntimeError, match="capacity exhausted"):
-        native.step(mx.array([3], dtype=mx.int32))
-    assert native.lengths == lengths and native.steps == 1
-    for (k0, v0), (k1, v1) in zip(before, native.kv_state()):
-        assert mx.array_equal(k0, k1) and mx.array_equal(v0, v1)
-
-
-def test_load_prefix_rejects_short_or_misshapen_kv():
-    model = tiny_model("llama")
-    cfg, weights, quant = graph_spec(model)
+def _native_inputs(model, B: int = 1, S: int = 16):
+    """A native step and valid inputs for it: B rows, buffers of S slots, 5 tokens held."""
     from mlx_infer import _fast
 
+    cfg, weights, quant = graph_spec(model, policy=DecodePolicy(max_capacity=12))
     native = _fast.DecodeStep(cfg, weights, quant)
-    k = mx.zeros((1, cfg.num_kv_heads, 4, cfg.head_dim))
-    with pytest.raises(ValueError, match="only 4 were given"):
-        native.load_prefix([k] * cfg.num_layers, [k] * cfg.num_layers, [6])
-    with pytest.raises(ValueError, match="one per layer"):
-        native.load_prefix([k], [k], [4])
-    with pytest.raises(ValueError, match="no cache loaded"):
-        native.step(mx.array([1]))
+    kv = [mx.zeros((B, cfg.num_kv_heads, S, cfg.head_dim)) for _ in range(cfg.num_layers)]
+    groups = native.window_groups
+    return native, dict(tokens=mx.array([1] * B), positions=[5] * B, slots=[[5] * B for _ in groups],
+                        reads=[[6] * B for _ in groups], keys=kv, values=kv)
+
+
+def test_native_step_rejects_bad_input_before_building_anything():
+    native, ok = _native_inputs(tiny_model("gemma3"))
+    assert native.window_groups == [0, 8]  # gemma3's global and sliding layers
+    logits, keys, values = native.step(**ok)
+    assert logits.shape == (1, 320) and [k.shape for k in keys] == [k.shape for k in ok["keys"]]
+    assert native.steps == 1
+    bad = [
+        ({"tokens": mx.array([0.5])}, ValueError, "integer token ids"),
+        ({"tokens": mx.array([1, 2], dtype=mx.int32)}, ValueError, "integer token ids"),
+        ({"positions": [12]}, RuntimeError, "capacity exhausted"),
+        ({"slots": [[5]]}, ValueError, "one list per window group"),
+        ({"slots": [[16], [5]]}, ValueError, "slot 16 and read length 6"),
+        ({"reads": [[5], [6]]}, ValueError, "slot 5 and read length 5"),
+        ({"keys": ok["keys"][:1]}, ValueError, "one per KV-owning layer"),
+        ({"keys": [mx.zeros((1, 2, 16, 8))] * 3}, ValueError, "buffer 0: expected"),
+    ]
+    for change, error, match in bad:
+        with pytest.raises(error, match=match):
+            native.step(**{**ok, **change})
+    assert native.steps == 1
 
 
 def test_step_from_an_empty_cache():
@@ -438,7 +540,7 @@ def test_binding_kv_scheme_sets_the_buffer_dtype():
     step = binding.create_decode()
     cache, y = prefill(model, PROMPT)
     mx.eval(step.step(y, cache))
-    assert all(k.dtype == mx.bfloat16 for k, _ in step.native.kv_state())
+    assert all(c.keys.dtype == mx.bfloat16 for c in cache)  # the caches hold the scheme's dtype
     assert isinstance(cache[0], RotatingKVCache)
 
 

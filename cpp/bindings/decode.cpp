@@ -98,12 +98,11 @@ hold one entry per layer (window 0 = global attention).)")
       .def_rw("windows", &DecodeConfig::windows)
       .def_rw("ropes", &DecodeConfig::ropes)
       .def_rw("kv_dtype", &DecodeConfig::kv_dtype,
-              "'bfloat16', 'float16', 'float32' or '' (the prefix's dtype).")
-      .def_rw("capacity_step", &DecodeConfig::capacity_step, "KV growth in tokens.")
+              "'bfloat16', 'float16', 'float32' or '' (the model's dtype): the dtype the caller keeps its K/V in.")
       .def_rw("max_capacity", &DecodeConfig::max_capacity,
               "Most tokens a row may hold; 0 = unbounded. A step past it raises RuntimeError.")
       .def_rw("compile", &DecodeConfig::compile,
-              "Compile the whole step (masked attention over fixed-size buffers).")
+              "Compile the whole step (masked attention over the buffers' whole length).")
       .def_rw("compile_min_batch", &DecodeConfig::compile_min_batch,
               R"(Compile only for batches of at least this many rows; smaller ones
 build the graph each step and read exact-length KV views without a mask.)")
@@ -138,13 +137,14 @@ whose buffer it reads (KV sharing). Empty = every layer owns one.)")
 
   nb::class_<DecodeStep>(
       m, "DecodeStep",
-      R"(A one-token decode step over its own KV buffers (see decode.h).
+      R"(A one-token decode step over K/V it does not own (see decode.h).
 
-Per KV-owning layer it holds K/V buffers ``(B, kv_heads, slots, head_dim)``
-(gemma4's KV-shared layers read their donor's): a global
-layer's slot p holds position p (slots = capacity, grown in chunks), a sliding
-layer's is a ring of ``min(window, capacity)`` slots. A step that raises leaves
-the buffers unchanged. Not thread-safe.)")
+Each call takes every KV-owning layer's key and value buffers (the plain
+caches' own arrays, mlx-lm's layout) with where the new token goes and how
+much attention reads, and returns the logits and the updated buffers; the
+caller holds those in place of the ones it passed, and drops the old ones so
+MLX writes in place. A call that raises returns nothing and changes nothing.
+Not thread-safe.)")
       .def(nb::init<DecodeConfig, const std::unordered_map<std::string, mx::array>&,
                     const std::unordered_map<std::string, mlx_infer::QuantSpec>&>(),
            "config"_a, "weights"_a, "quantization"_a,
@@ -152,14 +152,6 @@ the buffers unchanged. Not thread-safe.)")
     config: a DecodeConfig.
     weights: canonical name -> array (``embed.weight``, ``layers.0.q.weight``, ...).
     quantization: linear name -> ``(group_size, bits, mode)`` for quantized linears.)")
-      .def("load_prefix", &DecodeStep::load_prefix, "keys"_a, "values"_a, "lengths"_a,
-           R"(Takes over a prefilled cache (and resets the step counter).
-
-Args:
-    keys: per KV-owning layer ``(B, kv_heads, S, head_dim)``, each row right-aligned so
-        that slot ``S - 1`` holds its last token.
-    values: likewise.
-    lengths: tokens held per row (list[int], B entries).)")
       .def(
           "set_adapters",
           [](DecodeStep& self, std::vector<std::string> targets, std::vector<mx::array> a,
@@ -169,24 +161,34 @@ Args:
           },
           "targets"_a, "a"_a, "b"_a, "scales"_a, "g"_a, kSetAdaptersDoc)
       .def_prop_ro("adapter_targets", &DecodeStep::adapter_targets, "Targets of the adapters set.")
-      .def("step", &DecodeStep::step, "tokens"_a, "adapter_slots"_a = nb::none(),
-           R"(Feeds one token per row; returns lazy logits ``(B, vocab)``.
-``adapter_slots`` ``(B,)``: each row's bank slot (with adapters set; None = slot 0, no adapter).
+      .def(
+          "step",
+          [](DecodeStep& self, const mx::array& tokens, const std::vector<int>& positions,
+             const std::vector<std::vector<int>>& slots, const std::vector<std::vector<int>>& reads,
+             const std::vector<mx::array>& keys, const std::vector<mx::array>& values,
+             const std::optional<mx::array>& adapter_slots) {
+            auto out = self.step(tokens, positions, slots, reads, keys, values, adapter_slots);
+            return std::make_tuple(out.logits, std::move(out.keys), std::move(out.values));
+          },
+          "tokens"_a, "positions"_a, "slots"_a, "reads"_a, "keys"_a, "values"_a, "adapter_slots"_a = nb::none(),
+          R"(One new token per row; returns ``(logits (B, vocab), keys, values)``, lazily.
+
+Args:
+    tokens: ``(B,)`` integer ids.
+    positions: B ints, each row's new token's position.
+    slots: per window group (``window_groups``) B ints: the slot the new token is written to.
+    reads: per window group B ints: the leading slots attention reads after the write.
+    keys, values: per KV-owning layer ``(B, kv_heads, S, head_dim)``.
+    adapter_slots: ``(B,)`` each row's bank slot (with adapters set; None = no adapter).
 
 Raises:
-    ValueError: bad tokens or no cache loaded.
-    RuntimeError: max_capacity reached. Either way the buffers are unchanged.)")
-      .def("kv_state", &DecodeStep::kv_state,
-           "Per KV-owning layer ``(keys, values)`` in the buffer layout.")
-      .def("reset", &DecodeStep::reset, "Drops the KV buffers (the weights stay).")
-      .def_prop_ro("lengths", &DecodeStep::lengths, "Tokens held per row.")
-      .def_prop_ro("batch_size", &DecodeStep::batch_size)
-      .def_prop_ro("capacity", &DecodeStep::capacity, "Slots of a global layer's buffer.")
+    ValueError: bad tokens, counts, shapes, slots or read lengths.
+    RuntimeError: max_capacity reached.)")
+      .def_prop_ro("window_groups", &DecodeStep::window_groups,
+                   "The distinct windows of the KV-owning layers, ascending (0 = global).")
       .def_prop_ro("traces", &DecodeStep::traces,
-                   "Times the compiled step was traced (one per (batch, capacity) seen).")
-      .def_prop_ro("steps", &DecodeStep::steps, "Steps since the last load_prefix.")
-      .def_prop_ro("loaded", &DecodeStep::loaded)
-      .def_prop_ro("kv_nbytes", &DecodeStep::kv_nbytes)
+                   "Times the compiled step was traced (one per input-shape signature seen).")
+      .def_prop_ro("steps", &DecodeStep::steps, "Steps built so far.")
       .def_prop_ro("config", &DecodeStep::config, nb::rv_policy::copy);
 
   nb::class_<PagedDecodeConfig>(m, "PagedDecodeConfig",

@@ -268,65 +268,68 @@ mx::array write_slot(const mx::array& buf, const mx::array& x, const mx::array& 
 
 namespace {
 
-// DecodeStep's buffers: per layer (B, KVH, slots, D), a global layer's slot p
-// holds position p, a sliding layer's is a ring (see decode.h).
+// The caller's buffers (DecodeStep::step): per KV-owning layer (B, KVH, S, D), the new token
+// written at its window group's slot per row, the group's read length per row visible.
 class BufferKV final : public KVAccess {
  public:
-  BufferKV(const DecodeStep::Graph& g, const std::vector<mx::array>& inputs, const AttentionRead& read,
+  BufferKV(const std::vector<mx::array>& inputs, std::vector<int> buffer_group, const AttentionRead& read,
            std::vector<mx::array>& outputs)
-      : windows_(buffer_windows(g)), inputs_(inputs), read_(read), outputs_(outputs),
-        pos_col_(mx::reshape(inputs[1], {inputs[0].shape(0), 1, 1, 1})) {}
+      : inputs_(inputs), buffer_group_(std::move(buffer_group)), read_(read), outputs_(outputs) {}
 
   AttentionInputs write_read(int i, const mx::array& k, const mx::array& v) override {
-    const auto& positions = inputs_[1];
-    const auto& kbuf = inputs_[2 + 2 * i];
-    const auto& vbuf = inputs_[3 + 2 * i];
-    const int window = windows_[i];
-    const int B = kbuf.shape(0), KVH = kbuf.shape(1), slots = kbuf.shape(2), D = kbuf.shape(3);
+    const auto& kbuf = inputs_[4 + 2 * i];
+    const auto& vbuf = inputs_[5 + 2 * i];
+    const int grp = buffer_group_[i];
+    const int B = kbuf.shape(0), KVH = kbuf.shape(1), S = kbuf.shape(2), D = kbuf.shape(3);
 
-    // Write slot: the position itself, or its ring slot on a sliding layer.
     std::optional<int> static_slot;
-    mx::array slot = positions;
-    if (read_.uniform_length) {
-      int p = *read_.uniform_length - 1;
-      static_slot = window > 0 ? p % slots : p;
-    } else if (window > 0) {
-      slot = mx::remainder(positions, mx::array(slots, mx::int32));
-    }
-    auto new_k = write_slot(kbuf, k, slot, static_slot);  // (B, KVH, slots, D)
+    if (read_.uniform) static_slot = (*read_.uniform)[grp].first;
+    auto slot = static_slot ? mx::array(0) : column(1, grp, B);  // (B,)
+    auto new_k = write_slot(kbuf, k, slot, static_slot);  // (B, KVH, S, D)
     auto new_v = write_slot(vbuf, v, slot, static_slot);
     outputs_.push_back(new_k);
     outputs_.push_back(new_v);
 
-    if (read_.uniform_length) {
-      int n = std::min(*read_.uniform_length, slots);  // a full ring is read whole
-      if (n < slots) {
+    if (read_.uniform) {
+      const int n = (*read_.uniform)[grp].second;
+      if (n < S) {
         return {mx::slice(new_k, {0, 0, 0, 0}, {B, KVH, n, D}),
-                mx::slice(new_v, {0, 0, 0, 0}, {B, KVH, n, D}), std::nullopt};
+                mx::slice(new_v, {0, 0, 0, 0}, {B, KVH, n, vbuf.shape(3)}), std::nullopt};
       }
       return {new_k, new_v, std::nullopt};
     }
-    return {new_k, new_v, mask_for(slots)};
+    return {new_k, new_v, mask_for(grp, S, B)};
   }
 
  private:
-  // One mask per buffer length (slot s of row b is visible iff s <= positions[b]).
-  mx::array mask_for(int slots) {
-    auto it = masks_.find(slots);
-    if (it != masks_.end()) {
-      return it->second;
-    }
-    auto m = mx::less_equal(mx::reshape(mx::arange(0, slots, 1, mx::int32), {1, 1, 1, slots}), pos_col_);
-    masks_.emplace(slots, m);
-    return m;  // (B, 1, 1, slots)
+  // Column ``grp`` of the (B, G) input ``which`` (1: slots, 2: reads) as (B,), built once per group.
+  mx::array column(int which, int grp, int B) {
+    auto key = std::make_pair(which, grp);
+    auto it = columns_.find(key);
+    if (it != columns_.end()) return it->second;
+    const auto& m = inputs_[1 + which];
+    auto c = mx::reshape(mx::slice(m, {0, grp}, {B, grp + 1}), {B});
+    columns_.emplace(key, c);
+    return c;
   }
 
-  const std::vector<int> windows_;  // per buffer
+  // One mask per (group, buffer length): slot s of row b is visible iff s < reads[b, grp].
+  mx::array mask_for(int grp, int S, int B) {
+    auto key = std::make_pair(grp, S);
+    auto it = masks_.find(key);
+    if (it != masks_.end()) return it->second;
+    auto lim = mx::reshape(column(2, grp, B), {B, 1, 1, 1});
+    auto m = mx::less(mx::reshape(mx::arange(0, S, 1, mx::int32), {1, 1, 1, S}), lim);  // (B, 1, 1, S)
+    masks_.emplace(key, m);
+    return m;
+  }
+
   const std::vector<mx::array>& inputs_;
+  const std::vector<int> buffer_group_;
   const AttentionRead& read_;
   std::vector<mx::array>& outputs_;
-  mx::array pos_col_;
-  std::unordered_map<int, mx::array> masks_;
+  std::map<std::pair<int, int>, mx::array> columns_;
+  std::map<std::pair<int, int>, mx::array> masks_;
 };
 
 }  // namespace
@@ -456,22 +459,33 @@ mx::array decode_layers(
   return mx::reshape(logits, {h.shape(0), logits.shape(-1)});  // (B or M, vocab)
 }
 
+std::pair<std::vector<int>, std::vector<int>> window_groups(const DecodeStep::Graph& g) {
+  const auto windows = buffer_windows(g);
+  std::vector<int> groups(windows);
+  std::sort(groups.begin(), groups.end());
+  groups.erase(std::unique(groups.begin(), groups.end()), groups.end());
+  std::vector<int> of;
+  for (int w : windows) {
+    of.push_back(static_cast<int>(std::lower_bound(groups.begin(), groups.end(), w) - groups.begin()));
+  }
+  return {groups, of};
+}
+
 std::vector<mx::array> decode_forward(
     const DecodeStep::Graph& g,
     const std::vector<mx::array>& inputs,
     const AttentionRead& read,
     const LoraLayout* lora) {
-  const int kv_end = 2 + 2 * num_buffers(g);
+  const int kv_end = 4 + 2 * num_buffers(g);
   if (static_cast<int>(inputs.size()) != kv_end + (lora ? lora->count : 0)) {
-    throw std::invalid_argument(
-        "[decode_forward] expected tokens, positions, 2 KV buffers per KV-owning layer and the adapters' arrays.");
+    throw std::invalid_argument("[decode_forward] expected tokens, positions, slots, reads, 2 KV buffers per "
+                                "KV-owning layer and the adapters' arrays.");
   }
   LoraScope scope(lora, &inputs, kv_end);
   std::vector<mx::array> outputs;
-  outputs.reserve(inputs.size());
+  outputs.reserve(kv_end - 3);
   outputs.push_back(mx::array(0));  // logits, set below
-  outputs.push_back(mx::add(inputs[1], mx::array(1, mx::int32)));
-  BufferKV kv(g, inputs, read, outputs);
+  BufferKV kv(inputs, window_groups(g).second, read, outputs);
   outputs[0] = layers_forward(g, inputs[0], inputs[1], kv);
   return outputs;
 }

@@ -62,10 +62,12 @@ struct DecodeStep::Graph {
 
 /// How attention reads the buffers in one forward.
 struct AttentionRead {
-  /// Set when every row holds the same number of tokens after this step's
-  /// write and the graph is not traced for reuse: read ``[:length]`` views
-  /// with no mask (what lets a GPU use its fused decode-attention kernel).
-  std::optional<int> uniform_length;
+  /// Set when every row writes the same slot and reads the same length (per
+  /// window group) and the graph is not traced for reuse: per group the
+  /// static (slot, read length); the write is a static slice update and
+  /// attention reads ``[:length]`` views with no mask (what lets a GPU use its
+  /// fused decode-attention kernel).
+  std::optional<std::vector<std::pair<int, int>>> uniform;
 };
 
 /// What one layer's attention reads after its new token was written.
@@ -124,12 +126,17 @@ int num_buffers(const DecodeStep::Graph& g);
 std::vector<BufferGeometry> buffer_geometry(const DecodeStep::Graph& g);
 std::vector<int> buffer_windows(const DecodeStep::Graph& g);
 
-/// The one-token forward over DecodeStep's buffers.
+/// Window groups of the KV-owning layers: the distinct windows, ascending (0 = global), and
+/// per buffer (KV-owning layer, in order) its group's index.
+std::pair<std::vector<int>, std::vector<int>> window_groups(const DecodeStep::Graph& g);
+
+/// The one-token forward over the caller's buffers (DecodeStep::step).
 ///
-/// inputs:  tokens (B,), positions (B,) int32, then K and V of each KV-owning
-///          layer in order (kv_layers): k_0, v_0, k_1, v_1, ...
-/// outputs: logits (B, vocab), positions + 1, k_0', v_0', ...
+/// inputs:  tokens (B,), positions (B,) int32, slots (B, G) int32, reads (B, G)
+///          int32 (G window groups, see window_groups), then K and V of each
+///          KV-owning layer in order (kv_layers): k_0, v_0, k_1, v_1, ...
 ///          then, with adapters, ``lora->count`` arrays (slots (B,), then the layout's; lora.h)
+/// outputs: logits (B, vocab), k_0', v_0', ...
 std::vector<mx::array> decode_forward(
     const DecodeStep::Graph& g,
     const std::vector<mx::array>& inputs,

@@ -1,9 +1,10 @@
-// DecodeStep: the KV buffers, their growth, prefix take-over and the commit of
-// one step (see decode.h for the layout and the transactional rule).
+// DecodeStep: one step over the caller's K/V buffers, checked before anything is built
+// (see decode.h for the slots, reads and window groups).
 #include <algorithm>
 #include <cmath>
 #include <sstream>
 #include <stdexcept>
+#include <tuple>
 
 #include "graph.h"
 #include "lora.h"
@@ -85,19 +86,10 @@ void validate_decode_config(const DecodeConfig& c) {
   if (!(c.attn_softcap >= 0.0f) || std::isinf(c.attn_softcap)) {
     fail("attn_softcap must be a finite number >= 0 (0 = no soft cap).");
   }
-  if (c.capacity_step < 1) fail("capacity_step must be >= 1.");
   if (c.compile_min_batch < 1) fail("compile_min_batch must be >= 1.");
   if (c.max_capacity < 0) fail("max_capacity must be >= 0 (0 = unbounded).");
   if (!c.kv_dtype.empty()) parse_dtype(c.kv_dtype);
 }
-
-namespace {
-
-int round_up(int n, int step) {
-  return ((n + step - 1) / step) * step;
-}
-
-}  // namespace
 
 int layer_kv_heads(const DecodeConfig& c, int layer) {
   return c.layer_kv_heads.empty() ? c.num_kv_heads : c.layer_kv_heads[layer];
@@ -123,6 +115,7 @@ DecodeStep::DecodeStep(
   graph_ = std::make_shared<Graph>();
   graph_->cfg = std::move(config);
   load_graph_weights(*graph_, weights, quantization);
+  std::tie(groups_, buffer_group_) = mlx_infer::window_groups(*graph_);
   compiled_ = compile_forward(nullptr);
 }
 
@@ -138,7 +131,7 @@ std::function<std::vector<mx::array>(const std::vector<mx::array>&)> DecodeStep:
   return mx::compile(
       [g, lora](const std::vector<mx::array>& in) {
         if (!in.empty() && in[0].is_tracer()) {
-          g->traces += 1;  // runs only while tracing: one per (B, capacity) seen
+          g->traces += 1;  // runs only while tracing: one per input-shape signature seen
         }
         return decode_forward(*g, in, AttentionRead{}, lora.get());
       },
@@ -187,175 +180,102 @@ int DecodeStep::traces() const {
   return graph_->traces;
 }
 
-int64_t DecodeStep::kv_nbytes() const {
-  int64_t n = 0;
-  for (const auto& a : kv_) {
-    n += a.nbytes();
+namespace {
+
+[[noreturn]] void bad(const std::string& what) {
+  throw std::invalid_argument("[DecodeStep.step] " + what);
+}
+
+// (B, G) int32 from G lists of B ints (row b, group g at [b, g]).
+mx::array group_matrix(const std::vector<std::vector<int>>& cols, int B, const char* name) {
+  std::vector<int32_t> flat(static_cast<size_t>(B) * cols.size());
+  for (size_t g = 0; g < cols.size(); ++g) {
+    if (static_cast<int>(cols[g].size()) != B) {
+      bad(std::string(name) + "[" + std::to_string(g) + "] has " + std::to_string(cols[g].size()) +
+          " entries; it needs one per row (" + std::to_string(B) + ").");
+    }
+    for (int b = 0; b < B; ++b) flat[b * cols.size() + g] = cols[g][b];
   }
-  return n;
+  return mx::array(flat.begin(), {B, static_cast<int>(cols.size())}, mx::int32);
 }
 
-void DecodeStep::reset() {
-  kv_.clear();
-  positions_.reset();
-  lengths_.clear();
-  capacity_ = 0;
-  steps_ = 0;
-}
+}  // namespace
 
-std::vector<std::pair<mx::array, mx::array>> DecodeStep::kv_state() const {
-  std::vector<std::pair<mx::array, mx::array>> out;
-  for (size_t i = 0; i + 1 < kv_.size(); i += 2) {
-    out.emplace_back(kv_[i], kv_[i + 1]);
-  }
-  return out;
-}
-
-void DecodeStep::load_prefix(
-    const std::vector<mx::array>& keys,
-    const std::vector<mx::array>& values,
-    const std::vector<int>& lengths) {
+DecodeStepOutput DecodeStep::step(const mx::array& tokens, const std::vector<int>& positions,
+                                  const std::vector<std::vector<int>>& slots,
+                                  const std::vector<std::vector<int>>& reads, const std::vector<mx::array>& keys,
+                                  const std::vector<mx::array>& values,
+                                  const std::optional<mx::array>& adapter_slots) {
   const auto& cfg = graph_->cfg;
-  const auto owners = kv_layers(cfg);
-  const int L = static_cast<int>(owners.size());
-  if (static_cast<int>(keys.size()) != L || static_cast<int>(values.size()) != L) {
+  const int B = static_cast<int>(positions.size());
+  if (B < 1) bad("positions needs one entry per row.");
+  if (tokens.size() != static_cast<size_t>(B) || tokens.ndim() > 2 || !mx::issubdtype(tokens.dtype(), mx::integer)) {
     std::ostringstream msg;
-    msg << "[DecodeStep.load_prefix] expected " << L
-        << " key and value arrays (one per layer, KV-shared layers excepted), got " << keys.size() << " and "
-        << values.size() << ".";
-    throw std::invalid_argument(msg.str());
+    msg << "expected " << B << " integer token ids (one per row), got shape " << tokens.shape() << " of "
+        << tokens.dtype() << ".";
+    bad(msg.str());
   }
-  const int B = static_cast<int>(lengths.size());
-  if (B < 1) throw std::invalid_argument("[DecodeStep.load_prefix] lengths needs one entry per row.");
-  int max_len = 0;
-  for (int n : lengths) {
-    if (n < 0) throw std::invalid_argument("[DecodeStep.load_prefix] lengths must be >= 0.");
-    max_len = std::max(max_len, n);
+  const int G = static_cast<int>(groups_.size());
+  if (static_cast<int>(slots.size()) != G || static_cast<int>(reads.size()) != G) {
+    bad("slots and reads need one list per window group (window_groups: " + std::to_string(G) + "), got " +
+        std::to_string(slots.size()) + " and " + std::to_string(reads.size()) + ".");
   }
-  const int cap = round_up(max_len + 1, cfg.capacity_step);
-  if (cfg.max_capacity > 0 && max_len + 1 > cfg.max_capacity) {
-    std::ostringstream msg;
-    msg << "[DecodeStep.load_prefix] a row holds " << max_len << " tokens; max_capacity "
-        << cfg.max_capacity << " leaves no room for the next one. Raise max_capacity.";
-    throw std::runtime_error(msg.str());
-  }
-  mx::Dtype kv_dtype = cfg.kv_dtype.empty() ? keys[0].dtype() : parse_dtype(cfg.kv_dtype);
-
-  std::vector<mx::array> kv;
-  kv.reserve(2 * L);
-  for (int i = 0; i < L; ++i) {
-    const int layer = owners[i];
-    const int kvh = layer_kv_heads(cfg, layer), hd = layer_head_dim(cfg, layer);
-    for (const auto* src : {&keys[i], &values[i]}) {
-      if (src->ndim() != 4 || src->shape(0) != B || src->shape(1) != kvh || src->shape(3) != hd) {
-        std::ostringstream msg;
-        msg << "[DecodeStep.load_prefix] layer " << layer << ": expected (" << B << ", " << kvh
-            << ", S, " << hd << ") keys/values, got " << src->shape() << ".";
-        throw std::invalid_argument(msg.str());
-      }
-    }
-    const int window = cfg.windows[layer];
-    const int slots = window > 0 ? std::min(window, cap) : cap;
-    const int S = keys[i].shape(2);
-    // Source slot of each buffer slot, per row; -1 where the slot stays empty.
-    std::vector<int32_t> idx(static_cast<size_t>(B) * slots, 0);
-    std::vector<uint8_t> valid(static_cast<size_t>(B) * slots, 0);
-    for (int b = 0; b < B; ++b) {
-      const int n = lengths[b];
-      if (S < std::min(n, slots)) {
-        std::ostringstream msg;
-        msg << "[DecodeStep.load_prefix] layer " << layer << " row " << b << " holds " << n
-            << " tokens but only " << S << " were given; a " << (window > 0 ? "sliding" : "global")
-            << " layer needs the last " << std::min(n, slots) << ".";
-        throw std::invalid_argument(msg.str());
-      }
-      for (int j = 0; j < slots; ++j) {
-        int p;  // the position that lives in slot j
-        if (window > 0) {
-          if (n - 1 < j) continue;
-          p = j + slots * ((n - 1 - j) / slots);
-        } else {
-          if (j >= n) continue;
-          p = j;
-        }
-        const int s = p - n + S;
-        if (s < 0) continue;
-        idx[b * slots + j] = s;
-        valid[b * slots + j] = 1;
-      }
-    }
-    auto idx_a = mx::array(idx.begin(), {B, 1, slots, 1}, mx::int32);
-    auto valid_a = mx::astype(mx::array(valid.begin(), {B, 1, slots, 1}, mx::uint8), mx::bool_);
-    for (const auto* src : {&keys[i], &values[i]}) {
-      mx::Shape shape{B, kvh, slots, hd};
-      if (S == 0) {
-        kv.push_back(mx::zeros(shape, kv_dtype));
-        continue;
-      }
-      auto g = mx::take_along_axis(mx::astype(*src, kv_dtype), idx_a, 2);  // (B, KVH, slots, D)
-      kv.push_back(mx::where(valid_a, g, mx::zeros({1}, kv_dtype)));
-    }
-  }
-  auto positions = mx::array(lengths.begin(), {B}, mx::int32);
-  std::vector<mx::array> to_eval = kv;
-  to_eval.push_back(positions);
-  mx::eval(to_eval);
-  kv_ = std::move(kv);
-  positions_ = positions;
-  lengths_ = lengths;
-  capacity_ = cap;
-  steps_ = 0;
-}
-
-mx::array DecodeStep::step(const mx::array& tokens, const std::optional<mx::array>& adapter_slots) {
-  const auto& cfg = graph_->cfg;
-  if (!loaded()) {
-    throw std::invalid_argument("[DecodeStep.step] no cache loaded: call load_prefix first "
-                                "(with zero lengths to start from an empty cache).");
-  }
-  const int B = batch_size();
-  if (tokens.size() != static_cast<size_t>(B) || tokens.ndim() > 2 ||
-      !mx::issubdtype(tokens.dtype(), mx::integer)) {
-    std::ostringstream msg;
-    msg << "[DecodeStep.step] expected " << B << " integer token ids (one per row), got shape "
-        << tokens.shape() << " of " << tokens.dtype() << ".";
-    throw std::invalid_argument(msg.str());
-  }
-  const int needed = *std::max_element(lengths_.begin(), lengths_.end()) + 1;
+  if (*std::min_element(positions.begin(), positions.end()) < 0) bad("positions must be >= 0.");
+  const int needed = *std::max_element(positions.begin(), positions.end()) + 1;
   if (cfg.max_capacity > 0 && needed > cfg.max_capacity) {
     std::ostringstream msg;
     msg << "[DecodeStep.step] capacity exhausted: the next token would be number " << needed
         << " of a row, over max_capacity " << cfg.max_capacity << ".";
     throw std::runtime_error(msg.str());
   }
-
-  // Everything below builds into locals; members change only at the commit.
-  std::vector<mx::array> inputs;
-  inputs.reserve(2 + kv_.size());
-  inputs.push_back(mx::astype(mx::reshape(tokens, {B}), mx::int32));
-  inputs.push_back(*positions_);
-  int cap = capacity_;
-  if (needed > cap) {
-    cap = round_up(needed, cfg.capacity_step);
-    if (cfg.max_capacity > 0) cap = std::min(cap, cfg.max_capacity);
+  const auto geometry = buffer_geometry(*graph_);
+  const int L = static_cast<int>(geometry.size());
+  if (static_cast<int>(keys.size()) != L || static_cast<int>(values.size()) != L) {
+    std::ostringstream msg;
+    msg << "expected " << L << " key and value arrays (one per KV-owning layer), got " << keys.size() << " and "
+        << values.size() << ".";
+    bad(msg.str());
   }
-  const auto owners = kv_layers(cfg);
-  for (int i = 0; i < static_cast<int>(owners.size()); ++i) {
-    const int window = cfg.windows[owners[i]];
-    const int slots = window > 0 ? std::min(window, cap) : cap;
-    for (int j = 0; j < 2; ++j) {
-      const auto& buf = kv_[2 * i + j];
-      const int have = buf.shape(2);
-      if (slots > have) {  // growth; a ring below its window has not wrapped yet
-        auto shape = buf.shape();
-        shape[2] = slots - have;
-        inputs.push_back(mx::concatenate({buf, mx::zeros(shape, buf.dtype())}, 2));
-      } else {
-        inputs.push_back(buf);
+  // Per group, the narrowest buffer: every slot and read must fit in it.
+  std::vector<int> width(G, -1);
+  for (int i = 0; i < L; ++i) {
+    const auto& geo = geometry[i];
+    for (const auto* a : {&keys[i], &values[i]}) {
+      if (a->ndim() != 4 || a->shape(0) != B || a->shape(1) != geo.kv_heads || a->shape(3) != geo.head_dim ||
+          a->shape(2) != keys[i].shape(2)) {
+        std::ostringstream msg;
+        msg << "buffer " << i << ": expected (" << B << ", " << geo.kv_heads << ", S, " << geo.head_dim
+            << ") keys and values of one S, got " << keys[i].shape() << " and " << values[i].shape() << ".";
+        bad(msg.str());
       }
+    }
+    const int grp = buffer_group_[i];
+    width[grp] = width[grp] < 0 ? keys[i].shape(2) : std::min(width[grp], keys[i].shape(2));
+  }
+  bool uniform = true;
+  for (int grp = 0; grp < G; ++grp) {
+    for (int b = 0; b < B; ++b) {
+      const int s = slots[grp][b], n = reads[grp][b];
+      if (s < 0 || s >= width[grp] || n <= s || n > width[grp]) {
+        std::ostringstream msg;
+        msg << "window group " << groups_[grp] << " row " << b << ": slot " << s << " and read length " << n
+            << " must satisfy 0 <= slot < read <= the buffer's " << width[grp] << " slots.";
+        bad(msg.str());
+      }
+      uniform = uniform && s == slots[grp][0] && n == reads[grp][0];
     }
   }
 
+  std::vector<mx::array> inputs;
+  inputs.reserve(4 + 2 * L + lora_arrays_.size() + 1);
+  inputs.push_back(mx::astype(mx::reshape(tokens, {B}), mx::int32));
+  inputs.push_back(mx::array(positions.begin(), {B}, mx::int32));
+  inputs.push_back(group_matrix(slots, B, "slots"));
+  inputs.push_back(group_matrix(reads, B, "reads"));
+  for (int i = 0; i < L; ++i) {
+    inputs.push_back(keys[i]);
+    inputs.push_back(values[i]);
+  }
   // Without slots no row has an adapter: the step runs without the update (nothing to pay).
   const bool adapted = lora_ && adapter_slots.has_value();
   if (adapted) {
@@ -369,23 +289,20 @@ mx::array DecodeStep::step(const mx::array& tokens, const std::optional<mx::arra
     outputs = compiled(inputs);
   } else {
     AttentionRead read;
-    if (std::all_of(lengths_.begin(), lengths_.end(), [&](int n) { return n == lengths_[0]; })) {
-      read.uniform_length = lengths_[0] + 1;
+    if (uniform) {
+      read.uniform.emplace();
+      for (int grp = 0; grp < G; ++grp) read.uniform->emplace_back(slots[grp][0], reads[grp][0]);
     }
     outputs = decode_forward(*graph_, inputs, read, adapted ? lora_.get() : nullptr);
   }
-  inputs.clear();
-
-  // Commit. The old buffers are now referenced only by the new graph, so MLX
-  // may write the new token into them in place.
-  positions_ = outputs[1];
-  kv_.assign(outputs.begin() + 2, outputs.end());
-  for (auto& n : lengths_) {
-    n += 1;
-  }
-  capacity_ = cap;
+  inputs.clear();  // the graph alone references the caller's buffers now
   steps_ += 1;
-  return outputs[0];
+  DecodeStepOutput out{outputs[0], {}, {}};
+  for (int i = 0; i < L; ++i) {
+    out.keys.push_back(outputs[1 + 2 * i]);
+    out.values.push_back(outputs[2 + 2 * i]);
+  }
+  return out;
 }
 
 }  // namespace mlx_infer

@@ -2,29 +2,35 @@
 //
 // One step feeds one new token for each of B sequences through a llama-,
 // gemma3- or gemma4-family graph and returns the next-token logits. The step
-// owns its KV:
+// is pure: (tokens, positions, write slots, read lengths, K/V) -> (logits,
+// K/V'); the caller owns the KV (python/mlx_infer/state/kv.py, mlx-lm's
+// layout) and holds the returned arrays in place of the ones it passed:
 //
-//   per KV-owning layer, K and V buffers (B, kv_heads_i, slots, head_dim_i)
+//   per KV-owning layer, K and V buffers (B, kv_heads_i, S_i, head_dim_i)
 //     (every layer owns one, except gemma4's KV-shared layers, which read
 //     their donor's buffers after the donor's write; kv_heads_i / head_dim_i
 //     are the layer's own where DecodeConfig::layer_* say so)
-//     global layer : slots = capacity (grows in chunks of capacity_step)
-//                    token at position p lives in slot p
-//     sliding layer: slots = min(window, capacity), a ring
-//                    token at position p lives in slot p % slots
 //
-//   row b has lengths[b] tokens; its next token goes to position lengths[b].
+//   Buffers are grouped by window (window_groups(): the distinct windows of
+//   the KV-owning layers, ascending; 0 = global). Per group g and row b the
+//   caller says where the new token goes (slots[g][b]: the position itself on
+//   a growing cache, the ring slot on a rotating one) and how many leading
+//   slots attention then reads (reads[g][b]: the slots written so far, the new
+//   one included). The step writes, reads and returns the buffers; it never
+//   grows, trims or reorders them (the cache's rules do, before the call).
+//
 //   Compiled (B >= compile_min_batch): attention reads the whole buffer under
-//   a per-row mask (slot <= position), so the traced graph depends on
-//   (B, capacity) only: per-step integers (positions) enter as arrays and a
-//   steady-state step never retraces. Otherwise the graph is built op by op
-//   each step and reads [:length] views without a mask while the rows agree.
+//   a per-row mask (slot < read length), so the traced graph depends on the
+//   buffer shapes only: per-step integers enter as arrays and a steady-state
+//   step never retraces. Otherwise the graph is built op by op each step and,
+//   while all rows agree, writes at a static slot and reads [:length] views
+//   without a mask.
 //
-// Transactional: a step builds its whole graph into locals and only then
-// replaces the buffers; if building throws (bad input, capacity limit), the
-// buffers are unchanged. The previous buffers are released at commit so MLX
-// can update them in place (holding them would force a full KV copy per
-// step); an error raised later, while evaluating, is outside this guarantee.
+// A call that throws (bad input, capacity limit) builds nothing and returns
+// nothing: the caller's buffers are as they were. For MLX to write the new
+// token in place the caller must drop its references to the buffers it
+// passed before the outputs are evaluated (holding them forces a copy of the
+// whole buffer per step).
 #pragma once
 
 #include <cstdint>
@@ -80,9 +86,9 @@ struct DecodeConfig {
   std::optional<float> final_logit_softcap;
   std::vector<int> windows;     // per layer: 0 = global, else the sliding window
   std::vector<RopeSpec> ropes;  // per layer
-  std::string kv_dtype;         // "bfloat16" | "float16" | "float32" | "" (= prefix/model dtype)
-  int capacity_step = 256;      // buffer growth, tokens
-  int max_capacity = 0;         // 0 = unbounded; a step past it throws
+  std::string kv_dtype;         // "bfloat16" | "float16" | "float32" | "" (= the model's dtype); the
+                                // caller holds its K/V in it (the step writes in the buffers' dtype)
+  int max_capacity = 0;         // 0 = unbounded; a step whose new token would be past it throws
   bool compile = true;          // mx::compile the whole step (masked attention)...
   int compile_min_batch = 2;    // ...for batches of at least this many rows; smaller
                                 // batches build the graph per step and, while all rows
@@ -124,7 +130,14 @@ using QuantSpec = std::tuple<int, int, std::string>;
 
 struct LoraLayout;  // cpp/decode/lora.h
 
-/// A one-token decode step over its own KV buffers. Not thread-safe.
+/// What one DecodeStep::step returns, lazily: the logits and every KV-owning layer's updated buffers.
+struct DecodeStepOutput {
+  mx::array logits;               // (B, vocab)
+  std::vector<mx::array> keys;    // per KV-owning layer (B, kv_heads, S, head_dim)
+  std::vector<mx::array> values;  // likewise
+};
+
+/// A one-token decode step over K/V the caller owns (see the file comment). Not thread-safe.
 class DecodeStep {
  public:
   /// Args:
@@ -142,48 +155,32 @@ class DecodeStep {
       const std::unordered_map<std::string, QuantSpec>& quantization);
   ~DecodeStep();
 
-  /// Takes over a prefilled cache.
+  /// One new token per row over the caller's K/V; nothing is kept.
   ///
-  /// ``keys[j]`` / ``values[j]`` (one per KV-owning layer, see kv_layers):
-  /// ``(B, kv_heads, S_j, head_dim)`` of that layer, each row
-  /// right-aligned: slot ``S_j - 1`` holds row b's token at position
-  /// ``lengths[b] - 1``, slot ``S_j - 1 - t`` the one at ``lengths[b] - 1 - t``
-  /// (slots before a row's first token are ignored). A global layer needs all of
-  /// a row's tokens, a sliding layer its last ``min(lengths[b], window)``.
-  /// Evaluates the copies; replaces any state held before.
-  void load_prefix(
-      const std::vector<mx::array>& keys,
-      const std::vector<mx::array>& values,
-      const std::vector<int>& lengths);
-
-  /// Feeds ``tokens`` (B,) (one per row) and returns logits ``(B, vocab)``, lazily.
-  /// With adapters set (set_adapters), ``adapter_slots`` (B,) picks each row's bank slot;
-  /// none: no row has an adapter, and the step runs without the update.
-  mx::array step(const mx::array& tokens, const std::optional<mx::array>& adapter_slots = std::nullopt);
-
+  /// Args:
+  ///   tokens: (B,) integer ids.
+  ///   positions: B ints, each row's new token's position (the tokens it already holds).
+  ///   slots: per window group (window_groups()) B ints, the slot the new token goes to.
+  ///   reads: per window group B ints, the leading slots attention reads after the write.
+  ///   keys, values: per KV-owning layer (kv_layers) ``(B, kv_heads, S, head_dim)``.
+  ///   adapter_slots: (B,) each row's bank slot (with adapters set); none: no row has one.
+  /// Throws std::invalid_argument on bad input, std::runtime_error past max_capacity.
+  DecodeStepOutput step(const mx::array& tokens, const std::vector<int>& positions,
+                        const std::vector<std::vector<int>>& slots, const std::vector<std::vector<int>>& reads,
+                        const std::vector<mx::array>& keys, const std::vector<mx::array>& values,
+                        const std::optional<mx::array>& adapter_slots = std::nullopt);
   /// The adapter bank's stacked tensors (mlx_infer/lora.h), inputs of every later step; empty
   /// inputs remove them. A new set of targets retraces; new values of the same shapes do not.
   void set_adapters(const LoraInputs& adapters);
   /// Targets of the adapters set (canonical linear names).
   std::vector<std::string> adapter_targets() const;
-
-  /// Per KV-owning layer ``(keys, values)`` in the buffer layout (see the file comment).
-  std::vector<std::pair<mx::array, mx::array>> kv_state() const;
-
-  /// Tokens held per row (the position of each row's next token).
-  const std::vector<int>& lengths() const { return lengths_; }
-  int batch_size() const { return static_cast<int>(lengths_.size()); }
-  int capacity() const { return capacity_; }
-  /// Times the whole-step graph was traced (one per (B, capacity) seen).
+  /// The distinct windows of the KV-owning layers, ascending (0 = global): the groups of step's slots/reads.
+  const std::vector<int>& window_groups() const { return groups_; }
+  /// Times the whole-step graph was traced (one per input-shape signature seen).
   int traces() const;
-  /// Steps taken since the last load_prefix.
+  /// Steps built so far.
   int steps() const { return steps_; }
-  bool loaded() const { return !kv_.empty(); }
   const DecodeConfig& config() const;
-  /// Bytes held by the KV buffers.
-  int64_t kv_nbytes() const;
-  /// Drops the KV buffers (the weights stay).
-  void reset();
 
   struct Graph;  // weights and config, shared with the compiled function
 
@@ -196,10 +193,8 @@ class DecodeStep {
   std::function<std::vector<mx::array>(const std::vector<mx::array>&)> compile_forward(
       std::shared_ptr<const LoraLayout> lora) const;
   void compile_step();
-  std::vector<mx::array> kv_;  // k0, v0, k1, v1, ...
-  std::optional<mx::array> positions_;  // (B,) int32, device copy of lengths_
-  std::vector<int> lengths_;
-  int capacity_ = 0;
+  std::vector<int> groups_;        // window_groups()
+  std::vector<int> buffer_group_;  // per KV-owning layer, its index in groups_
   int steps_ = 0;
 };
 

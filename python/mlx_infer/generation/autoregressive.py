@@ -11,9 +11,9 @@ host first: penalties (they read the token history) and ``pipeline=False``
 (checkpointing: the state must be exactly "prompt + tokens so far" at each yield).
 
 Decode steps after the first run through the binding's compiled C++ step
-when one is given (``decode=``); it takes the KV over from the plain caches
-and writes it back (``sync``) when the generation ends, so prompt caches and
-stats see the same state as an eager run.
+when one is given (``decode=``); it reads and updates the plain caches
+themselves each step (it holds no KV), so prompt caches and stats see the same
+state as an eager run.
 
 Prefill runs the prompt, except its last token, through the graph's hidden
 phase in chunks (no LM head: the vocabulary projection is only needed for the
@@ -198,7 +198,7 @@ def generate_tokens(
             (when no ``cache`` is given), and store this run's cache there at the end.
         namespace: the prompt-cache namespace (e.g. the active adapter set).
         decode: a compiled decode step (``step(tokens, state) -> logits``,
-            ``sync()``, ``close()``; see ``AutoregressiveBinding.create_decode``)
+            ``close()``; see ``AutoregressiveBinding.create_decode``)
             for every step after the first; it is closed when the generation ends.
         constraint: a :class:`~mlx_infer.constraints.ConstraintState` the output must satisfy
             (see :mod:`.constrained`); the generation ends when its grammar is complete.
@@ -344,7 +344,6 @@ def _run(model: Any, state: RunState, sampler: Any, limit: int, eos: frozenset[i
         raise
     finally:
         if decode is not None:
-            decode.sync()  # the plain caches hold every fed token again
             decode.close()
         stats.cache_tokens = max((c.offset for c in cache), default=0)
         stats.peak_memory_gb = mx.get_peak_memory() / 1e9

@@ -42,18 +42,11 @@ def run_constrained(model: Any, state: "RunState", sampler: Any, limit: int, eos
     want_logprobs = sampler.params.logprobs
     top_n = sampler.params.top_logprobs if want_logprobs else 0
 
-    step_ahead = False  # the compiled step holds KV the plain caches lack
-
     def forward(feed: list[int]) -> mx.array:
-        nonlocal step_ahead
         stats.forwards += 1
         y = mx.array(feed, dtype=mx.uint32)  # (L,)
         if len(feed) == 1 and decode is not None and stats.forwards > 1:
-            step_ahead = True
-            return decode.step(y, cache)  # (1, vocab); re-takes the plain caches when they moved
-        if step_ahead:  # hand the step's KV back before the span extends the plain caches
-            decode.sync()
-            step_ahead = False
+            return decode.step(y, cache)  # (1, vocab); the plain caches then hold the token
         if len(feed) == 1:
             return model(y[None], cache=cache)[:, -1, :]  # (1, vocab)
         hidden = model.model(y[None], cache=cache)  # (1, L, hidden): the LM head only for the span's last position
@@ -135,8 +128,6 @@ def run_constrained(model: Any, state: "RunState", sampler: Any, limit: int, eos
         raise
     finally:
         if decode is not None:
-            if step_ahead:
-                decode.sync()  # the plain caches hold every fed token again
             decode.close()
         stats.cache_tokens = max((c.offset for c in cache), default=0)
         stats.peak_memory_gb = mx.get_peak_memory() / 1e9

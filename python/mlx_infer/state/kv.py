@@ -50,28 +50,57 @@ class KVCache:
         self.values: mx.array | None = None
         self.offset = 0
 
+    def _grow(self, L: int, B: int, kv_heads: int, k_dim: int, v_dim: int, dtype: mx.Dtype) -> None:
+        """Room for ``L`` more tokens: whole steps of zeros appended (a first buffer when empty)."""
+        prev = self.offset
+        capacity = ((self.step + L - 1) // self.step) * self.step
+        new_k = mx.zeros((B, kv_heads, capacity, k_dim), dtype)  # (B, KVH, C, D)
+        new_v = mx.zeros((B, kv_heads, capacity, v_dim), dtype)  # (B, KVH, C, Dv)
+        if self.keys is None:
+            self.keys, self.values = new_k, new_v
+        else:
+            if prev % self.step != 0:  # drop the unused tail (left after a trim) before growing
+                self.keys = self.keys[..., :prev, :]
+                self.values = self.values[..., :prev, :]
+            self.keys = mx.concatenate([self.keys, new_k], axis=2)
+            self.values = mx.concatenate([self.values, new_v], axis=2)
+
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Append ``(B, KVH, L, D)`` keys/values; return all cached ones ``(B, KVH, offset, D)``."""
         prev = self.offset
         L = keys.shape[2]
         if self.keys is None or prev + L > self.keys.shape[2]:
             B, kv_heads, _, k_dim = keys.shape
-            v_dim = values.shape[3]
-            capacity = ((self.step + L - 1) // self.step) * self.step
-            new_k = mx.zeros((B, kv_heads, capacity, k_dim), keys.dtype)  # (B, KVH, C, D)
-            new_v = mx.zeros((B, kv_heads, capacity, v_dim), values.dtype)  # (B, KVH, C, Dv)
-            if self.keys is None:
-                self.keys, self.values = new_k, new_v
-            else:
-                if prev % self.step != 0:  # drop the unused tail (left after a trim) before growing
-                    self.keys = self.keys[..., :prev, :]
-                    self.values = self.values[..., :prev, :]
-                self.keys = mx.concatenate([self.keys, new_k], axis=2)
-                self.values = mx.concatenate([self.values, new_v], axis=2)
+            self._grow(L, B, kv_heads, k_dim, values.shape[3], keys.dtype)
         self.offset += L
         self.keys[..., prev : self.offset, :] = keys
         self.values[..., prev : self.offset, :] = values
         return self._fetch()
+
+    def reserve_one(self, B: int, kv_heads: int, k_dim: int, v_dim: int, dtype: mx.Dtype) -> tuple[int, int]:
+        """Prepare the buffers for one more token as :meth:`update_and_fetch` would (growth included).
+
+        For a step that writes the buffers itself (the compiled decode step): it
+        writes the token at the returned slot, attention reads the returned number
+        of leading slots, and :meth:`commit_one` then takes the written buffers.
+        Calling it again before the commit changes nothing. ``B``, ``kv_heads``,
+        ``k_dim``, ``v_dim`` and ``dtype`` shape the first buffer of an empty
+        cache; an existing buffer keeps its own.
+
+        Returns:
+            ``(slot, read)``: the new token's slot and the slots attention reads.
+        """
+        if self.keys is None or self.offset + 1 > self.keys.shape[2]:
+            if self.keys is not None:
+                B, kv_heads, _, k_dim = self.keys.shape
+                v_dim, dtype = self.values.shape[3], self.keys.dtype
+            self._grow(1, B, kv_heads, k_dim, v_dim, dtype)
+        return self.offset, self.offset + 1
+
+    def commit_one(self, keys: mx.array, values: mx.array) -> None:
+        """Hold ``keys``/``values`` (the buffers of :meth:`reserve_one` with the new token written) and count it."""
+        self.keys, self.values = keys, values
+        self.offset += 1
 
     def _fetch(self) -> tuple[mx.array, mx.array]:
         if self.offset < self.keys.shape[2]:
@@ -202,13 +231,13 @@ class RotatingKVCache:
         self._idx = self.keys.shape[2]
         return self.keys, self.values
 
-    def _update_one(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+    def _prepare_one(self, B: int, kv_heads: int, k_dim: int, v_dim: int, dtype: mx.Dtype) -> None:
+        """The layout for one more token: grow below max_size, drop a chunk's excess, wrap _idx."""
         prev = self.offset
         if self.keys is None or (prev >= self.keys.shape[2] and self.keys.shape[2] < self.max_size):
-            B, kv_heads, _, k_dim = keys.shape
             grow = min(self.step, self.max_size - prev)
-            new_k = mx.zeros((B, kv_heads, grow, k_dim), keys.dtype)
-            new_v = mx.zeros((B, kv_heads, grow, values.shape[3]), values.dtype)
+            new_k = mx.zeros((B, kv_heads, grow, k_dim), dtype)
+            new_v = mx.zeros((B, kv_heads, grow, v_dim), dtype)
             if self.keys is None:
                 self.keys, self.values = new_k, new_v
             else:
@@ -224,11 +253,36 @@ class RotatingKVCache:
         if self._idx == self.max_size:
             self._idx = 0
 
+    def _update_one(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        B, kv_heads, _, k_dim = keys.shape
+        self._prepare_one(B, kv_heads, k_dim, values.shape[3], keys.dtype)
         self.keys[..., self._idx : self._idx + 1, :] = keys
         self.values[..., self._idx : self._idx + 1, :] = values
         self.offset += 1
         self._idx += 1
         return self._fetch()
+
+    def reserve_one(self, B: int, kv_heads: int, k_dim: int, v_dim: int, dtype: mx.Dtype) -> tuple[int, int]:
+        """Prepare the ring for one more token as a one-token :meth:`update_and_fetch` would.
+
+        As :meth:`KVCache.reserve_one`: the caller writes the token at the returned
+        slot, attention reads the returned number of leading slots (the whole ring
+        once it is full), then :meth:`commit_one`. Idempotent until the commit.
+
+        Returns:
+            ``(slot, read)``.
+        """
+        if self.keys is not None:
+            B, kv_heads, _, k_dim = self.keys.shape
+            v_dim, dtype = self.values.shape[3], self.keys.dtype
+        self._prepare_one(B, kv_heads, k_dim, v_dim, dtype)
+        return self._idx, min(self.offset + 1, self.keys.shape[2])
+
+    def commit_one(self, keys: mx.array, values: mx.array) -> None:
+        """Hold the written buffers of :meth:`reserve_one` and count the token."""
+        self.keys, self.values = keys, values
+        self.offset += 1
+        self._idx += 1
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Append ``(B, KVH, S, D)`` keys/values; return what attention must read.

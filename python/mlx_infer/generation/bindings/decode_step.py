@@ -2,13 +2,19 @@
 
 The graph's weights and configuration come from :func:`~.graph_spec.graph_spec` (bindings/graph_spec.py, which
 also lists the canonical weight names). :class:`CompiledDecodeStep` implements the ``DecodeStep`` contract
-(``step(tokens, state) -> logits``, ``close()``). On its first call it takes
-over the KV that the eager prefill wrote into the plain caches
-(:mod:`mlx_infer.state.kv`); from then on the C++ step owns the KV and the
-plain caches are left behind, until :meth:`CompiledDecodeStep.sync` (or a
-failure) writes it back. A step that raises is reported once
-(``warnings.warn``) and the rest of the generation runs on the eager graph from
-the unchanged KV, so the tokens do not change.
+(``step(tokens, state) -> logits``, ``close()``). The step is pure: the plain
+caches (:mod:`mlx_infer.state.kv`, mlx-lm's layout) own the KV at every moment.
+Each call has every cache make room for the new token by its own rules
+(``reserve_one``: growth in steps of 256, the ring's keep/idx rules), hands the
+caches' buffers to the C++ step with where the token goes and how much
+attention reads, and gives the caches the updated buffers back
+(``commit_one``), as mlx-lm's ``update_and_fetch`` replaces its arrays with
+slice updates. The caches drop the old arrays before anything is evaluated, so
+MLX writes the new token in place (no copy of the KV per step).
+
+A step that raises is reported once (``warnings.warn``) and the rest of the
+generation runs on the eager graph from the caches as they are (a failed call
+commits nothing), so the tokens do not change.
 """
 
 from __future__ import annotations
@@ -32,37 +38,11 @@ def kv_layers(cfg: Any) -> list[int]:
     return [i for i in range(cfg.num_layers) if not donors or donors[i] == -1]
 
 
-# -- plain caches <-> the step's buffers ----------------------------------------------------------
-
-
-def _temporal(cache: Any) -> tuple[mx.array, mx.array] | None:
-    """A plain cache's kept tokens, oldest first ``(B, KVH, n, D)``, ending at ``offset - 1``."""
-    if isinstance(cache, KVCache):
-        return cache.state or None
-    if isinstance(cache, RotatingKVCache):
-        state = cache.state
-        if not state:
-            return None
-        _, offset, idx = map(int, cache.meta_state)
-        out = []
-        for v in state:
-            n = v.shape[2]
-            if idx == n:
-                out.append(v)
-            elif idx < offset:  # wrapped: the oldest token sits at idx
-                out.append(mx.concatenate([v[..., idx:, :], v[..., :idx, :]], axis=2))
-            else:
-                out.append(v[..., :idx, :])
-        return out[0], out[1]
-    raise DecodeStepUnsupported(f"the compiled step cannot take over a {type(cache).__name__}")
-
-
 def _row_width(caches: Sequence[Any]) -> int:
     """Rows held by one cache list (1 while it is empty)."""
     for c in caches:
-        state = c.state
-        if state:
-            return state[0].shape[0]
+        if c.keys is not None:
+            return c.keys.shape[0]
     return 1
 
 
@@ -71,69 +51,11 @@ def _is_rows(state: Sequence[Any]) -> bool:
     return len(state) > 0 and isinstance(state[0], (list, tuple))
 
 
-def prefix_arrays(rows: list[list[Any]], n_kv_heads: int | Sequence[int], head_dim: int | Sequence[int],
-                  dtype: mx.Dtype) -> tuple[list[mx.array], list[mx.array], list[int]]:
-    """Right-aligned per-layer K/V over the rows' caches, and each row's length.
-
-    ``rows[r]`` is a cache list whose caches all hold the same number of rows
-    (usually one); rows of different lengths are left-padded with zeros.
-    ``n_kv_heads`` / ``head_dim``: one for every cache, or one per cache.
-    """
-    n = len(rows[0])
-    heads = [n_kv_heads] * n if isinstance(n_kv_heads, int) else list(n_kv_heads)
-    dims = [head_dim] * n if isinstance(head_dim, int) else list(head_dim)
-    lengths: list[int] = []
-    for caches in rows:
-        offsets = {c.offset for c in caches}
-        if len(offsets) != 1:
-            raise DecodeStepUnsupported(f"a row's caches disagree on their offset: {sorted(offsets)}")
-        lengths += [offsets.pop()] * _row_width(caches)
-    keys, values = [], []
-    for layer in range(len(rows[0])):
-        parts = [_temporal(caches[layer]) for caches in rows]
-        S = max((p[0].shape[2] for p in parts if p is not None), default=0)
-        ks, vs = [], []
-        for caches, p in zip(rows, parts):
-            if p is None:
-                empty = mx.zeros((_row_width(caches), heads[layer], S, dims[layer]), dtype)
-                ks.append(empty)
-                vs.append(empty)
-                continue
-            k, v = p
-            pad = S - k.shape[2]
-            if pad:
-                k = mx.concatenate([mx.zeros((*k.shape[:2], pad, k.shape[3]), k.dtype), k], axis=2)
-                v = mx.concatenate([mx.zeros((*v.shape[:2], pad, v.shape[3]), v.dtype), v], axis=2)
-            ks.append(k)
-            vs.append(v)
-        keys.append(mx.concatenate(ks, axis=0) if len(ks) > 1 else ks[0])
-        values.append(mx.concatenate(vs, axis=0) if len(vs) > 1 else vs[0])
-    return keys, values, lengths
-
-
-def write_back(step: Any, rows: list[list[Any]], windows: list[int]) -> None:
-    """Writes the step's KV into the plain caches so the eager graph can continue."""
-    lengths = step.lengths
-    kv = step.kv_state()
-    r0 = 0
-    for caches in rows:
-        width = _row_width(caches)
-        n = lengths[r0]
-        if any(lengths[r] != n for r in range(r0, r0 + width)):
-            raise DecodeStepUnsupported("rows sharing one cache list hold different lengths")
-        for layer, cache in enumerate(caches):
-            k, v = (a[r0:r0 + width] for a in kv[layer])
-            slots = k.shape[2]
-            if windows[layer] == 0:
-                cache.state = (k[..., :n, :], v[..., :n, :])
-            else:
-                if n <= slots:  # not wrapped: positions 0..n-1 in slots 0..n-1
-                    state, idx = (k[..., :n, :], v[..., :n, :]), n
-                else:
-                    state, idx = (k, v), n % slots
-                cache.meta_state = tuple(map(str, (windows[layer], n, idx)))
-                cache.state = state
-        r0 += width
+def _pad_slots(a: mx.array, S: int) -> mx.array:
+    """``a`` ``(b, KVH, s, D)`` with zero slots appended up to ``S``."""
+    if a.shape[2] == S:
+        return a
+    return mx.concatenate([a, mx.zeros((*a.shape[:2], S - a.shape[2], a.shape[3]), a.dtype)], axis=2)
 
 
 # -- the contract's DecodeStep ---------------------------------------------------------------------
@@ -142,11 +64,13 @@ def write_back(step: Any, rows: list[list[Any]], windows: list[int]) -> None:
 class CompiledDecodeStep:
     """``step(tokens, state) -> logits`` over the C++ step, with an eager fallback.
 
-    ``state`` is the graph's cache list (``model.make_cache()``) after the
-    eager prefill, every row of the batch at the same offset, or one cache
-    list per row (rows of different lengths; each prefilled alone). The first
-    call (and any call with another state, or after the caches changed) takes
-    the KV over; later calls leave the plain caches untouched.
+    ``state`` is the graph's cache list (``model.make_cache()``, every row of
+    the batch at the same offset), after an eager prefill or empty, or one
+    cache list per row (rows of different lengths; each prefilled alone).
+    Every call reads and updates those caches; nothing is held between calls,
+    so the caches can be read, extended eagerly or stored at any point.
+    One batched cache list is updated in place; rows in separate caches are
+    stacked for the call (a copy of their KV per step) and split back.
     """
 
     def __init__(self, model: Any, *, kv_scheme: str | None = None,
@@ -160,6 +84,9 @@ class CompiledDecodeStep:
         self._kv_heads = [cfg.layer_kv_heads[i] if cfg.layer_kv_heads else cfg.num_kv_heads for i in owners]
         self._head_dims = [cfg.layer_head_dims[i] if cfg.layer_head_dims else cfg.head_dim for i in owners]
         self._step: Any = _fast.DecodeStep(cfg, weights, quant)
+        groups = list(self._step.window_groups)
+        self._group_of = [groups.index(w) for w in self._windows]  # per buffer, its window group
+        self._dtype = _KV_DTYPES[cfg.kv_dtype] if cfg.kv_dtype else _model_dtype(model)
         self._fused = has_fused_projections(weights)
         # The bank's stacks are inputs of the step (adapters/native.py); rows pick slots per step.
         self._adapters = NativeAdapters(model, weights)
@@ -167,9 +94,6 @@ class CompiledDecodeStep:
             self._adapters.refresh(self._step)
         except AdapterTargetUnsupported as exc:
             raise DecodeStepUnsupported(str(exc)) from None
-        self._bound: Any = None
-        self._bound_offsets: list[int] | None = None
-        self._rows: list[list[Any]] = []
         self.failures = 0
         self.last_error: BaseException | None = None
 
@@ -182,18 +106,13 @@ class CompiledDecodeStep:
 
     @property
     def traces(self) -> int:
-        """Times the C++ step was traced (one per (batch, capacity) seen)."""
+        """Times the C++ step was traced (one per batch size and cache buffer lengths seen)."""
         return self._step.traces if self._step is not None else 0
 
     @property
     def retraces(self) -> int:
         """Traces after the first."""
         return max(0, self.traces - 1)
-
-    @property
-    def lengths(self) -> list[int]:
-        """Tokens the step holds per row."""
-        return list(self._step.lengths) if self._step is not None else []
 
     @property
     def native(self) -> Any:
@@ -208,7 +127,7 @@ class CompiledDecodeStep:
     # -- the contract -----------------------------------------------------------------
 
     def step(self, tokens: mx.array, state: Sequence[Any]) -> mx.array:
-        """Logits ``(B, vocab)`` for one new token per row.
+        """Logits ``(B, vocab)`` for one new token per row; the caches then hold it.
 
         Args:
             tokens: ``(B,)`` (or ``(B, 1)``) token ids.
@@ -217,29 +136,18 @@ class CompiledDecodeStep:
         if self.failed or self._step is None:
             return self._eager(tokens, state)
         try:
-            if state is not self._bound or self._offsets(state) != self._bound_offsets:
-                self._take_over(state)
             self._adapters.refresh(self._step)
-            slots = self._adapters.slots(self._step.batch_size)
-            return self._step.step(tokens) if slots is None else self._step.step(tokens, slots)
+            if _is_rows(state):
+                return self._step_rows(tokens, [list(r) for r in state])
+            return self._step_batched(tokens, list(state))
         except Exception as exc:  # noqa: BLE001 - any failure falls back, reported once
             return self._fail(exc, tokens, state)
 
     __call__ = step
 
-    def sync(self) -> None:
-        """Writes the step's KV back into the bound plain caches (their offsets then match)."""
-        if self._bound is not None and self._step is not None and self._step.loaded:
-            write_back(self._step, self._rows, self._windows)
-            self._bound_offsets = self._offsets(self._bound)
-
     def close(self) -> None:
-        """Releases the KV buffers and the compiled graph (the plain caches stay as they are)."""
-        if self._step is not None:
-            self._step.reset()
+        """Releases the compiled graph (the caches hold the KV and stay as they are)."""
         self._step = None
-        self._bound = None
-        self._rows = []
 
     def __enter__(self) -> "CompiledDecodeStep":
         return self
@@ -249,33 +157,79 @@ class CompiledDecodeStep:
 
     # -- internals ---------------------------------------------------------------------
 
-    def _offsets(self, state: Sequence[Any]) -> list[int]:
-        # One cache per row list: the layers of a list move together, so the
-        # first one tells whether anything wrote to the caches behind our back.
-        rows = state if _is_rows(state) else [state]
-        return [caches[0].offset for caches in rows if len(caches)]
+    def _reserve(self, caches: list[Any], rows: int) -> tuple[int, list[int], list[int]]:
+        """Room for one token in each of a cache list's caches: ``(position, slots, reads)``, per window group."""
+        if len(caches) != len(self._windows):
+            raise DecodeStepUnsupported(f"the step has {len(self._windows)} KV-owning layers, the cache list "
+                                        f"{len(caches)} caches")
+        offsets = {c.offset for c in caches}
+        if len(offsets) != 1:
+            raise DecodeStepUnsupported(f"a row's caches disagree on their offset: {sorted(offsets)}")
+        n_groups = len(self._step.window_groups)
+        slots: list[int | None] = [None] * n_groups
+        reads: list[int | None] = [None] * n_groups
+        for layer, c in enumerate(caches):
+            window = self._windows[layer]
+            if window == 0 and type(c) is not KVCache or window > 0 and not (
+                    type(c) is RotatingKVCache and c.max_size == window):
+                raise DecodeStepUnsupported(
+                    f"layer {layer}'s cache is a {type(c).__name__}; the compiled step needs "
+                    + ("a KVCache" if window == 0 else f"a RotatingKVCache of max_size {window}"))
+            if c.keys is not None and c.keys.dtype != self._dtype:  # kv_scheme: the caches hold its dtype
+                c.keys, c.values = c.keys.astype(self._dtype), c.values.astype(self._dtype)
+            at = c.reserve_one(rows, self._kv_heads[layer], self._head_dims[layer], self._head_dims[layer],
+                               self._dtype)
+            g = self._group_of[layer]
+            if slots[g] is None:
+                slots[g], reads[g] = at
+            elif (slots[g], reads[g]) != at:
+                raise DecodeStepUnsupported(f"caches of window {window} disagree on where the next token goes: "
+                                            f"{(slots[g], reads[g])} and {at}")
+        return offsets.pop(), slots, reads  # type: ignore[return-value]
 
-    def _take_over(self, state: Sequence[Any]) -> None:
-        rows = [list(r) for r in state] if _is_rows(state) else [list(state)]
-        dtype = self._model.model.embed_tokens.weight.dtype
-        if isinstance(self._model.model.embed_tokens, nn.QuantizedEmbedding):
-            dtype = self._model.model.embed_tokens.scales.dtype
-        keys, values, lengths = prefix_arrays(rows, self._kv_heads, self._head_dims, dtype)
-        self._step.load_prefix(keys, values, lengths)
-        self._rows = rows
-        self._bound = state
-        self._bound_offsets = self._offsets(state)
+    def _step_batched(self, tokens: mx.array, caches: list[Any]) -> mx.array:
+        B = tokens.size
+        position, slots, reads = self._reserve(caches, B)
+        keys, values = [c.keys for c in caches], [c.values for c in caches]
+        logits, keys, values = self._step.step(tokens, [position] * B, [[s] * B for s in slots],
+                                               [[n] * B for n in reads], keys, values, self._adapters.slots(B))
+        for c, k, v in zip(caches, keys, values):  # the caches drop the old buffers: MLX writes in place
+            c.commit_one(k, v)
+        return logits
+
+    def _step_rows(self, tokens: mx.array, rows: list[list[Any]]) -> mx.array:
+        widths = [_row_width(caches) for caches in rows]
+        B = sum(widths)
+        positions: list[int] = []
+        slots: list[list[int]] = [[] for _ in self._step.window_groups]
+        reads: list[list[int]] = [[] for _ in self._step.window_groups]
+        for caches, w in zip(rows, widths):
+            p, s, n = self._reserve(caches, w)
+            positions += [p] * w
+            for g in range(len(slots)):
+                slots[g] += [s[g]] * w
+                reads[g] += [n[g]] * w
+        keys, values = [], []
+        for layer in range(len(self._windows)):
+            S = max(caches[layer].keys.shape[2] for caches in rows)  # each row's slots, zero-padded to S
+            keys.append(mx.concatenate([_pad_slots(caches[layer].keys, S) for caches in rows]))  # (B, KVH, S, D)
+            values.append(mx.concatenate([_pad_slots(caches[layer].values, S) for caches in rows]))
+        logits, keys, values = self._step.step(tokens, positions, slots, reads, keys, values,
+                                               self._adapters.slots(B))
+        r = 0
+        for caches, w in zip(rows, widths):
+            for layer, c in enumerate(caches):
+                S = c.keys.shape[2]
+                c.commit_one(keys[layer][r:r + w, :, :S, :], values[layer][r:r + w, :, :S, :])
+            r += w
+        return logits
 
     def _fail(self, exc: BaseException, tokens: mx.array, state: Sequence[Any]) -> mx.array:
         self.failures += 1
         self.last_error = exc
         warnings.warn(f"compiled decode step failed ({type(exc).__name__}: {exc}); "
                       "continuing this generation on the eager graph", RuntimeWarning, stacklevel=3)
-        if state is self._bound and self._step is not None and self._step.loaded:
-            write_back(self._step, self._rows, self._windows)  # the KV as of before the failed step
-        if self._step is not None:
-            self._step.reset()
-        return self._eager(tokens, state)
+        return self._eager(tokens, state)  # the caches committed nothing of the failed call
 
     def _eager(self, tokens: mx.array, state: Sequence[Any]) -> mx.array:
         tokens = tokens.reshape(-1, 1)  # (B, 1)
@@ -287,3 +241,13 @@ class CompiledDecodeStep:
             out.append(self._model(tokens[r:r + width], cache=list(caches))[:, -1, :])
             r += width
         return mx.concatenate(out, axis=0)
+
+
+#: DecodeConfig.kv_dtype -> the caches' dtype.
+_KV_DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
+
+
+def _model_dtype(model: Any) -> mx.Dtype:
+    """The dtype the model's eager graph writes its K/V in (its embedding's, or a quantized one's scales')."""
+    embed = model.model.embed_tokens
+    return embed.scales.dtype if isinstance(embed, nn.QuantizedEmbedding) else embed.weight.dtype

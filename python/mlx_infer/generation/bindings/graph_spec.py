@@ -75,11 +75,11 @@ class DecodePolicy:
     """Per-generation choices of the compiled step.
 
     Attributes:
-        capacity_step: KV buffer growth in tokens (a retrace per growth).
         max_capacity: most tokens a row may hold (0 = unbounded); a step past it
             fails and the generation continues eagerly.
-        compile: trace the whole step once per (batch, capacity) with
-            ``mx.compile`` (attention over the whole buffer under a mask);
+        compile: trace the whole step once per (batch, the caches' buffer
+            lengths) with ``mx.compile`` (attention over the whole buffer under
+            a mask; a plain cache grows by 256 tokens, a retrace each time);
             off builds the graph in C++ every step and reads exact-length KV
             views (no mask) while all rows have one length.
         compile_min_batch: compile only from this batch size on; ``None``
@@ -109,7 +109,6 @@ class DecodePolicy:
             GPU; off elsewhere, where it would build ``mx.matmul`` anyway.
     """
 
-    capacity_step: int = 256
     max_capacity: int = 0
     compile: bool = True
     compile_min_batch: int | None = None
@@ -311,7 +310,6 @@ def _mirror_cpu_kernels(layers: Sequence[nn.Module], fast: list[str]) -> None:
 
 def _apply_policy(cfg: Any, kv_scheme: str | None, policy: DecodePolicy) -> None:
     cfg.kv_dtype = KV_DTYPES[kv_scheme] if kv_scheme else ""
-    cfg.capacity_step = policy.capacity_step
     cfg.max_capacity = policy.max_capacity
     cfg.compile = policy.compile
     cfg.compile_min_batch = policy.resolved_compile_min_batch()
