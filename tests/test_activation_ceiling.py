@@ -1,5 +1,7 @@
 """An engine iteration's activations held to the sizing's reserve (engine/activations.py)."""
 
+import gc
+
 import mlx.core as mx
 import pytest
 from tiny import make_tiny_model_dir
@@ -78,14 +80,15 @@ def tiny(tmp_path_factory):
     return load_model(make_tiny_model_dir(tmp_path_factory.mktemp("ceiling") / "llama", "llama"))
 
 
-PROMPTS = [[(7 * i + 3 * j) % 290 + 5 for j in range(96)] for i in range(8)]
+PROMPTS = [[(7 * i + 3 * j) % 290 + 5 for j in range(240)] for i in range(16)]
 
 
 def run(loaded, bound: bool, floor: int | None = None) -> tuple[list[list[int]], float, Engine]:
-    engine = Engine(loaded, EngineConfig(page_size=4, prefill_step_size=512, max_batch=8, mixed_steps=True,
+    engine = Engine(loaded, EngineConfig(page_size=4, prefill_step_size=2048, max_batch=16, mixed_steps=True,
                                          bound_activations=bound))
     if floor is not None:  # a tiny model's rows are small: hold its steps to a floor of its own scale
         engine._ceiling = ActivationCeiling(1, 0, lambda: engine.store.nbytes, floor=floor)
+    gc.collect()  # earlier tests' arrays freed during the run would make the peak above start meaningless
     mx.synchronize()
     mx.clear_cache()
     mx.reset_peak_memory()
@@ -104,8 +107,8 @@ def test_a_bounded_engine_peaks_lower_with_the_same_tokens(tiny):
     bounded, bounded_peak, e2 = run(tiny, True, floor=64 * 1024)
     assert e2._ceiling is not None and e2._ceiling.floor == 64 * 1024 and not e2._ceiling.engaged
     assert bounded == free
-    # A 768-row chunk step of the tiny model holds its activations at once unbounded; bounded, the host waits.
-    assert bounded_peak < 0.8 * free_peak, (bounded_peak, free_peak)
+    # A 2,048-row chunk step of the tiny model holds its activations at once unbounded; bounded, the host waits.
+    assert bounded_peak < 0.7 * free_peak, (bounded_peak, free_peak)
 
 
 def test_the_default_follows_the_device_type(tiny):
@@ -126,11 +129,11 @@ def test_only_iterations_that_carry_prompt_tokens_engage(tiny):
     calls = []
     engage = engine._ceiling.engage
     engine._ceiling.engage = lambda rows, logit_rows: (calls.append((rows, logit_rows)), engage(rows, logit_rows))
-    hs = [engine.submit(EngineRequest(prompt_ids=p, max_tokens=20, detokenize=False, ignore_eos=True))
-          for p in PROMPTS[:3]]
+    hs = [engine.submit(EngineRequest(prompt_ids=p, max_tokens=12, detokenize=False, ignore_eos=True))
+          for p in PROMPTS[:3]]  # 3 x 240 tokens (+ 12 within the tiny model's 256-token context)
     engine.run_until_idle()
-    assert all(len(h.result(1).token_ids) == 20 for h in hs)
-    # One engagement per forward with prompt rows (3 x 96 tokens in 64-token chunks), none for the ~20 decode steps.
-    assert len(calls) == engine.mixed_steps + engine.separate_prefills and 5 <= len(calls) <= 8
-    assert all(rows >= 16 for rows, _ in calls), calls
+    assert all(len(h.result(1).token_ids) == 12 for h in hs)
+    # One engagement per forward with prompt rows (3 x 240 tokens in 64-token chunks), none for the decode-only steps.
+    assert len(calls) == engine.mixed_steps + engine.separate_prefills and 12 <= len(calls) <= 16
+    assert all(rows > logit_rows - 1 >= 0 for rows, logit_rows in calls), calls  # prompt rows beyond the logit rows
     assert not engine._ceiling.engaged
