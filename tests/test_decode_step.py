@@ -484,6 +484,8 @@ def test_native_step_rejects_bad_input_before_building_anything():
         ({"slots": [[5]]}, ValueError, "one list per window group"),
         ({"slots": [[16], [5]]}, ValueError, "slot 16 and read length 6"),
         ({"reads": [[5], [6]]}, ValueError, "slot 5 and read length 5"),
+        ({"slots": [[5], []]}, ValueError, r"slots\[1\] has 0 entries; it needs one per row"),
+        ({"reads": [[6, 6], [6]]}, ValueError, r"reads\[0\] has 2 entries"),
         ({"keys": ok["keys"][:1]}, ValueError, "one per KV-owning layer"),
         ({"keys": [mx.zeros((1, 2, 16, 8))] * 3}, ValueError, "buffer 0: expected"),
     ]

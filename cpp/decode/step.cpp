@@ -186,19 +186,6 @@ namespace {
   throw std::invalid_argument("[DecodeStep.step] " + what);
 }
 
-// (B, G) int32 from G lists of B ints (row b, group g at [b, g]).
-mx::array group_matrix(const std::vector<std::vector<int>>& cols, int B, const char* name) {
-  std::vector<int32_t> flat(static_cast<size_t>(B) * cols.size());
-  for (size_t g = 0; g < cols.size(); ++g) {
-    if (static_cast<int>(cols[g].size()) != B) {
-      bad(std::string(name) + "[" + std::to_string(g) + "] has " + std::to_string(cols[g].size()) +
-          " entries; it needs one per row (" + std::to_string(B) + ").");
-    }
-    for (int b = 0; b < B; ++b) flat[b * cols.size() + g] = cols[g][b];
-  }
-  return mx::array(flat.begin(), {B, static_cast<int>(cols.size())}, mx::int32);
-}
-
 }  // namespace
 
 DecodeStepOutput DecodeStep::step(const mx::array& tokens, const std::vector<int>& positions,
@@ -254,6 +241,12 @@ DecodeStepOutput DecodeStep::step(const mx::array& tokens, const std::vector<int
   }
   bool uniform = true;
   for (int grp = 0; grp < G; ++grp) {
+    for (const auto* list : {&slots[grp], &reads[grp]}) {
+      if (static_cast<int>(list->size()) != B) {
+        bad(std::string(list == &slots[grp] ? "slots" : "reads") + "[" + std::to_string(grp) + "] has " +
+            std::to_string(list->size()) + " entries; it needs one per row (" + std::to_string(B) + ").");
+      }
+    }
     for (int b = 0; b < B; ++b) {
       const int s = slots[grp][b], n = reads[grp][b];
       if (s < 0 || s >= width[grp] || n <= s || n > width[grp]) {
@@ -269,9 +262,20 @@ DecodeStepOutput DecodeStep::step(const mx::array& tokens, const std::vector<int
   std::vector<mx::array> inputs;
   inputs.reserve(4 + 2 * L + lora_arrays_.size() + 1);
   inputs.push_back(mx::astype(mx::reshape(tokens, {B}), mx::int32));
-  inputs.push_back(mx::array(positions.begin(), {B}, mx::int32));
-  inputs.push_back(group_matrix(slots, B, "slots"));
-  inputs.push_back(group_matrix(reads, B, "reads"));
+  // positions, slots and reads: views of one host buffer. On CUDA, MLX keeps a host-made array in managed
+  // memory and the first kernel reading it waits on a page migration: one buffer, one migration a step.
+  std::vector<int32_t> packed(positions.begin(), positions.end());
+  for (const auto* m : {&slots, &reads}) {
+    const auto& cols = *m;
+    for (int b = 0; b < B; ++b) {
+      for (int g = 0; g < G; ++g) packed.push_back(cols[g][b]);
+    }
+  }
+  const auto all = mx::array(packed.begin(), {static_cast<int>(packed.size())}, mx::int32);
+  const int BG = B * G;
+  inputs.push_back(mx::slice(all, {0}, {B}));                                          // (B,) positions
+  inputs.push_back(mx::reshape(mx::slice(all, {B}, {B + BG}), {B, G}));                // (B, G) slots
+  inputs.push_back(mx::reshape(mx::slice(all, {B + BG}, {B + 2 * BG}), {B, G}));       // (B, G) reads
   for (int i = 0; i < L; ++i) {
     inputs.push_back(keys[i]);
     inputs.push_back(values[i]);
