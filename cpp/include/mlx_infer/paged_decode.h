@@ -1,6 +1,6 @@
 // The compiled paged step (DESIGN.md, "Contracts": DecodeStep; issue 5, issue
 // 16). The same layer code as DecodeStep (cpp/decode/graph.cpp), reading and
-// writing the pages of a paged store instead of owning buffers.
+// writing the pages of a paged store where DecodeStep reads and writes the plain caches' buffers.
 //
 // The step owns no KV. Each call gets the store's page arrays, one K and one V
 // per KV-owning layer (every layer but gemma4's KV-shared ones, which attend
@@ -103,7 +103,7 @@ struct PagedStepOutput {
 /// A step of one query token per row over paged K/V it does not own. Not thread-safe.
 class PagedDecodeStep {
  public:
-  /// Args: as DecodeStep's (``config.kv_dtype``, capacity and compile fields
+  /// Args: as DecodeStep's (``config.kv_dtype``, ``max_capacity`` and compile fields
   /// are not used; the storage's dtype is the KV dtype), plus ``paged``.
   PagedDecodeStep(
       DecodeConfig config,
