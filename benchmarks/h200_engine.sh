@@ -162,5 +162,12 @@ case "${1:-a}" in
     run 200 http-llama-1b python benchmarks/served.py -p 512 -g 128 -r 1 -n 3 --no-text --streams 32 \
       --shape llama-1b --http --json "$out/h200-served-llama-1b-http.json"
     ;;
-  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b" >&2; exit 2 ;;
+  s8c)
+    # Next session, call 3: the pure plain step (issue 20: the caches own the KV) against mlx-lm at batch 1 / 32
+    # (session 6: llama-8B b1 1.35x), and its tests on CUDA (the in-place check reads buffer addresses).
+    run 300 plain-step python benchmarks/gpu_decode.py --models llama-8b,llama-1b,gemma3-270m --batches 1,32 \
+      --engines mlx-lm,step -n 2 --json "$out/h200-decode-plain-step.json"
+    run 250 plain-tests python -m pytest -q -p no:cacheprovider tests/test_decode_step.py -k "not slow"
+    ;;
+  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c" >&2; exit 2 ;;
 esac
