@@ -323,12 +323,11 @@ class Engine:
         """One iteration (see the module docstring); returns whether it did any work."""
         self._intake()
         admitted, unfit = self.scheduler.admit()
-        if self._ceiling is None:
-            return self._iterate(admitted, unfit)
         try:
             return self._iterate(admitted, unfit)
         finally:
-            self._ceiling.release()  # the forwards that carried prompt tokens engaged it
+            if self._ceiling is not None:
+                self._ceiling.release()  # the forwards that carried prompt tokens engaged it
 
     def _iterate(self, admitted: list[LiveRequest], unfit: list[LiveRequest]) -> bool:
         for r in unfit:
