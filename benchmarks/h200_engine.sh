@@ -169,5 +169,22 @@ case "${1:-a}" in
       --engines mlx-lm,step -n 2 --json "$out/h200-decode-plain-step.json"
     run 250 plain-tests python -m pytest -q -p no:cacheprovider tests/test_decode_step.py -k "not slow"
     ;;
-  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c" >&2; exit 2 ;;
+  s9a)
+    # Session 9, call 1: the two CUDA-only test failures of session 7's s8c with the native stack and the K/V
+    # difference; the tuned products with the choice log (describe() now formats with snprintf); the compiled
+    # step with tuned vs MLX's products (llama-8B); the 64-stream A/B of the activation bound with 3 trials.
+    MLX_INFER_CRASH_BACKTRACE=1 run 100 step-tests python -X faulthandler -m pytest -q -p no:cacheprovider \
+      tests/test_decode_step.py -k "eager_kv_after_compiled or falls_back or poisoned"
+    t=$(date +%s)
+    (cd /tmp/proj && CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install -q --no-build-isolation --no-deps \
+      --no-compile -Ccmake.define.MLX_INFER_LTO=OFF -Ccmake.define.MLX_INFER_CUBLAS=ON --target /tmp/site-cublas . \
+      > "$out/build-cublas.log" 2>&1) && echo "built the cuBLAS copy in $(( $(date +%s) - t )) s" | tee -a "$out/phase.log"
+    PYTHONPATH=/tmp/site-cublas:/tmp/site MLX_INFER_TUNED_PRODUCTS_LOG=1 run 110 tuned python \
+      benchmarks/gpu_tuned_products.py --ms 1,8,32,128 --backtrace --json "$out/h200-tuned-products.json"
+    PYTHONPATH=/tmp/site-cublas:/tmp/site run 150 decode-tuned python benchmarks/gpu_decode.py --models llama-8b \
+      --batches 1,32 --engines mlx-lm,step,step-untuned -n 2 --json "$out/h200-decode-tuned.json"
+    run 150 served-64 python benchmarks/served.py -p 512 -g 128 -r 1 -n 3 --no-text --streams 64 --shape llama-1b \
+      --unbounded --json "$out/h200-served-llama-1b-64.json"
+    ;;
+  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b" >&2; exit 2 ;;
 esac

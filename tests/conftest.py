@@ -13,6 +13,11 @@ import pytest
 # (tests/test_cpu_kernels.py, load_model(..., cpu_kernels=True)). Subprocesses inherit this.
 os.environ["MLX_INFER_CPU_KERNELS"] = "0"
 
+if os.environ.get("MLX_INFER_CRASH_BACKTRACE") == "1":  # a native stack on a fatal signal (device runs)
+    from mlx_infer import _fast
+
+    _fast.install_crash_backtrace()
+
 
 @pytest.fixture(scope="session")
 def mlx_infer_cache(tmp_path_factory) -> Path:

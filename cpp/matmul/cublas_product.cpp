@@ -249,10 +249,12 @@ std::string describe(const cublasLtMatmulAlgo_t& algo) {
   cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &red, sizeof(red), &n);
   cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_STAGES_ID, &stages, sizeof(stages), &n);
   cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING, &swizzle, sizeof(swizzle), &n);
-  std::ostringstream s;
-  s << "algo " << id << " tile " << tile << " splitk " << splitk << " reduction " << red << " stages " << stages
-    << " swizzle " << swizzle;
-  return s.str();
+  // snprintf, not an ostream: the ostream insert crashed here on the H200 image (session 7, SIGSEGV in
+  // std::ostream::_M_insert<long> under the choice log).
+  char text[160];
+  std::snprintf(text, sizeof(text), "algo %d tile %u splitk %d reduction %u stages %u swizzle %u", id, tile, splitk,
+                red, stages, swizzle);
+  return std::string(text);
 }
 
 struct Candidate {
