@@ -13,6 +13,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+import mlx.core as mx
+
 from ..errors import MlxInferError
 from ..generation.text_output import token_finish
 from .adapters import release_adapter
@@ -27,6 +29,10 @@ if TYPE_CHECKING:
 
 def consume(engine: "Engine", step: "Step") -> None:
     """Emit every decoding row's token of ``step`` (a row cancelled or finished meanwhile is skipped)."""
+    # mx.eval waits for the step without the GIL; .tolist() on an unevaluated array would wait holding it,
+    # and the server's event loop (another thread) could not stream while the device runs.
+    mx.eval(step.tokens, [a for o in step.outs or () if o is not None
+                          for a in (o.token_logprob, o.top_ids, o.top_logprobs) if a is not None])
     tokens = step.tokens.tolist()
     now = time.perf_counter()
     n = 0
