@@ -186,5 +186,21 @@ case "${1:-a}" in
     run 150 served-64 python benchmarks/served.py -p 512 -g 128 -r 1 -n 3 --no-text --streams 64 --shape llama-1b \
       --unbounded --json "$out/h200-served-llama-1b-64.json"
     ;;
+  s9b)
+    # Session 9, call 2: the CUDA-only test crash with the native stack (printed); 1-stream peaks after the
+    # reserve counts at most defaults.CEILING_LAYERS layers; the HTTP column at 32 streams after the engine
+    # waits for tokens without the GIL; gemma3-270m at 32-128 streams.
+    MLX_INFER_CRASH_BACKTRACE=1 run 100 step-tests python -X faulthandler -m pytest -q -p no:cacheprovider \
+      tests/test_decode_step.py -k "eager_kv_after_compiled or falls_back"
+    grep -v '^  File "/opt' "$out/step-tests.log" | tail -45 | cut -c1-300; rm -f "$out/step-tests.log"
+    for shape in gemma3-270m llama-1b llama-8b; do
+      run 120 "one-$shape" python benchmarks/served.py -p 512 -g 128 -r 1 -n 3 --no-text --streams 1 \
+        --shape "$shape" --json "$out/h200-served-$shape-1.json"
+    done
+    run 200 http-llama-1b python benchmarks/served.py -p 512 -g 128 -r 1 -n 3 --streams 32 --shape llama-1b \
+      --http --json "$out/h200-served-llama-1b-http.json"
+    run 170 served-gemma3 python benchmarks/served.py -p 512 -g 128 -r 1 -n 3 --no-text --streams 32,64,128 \
+      --shape gemma3-270m --json "$out/h200-served-gemma3-270m.json"
+    ;;
   *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b" >&2; exit 2 ;;
 esac

@@ -118,7 +118,7 @@ def test_the_default_follows_the_device_type(tiny):
     forced = Engine(tiny, EngineConfig(page_size=4, bound_activations=True))
     ceiling = activation_ceiling(forced)
     hidden, inter = tiny.model.args.hidden_size, tiny.model.args.intermediate_size
-    layers = tiny.model.args.num_hidden_layers
+    layers = min(tiny.model.args.num_hidden_layers, defaults.CEILING_LAYERS)
     assert ceiling.row_bytes == step_row_bytes(tiny.model) == layers * (8 * hidden + 3 * inter) * 4  # float32 tiny
     assert ceiling.logit_row_bytes == tiny.model.args.vocab_size * (4 + 8)
 

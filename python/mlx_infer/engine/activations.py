@@ -13,8 +13,8 @@ MLX's own back-pressure bounds that: after each primitive it is handed, ``eval``
 oldest in-flight command buffer while the active memory exceeds ``mx.set_memory_limit``'s value.
 :class:`ActivationCeiling` sets that limit, for an iteration that carries prompt tokens, to what
 the process holds between iterations plus :meth:`ActivationCeiling.reserve` (an estimate of the
-activations of every layer of the step's rows, and its logits: one step in flight, not a queue
-of them), and the engine restores the previous limit when the iteration ends (so another user of MLX in the
+activations of the step's rows over the layers two command buffers hold, and its logits: one
+step in flight, not a queue of them), and the engine restores the previous limit when the iteration ends (so another user of MLX in the
 process, mlx-lm in benchmarks/served.py, runs under its own limit). Decode-only iterations are
 left alone: their activations are small, and a limit would stall the pipelined step n+1 behind
 step n. "What the process holds" is the smallest active memory seen at the last :data:`WINDOW`
@@ -100,9 +100,11 @@ class ActivationCeiling:
 def step_row_bytes(model: Any) -> int:
     """Activation bytes one row keeps alive in a step until its command buffers have run: per
     layer, the residual stream's copies (input, norms, attention output, projections, sums:
-    8 x hidden) and the MLP's (gate, up, their product: 3 x intermediate), in the model's dtype."""
+    8 x hidden) and the MLP's (gate, up, their product: 3 x intermediate), in the model's dtype,
+    over at most :data:`~mlx_infer.defaults.CEILING_LAYERS` layers (what two command buffers hold)."""
     hidden, intermediate, _ = model_sizes(model)
-    return max(1, layer_count(model) * (8 * hidden + 3 * intermediate) * model_dtype(model).size)
+    layers = min(layer_count(model), defaults.CEILING_LAYERS)
+    return max(1, layers * (8 * hidden + 3 * intermediate) * model_dtype(model).size)
 
 
 def layer_count(model: Any) -> int:
