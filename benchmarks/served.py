@@ -280,12 +280,14 @@ class MlxLm:
         self.model = None
 
 
-def decode_window(events: list[tuple[float, Any, bool]], streams: int) -> float | None:
+def decode_window(events: list[tuple], streams: int) -> float | None:
     """Tokens/s while all of the first ``streams`` requests decode together: from the last of
-    their first tokens to the first of their ends (no prefill inside the window)."""
+    their first tokens to the first of their ends (no prefill inside the window). An event is
+    ``(time, request, finished)`` (one token) or ``(time, request, finished, tokens)`` (an HTTP
+    chunk carrying several)."""
     first: dict[Any, float] = {}
     end: dict[Any, float] = {}
-    for t, rid, fin in events:
+    for t, rid, fin, *_ in events:
         first.setdefault(rid, t)
         if fin:
             end.setdefault(rid, t)
@@ -293,7 +295,7 @@ def decode_window(events: list[tuple[float, Any, bool]], streams: int) -> float 
     if len(wave) < streams or any(r not in end for r in wave):
         return None
     lo, hi = max(first[r] for r in wave), min(end[r] for r in wave)
-    n = sum(1 for t, rid, _ in events if lo < t <= hi)
+    n = sum(e[3] if len(e) > 3 else 1 for e in events if lo < e[0] <= hi)
     return n / (hi - lo) if hi > lo and n else None
 
 

@@ -29,14 +29,15 @@ STREAMS_PER_CLIENT = 16
 
 
 def client_share(url: str, model: str, streams: int, work: list[tuple[int, list[int]]],
-                 gen: int) -> tuple[int, list[float], list[tuple[float, int, bool]]]:
+                 gen: int) -> tuple[int, list[float], list[tuple[float, int, bool, int]]]:
     """``streams`` closed-loop streams over ``work`` ((request number, prompt) pairs), in this process.
     Returns the completion tokens the server counted, each request's TTFT (s) and every chunk's
-    ``(arrival, request number, finished)``."""
+    ``(arrival, request number, finished, tokens)``: a chunk carries every token that was ready when the
+    server's loop sent it (server/app.py), counted from the running usage (``continuous_usage_stats``)."""
     import httpx
 
     ttfts: list[float] = []
-    events: list[tuple[float, int, bool]] = []
+    events: list[tuple[float, int, bool, int]] = []
 
     async def main() -> int:
         queue = list(work)
@@ -48,20 +49,23 @@ def client_share(url: str, model: str, streams: int, work: list[tuple[int, list[
                 while queue:
                     rid, prompt = queue.pop(0)
                     body = {"model": model, "prompt": prompt, "max_tokens": gen, "stream": True,
-                            "ignore_eos": True, "temperature": 0, "stream_options": {"include_usage": True}}
-                    t0, first = time.perf_counter(), True
+                            "ignore_eos": True, "temperature": 0,
+                            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+                    t0, first, seen = time.perf_counter(), True, 0
                     async with client.stream("POST", "/v1/completions", json=body) as resp:
                         async for line in resp.aiter_lines():
                             if line.startswith("data: {"):
                                 chunk = json.loads(line[6:])
+                                done = chunk["usage"]["completion_tokens"]  # the running count so far
                                 if chunk.get("choices"):
                                     now = time.perf_counter()
                                     if first:
                                         ttfts.append(now - t0)
                                         first = False
-                                    events.append((now, rid, chunk["choices"][0].get("finish_reason") is not None))
-                                usage = chunk.get("usage")
-                                total += usage["completion_tokens"] if usage else 0
+                                    events.append((now, rid, chunk["choices"][0].get("finish_reason") is not None,
+                                                   done - seen))
+                                seen = done
+                    total += seen
             await asyncio.gather(*(stream() for _ in range(streams)))
         return total
 

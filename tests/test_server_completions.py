@@ -31,7 +31,7 @@ def server(tmp_path_factory):
     engine = Engine(loaded, EngineConfig(page_size=8)).start()
     srv = ServerThread(create_app(engine, model_id="tiny")).start()
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-    yield SimpleNamespace(url=srv.url, loaded=loaded, client=client)
+    yield SimpleNamespace(url=srv.url, loaded=loaded, client=client, engine=engine)
     srv.stop()
     engine.stop()
 
@@ -239,3 +239,42 @@ def test_prompt_logprobs_while_the_engine_decodes(server):
             check_prompt_part(server.loaded, ids, c.choices[0].logprobs, 2)
     finally:
         busy.join()
+
+
+def test_continuous_usage_counts_every_chunks_tokens(server):
+    """vLLM's ``continuous_usage_stats``: every chunk carries the usage so far; a chunk's tokens (its
+    logprobs' entries: one chunk may carry several when the loop lags) are the count's increase."""
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "ignore_eos": True, "temperature": 0, "logprobs": 0,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    chunks = read_stream(server.url, "/v1/completions", body)
+    whole = httpx.post(server.url + "/v1/completions", json=body | {"stream": False, "stream_options": None}).json()
+    seen, text = 0, ""
+    for c in chunks[:-1]:
+        (ch,) = c["choices"]
+        got = c["usage"]["completion_tokens"]
+        assert got - seen == len(ch["logprobs"]["tokens"]) and c["usage"]["prompt_tokens"] == whole["usage"][
+            "prompt_tokens"]
+        seen, text = got, text + ch["text"]
+    assert seen == 12 and text == whole["choices"][0]["text"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 12
+
+
+def test_a_lagging_stream_gets_its_tokens_in_fewer_chunks(server):
+    """The handle's ``batches()`` hands a consumer that lags everything that arrived: a request that
+    ended before its consumer started streams as one batch, the same events in order."""
+    import asyncio
+
+    from mlx_infer.engine import EngineRequest
+    from mlx_infer.sampling import SamplingParams
+
+    engine = server.engine
+    handle = engine.submit(EngineRequest(prompt_ids=[1, 2, 3], sampling=SamplingParams(temperature=0.0),
+                                         max_tokens=6, ignore_eos=True))
+    result = handle.result(timeout=60)
+
+    async def collect() -> tuple[list[list], list]:
+        return [b async for b in handle.batches()], [e async for e in handle]
+
+    batches, events = asyncio.run(collect())
+    assert len(batches) == 1 and batches[0] == events
+    assert [e.token for e in events] == result.token_ids and events[-1].finish_reason == "length"

@@ -246,6 +246,19 @@ class RequestHandle:
                 return
 
     async def __aiter__(self) -> AsyncIterator[TokenEvent]:
+        batches = self.batches()
+        try:
+            async for events in batches:
+                for event in events:
+                    yield event
+        finally:  # closed early: stop listening now, not when the inner generator is collected
+            await batches.aclose()
+
+    async def batches(self) -> AsyncIterator[list[TokenEvent]]:
+        """The events in order, as lists: each holds every event that had arrived when the
+        consumer asked (one when it keeps up, more when it lags), so a server that streams a list
+        as one chunk sends fewer, larger chunks exactly when its event loop falls behind (vLLM's
+        output collector merges a slow consumer's outputs the same way). Ends after the final event."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         with self._cond:
@@ -255,9 +268,11 @@ class RequestHandle:
             self._queues.append(entry)
         try:
             while True:
-                event = await q.get()
-                yield event
-                if event.finish_reason is not None:
+                events = [await q.get()]
+                while events[-1].finish_reason is None and not q.empty():
+                    events.append(q.get_nowait())
+                yield events
+                if events[-1].finish_reason is not None:
                     return
         finally:
             with self._cond:

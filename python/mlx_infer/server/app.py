@@ -24,6 +24,12 @@ and the engine frees its pages at the next iteration. A request cut by shutdown
 gets a last chunk with ``finish_reason: "abort"`` (vLLM's word) and an error
 event with ``code: "server_shutdown"`` before ``[DONE]``; a waiting request gets
 a 503 with that code. A 500 means a bug: it is logged with its traceback.
+
+Streams: a choice's chunk carries every token that arrived since its last chunk
+(:meth:`~mlx_infer.engine.RequestHandle.batches`): one token while the event loop keeps up,
+several when it lags, so a busy server sends fewer, larger chunks instead of queueing one per
+token (vLLM merges a slow consumer's outputs the same way). ``stream_options:
+{"continuous_usage_stats": true}`` (vLLM's) puts the usage so far in every chunk.
 """
 
 from __future__ import annotations
@@ -80,6 +86,14 @@ def total_usage(results: list[Any], n: int | None) -> dict[str, Any]:
     firsts = results[::n or 1]
     return P.usage(sum(r.prompt_tokens for r in firsts), sum(r.completion_tokens for r in results),
                    sum(r.cached_tokens for r in firsts))
+
+
+def running_usage(chunk: dict[str, Any], on: bool, prompt_tokens: int, generated: list[int]) -> dict[str, Any]:
+    """``chunk`` with the usage so far when ``on`` (vLLM's ``stream_options.continuous_usage_stats``):
+    the prompts' tokens and every choice's tokens streamed up to this chunk."""
+    if on:
+        chunk["usage"] = P.usage(prompt_tokens, sum(generated), 0)
+    return chunk
 
 
 def warm_constraint_tokenizer(engine: Engine) -> None:
@@ -429,6 +443,7 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
 
         if req.stream:  # every choice in one stream (prompt k's choices are k*n .. k*n+n-1)
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
             handles = submit_all(jobs)
 
             async def choice_chunks(i: int, h: RequestHandle | None) -> AsyncIterator[dict[str, Any]]:
@@ -439,7 +454,7 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
                 if h is None:  # max_tokens 0 without logprobs: the prompt alone
                     return
                 first = True
-                async for ev in h:
+                async for evs in h.batches():  # what arrived since the last chunk: one chunk (module doc)
                     if first and echo_k is not None:  # the prompt's scores are set before its first event
                         first = False
                         lp = echo_logprobs(fmt.text, scores_of(h, all_ids[i // n]), [], [], None, top)
@@ -447,20 +462,27 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
                         yield choice(echo, "length" if echo_only else None, lp, i)
                         if echo_only:
                             return
+                    toks = [ev for ev in evs if ev.token is not None]
+                    generated[i] += len(toks)
                     lp = None
-                    if logprobs and ev.token is not None:
-                        lp = fmt.completion([ev.token], [ev.logprob], [ev.top_logprobs] if top else None, offset)
-                    offset += len(lp["tokens"][0]) if lp else 0  # over token strings, as the whole response
-                    if ev.text or ev.finish_reason or lp:
-                        yield choice(ev.text, P.finish_reason(ev.finish_reason), lp, i)
+                    if logprobs and toks:
+                        lp = fmt.completion([ev.token for ev in toks], [ev.logprob for ev in toks],
+                                            [ev.top_logprobs for ev in toks] if top else None, offset)
+                        offset += sum(map(len, lp["tokens"]))  # over token strings, as the whole response
+                    text, reason = "".join(ev.text for ev in evs), evs[-1].finish_reason
+                    if text or reason or lp:
+                        yield choice(text, P.finish_reason(reason), lp, i)
 
             def wrap(choices: list[dict[str, Any]]) -> dict[str, Any]:
                 return {"id": rid, "object": "text_completion", "created": t, "model": served, "choices": choices}
 
+            count = len(all_ids) * n
+            generated = [0] * count  # tokens streamed so far, per choice (continuous_usage_stats)
+            prompt_total = sum(map(len, all_ids))
+
             async def chunks() -> AsyncIterator[dict[str, Any]]:
-                count = len(all_ids) * n
                 async for c in merge([choice_chunks(i, handles[i] if handles else None) for i in range(count)]):
-                    yield wrap([c])
+                    yield running_usage(wrap([c]), continuous, prompt_total, generated)
                 if include_usage:
                     results = [shown(h.result()) for h in handles] or [
                         RequestResult(request_id=rid, prompt_tokens=len(ids)) for ids in all_ids for _ in range(n)]
@@ -542,6 +564,7 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
             return {"prompt_logprobs": vllm_prompt_logprobs(fmt.text, got, prompt_k)}
         if req.stream:  # every choice in one stream, each with its own tool-call parser state
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
             handles = submit_all(jobs)
 
             def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -551,16 +574,22 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
             def delta(i: int, d: dict[str, Any], reason: str | None, lp: Any = None) -> dict[str, Any]:
                 return {"index": i, "delta": d, "logprobs": lp, "finish_reason": reason}
 
+            generated = [0] * len(handles)  # tokens streamed so far, per choice (continuous_usage_stats)
+            prompt_total = len(ids)  # one prompt, counted once over its n choices (as the final usage)
+
             async def choice_chunks(i: int, h: RequestHandle) -> AsyncIterator[dict[str, Any]]:
                 own = ToolPlan(req.tools, req.tool_choice, req.parallel_tool_calls, tokenizer.chat_template)
                 yield delta(i, {"role": "assistant", "content": ""}, None)
-                async for ev in h:
+                async for evs in h.batches():  # what arrived since the last chunk: one chunk (module doc)
+                    toks = [ev for ev in evs if ev.token is not None]
+                    generated[i] += len(toks)
                     lp = None
-                    if logprobs and ev.token is not None:
-                        lp = fmt.chat([ev.token], [ev.logprob], [ev.top_logprobs] if top else None)
-                    deltas = own.feed(ev.text)  # content, or tool-call pieces (markup held back)
-                    reason = P.finish_reason(ev.finish_reason)
-                    if ev.finish_reason is not None:
+                    if logprobs and toks:
+                        lp = fmt.chat([ev.token for ev in toks], [ev.logprob for ev in toks],
+                                      [ev.top_logprobs for ev in toks] if top else None)
+                    deltas = own.feed("".join(ev.text for ev in evs))  # content, or tool-call pieces (markup held)
+                    reason = P.finish_reason(evs[-1].finish_reason)
+                    if evs[-1].finish_reason is not None:
                         last, reason = own.end(reason)
                         deltas += last
                     for d in deltas[:-1]:
@@ -570,7 +599,7 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
 
             async def chunks() -> AsyncIterator[dict[str, Any]]:
                 async for c in merge([choice_chunks(i, h) for i, h in enumerate(handles)]):
-                    yield chunk([c])
+                    yield running_usage(chunk([c]), continuous, prompt_total, generated)
                 if include_usage:
                     yield {**chunk([]), "usage": total_usage([h.result() for h in handles], req.n)}
             return sse(handles, chunks(), lambda reason, left: chunk([delta(i, {}, reason) for i in left]))

@@ -55,6 +55,7 @@ class OpenAIError(Exception):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM's: the usage so far in every chunk
 
 
 class _Sampling(BaseModel):
