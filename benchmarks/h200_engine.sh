@@ -202,5 +202,23 @@ case "${1:-a}" in
     run 170 served-gemma3 python benchmarks/served.py -p 512 -g 128 -r 1 -n 3 --no-text --streams 32,64,128 \
       --shape gemma3-270m --json "$out/h200-served-gemma3-270m.json"
     ;;
-  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b" >&2; exit 2 ;;
+  s9c)
+    # Session 9, call 3: the CUDA-only test crash with our native stack (pytest's faulthandler off: it replaces
+    # our handler) and the gemma3 K/V difference; the HTTP column at 32 streams with coalesced chunks (against
+    # the detokenizing in-process column); llama-1B at 8/32 and llama-8B at 32 streams (session 7's misses).
+    MLX_INFER_CRASH_BACKTRACE=1 run 60 crash python -m pytest -q -p no:cacheprovider -p no:faulthandler \
+      tests/test_decode_step.py -k "falls_back_to_eager and llama"
+    head -c 3500 "$out/crash.log"; rm -f "$out/crash.log"
+    run 60 kv-diff python -m pytest -q -p no:cacheprovider --tb=line tests/test_decode_step.py \
+      -k "eager_kv_after_compiled and gemma3"
+    grep -h 'differ\|passed\|failed' "$out/kv-diff.log" | cut -c1-400; rm -f "$out/kv-diff.log"
+    run 160 http python benchmarks/served.py -p 512 -g 128 -r 1 -n 3 --streams 32 --shape llama-1b --http \
+      --no-ids --json "$out/h200-served-llama-1b-http.json"
+    run 120 llama-1b python benchmarks/served.py -p 512 -g 128 -r 1 -n 3 --no-text --streams 8,32 \
+      --shape llama-1b --json "$out/h200-served-llama-1b-8-32.json"
+    run 140 llama-8b python benchmarks/served.py -p 512 -g 128 -r 1 -n 3 --no-text --streams 32 \
+      --shape llama-8b --json "$out/h200-served-llama-8b-32.json"
+    grep -h '^| ' "$out"/http.log "$out"/llama-1b.log "$out"/llama-8b.log
+    ;;
+  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c" >&2; exit 2 ;;
 esac
