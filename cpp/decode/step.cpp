@@ -2,11 +2,11 @@
 // (see decode.h for the slots, reads and window groups).
 #include <algorithm>
 #include <cmath>
-#include <sstream>
 #include <stdexcept>
 #include <tuple>
 
 #include "graph.h"
+#include "mlx_infer/text.h"
 #include "lora.h"
 #include "weights.h"
 
@@ -197,10 +197,8 @@ DecodeStepOutput DecodeStep::step(const mx::array& tokens, const std::vector<int
   const int B = static_cast<int>(positions.size());
   if (B < 1) bad("positions needs one entry per row.");
   if (tokens.size() != static_cast<size_t>(B) || tokens.ndim() > 2 || !mx::issubdtype(tokens.dtype(), mx::integer)) {
-    std::ostringstream msg;
-    msg << "expected " << B << " integer token ids (one per row), got shape " << tokens.shape() << " of "
-        << tokens.dtype() << ".";
-    bad(msg.str());
+    bad("expected " + std::to_string(B) + " integer token ids (one per row), got shape " +
+        shape_text(tokens.shape()) + " of " + dtype_text(tokens.dtype()) + ".");
   }
   const int G = static_cast<int>(groups_.size());
   if (static_cast<int>(slots.size()) != G || static_cast<int>(reads.size()) != G) {
@@ -210,18 +208,15 @@ DecodeStepOutput DecodeStep::step(const mx::array& tokens, const std::vector<int
   if (*std::min_element(positions.begin(), positions.end()) < 0) bad("positions must be >= 0.");
   const int needed = *std::max_element(positions.begin(), positions.end()) + 1;
   if (cfg.max_capacity > 0 && needed > cfg.max_capacity) {
-    std::ostringstream msg;
-    msg << "[DecodeStep.step] capacity exhausted: the next token would be number " << needed
-        << " of a row, over max_capacity " << cfg.max_capacity << ".";
-    throw std::runtime_error(msg.str());
+    throw std::runtime_error("[DecodeStep.step] capacity exhausted: the next token would be number " +
+                             std::to_string(needed) + " of a row, over max_capacity " +
+                             std::to_string(cfg.max_capacity) + ".");
   }
   const auto geometry = buffer_geometry(*graph_);
   const int L = static_cast<int>(geometry.size());
   if (static_cast<int>(keys.size()) != L || static_cast<int>(values.size()) != L) {
-    std::ostringstream msg;
-    msg << "expected " << L << " key and value arrays (one per KV-owning layer), got " << keys.size() << " and "
-        << values.size() << ".";
-    bad(msg.str());
+    bad("expected " + std::to_string(L) + " key and value arrays (one per KV-owning layer), got " +
+        std::to_string(keys.size()) + " and " + std::to_string(values.size()) + ".");
   }
   // Per group, the narrowest buffer: every slot and read must fit in it.
   std::vector<int> width(G, -1);
@@ -230,10 +225,9 @@ DecodeStepOutput DecodeStep::step(const mx::array& tokens, const std::vector<int
     for (const auto* a : {&keys[i], &values[i]}) {
       if (a->ndim() != 4 || a->shape(0) != B || a->shape(1) != geo.kv_heads || a->shape(3) != geo.head_dim ||
           a->shape(2) != keys[i].shape(2)) {
-        std::ostringstream msg;
-        msg << "buffer " << i << ": expected (" << B << ", " << geo.kv_heads << ", S, " << geo.head_dim
-            << ") keys and values of one S, got " << keys[i].shape() << " and " << values[i].shape() << ".";
-        bad(msg.str());
+        bad("buffer " + std::to_string(i) + ": expected (" + std::to_string(B) + ", " + std::to_string(geo.kv_heads) +
+            ", S, " + std::to_string(geo.head_dim) + ") keys and values of one S, got " +
+            shape_text(keys[i].shape()) + " and " + shape_text(values[i].shape()) + ".");
       }
     }
     const int grp = buffer_group_[i];
@@ -250,10 +244,9 @@ DecodeStepOutput DecodeStep::step(const mx::array& tokens, const std::vector<int
     for (int b = 0; b < B; ++b) {
       const int s = slots[grp][b], n = reads[grp][b];
       if (s < 0 || s >= width[grp] || n <= s || n > width[grp]) {
-        std::ostringstream msg;
-        msg << "window group " << groups_[grp] << " row " << b << ": slot " << s << " and read length " << n
-            << " must satisfy 0 <= slot < read <= the buffer's " << width[grp] << " slots.";
-        bad(msg.str());
+        bad("window group " + std::to_string(groups_[grp]) + " row " + std::to_string(b) + ": slot " +
+            std::to_string(s) + " and read length " + std::to_string(n) +
+            " must satisfy 0 <= slot < read <= the buffer's " + std::to_string(width[grp]) + " slots.");
       }
       uniform = uniform && s == slots[grp][0] && n == reads[grp][0];
     }
