@@ -200,9 +200,12 @@ def exposure_lines(options: ServeOptions) -> list[str]:
 def switch_interval() -> float:
     """Seconds the server's threads hold the GIL before a waiting one may take it
     (:data:`~mlx_infer.defaults.SERVER_SWITCH_INTERVAL_S`; ``MLX_INFER_SWITCH_INTERVAL`` overrides it,
-    for an A/B). The engine thread releases the GIL while MLX evaluates a step and needs it back
-    to plan the next one; at Python's default 5 ms it can wait a whole interval behind the event
-    loop's SSE writes, longer than a 32-stream decode step."""
+    for an A/B). The engine thread releases the GIL while MLX evaluates a step and the event loop
+    streams meanwhile; with a short interval each preempts the other mid-work, so the engine's
+    planning of the next step is cut into slices behind SSE writes while the device idles. A long
+    one lets each run until it blocks (the engine in eval, the loop in its poll); the loop's work
+    per wake-up stays bounded because a stream's chunk carries every token that arrived since its
+    last one (server/app.py)."""
     raw = os.environ.get("MLX_INFER_SWITCH_INTERVAL", "")
     try:
         value = float(raw) if raw else defaults.SERVER_SWITCH_INTERVAL_S
