@@ -1,6 +1,7 @@
 // paged_attention: the op, its CPU primitive and the gather reference (see
 // mlx_infer/paged_attention.h; the CUDA kernels are in paged_attention_cuda.cpp).
 #include "mlx_infer/paged_attention.h"
+#include "mlx_infer/text.h"
 
 #include <mlx/allocator.h>
 #include <mlx/backend/cpu/encoder.h>
@@ -10,7 +11,6 @@
 #include <cmath>
 #include <limits>
 #include <memory>
-#include <sstream>
 #include <stdexcept>
 #include <vector>
 
@@ -33,9 +33,7 @@ using namespace detail;
 }
 
 std::string shape_str(const mx::array& a) {
-  std::ostringstream s;
-  s << a.shape();
-  return s.str();
+  return shape_text(a.shape());
 }
 
 void validate(const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& tables,

@@ -1,8 +1,8 @@
 // Adapters inside a step's forward (see mlx_infer/lora.h for the math and shapes).
 #include "lora.h"
+#include "mlx_infer/text.h"
 
 #include <numeric>
-#include <sstream>
 #include <stdexcept>
 
 #include "graph.h"
@@ -51,9 +51,7 @@ mx::array slot_mask(Active& act, const mx::array& slots, int S, int r, int width
 }
 
 std::string shape_str(const mx::array& a) {
-  std::ostringstream s;
-  s << a.shape();
-  return s.str();
+  return shape_text(a.shape());
 }
 
 std::vector<std::string> members_of(const std::string& target) {

@@ -1,11 +1,11 @@
 // PagedDecodeStep: the decode step over a paged store's page arrays (see
 // mlx_infer/paged_decode.h for the layout, the buckets and the commit rule).
 #include "mlx_infer/paged_decode.h"
+#include "mlx_infer/text.h"
 
 #include <algorithm>
 #include <map>
 #include <optional>
-#include <sstream>
 #include <stdexcept>
 
 #include "graph.h"
@@ -151,9 +151,7 @@ std::vector<mx::array> paged_forward(const DecodeStep::Graph& g, const std::vect
 }
 
 std::string shape_str(const mx::array& a) {
-  std::ostringstream s;
-  s << a.shape();
-  return s.str();
+  return shape_text(a.shape());
 }
 
 // An integer (B,) array as int32, or a clear error.
@@ -357,10 +355,8 @@ PagedStepOutput PagedDecodeStep::step(
       }
       const auto& b = geometry[i];
       if (a->ndim() != 4 || a->shape(1) != b.kv_heads || a->shape(3) != b.head_dim) {
-        std::ostringstream msg;
-        msg << "layer " << i << ": storage must be (pages, " << b.kv_heads << ", page_size, "
-            << b.head_dim << "), got " << a->shape() << ".";
-        fail(msg.str());
+        fail("layer " + std::to_string(i) + ": storage must be (pages, " + std::to_string(b.kv_heads) +
+             ", page_size, " + std::to_string(b.head_dim) + "), got " + shape_text(a->shape()) + ".");
       }
     }
     if (keys[i].shape() != values[i].shape() || keys[i].dtype() != values[i].dtype()) {

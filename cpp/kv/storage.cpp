@@ -1,7 +1,7 @@
 // Index math over paged K/V storage (pages, kv_heads, page_size, head_dim).
 #include "mlx_infer/kv.h"
+#include "mlx_infer/text.h"
 
-#include <sstream>
 #include <stdexcept>
 #include <string>
 
@@ -11,19 +11,15 @@ namespace {
 
 void check_storage(const mx::array& storage, const char* fn) {
   if (storage.ndim() != 4) {
-    std::ostringstream msg;
-    msg << "[" << fn << "] storage must be (pages, kv_heads, page_size, "
-        << "head_dim); got shape " << storage.shape() << ".";
-    throw std::invalid_argument(msg.str());
+    throw std::invalid_argument(std::string("[") + fn + "] storage must be (pages, kv_heads, page_size, " +
+                                "head_dim); got shape " + shape_text(storage.shape()) + ".");
   }
 }
 
 void check_indices(const mx::array& a, const char* fn, const char* name) {
   if (a.ndim() != 1 || !mx::issubdtype(a.dtype(), mx::integer)) {
-    std::ostringstream msg;
-    msg << "[" << fn << "] " << name << " must be a 1-D integer array; got "
-        << a.dtype() << " of shape " << a.shape() << ".";
-    throw std::invalid_argument(msg.str());
+    throw std::invalid_argument(std::string("[") + fn + "] " + name + " must be a 1-D integer array; got " +
+                                dtype_text(a.dtype()) + " of shape " + shape_text(a.shape()) + ".");
   }
 }
 
@@ -76,11 +72,10 @@ mx::array scatter_slots(
   const int n = slots.shape(0);
   if (values.ndim() != 3 || values.shape(0) != heads || values.shape(1) != n ||
       values.shape(2) != head_dim) {
-    std::ostringstream msg;
-    msg << "[scatter_slots] values must be (kv_heads, T, head_dim) = (" << heads
-        << ", " << n << ", " << head_dim << ") to match storage " << storage.shape()
-        << " and " << n << " slots; got " << values.shape() << ".";
-    throw std::invalid_argument(msg.str());
+    throw std::invalid_argument("[scatter_slots] values must be (kv_heads, T, head_dim) = (" + std::to_string(heads) +
+                                ", " + std::to_string(n) + ", " + std::to_string(head_dim) + ") to match storage " +
+                                shape_text(storage.shape()) + " and " + std::to_string(n) + " slots; got " +
+                                shape_text(values.shape()) + ".");
   }
   if (n == 0) {
     return storage;

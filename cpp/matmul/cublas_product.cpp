@@ -17,12 +17,12 @@
 //
 // Without MLXI_CUBLAS (no CUDA toolkit or MLX CUDA headers at build time) tuned_linear is mx::matmul.
 #include "mlx_infer/backend.h"
+#include "mlx_infer/text.h"
 #include "mlx_infer/matmul.h"
 
 #include <mlx/primitives.h>
 
 #include <optional>
-#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -52,13 +52,9 @@ bool tuned_dtype(mx::Dtype t) { return t == mx::bfloat16 || t == mx::float16; }
 
 void check_linear_args(const mx::array& x, const mx::array& w) {
   if (x.ndim() < 1 || w.ndim() != 2 || x.shape(-1) != w.shape(1)) {
-    std::ostringstream msg;
-    msg << "[tuned_linear] x must be (..., K) and w (N, K) with the same K; got x of shape (";
-    for (int i = 0; i < static_cast<int>(x.ndim()); ++i) msg << (i ? ", " : "") << x.shape(i);
-    msg << ") and w of shape (";
-    for (int i = 0; i < static_cast<int>(w.ndim()); ++i) msg << (i ? ", " : "") << w.shape(i);
-    msg << "). Pass the layer's weight as stored by nn.Linear (out_features, in_features).";
-    throw std::invalid_argument(msg.str());
+    throw std::invalid_argument("[tuned_linear] x must be (..., K) and w (N, K) with the same K; got x of shape " +
+                                shape_text(x.shape()) + " and w of shape " + shape_text(w.shape()) +
+                                ". Pass the layer's weight as stored by nn.Linear (out_features, in_features).");
   }
 }
 
