@@ -35,9 +35,11 @@ prefix index lets re-admission reuse whatever was not evicted meanwhile.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from typing import Any, Callable, Iterable
 
@@ -75,6 +77,22 @@ class RequestTooLargeError(MlxInferError):
 
 class QueueFullError(MlxInferError):
     """The engine's queue is at ``max_queue``; retry later."""
+
+
+
+#: Engines whose thread runs (started, not stopped).
+_RUNNING: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_running_engines() -> None:
+    """At interpreter exit, stop every engine still running: its daemon thread inside MLX's eval while
+    MLX's statics are destroyed would abort the process ("terminate called without an active exception")."""
+    for engine in list(_RUNNING):
+        try:
+            engine.stop()
+        except Exception:  # noqa: BLE001 - exiting: a failed stop must not mask the program's own status
+            log.exception("stopping an engine at exit failed")
 
 
 class EngineClosedError(MlxInferError):
@@ -175,6 +193,7 @@ class Engine:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="mlx-infer-engine", daemon=True)
             self._thread.start()
+            _RUNNING.add(self)
         return self
 
     def stop(self) -> None:
@@ -185,6 +204,7 @@ class Engine:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        _RUNNING.discard(self)
         if self._lockstep is not None:
             self._lockstep.finish()
         self._drain()
