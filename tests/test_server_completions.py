@@ -258,6 +258,17 @@ def test_continuous_usage_counts_every_chunks_tokens(server):
     assert seen == 12 and text == whole["choices"][0]["text"]
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 12
 
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 7, "n": 2,
+            "logprobs": True, "ignore_eos": True, "temperature": 0,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    seen = 0
+    for c in read_stream(server.url, "/v1/chat/completions", chat)[:-1]:  # n = 2: choices interleave
+        (ch,) = c["choices"]
+        got = c["usage"]["completion_tokens"]
+        assert got - seen == len((ch["logprobs"] or {}).get("content") or [])
+        seen = got
+    assert seen == 14
+
 
 def test_a_lagging_stream_gets_its_tokens_in_fewer_chunks(server):
     """The handle's ``batches()`` hands a consumer that lags everything that arrived: a request that

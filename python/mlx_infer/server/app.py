@@ -88,11 +88,13 @@ def total_usage(results: list[Any], n: int | None) -> dict[str, Any]:
                    sum(r.cached_tokens for r in firsts))
 
 
-def running_usage(chunk: dict[str, Any], on: bool, prompt_tokens: int, generated: list[int]) -> dict[str, Any]:
-    """``chunk`` with the usage so far when ``on`` (vLLM's ``stream_options.continuous_usage_stats``):
-    the prompts' tokens and every choice's tokens streamed up to this chunk."""
+def running_usage(chunk: dict[str, Any], on: bool, prompt_tokens: int, streamed: list[int]) -> dict[str, Any]:
+    """``chunk`` (its choice's ``_tokens``: the tokens it carries, removed here) with the usage so far when
+    ``on`` (vLLM's ``stream_options.continuous_usage_stats``): the prompts' tokens and every token streamed up
+    to and including this chunk. ``streamed`` is the stream's one-element running count."""
+    streamed[0] += sum(c.pop("_tokens", 0) for c in chunk["choices"])
     if on:
-        chunk["usage"] = P.usage(prompt_tokens, sum(generated), 0)
+        chunk["usage"] = P.usage(prompt_tokens, streamed[0], 0)
     return chunk
 
 
@@ -453,7 +455,7 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
                     yield choice(echo, "length" if h is None else None, None, i)
                 if h is None:  # max_tokens 0 without logprobs: the prompt alone
                     return
-                first = True
+                first, held = True, 0
                 async for evs in h.batches():  # what arrived since the last chunk: one chunk (module doc)
                     if first and echo_k is not None:  # the prompt's scores are set before its first event
                         first = False
@@ -463,26 +465,27 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
                         if echo_only:
                             return
                     toks = [ev for ev in evs if ev.token is not None]
-                    generated[i] += len(toks)
                     lp = None
                     if logprobs and toks:
                         lp = fmt.completion([ev.token for ev in toks], [ev.logprob for ev in toks],
                                             [ev.top_logprobs for ev in toks] if top else None, offset)
                         offset += sum(map(len, lp["tokens"]))  # over token strings, as the whole response
                     text, reason = "".join(ev.text for ev in evs), evs[-1].finish_reason
+                    held += len(toks)  # a token with no text yet (held back) is counted with the next chunk
                     if text or reason or lp:
-                        yield choice(text, P.finish_reason(reason), lp, i)
+                        yield {**choice(text, P.finish_reason(reason), lp, i), "_tokens": held}
+                        held = 0
 
             def wrap(choices: list[dict[str, Any]]) -> dict[str, Any]:
                 return {"id": rid, "object": "text_completion", "created": t, "model": served, "choices": choices}
 
             count = len(all_ids) * n
-            generated = [0] * count  # tokens streamed so far, per choice (continuous_usage_stats)
+            streamed = [0]  # tokens sent so far over all choices (running_usage)
             prompt_total = sum(map(len, all_ids))
 
             async def chunks() -> AsyncIterator[dict[str, Any]]:
                 async for c in merge([choice_chunks(i, handles[i] if handles else None) for i in range(count)]):
-                    yield running_usage(wrap([c]), continuous, prompt_total, generated)
+                    yield running_usage(wrap([c]), continuous, prompt_total, streamed)
                 if include_usage:
                     results = [shown(h.result()) for h in handles] or [
                         RequestResult(request_id=rid, prompt_tokens=len(ids)) for ids in all_ids for _ in range(n)]
@@ -574,15 +577,15 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
             def delta(i: int, d: dict[str, Any], reason: str | None, lp: Any = None) -> dict[str, Any]:
                 return {"index": i, "delta": d, "logprobs": lp, "finish_reason": reason}
 
-            generated = [0] * len(handles)  # tokens streamed so far, per choice (continuous_usage_stats)
+            streamed = [0]  # tokens sent so far over all choices (running_usage)
             prompt_total = len(ids)  # one prompt, counted once over its n choices (as the final usage)
 
             async def choice_chunks(i: int, h: RequestHandle) -> AsyncIterator[dict[str, Any]]:
                 own = ToolPlan(req.tools, req.tool_choice, req.parallel_tool_calls, tokenizer.chat_template)
+                held = 0
                 yield delta(i, {"role": "assistant", "content": ""}, None)
                 async for evs in h.batches():  # what arrived since the last chunk: one chunk (module doc)
                     toks = [ev for ev in evs if ev.token is not None]
-                    generated[i] += len(toks)
                     lp = None
                     if logprobs and toks:
                         lp = fmt.chat([ev.token for ev in toks], [ev.logprob for ev in toks],
@@ -594,12 +597,14 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
                         deltas += last
                     for d in deltas[:-1]:
                         yield delta(i, d, None)
+                    held += len(toks)  # counted with the batch's last chunk, or the next one (markup held back)
                     if deltas or reason or lp:
-                        yield delta(i, deltas[-1] if deltas else {}, reason, lp)
+                        yield {**delta(i, deltas[-1] if deltas else {}, reason, lp), "_tokens": held}
+                        held = 0
 
             async def chunks() -> AsyncIterator[dict[str, Any]]:
                 async for c in merge([choice_chunks(i, h) for i, h in enumerate(handles)]):
-                    yield running_usage(chunk([c]), continuous, prompt_total, generated)
+                    yield running_usage(chunk([c]), continuous, prompt_total, streamed)
                 if include_usage:
                     yield {**chunk([]), "usage": total_usage([h.result() for h in handles], req.n)}
             return sse(handles, chunks(), lambda reason, left: chunk([delta(i, {}, reason) for i in left]))
