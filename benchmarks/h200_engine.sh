@@ -220,5 +220,27 @@ case "${1:-a}" in
       --shape llama-8b --json "$out/h200-served-llama-8b-32.json"
     grep -h '^| ' "$out"/http.log "$out"/llama-1b.log "$out"/llama-8b.log
     ;;
-  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c" >&2; exit 2 ;;
+  s10a)
+    # Next session, call 1: issue 16's whole table at the final code, three trials: llama-1B and gemma3-270m.
+    run 270 served-llama-1b python benchmarks/served.py -p 512 -g 128 -r 1 -n 3 --no-text --streams 1,8,32,64,128 \
+      --shape llama-1b --json "$out/h200-served-llama-1b.json"
+    run 270 served-gemma3 python benchmarks/served.py -p 512 -g 128 -r 1 -n 3 --no-text --streams 1,8,32,64,128 \
+      --shape gemma3-270m --json "$out/h200-served-gemma3-270m.json"
+    grep -h '^| ' "$out"/served-*.log
+    ;;
+  s10b)
+    # Next session, call 2: llama-8B's table (three trials), then the HTTP column at 32 streams.
+    run 400 served-llama-8b python benchmarks/served.py -p 512 -g 128 -r 1 -n 3 --no-text --streams 1,8,32,64,128 \
+      --shape llama-8b --json "$out/h200-served-llama-8b.json"
+    run 150 http python benchmarks/served.py -p 512 -g 128 -r 1 -n 3 --streams 32 --shape llama-1b --http \
+      --no-ids --json "$out/h200-served-llama-1b-http.json"
+    grep -h '^| ' "$out"/served-*.log "$out"/http.log
+    ;;
+  s10c)
+    # Next session, call 3: the compiled-step tests on CUDA after the iostream fix (session 9 ran two of them).
+    MLX_INFER_CRASH_BACKTRACE=1 run 300 step-tests python -m pytest -q -p no:cacheprovider -p no:faulthandler \
+      --tb=line tests/test_decode_step.py tests/test_activation_ceiling.py tests/test_engine_exit.py -k "not slow"
+    tail -c 3000 "$out/step-tests.log"
+    ;;
+  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c" >&2; exit 2 ;;
 esac
