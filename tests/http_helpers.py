@@ -28,10 +28,11 @@ MiB = 2**20
 LONG = 4000  # tokens: a runaway request at this length outlives every bound the tests set
 
 
-def start(loaded, *, config=EngineConfig(page_size=8), drain_timeout_s=2.0, header_timeout_s=10.0, **kw):
+def start(loaded, *, config=EngineConfig(page_size=8), drain_timeout_s=2.0, header_timeout_s=10.0, http="auto",
+          **kw):
     engine = Engine(loaded, config).start()
     srv = ServerThread(create_app(engine, model_id="tiny", **kw), drain_timeout_s=drain_timeout_s,
-                       header_timeout_s=header_timeout_s).start()
+                       header_timeout_s=header_timeout_s, http=http).start()
     return SimpleNamespace(url=srv.url, port=srv.port, engine=engine, srv=srv)
 
 

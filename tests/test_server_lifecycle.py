@@ -67,9 +67,11 @@ def test_non_streaming_clients_that_time_out_are_cancelled(server):
     assert metrics(server.url)["generation_tokens_total"] == m["generation_tokens_total"]  # nothing runs on
 
 
-def test_slowloris_headers_are_cut(tiny_loaded):
-    """40 connections dribbling their headers: closed after the 1 s header timeout; others still served."""
-    s = start(tiny_loaded, header_timeout_s=1.0)
+@pytest.mark.parametrize("http", ["httptools", "h11"])
+def test_slowloris_headers_are_cut(tiny_loaded, http):
+    """40 connections dribbling their headers: closed after the 1 s header timeout; others still served
+    (each HTTP protocol the server can run)."""
+    s = start(tiny_loaded, header_timeout_s=1.0, http=http)
     socks = []
     try:
         for _ in range(40):
@@ -89,6 +91,30 @@ def test_slowloris_headers_are_cut(tiny_loaded):
     finally:
         for c in socks:
             c.close()
+        stop(s)
+
+
+@pytest.mark.parametrize("http", ["httptools", "h11"])
+def test_a_malformed_request_gets_openais_400_and_a_kept_alive_one_is_not_cut(tiny_loaded, http):
+    """A request line the parser cannot read: a 400 in OpenAI's error shape, connection closed. A
+    keep-alive connection that streams longer than the header timeout, then sends a second request, is
+    served both times (the timer runs only while no response is under way)."""
+    s = start(tiny_loaded, header_timeout_s=1.0, http=http)
+    try:
+        with socket.create_connection(("127.0.0.1", s.port), timeout=TIMEOUT) as c:
+            c.sendall(b"NOT A REQUEST\r\n\r\n")
+            status, body = read_response(c)
+            assert status == 400 and json.loads(body)["error"]["code"] == "invalid_http", body
+        with httpx.Client(base_url=s.url, timeout=TIMEOUT) as client:  # one kept-alive connection
+            assert client.post(C, json=comp(max_tokens=4)).status_code == 200
+            t0 = time.perf_counter()
+            with client.stream("POST", C, json=comp(max_tokens=LONG, ignore_eos=True, stream=True)) as r:
+                assert r.status_code == 200
+                for _ in r.iter_lines():
+                    if time.perf_counter() - t0 > 1.5:  # past the header timeout, still streaming
+                        break
+            assert time.perf_counter() - t0 > 1.5
+    finally:
         stop(s)
 
 

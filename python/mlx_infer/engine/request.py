@@ -139,6 +139,10 @@ class RequestResult:
         return len(self.token_ids)
 
 
+#: Put in an async iterator's queue by :meth:`RequestHandle.interrupt`: the iterator ends there.
+_INTERRUPT: Any = object()
+
+
 def _put_all(items: list[tuple[asyncio.Queue, TokenEvent]]) -> None:
     for q, event in items:
         q.put_nowait(event)
@@ -170,7 +174,8 @@ class RequestHandle:
         self._done = threading.Event()
         self._events: list[TokenEvent] = []
         self._result: RequestResult | None = None
-        self._queues: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = []
+        self._queues: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue, bool]] = []  # (loop, q, interruptible)
+        self._interrupted = False  # interrupt(): the async iterators end without a final event
         #: With ``request.prompt_logprobs``: the prompt's scores, set before the first token's event.
         self.prompt_logprobs: Any = None
 
@@ -197,7 +202,7 @@ class RequestHandle:
             queues = list(self._queues)
         if result is not None:
             self._done.set()
-        for loop, q in queues:
+        for loop, q, _ in queues:
             if wakeups is not None:
                 wakeups.setdefault(loop, []).append((q, event))
                 continue
@@ -212,6 +217,21 @@ class RequestHandle:
         """Stop the request; its pages are freed at the engine's next iteration."""
         if not self.done:
             self._cancel(self.request_id)
+
+    def interrupt(self) -> None:
+        """End the async iterators (:meth:`batches`, ``async for``) now, after the events already
+        delivered and without waiting for a final one: the server's shutdown ends a stream whose engine
+        has not answered its cancel yet this way, with no per-event watcher task."""
+        with self._cond:
+            self._interrupted = True
+            queues = list(self._queues)
+        for loop, q, interruptible in queues:
+            if not interruptible:
+                continue
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, _INTERRUPT)
+            except RuntimeError:  # the consumer's loop is closed: nobody listens
+                pass
 
     @property
     def done(self) -> bool:
@@ -254,23 +274,33 @@ class RequestHandle:
         finally:  # closed early: stop listening now, not when the inner generator is collected
             await batches.aclose()
 
-    async def batches(self) -> AsyncIterator[list[TokenEvent]]:
+    async def batches(self, interruptible: bool = True) -> AsyncIterator[list[TokenEvent]]:
         """The events in order, as lists: each holds every event that had arrived when the
         consumer asked (one when it keeps up, more when it lags), so a server that streams a list
         as one chunk sends fewer, larger chunks exactly when its event loop falls behind (vLLM's
-        output collector merges a slow consumer's outputs the same way). Ends after the final event."""
+        output collector merges a slow consumer's outputs the same way). Ends after the final event, or
+        (``interruptible``) where :meth:`interrupt` was called."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         with self._cond:
             for ev in self._events:
                 q.put_nowait(ev)
-            entry = (loop, q)
+            if self._interrupted and interruptible:
+                q.put_nowait(_INTERRUPT)
+            entry = (loop, q, interruptible)
             self._queues.append(entry)
         try:
             while True:
-                events = [await q.get()]
+                first = await q.get()
+                if first is _INTERRUPT:  # only ever queued when interruptible
+                    return
+                events = [first]
                 while events[-1].finish_reason is None and not q.empty():
-                    events.append(q.get_nowait())
+                    ev = q.get_nowait()
+                    if ev is _INTERRUPT:
+                        yield events
+                        return
+                    events.append(ev)
                 yield events
                 if events[-1].finish_reason is not None:
                     return
@@ -280,8 +310,8 @@ class RequestHandle:
                     self._queues.remove(entry)
 
     async def aresult(self) -> RequestResult:
-        """Await the :class:`RequestResult`."""
-        async for _ in self:
+        """Await the :class:`RequestResult` (the final event: :meth:`interrupt` does not end this wait)."""
+        async for _ in self.batches(interruptible=False):
             pass
         return self._result  # type: ignore[return-value]
 

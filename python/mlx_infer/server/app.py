@@ -130,25 +130,6 @@ def check_generation_defaults(defaults: dict[str, Any]) -> None:
                             "Fix or remove that key in generation_config.json.") from None
 
 
-async def until(event: asyncio.Event, items: AsyncIterator[Any]) -> AsyncIterator[Any]:
-    """``items`` until they end or ``event`` is set, whichever comes first."""
-    stop = asyncio.ensure_future(event.wait())
-    try:
-        while True:
-            nxt = asyncio.ensure_future(items.__anext__())
-            await asyncio.wait({nxt, stop}, return_when=asyncio.FIRST_COMPLETED)
-            if not nxt.done():
-                nxt.cancel()
-                return
-            try:
-                item = nxt.result()
-            except StopAsyncIteration:
-                return
-            yield item
-    finally:
-        stop.cancel()
-
-
 def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
                default_max_tokens: int = DEFAULT_MAX_TOKENS, max_tokens_cap: int | None = None,
                aliases: tuple[str, ...] = (), guard: GuardConfig | None = None,
@@ -323,7 +304,9 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
         async def body() -> AsyncIterator[str]:
             try:
                 finished: set[int] = set()
-                async for chunk in until(drain.abort_event, chunks):
+                async for chunk in chunks:  # a shutdown's abort ends it (Drain.abort_all interrupts the handles)
+                    if drain.abort_event.is_set():
+                        break
                     finished.update(c["index"] for c in chunk.get("choices", ()) if c.get("finish_reason"))
                     yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
                 err = None

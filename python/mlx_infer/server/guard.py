@@ -97,6 +97,7 @@ class Drain:
             if not handle.done:  # one that just finished keeps its normal end
                 self._aborted.add(handle.request_id)
                 handle.cancel()
+                handle.interrupt()  # its stream ends now, not when the engine answers the cancel
 
     def aborted(self, handle: Any) -> bool:
         """Whether ``handle`` was cut by shutdown (not by its client)."""

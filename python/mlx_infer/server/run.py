@@ -260,12 +260,12 @@ class ServerThread:
     """
 
     def __init__(self, app: Any, *, host: str = DEFAULT_HOST, log_level: str = "warning",
-                 drain_timeout_s: float = 2.0, header_timeout_s: float = HEADER_TIMEOUT_S):
+                 drain_timeout_s: float = 2.0, header_timeout_s: float = HEADER_TIMEOUT_S, http: str = "auto"):
         self.sock = bind(host, 0)
         self.port = self.sock.getsockname()[1]
         self.url = f"http://{host}:{self.port}"
         self.server = make_server(app, log_level=log_level, lifespan="off", drain_timeout_s=drain_timeout_s,
-                                  header_timeout_s=header_timeout_s)
+                                  header_timeout_s=header_timeout_s, http=http)
         self.server.install_signal_handlers = lambda: None  # type: ignore[method-assign]  # not the main thread
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                         name="mlx-infer-server", daemon=True)
