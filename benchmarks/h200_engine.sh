@@ -242,5 +242,19 @@ case "${1:-a}" in
       --tb=line tests/test_decode_step.py tests/test_activation_ceiling.py tests/test_engine_exit.py -k "not slow"
     tail -c 3000 "$out/step-tests.log"
     ;;
-  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c" >&2; exit 2 ;;
+  s11)
+    # Session 11, last call: the HTTP column at 32 streams after the server runs httptools and its streams
+    # wait without a watcher task per chunk (4 requests a stream: trials of ~4 s, not ~1 s); llama-1B at 1 and
+    # 8 streams likewise (their 1-s trials spread 1.09-1.59x); the activation-ceiling tests on CUDA.
+    python -c "import httptools, uvloop; print('httptools', httptools.__version__, 'uvloop', uvloop.__version__)" \
+      | tee -a "$out/phase.log"
+    run 270 http python benchmarks/served.py -p 512 -g 128 -r 4 -n 3 --streams 32 --shape llama-1b --http \
+      --no-ids --json "$out/h200-served-llama-1b-http.json"
+    run 150 served-llama-1b python benchmarks/served.py -p 512 -g 128 -r 4 -n 3 --no-text --streams 1,8 \
+      --shape llama-1b --json "$out/h200-served-llama-1b-1-8.json"
+    run 60 ceiling python -m pytest -q -p no:cacheprovider --tb=line tests/test_activation_ceiling.py
+    tail -5 "$out/ceiling.log"
+    grep -h '^| ' "$out"/http.log "$out"/served-*.log
+    ;;
+  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11" >&2; exit 2 ;;
 esac
