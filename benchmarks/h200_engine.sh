@@ -256,5 +256,23 @@ case "${1:-a}" in
     tail -5 "$out/ceiling.log"
     grep -h '^| ' "$out"/http.log "$out"/served-*.log
     ;;
-  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11" >&2; exit 2 ;;
+  s12a)
+    # Next session: llama-1B's table with trials ~3x longer (-r 3): its 8/32-stream ratios moved 1.07-1.59x /
+    # 1.34-1.57x between session 11's runs of 1-s trials. Then gemma3-270m at 8-128 likewise.
+    run 300 served-llama-1b python benchmarks/served.py -p 512 -g 128 -r 3 -n 3 --no-text --streams 1,8,32,64,128 \
+      --shape llama-1b --json "$out/h200-served-llama-1b.json"
+    run 230 served-gemma3 python benchmarks/served.py -p 512 -g 128 -r 3 -n 3 --no-text --streams 8,32,64,128 \
+      --shape gemma3-270m --json "$out/h200-served-gemma3-270m.json"
+    grep -h '^| ' "$out"/served-*.log
+    ;;
+  s12b)
+    # Next session: llama-8B at 8-64 streams with -r 2, then HTTP at 32 streams (-r 4) with the in-process column.
+    run 330 served-llama-8b python benchmarks/served.py -p 512 -g 128 -r 2 -n 3 --no-text --streams 8,32,64 \
+      --shape llama-8b --json "$out/h200-served-llama-8b.json"
+    run 230 http python benchmarks/served.py -p 512 -g 128 -r 4 -n 3 --streams 32 --shape llama-1b --http \
+      --no-ids --json "$out/h200-served-llama-1b-http.json"
+    grep -h '^| ' "$out"/served-*.log "$out"/http.log
+    ;;
+  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b" >&2
+     exit 2 ;;
 esac
