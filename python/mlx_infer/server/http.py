@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import socket
 from typing import Any
 
@@ -93,6 +94,7 @@ class TimedH11Protocol(_HeaderTimer, H11Protocol):
         self.transport.close()
 
 
+@functools.cache
 def _httptools_protocol() -> type | None:
     """uvicorn's httptools protocol (C parser, lean response writes) with the header timeout, or
     None when httptools is not installed (then :class:`TimedH11Protocol`)."""
@@ -181,7 +183,7 @@ def make_server(app: Any, *, log_level: str = "info", drain_timeout_s: float = D
         if not (isinstance(value, (int, float)) and 0 < value < float("inf")):
             raise MlxInferError(f"the {name} must be a positive number of seconds, got {value!r}.")
     base = protocol_class(http)
-    protocol = type("Timed" + base.__name__, (base,), {"header_timeout_s": float(header_timeout_s)})
+    protocol = type(base.__name__, (base,), {"header_timeout_s": float(header_timeout_s)})
     config = uvicorn.Config(app, log_level=log_level, lifespan=lifespan, http=protocol,
                             timeout_graceful_shutdown=drain_timeout_s + ABORT_GRACE_S)  # type: ignore[arg-type]
     drain = getattr(getattr(app, "state", None), "drain", None)
