@@ -273,6 +273,17 @@ case "${1:-a}" in
       --no-ids --json "$out/h200-served-llama-1b-http.json"
     grep -h '^| ' "$out"/served-*.log "$out"/http.log
     ;;
-  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b" >&2
+  s13a)
+    # Session 13: where an engine decode step's GPU time goes now (8 and 32 streams, llama-1B, CUPTI through
+    # torch.profiler), then llama-1B's table with trials ~3x longer (-r 3) than session 11's.
+    for n in 8 32; do
+      run 120 "profile-llama-1b-$n" python benchmarks/gpu_engine_profile.py --shape llama-1b --streams "$n" \
+        --steps 64 --torch-profiler "$out/prof-llama-1b-$n-kernels.csv"
+    done
+    run 300 served-llama-1b python benchmarks/served.py -p 512 -g 128 -r 3 -n 3 --no-text --streams 1,8,32,64,128 \
+      --shape llama-1b --json "$out/h200-served-llama-1b.json"
+    grep -h '^| ' "$out"/served-*.log
+    ;;
+  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a" >&2
      exit 2 ;;
 esac
