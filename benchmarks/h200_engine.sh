@@ -284,6 +284,16 @@ case "${1:-a}" in
       --shape llama-1b --json "$out/h200-served-llama-1b.json"
     grep -h '^| ' "$out"/served-*.log
     ;;
-  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a" >&2
+  s13b)
+    # Session 13: the host's share of an engine decode step on a real shape (Python + plan, MLX's submission,
+    # the wait), with MLX's CUDA graph limits as shipped, raised (one graph a step), and CUDA graphs off.
+    hs="python benchmarks/host_step.py --shape llama-1b --streams 1,8,32"
+    run 100 host-llama-1b $hs
+    MLX_MAX_OPS_PER_BUFFER=4000 MLX_MAX_MB_PER_BUFFER=1000000 run 100 host-llama-1b-onegraph $hs
+    MLX_USE_CUDA_GRAPHS=0 run 100 host-llama-1b-nographs $hs
+    run 100 host-gemma3 python benchmarks/host_step.py --shape gemma3-270m --streams 1,8,32
+    grep -h "^streams\|^==" "$out"/host-*.log "$out"/phase.log
+    ;;
+  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b" >&2
      exit 2 ;;
 esac

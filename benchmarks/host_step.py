@@ -1,6 +1,7 @@
 """Host time per engine decode step: what the step costs besides waiting for the device.
 
     python benchmarks/host_step.py --streams 32,64          # tiny llama (tests/tiny.py), CPU or GPU
+    python benchmarks/host_step.py --shape llama-1b --streams 8,32   # random weights of a real shape (GPU)
 
 B greedy requests (16-token prompts, ids only, EOS ignored) decode together;
 after they all decode, 100 engine iterations are timed one by one. Per step:
@@ -8,7 +9,11 @@ wall time of ``Engine.step()`` = host time + time inside MLX's evaluation
 calls (``mx.async_eval``, and ``mx.eval`` of the previous step's tokens before
 the engine reads them, which is the wait for the device). Host time is the
 Python scheduling, the step plan (C++), building the step's graph and
-handing the tokens out. Medians are printed. On a GPU with a tiny shape the
+handing the tokens out; "submit" is the time inside ``mx.async_eval`` (MLX
+encoding the step's kernels: on CUDA its graph nodes and launches), "wait"
+the time inside ``mx.eval`` of the tokens. Medians are printed. On a real
+shape the wall time is the device's step when the host keeps up, and host +
+submit when it does not (the device then idles between steps). On a GPU with a tiny shape the
 device time is negligible and the wall time is the host time; on a shared
 2-core CPU the device work competes for the same cores, so compare host times.
 """
@@ -32,7 +37,7 @@ from mlx_infer.artifacts.loader import load_model  # noqa: E402
 from mlx_infer.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
 from mlx_infer.engine.scheduler import DECODE  # noqa: E402
 
-IN_EVAL = [0.0]
+IN_EVAL = [0.0, 0.0]  # seconds inside mx.async_eval (submit), inside mx.eval of the tokens (wait)
 _ASYNC = mx.async_eval
 
 
@@ -43,50 +48,63 @@ def _timed_async_eval(*args, **kwargs):
     return out
 
 
-def measure(loaded, B: int, steps: int = 100) -> dict[str, float]:
-    engine = Engine(loaded, EngineConfig(max_batch=B, num_pages=B * 16 + 1))
+def measure(loaded, B: int, steps: int = 100, vocab: int = 300, default_pool: bool = False) -> dict[str, float]:
+    config = EngineConfig(max_batch=B) if default_pool else EngineConfig(max_batch=B, num_pages=B * 16 + 1)
+    engine = Engine(loaded, config)
     consume = engine._consume
 
     def timed_consume(step):  # the wait for the device: evaluate the tokens before reading them
         t = time.perf_counter()
         mx.eval(step.tokens)
-        IN_EVAL[0] += time.perf_counter() - t
+        IN_EVAL[1] += time.perf_counter() - t
         consume(step)
 
     engine._consume = timed_consume
-    prompts = [[(7 * i + j) % 300 + 5 for j in range(16)] for i in range(B)]
+    prompts = [[(7 * i + j) % (vocab - 10) + 5 for j in range(16)] for i in range(B)]
     for _ in range(2):  # the first round traces the step's shapes
         for p in prompts:
             engine.submit(EngineRequest(prompt_ids=p, max_tokens=steps + 40, ignore_eos=True, detokenize=False))
         while not (len(engine.scheduler.running) == B and all(r.state == DECODE for r in engine.scheduler.running)):
             engine.step()
-        walls, hosts = [], []
+        walls, hosts, submits, waits = [], [], [], []
         for _ in range(steps):
-            IN_EVAL[0] = 0.0
+            IN_EVAL[0] = IN_EVAL[1] = 0.0
             t = time.perf_counter()
             engine.step()
             w = time.perf_counter() - t
             walls.append(w)
-            hosts.append(w - IN_EVAL[0])
+            hosts.append(w - IN_EVAL[0] - IN_EVAL[1])
+            submits.append(IN_EVAL[0])
+            waits.append(IN_EVAL[1])
         engine.run_until_idle()
     engine.stop()
     med = lambda v: statistics.median(v) * 1e3  # noqa: E731
     return {"streams": B, "wall_ms": med(walls), "host_ms": med(hosts), "eval_ms": med(walls) - med(hosts),
-            "compiled": engine.paged_decode is not None}
+            "submit_ms": med(submits), "wait_ms": med(waits), "compiled": engine.paged_decode is not None}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--streams", default="32,64")
     p.add_argument("--family", default="llama", choices=["llama", "gemma3"])
+    p.add_argument("--shape", default=None, help="random bf16 weights of this real shape (served.py's) instead")
     args = p.parse_args()
     mx.async_eval = _timed_async_eval
-    loaded = load_model(make_tiny_model_dir(Path(tempfile.mkdtemp()) / args.family, args.family))
-    print(f"device {mx.default_device()}, tiny {args.family}")
+    root = Path(tempfile.mkdtemp())
+    if args.shape:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from served import shape_dir
+
+        loaded, name = load_model(shape_dir(args.shape, False, root)), args.shape
+    else:
+        loaded, name = load_model(make_tiny_model_dir(root / args.family, args.family)), f"tiny {args.family}"
+    vocab = loaded.model.args.vocab_size
+    print(f"device {mx.default_device()}, {name}")
     for B in (int(s) for s in args.streams.split(",")):
-        r = measure(loaded, B)
+        r = measure(loaded, B, vocab=vocab, default_pool=bool(args.shape))
         print(f"streams {B:>3}: step {r['wall_ms']:.3f} ms = host {r['host_ms']:.3f} ms + in MLX eval "
-              f"{r['eval_ms']:.3f} ms (compiled step: {r['compiled']})", flush=True)
+              f"{r['eval_ms']:.3f} ms (submit {r['submit_ms']:.3f}, wait {r['wait_ms']:.3f}; "
+              f"compiled step: {r['compiled']})", flush=True)
 
 
 if __name__ == "__main__":
