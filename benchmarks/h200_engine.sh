@@ -294,6 +294,27 @@ case "${1:-a}" in
     run 100 host-gemma3 python benchmarks/host_step.py --shape gemma3-270m --streams 1,8,32
     grep -h "^streams\|^==" "$out"/host-*.log "$out"/phase.log
     ;;
-  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b" >&2
+  s13c)
+    # Session 13, after qkv_rope (one kernel for the fused product's split and RoPE): the kernel against MLX's
+    # RoPE, the paged step's parity tests on CUDA, the kernel profile at 8 and 32 streams, the host split.
+    run 200 gpu-tests python -m pytest -q -p no:cacheprovider -s tests/test_qkv_rope.py tests/test_paged_decode_step.py \
+      -k "not real"
+    grep -h "max |diff|\|passed\|failed" "$out/gpu-tests.log" | tail -20
+    for n in 8 32; do
+      run 100 "profile-llama-1b-$n" python benchmarks/gpu_engine_profile.py --shape llama-1b --streams "$n" \
+        --steps 64 --torch-profiler "$out/prof-llama-1b-$n-kernels.csv"
+    done
+    run 100 host-llama-1b python benchmarks/host_step.py --shape llama-1b --streams 1,8,32
+    grep -h "^streams\|ms/step\|GPU kernel time" "$out"/host-*.log "$out"/profile-*.log
+    ;;
+  s13d)
+    # Session 13, after qkv_rope: llama-1B's and llama-8B's tables (-r 3 / -r 2), then MLX's graph limits A/B.
+    run 260 served-llama-1b python benchmarks/served.py -p 512 -g 128 -r 3 -n 3 --no-text --streams 1,8,32,64,128 \
+      --shape llama-1b --json "$out/h200-served-llama-1b.json"
+    run 230 served-llama-8b python benchmarks/served.py -p 512 -g 128 -r 2 -n 3 --no-text --streams 1,8,32,64 \
+      --shape llama-8b --json "$out/h200-served-llama-8b.json"
+    grep -h '^| ' "$out"/served-*.log
+    ;;
+  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d" >&2
      exit 2 ;;
 esac

@@ -176,3 +176,58 @@ def run(workdir: Path, q: np.ndarray, k: np.ndarray, v: np.ndarray, tables: np.n
     assert build.returncode == 0, build.stderr[-4000:]
     subprocess.run(["./emu"], cwd=workdir, check=True, timeout=120)
     return np.fromfile(workdir / "o.bin", np.float32).reshape(R, H, D)
+
+
+ROPE_FILE = Path(__file__).resolve().parents[1] / "cpp" / "attention" / "qkv_rope_cuda.cpp"
+
+_ROPE_MAIN = r"""
+int main() {
+  auto qkv = slurp("qkv.bin"), pos = slurp("pos.bin"), par = slurp("par.bin"), fr = slurp("fr.bin");
+  std::vector<float> q((size_t)R * H * D), k((size_t)R * KVH * D), v((size_t)R * KVH * D);
+  const int half = D / 2, bx = std::min(half, 128);
+  gridDim = {(half + bx - 1) / bx, H + 2 * KVH, R};
+  blockDim = {bx, 1, 1};
+  for (int z = 0; z < gridDim.z; ++z) for (int y = 0; y < gridDim.y; ++y) for (int x = 0; x < gridDim.x; ++x) {
+    blockIdx = {x, y, z};
+    for (int t = 0; t < bx; ++t) {
+      threadIdx.x = t;
+      qkv_rope((const float*)qkv.data(), (const int32_t*)pos.data(), (const float*)par.data(),
+               (const float*)fr.data(), q.data(), k.data(), v.data());
+    }
+  }
+  FILE* f = fopen("o.bin", "wb");
+  fwrite(q.data(), 4, q.size(), f);
+  fwrite(k.data(), 4, k.size(), f);
+  fwrite(v.data(), 4, v.size(), f);
+  fclose(f);
+}
+"""
+
+
+def run_qkv_rope(workdir: Path, qkv: np.ndarray, positions: np.ndarray, *, H: int, KVH: int, D: int, dims: int,
+                 traditional: bool, base: float | None, scale: float, freqs: np.ndarray | None
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """qkv_rope_cuda.cpp's kernel on the CPU: float32 ``qkv (R, (H + 2 KVH) D)`` -> q, k, v ``(R, heads, D)``."""
+    text = ROPE_FILE.read_text()
+    m = re.search(r'constexpr const char\* kQkvRope = R"\((.*?)\)";', text, re.S)
+    assert m is not None, f"kQkvRope not found in {ROPE_FILE}"
+    R = qkv.shape[0]
+    consts = dict(T=float, kH=H, kKVH=KVH, kD=D, kDims=dims, kTraditional=traditional, kFreqs=freqs is not None)
+    args = ("const float* qkv, const int32_t* positions, const float* params, const float* freqs, float* q_out, "
+            "float* k_out, float* v_out")
+    source = (_MOCK + f"constexpr int R = {R}, H = {H}, KVH = {KVH}, D = {D};\n"
+              + _function("qkv_rope", args, consts, m.group(1)) + _MAIN.split("int main()")[0] + _ROPE_MAIN)
+    workdir.mkdir(parents=True, exist_ok=True)
+    np.ascontiguousarray(qkv, np.float32).tofile(workdir / "qkv.bin")
+    np.ascontiguousarray(positions, np.int32).tofile(workdir / "pos.bin")
+    # [scale, log2(base)] in float32, as qkv_rope passes them (std::log2 of the float base)
+    np.array([scale, 0.0 if base is None else np.log2(np.float32(base))], np.float32).tofile(workdir / "par.bin")
+    (np.zeros(1, np.float32) if freqs is None else freqs.astype(np.float32)).tofile(workdir / "fr.bin")
+    (workdir / "emu.cpp").write_text(source)
+    build = subprocess.run([compiler(), "-std=c++20", "-O1", "-pthread", "-w", "emu.cpp", "-o", "emu"],
+                           cwd=workdir, capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr[-4000:]
+    subprocess.run(["./emu"], cwd=workdir, check=True, timeout=120)
+    out = np.fromfile(workdir / "o.bin", np.float32)
+    nq, nk = R * H * D, R * KVH * D
+    return (out[:nq].reshape(R, H, D), out[nq:nq + nk].reshape(R, KVH, D), out[nq + nk:].reshape(R, KVH, D))

@@ -2,12 +2,14 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/variant.h>
 
 #include <string>
 
 #include "mlx_infer/backend.h"
 #include "mlx_infer/paged_attention.h"
+#include "../attention/qkv_rope_cuda.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -64,6 +66,35 @@ Returns:
 
   m.def("paged_attention_splits", &mlx_infer::paged_attention_splits, "rows"_a, "kv_heads"_a, "max_keys"_a,
         "The CUDA kernels' split-K count for rows x KV heads over at most max_keys keys (1: no split).");
+  m.def(
+      "qkv_rope",
+      [](const mx::array& qkv, const mx::array& positions, int heads, int kv_heads, int head_dim, int dims,
+         bool traditional, std::optional<float> base, float scale, const std::optional<mx::array>& freqs) {
+        mlx_infer::RopeSpec r;
+        r.dims = dims;
+        r.traditional = traditional;
+        r.base = base;
+        r.scale = scale;
+        r.freqs = freqs;
+        if (base.has_value() == freqs.has_value()) {
+          throw std::invalid_argument("[qkv_rope] give exactly one of base and freqs.");
+        }
+        if (positions.ndim() != 1 || qkv.ndim() != 2 || positions.shape(0) != qkv.shape(0)) {
+          throw std::invalid_argument("[qkv_rope] qkv must be (R, (H + 2 KVH) D) and positions (R,).");
+        }
+        if (!mlx_infer::qkv_rope_supported(qkv, heads, kv_heads, head_dim, r)) {
+          throw std::invalid_argument(
+              "[qkv_rope] runs on MLX's CUDA backend (default device the GPU) with qkv (R, (H + 2 KVH) D) of a "
+              "float dtype and even head_dim and dims <= head_dim; elsewhere the graphs use mx.fast.rope.");
+        }
+        auto out = mlx_infer::qkv_rope(qkv, heads, kv_heads, head_dim, r, positions);
+        return std::make_tuple(out[0], out[1], out[2]);
+      },
+      "qkv"_a, "positions"_a, nb::kw_only(), "heads"_a, "kv_heads"_a, "head_dim"_a, "dims"_a,
+      "traditional"_a = false, "base"_a = nb::none(), "scale"_a = 1.0f, "freqs"_a = nb::none(),
+      "A fused q|k|v product's output ``(R, (H + 2 KVH) D)`` as contiguous ``q (R, H, D)``, ``k, v (R, KVH, D)``, "
+      "q and k rotated at ``positions (R,)`` as ``mx.fast.rope`` rotates them: one CUDA kernel (the paged step's "
+      "on CUDA). CUDA only: elsewhere a clear error.");
   m.def("rope_rows_per_call", &mlx_infer::rope_rows_per_call, "rows"_a, "heads"_a, "tokens"_a, "dims"_a,
         nb::kw_only(), "cuda"_a = mlx_infer::cuda_backend(),
         "Rows per mx.fast.rope call in the compiled steps: all of them, except where MLX's CUDA RoPE kernel would "

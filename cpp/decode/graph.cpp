@@ -5,6 +5,7 @@
 
 #include "gemma4.h"
 #include "lora.h"
+#include "../attention/qkv_rope_cuda.h"
 
 #include "mlx_infer/backend.h"
 #include "mlx_infer/cpu_attention.h"
@@ -362,31 +363,43 @@ mx::array decode_layers(
 
     auto x = lw.attn_norm ? rms(h, lw.attn_norm, cfg.rms_norm_eps) : h;  // olmo2: no pre-norm
     mx::array q(0), k(0), v(0);
+    bool rotated = false;  // q and k already rotated (qkv_rope)
     if (lw.qkv.present()) {
       auto qkv = apply_linear(lw.qkv, x);  // (B, 1, (H + 2 KVH) D)
-      auto parts = mx::split(qkv, mx::Shape{H * D, (H + KVH) * D}, -1);
-      q = parts[0], k = parts[1], v = parts[2];
+      auto flat = mx::reshape(qkv, {B, (H + 2 * KVH) * D});
+      if (!lw.q_norm && kv.fused_qkv_rope() && qkv_rope_supported(flat, H, KVH, D, lw.rope)) {
+        auto [qr, kr, vr] = qkv_rope(flat, H, KVH, D, lw.rope, positions);  // contiguous (B, heads, D)
+        q = mx::reshape(qr, {B, H, 1, D});
+        k = mx::reshape(kr, {B, KVH, 1, D});
+        v = mx::reshape(vr, {B, KVH, 1, D});
+        rotated = true;
+      } else {
+        auto parts = mx::split(qkv, mx::Shape{H * D, (H + KVH) * D}, -1);
+        q = parts[0], k = parts[1], v = parts[2];
+      }
     } else {
       q = apply_linear(lw.q, x);
       k = apply_linear(lw.k, x);
       v = apply_linear(lw.v, x);
     }
-    if (lw.q_norm && cfg.qk_norm_whole) {  // olmo2: over all heads at once, before they split
-      q = rms(q, lw.q_norm, cfg.rms_norm_eps);
-      k = rms(k, lw.k_norm, cfg.rms_norm_eps);
+    if (!rotated) {
+      if (lw.q_norm && cfg.qk_norm_whole) {  // olmo2: over all heads at once, before they split
+        q = rms(q, lw.q_norm, cfg.rms_norm_eps);
+        k = rms(k, lw.k_norm, cfg.rms_norm_eps);
+      }
+      q = mx::reshape(q, {B, 1, H, D});
+      k = mx::reshape(k, {B, 1, KVH, D});
+      v = mx::reshape(v, {B, 1, KVH, D});
+      if (lw.q_norm && !cfg.qk_norm_whole) {
+        q = rms(q, lw.q_norm, cfg.rms_norm_eps);
+        k = rms(k, lw.k_norm, cfg.rms_norm_eps);
+      }
+      q = mx::transpose(q, {0, 2, 1, 3});  // (B, H, 1, D)
+      k = mx::transpose(k, {0, 2, 1, 3});  // (B, KVH, 1, D)
+      v = mx::transpose(v, {0, 2, 1, 3});
+      q = rope(q, lw.rope, positions);
+      k = rope(k, lw.rope, positions);
     }
-    q = mx::reshape(q, {B, 1, H, D});
-    k = mx::reshape(k, {B, 1, KVH, D});
-    v = mx::reshape(v, {B, 1, KVH, D});
-    if (lw.q_norm && !cfg.qk_norm_whole) {
-      q = rms(q, lw.q_norm, cfg.rms_norm_eps);
-      k = rms(k, lw.k_norm, cfg.rms_norm_eps);
-    }
-    q = mx::transpose(q, {0, 2, 1, 3});  // (B, H, 1, D)
-    k = mx::transpose(k, {0, 2, 1, 3});  // (B, KVH, 1, D)
-    v = mx::transpose(v, {0, 2, 1, 3});
-    q = rope(q, lw.rope, positions);
-    k = rope(k, lw.rope, positions);
 
     auto direct = kv.write_attend(i, q, k, v);  // (B, H, 1, D), or none: write_read and SDPA
     auto attn = direct ? *direct : attend(g, q, kv.write_read(i, k, v), lw.sinks);

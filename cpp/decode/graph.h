@@ -93,6 +93,9 @@ class KVAccess {
                                                 const mx::array& v) {
     return std::nullopt;
   }
+  /// Whether a fused q|k|v product's output may be split and rotated by one kernel (qkv_rope, CUDA):
+  /// its q, k, v then arrive contiguous. The paged step's; the plain step keeps MLX's RoPE.
+  virtual bool fused_qkv_rope() const { return false; }
 };
 
 /// The one-token forward over any KV storage: logits (B, vocab), lazily; with

@@ -63,6 +63,9 @@ class PagedKV final : public KVAccess {
     return mx::reshape(out, {R, H, 1, D});  // (R, H, 1, D)
   }
 
+  // Both paths: the kernel and the gather path rotate alike (one RoPE for both, on CUDA qkv_rope's).
+  bool fused_qkv_rope() const override { return true; }
+
   // The gather path (reference and fallback): write, gather (R, KVH, S, D), attend under the mask.
   AttentionInputs write_read(int i, const mx::array& k, const mx::array& v) override {
     const int gi = layer_groups_[i];
