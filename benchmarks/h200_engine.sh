@@ -315,6 +315,28 @@ case "${1:-a}" in
       --shape llama-8b --json "$out/h200-served-llama-8b.json"
     grep -h '^| ' "$out"/served-*.log
     ;;
-  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d" >&2
+  s13e)
+    # Session 13, one call: qkv_rope's CUDA checks, the 8-stream kernel profile, llama-1B's table (-r 3).
+    run 150 gpu-tests python -m pytest -q -p no:cacheprovider -s tests/test_qkv_rope.py tests/test_paged_decode_step.py \
+      -k "not real"
+    grep -h "max |diff|\|passed\|failed" "$out/gpu-tests.log" | tail -20
+    run 90 profile-llama-1b-8 python benchmarks/gpu_engine_profile.py --shape llama-1b --streams 8 \
+      --steps 64 --torch-profiler "$out/prof-llama-1b-8-kernels.csv"
+    run 270 served-llama-1b python benchmarks/served.py -p 512 -g 128 -r 3 -n 3 --no-text --streams 1,8,32,64,128 \
+      --shape llama-1b --json "$out/h200-served-llama-1b.json"
+    grep -h "ms/step\|GPU kernel time\|^| " "$out"/profile-*.log "$out"/served-*.log
+    ;;
+  s13f)
+    # Session 13, second call: llama-8B's table (-r 2), the host split, the 32-stream profile.
+    run 230 served-llama-8b python benchmarks/served.py -p 512 -g 128 -r 2 -n 3 --no-text --streams 1,8,32,64 \
+      --shape llama-8b --json "$out/h200-served-llama-8b.json"
+    run 100 host-llama-1b python benchmarks/host_step.py --shape llama-1b --streams 1,8,32
+    MLX_MAX_OPS_PER_BUFFER=4000 MLX_MAX_MB_PER_BUFFER=1000000 run 100 host-llama-1b-onegraph \
+      python benchmarks/host_step.py --shape llama-1b --streams 8,32
+    run 90 profile-llama-1b-32 python benchmarks/gpu_engine_profile.py --shape llama-1b --streams 32 \
+      --steps 64 --torch-profiler "$out/prof-llama-1b-32-kernels.csv"
+    grep -h "^streams\|ms/step\|GPU kernel time\|^| " "$out"/host-*.log "$out"/profile-*.log "$out"/served-*.log
+    ;;
+  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f" >&2
      exit 2 ;;
 esac
