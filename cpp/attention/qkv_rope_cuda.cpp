@@ -16,6 +16,8 @@
 #include <mlx/fast.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <mutex>
 
 #include "mlx_infer/backend.h"
@@ -79,11 +81,22 @@ const mx::fast::CustomKernelFunction& kernel() {
   return fn;
 }
 
+// The graphs' default where MLX_INFER_QKV_ROPE is unset ("0" off, anything else on).
+constexpr bool kQkvRopeDefault = true;
+
 bool float_dtype(mx::Dtype t) {
   return t == mx::float32 || t == mx::bfloat16 || t == mx::float16;
 }
 
 }  // namespace
+
+bool qkv_rope_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("MLX_INFER_QKV_ROPE");
+    return v == nullptr ? kQkvRopeDefault : std::strcmp(v, "0") != 0;
+  }();
+  return on;
+}
 
 bool qkv_rope_supported(const mx::array& qkv, int H, int KVH, int D, const RopeSpec& rope) {
   return cuda_backend() && mx::default_device() == mx::Device::gpu && qkv.ndim() == 2 && qkv.shape(1) == (H + 2 * KVH) * D && float_dtype(qkv.dtype()) &&

@@ -16,6 +16,10 @@ namespace mx = mlx::core;
 /// head_dim and rotated dims, RoPE by base or freqs without a YaRN magnitude correction.
 bool qkv_rope_supported(const mx::array& qkv, int H, int KVH, int D, const RopeSpec& rope);
 
+/// Whether the paged step uses qkv_rope where supported: MLX_INFER_QKV_ROPE=0 turns it off (MLX's split and
+/// RoPE, as before), read once.
+bool qkv_rope_enabled();
+
 /// q (R, H, D), k (R, KVH, D), v (R, KVH, D), each contiguous, from ``qkv`` (R, (H + 2 KVH) D): q and k
 /// rotated at ``positions`` (R,) as ``mx::fast::rope`` rotates them. Call only where qkv_rope_supported.
 std::array<mx::array, 3> qkv_rope(const mx::array& qkv, int H, int KVH, int D, const RopeSpec& rope,

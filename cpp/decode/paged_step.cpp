@@ -12,6 +12,7 @@
 #include "lora.h"
 #include "weights.h"
 #include "mlx_infer/paged_attention.h"
+#include "../attention/qkv_rope_cuda.h"
 
 namespace mlx_infer {
 
@@ -64,7 +65,7 @@ class PagedKV final : public KVAccess {
   }
 
   // Both paths: the kernel and the gather path rotate alike (one RoPE for both, on CUDA qkv_rope's).
-  bool fused_qkv_rope() const override { return true; }
+  bool fused_qkv_rope() const override { return qkv_rope_enabled(); }
 
   // The gather path (reference and fallback): write, gather (R, KVH, S, D), attend under the mask.
   AttentionInputs write_read(int i, const mx::array& k, const mx::array& v) override {
