@@ -203,12 +203,98 @@ def timing(quick: bool) -> list[dict]:
     return rows
 
 
+def parse_pipeline(text: str) -> tuple[int, bool]:
+    """``"4"`` -> (4, False), ``"1p"`` -> (1, True): kU key sets per warp and iteration, prefetched or not."""
+    prefetch = text.endswith("p")
+    unroll = int(text[:-1] if prefetch else text)
+    return unroll, prefetch
+
+
+def sweep(pipelines: list[str], reps: int = 15, calls: int = 16, quick: bool = False) -> dict:
+    """Pass 1's key pipelines (MLX_INFER_PAGED_ATTN_UNROLL / _PREFETCH) at serving shapes: each timed as
+    ``calls`` kernel calls in one evaluation (the launches back to back, as a step's layers run them, over 4
+    storages so the K/V reads miss the L2 as a step's do), median of ``reps``; every pipeline also checked
+    against the float64 reference. The best is the lowest geometric mean over the shapes."""
+    import math
+    import os
+
+    rng = np.random.default_rng(7)
+    shapes = [(R, D, ctx) for D in (64, 128) for ctx in (640, 2048) for R in (8, 32, 64, 128)]
+    if quick:
+        shapes, reps, calls = [(4, 64, 64)], 2, 2
+    inputs = {}
+    for R, D, ctx in shapes:
+        T = -(-ctx // 16)
+        pages = 1 + R * T
+        tabs = mx.array(rng.permutation(np.arange(1, pages))[: R * T].reshape(R, T).astype(np.int32))
+        lens = mx.array(np.full(R, ctx, np.int32))
+        q = mx.random.normal((R, 32, D)).astype(mx.bfloat16)
+        kv = [(mx.random.normal((pages, 8, 16, D)).astype(mx.bfloat16),
+               mx.random.normal((pages, 8, 16, D)).astype(mx.bfloat16)) for _ in range(4)]
+        mx.eval(q, kv)
+        inputs[(R, D, ctx)] = (q, kv, tabs, lens)
+    results: dict = {"shapes": [list(x) for x in shapes], "pipelines": {}}
+    check_rng = np.random.default_rng(3)
+    for name in pipelines:
+        unroll, prefetch = parse_pipeline(name)
+        os.environ["MLX_INFER_PAGED_ATTN_UNROLL"] = str(unroll)
+        os.environ["MLX_INFER_PAGED_ATTN_PREFETCH"] = "1" if prefetch else "0"
+        errs = []
+        for R, D, L in ((3, 64, 300), (40, 128, 900), (5, 64, 37)):
+            q, k, v, tab, lens = case(check_rng, R, 32, 8, D, 16, L, mx.bfloat16)
+            out = _fast.paged_attention(q, k, v, tab, lens, scale=D ** -0.5)
+            errs.append(rel(out, reference(q, k, v, tab, lens, 0, D ** -0.5)))
+        times = []
+        for key in shapes:
+            q, kv, tabs, lens = inputs[key]
+            scale = key[1] ** -0.5
+
+            def many():
+                return [_fast.paged_attention(q, *kv[i % 4], tabs, lens, scale=scale) for i in range(calls)]
+
+            for _ in range(3):
+                mx.eval(many())
+            ts = []
+            for _ in range(reps):
+                t = time.perf_counter()
+                mx.eval(many())
+                ts.append((time.perf_counter() - t) / calls * 1e3)
+            times.append(statistics.median(ts))
+        geo = math.exp(sum(math.log(t) for t in times) / len(times))
+        ok = all(e <= TOL[mx.bfloat16] for e in errs)
+        results["pipelines"][name] = {"ms": times, "geomean_ms": geo, "rel": errs, "ok": ok}
+        print(json.dumps({"pipeline": name, "geomean_ms": round(geo, 4), "ok": ok,
+                          "ms": [round(t, 4) for t in times]}), flush=True)
+    for var in ("MLX_INFER_PAGED_ATTN_UNROLL", "MLX_INFER_PAGED_ATTN_PREFETCH"):
+        os.environ.pop(var, None)
+    good = {n: r for n, r in results["pipelines"].items() if r["ok"]}
+    results["best"] = min(good, key=lambda n: good[n]["geomean_ms"]) if good else None
+    print("\n| R | D | context | " + " | ".join(f"{n} ms" for n in pipelines) + " |")
+    for i, (R, D, ctx) in enumerate(shapes):
+        cells = " | ".join(f"{results['pipelines'][n]['ms'][i]:.4f}" for n in pipelines)
+        print(f"| {R} | {D} | {ctx} | {cells} |")
+    print(f"best: {results['best']}", flush=True)
+    return results
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--json", default=None)
+    p.add_argument("--sweep", default=None, metavar="LIST",
+                   help="only time pass 1's key pipelines, e.g. 1p,2,2p,4,4p,8 (kU sets; p: prefetched)")
+    p.add_argument("--best-file", default=None, help="with --sweep: write the best pipeline's env assignments")
     args = p.parse_args()
     print(f"device {mx.default_device()}", flush=True)
+    if args.sweep:
+        res = sweep(args.sweep.split(","), quick=args.quick)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"device": str(mx.default_device()), **res}, indent=2))
+        if args.best_file and res["best"]:
+            unroll, prefetch = parse_pipeline(res["best"])
+            Path(args.best_file).write_text(f"MLX_INFER_PAGED_ATTN_UNROLL={unroll} "
+                                            f"MLX_INFER_PAGED_ATTN_PREFETCH={int(prefetch)}\n")
+        sys.exit(0 if res["best"] else 1)
     checks = check(args.quick)
     times = timing(args.quick)
     print("\n| R | D | context | kernel ms | gather ms | gather/kernel | kernel GB/s (K+V) | splits |")

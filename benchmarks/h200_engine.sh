@@ -358,6 +358,23 @@ case "${1:-a}" in
       --streams 8,32,64 --shape llama-1b --json "$out/h200-served-llama-1b-on.json"
     grep -h '^| \|^==' "$out"/served-*.log
     ;;
-  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s14a" >&2
+  s14b)
+    # Session 14: the paged step's 8-row llama case on CUDA (it failed in s14a) as shipped before this session's
+    # kernel change and without qkv_rope, then with both; pass 1's key pipelines swept at serving shapes; then
+    # llama-1B's table with the sweep's best pipeline.
+    t="tests/test_paged_decode_step.py::test_engine_greedy_compiled_paged_equals_eager_and_plain[8-llama]"
+    MLX_INFER_QKV_ROPE=0 MLX_INFER_PAGED_ATTN_UNROLL=1 MLX_INFER_PAGED_ATTN_PREFETCH=1 \
+      run 70 test-8-llama-old python -m pytest -q -p no:cacheprovider -x --tb=short "$t"
+    run 70 test-8-llama-new python -m pytest -q -p no:cacheprovider -x --tb=short "$t"
+    tail -n 25 "$out"/test-8-llama-*.log
+    run 90 sweep python benchmarks/gpu_paged_attention.py --sweep 1p,2,2p,4,4p,8 \
+      --json "$out/h200-paged-attn-sweep.json" --best-file "$out/best.env"
+    best=$(cat "$out/best.env" 2>/dev/null); echo "best pipeline: $best" | tee -a "$out/phase.log"
+    [ -n "$best" ] && export $best
+    run 250 served-llama-1b python benchmarks/served.py -p 512 -g 128 -r 3 -n 3 --no-text --streams 8,32,64,128 \
+      --shape llama-1b --json "$out/h200-served-llama-1b.json"
+    grep -h '^| \|^==\|best' "$out"/sweep.log "$out"/served-*.log
+    ;;
+  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s14a|s14b" >&2
      exit 2 ;;
 esac

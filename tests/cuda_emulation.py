@@ -138,14 +138,14 @@ def _function(name: str, args: str, consts: dict, body: str) -> str:
 
 
 def program(R: int, H: int, KVH: int, D: int, P: int, T: int, window: int, splits: int, softcap: bool,
-            sinks: bool) -> str:
+            sinks: bool, unroll: int = 4, prefetch: bool = False) -> str:
     """The C++ program running pass 1 (and, split, pass 2) as paged_attention_cuda.cpp launches them."""
     s = _sources()
     pass1 = s["kPass1"].replace("MLXI_SINK", s["kSink"])
     pass2 = s["kPass2"].replace("MLXI_SINK", s["kSink"])
     lpk = min(32, D // 8)
     consts = dict(QT=float, KT=float, OT=float, kD=D, kP=P, kG=H // KVH, kKVH=KVH, kWindow=max(window, 0),
-                  kNW=NUM_WARPS, kLPK=lpk, kE=D // lpk, kSoftcap=softcap)
+                  kNW=NUM_WARPS, kLPK=lpk, kE=D // lpk, kU=unroll, kPrefetch=prefetch, kSoftcap=softcap)
     common = ("const float* q, const Shape q_shape, const float* k, const float* v, const int32_t* block_tables, "
               "const Shape block_tables_shape, const int32_t* lengths, const float* scale, const float* sinks, ")
     sizes = f"constexpr int R = {R}, H = {H}, KVH = {KVH}, D = {D}, T = {T}, SPLITS = {splits}, NW = {NUM_WARPS};\n"
@@ -160,7 +160,8 @@ def program(R: int, H: int, KVH: int, D: int, P: int, T: int, window: int, split
 
 
 def run(workdir: Path, q: np.ndarray, k: np.ndarray, v: np.ndarray, tables: np.ndarray, lengths: np.ndarray, *,
-        window: int, scale: float, softcap: float, sinks: np.ndarray | None, splits: int) -> np.ndarray:
+        window: int, scale: float, softcap: float, sinks: np.ndarray | None, splits: int, unroll: int = 4,
+        prefetch: bool = False) -> np.ndarray:
     """The kernels' output ``(R, H, D)`` float32 for float32 ``q (R, H, D)``, storage ``(pages, KVH, P, D)``."""
     R, H, D = q.shape
     KVH, P = k.shape[1], k.shape[2]
@@ -170,7 +171,7 @@ def run(workdir: Path, q: np.ndarray, k: np.ndarray, v: np.ndarray, tables: np.n
     np.array([scale, softcap], np.float32).tofile(workdir / "s.bin")  # [scale, cap], as the launch passes it
     (np.zeros(1, np.float32) if sinks is None else sinks.astype(np.float32)).tofile(workdir / "sk.bin")
     (workdir / "emu.cpp").write_text(program(R, H, KVH, D, P, tables.shape[1], window, splits, softcap > 0,
-                                             sinks is not None))
+                                             sinks is not None, unroll, prefetch))
     build = subprocess.run([compiler(), "-std=c++20", "-O1", "-pthread", "-w", "emu.cpp", "-o", "emu"],
                            cwd=workdir, capture_output=True, text=True)
     assert build.returncode == 0, build.stderr[-4000:]

@@ -22,11 +22,22 @@ CASES = [  # R, H, KVH, D, P, max_len, window, softcap, sinks
     (2, 4, 1, 128, 8, 200, 37, 2.0, False),  # unsplit (the window bounds the keys), capped
     (2, 8, 2, 64, 16, 200, 0, 1.0, True),    # split, capped, with sinks (joined in the merge)
     (2, 8, 4, 16, 4, 200, 50, 0.5, True),    # unsplit with sinks (joined in pass 1)
+    (3, 4, 1, 128, 8, 150, 37, 0.0, False),  # unsplit (a window), plain
 ]
 
 
-@pytest.mark.parametrize("R,H,KVH,D,P,max_len,window,cap,with_sinks", CASES)
-def test_cuda_kernel_text_matches_float64_reference(tmp_path, R, H, KVH, D, P, max_len, window, cap, with_sinks):
+#: Pass 1's key pipelines (kU sets per warp and iteration, kPrefetch): the default first, the kernel before the
+#: knob (one set, prefetched), and the others MLX_INFER_PAGED_ATTN_UNROLL / _PREFETCH select.
+PIPELINES = [(4, False), (1, True), (2, False), (2, True), (8, False)]
+
+
+#: Every case with the default pipeline; the plain ones (no cap, no sinks) with every pipeline.
+PARAMS = [c + p for c in CASES for p in PIPELINES if p == PIPELINES[0] or (c[7] == 0.0 and not c[8])]
+
+
+@pytest.mark.parametrize("R,H,KVH,D,P,max_len,window,cap,with_sinks,unroll,prefetch", PARAMS)
+def test_cuda_kernel_text_matches_float64_reference(tmp_path, R, H, KVH, D, P, max_len, window, cap, with_sinks,
+                                                    unroll, prefetch):
     # The project builds with a C++ compiler (README); without g++ this test cannot check anything: fail, loudly.
     assert compiler() is not None, "g++ (C++20, <barrier>) is needed to build the CUDA kernels' text for the CPU"
     rng = np.random.default_rng(R * 31 + D + window)
@@ -43,10 +54,11 @@ def test_cuda_kernel_text_matches_float64_reference(tmp_path, R, H, KVH, D, P, m
     max_keys = min(window, T * P) if window > 0 else T * P
     splits = _fast.paged_attention_splits(R, KVH, max_keys)  # what cuda_paged_attention launches
     assert (splits > 1) == (window == 0)  # the cases cover both launches
-    got = run(tmp_path, q, k, v, tables, lengths, window=window, scale=scale, softcap=cap, sinks=sinks, splits=splits)
+    got = run(tmp_path, q, k, v, tables, lengths, window=window, scale=scale, softcap=cap, sinks=sinks, splits=splits,
+              unroll=unroll, prefetch=prefetch)
     ref = reference(mx.array(q), mx.array(k), mx.array(v), mx.array(tables), mx.array(lengths), window, scale,
                     softcap=cap, sinks=None if sinks is None else mx.array(sinks))
     assert np.isfinite(got).all() and (got[-1] == 0).all()
     rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
-    print(f"splits={splits} cap={cap} sinks={with_sinks}: {rel:.2e}")
+    print(f"splits={splits} cap={cap} sinks={with_sinks} unroll={unroll} prefetch={prefetch}: {rel:.2e}")
     assert rel <= TOL

@@ -22,6 +22,7 @@
 #include <mlx/fast.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <stdexcept>
@@ -38,6 +39,9 @@ constexpr int kWarps = 4;           // NW: warps per block of pass 1
 constexpr int kTargetBlocks = 1056;  // ~8 blocks per SM of an H200 (132 SMs): split until rows x heads reach it
 constexpr int kMinSplitKeys = 64;    // a split reads at least this many keys of the longest row
 constexpr int kMaxSplits = 32;
+// Pass 1's key pipeline (kU, kPrefetch) where MLX_INFER_PAGED_ATTN_UNROLL / _PREFETCH are unset.
+constexpr int kDefaultUnroll = 4;
+constexpr bool kDefaultPrefetch = false;
 
 constexpr const char* kHeader = R"(
 __device__ __forceinline__ float mlxi_scale_of(float m, float M) {
@@ -45,7 +49,8 @@ __device__ __forceinline__ float mlxi_scale_of(float m, float M) {
 }
 )";
 
-// Pass 1. Template constants: QT KT OT (dtypes), kD kP kG kKVH kWindow kNW kLPK kE, kSoftcap (bool: the
+// Pass 1. Template constants: QT KT OT (dtypes), kD kP kG kKVH kWindow kNW kLPK kE, kU (key sets per warp
+// and iteration), kPrefetch (bool: the next iteration's sets load before this one's are scored), kSoftcap (bool: the
 // cap is compiled away when false), kSinks (bool: the sink joins; false in a split's partial); MLXI_STORE: the
 // store. ``scale``: [scale, cap] float32; ``sinks``: (H,) float32 (read only with kSinks).
 constexpr const char* kPass1 = R"(
@@ -83,49 +88,65 @@ constexpr const char* kPass1 = R"(
     l[g] = 0.0f;
   }
 
-  // The loop is latency-bound (a table load, then the K/V loads it indexes, a handful of keys per warp and
-  // iteration): the next iteration's table entry and K/V are loaded before this one's keys are scored.
+  // The loop is latency-bound (a table load, then the K/V loads it indexes, a handful of keys per warp): an
+  // iteration loads kU sets of kKPW keys per warp at once (kU x the bytes in flight), and with kPrefetch the
+  // next iteration's sets are loaded before this one's keys are scored (kU = 1 with kPrefetch: one set ahead).
   const int32_t* table = block_tables + (size_t)r * T;
-  constexpr int kStride = kNW * kKPW;
-  int jb = s_lo + warp * kKPW;
-  AlignedVector<KT, kE> kn, vn;  // the next iteration's key and value
-  if (jb < s_hi) {
-    const int j = min(jb + grp, s_hi - 1);
-    const size_t at = (((size_t)table[j / kP] * kKVH + kvh) * kP + j % kP) * kD + sub * kE;
-    kn = *reinterpret_cast<const AlignedVector<KT, kE>*>(k + at);
-    vn = *reinterpret_cast<const AlignedVector<KT, kE>*>(v + at);
-  }
-  for (; jb < s_hi; jb += kStride) {
-    const bool valid = jb + grp < s_hi;
-    const AlignedVector<KT, kE> kv = kn, vv = vn;
-    if (jb + kStride < s_hi) {
-      const int j = min(jb + kStride + grp, s_hi - 1);
+  constexpr int kStride = kNW * kKPW;  // keys that one set of every warp covers
+  constexpr int kBatch = kStride * kU;  // keys that one iteration covers
+  // The kU sets at base + u * kStride (+ grp): a set past the split's end reads its last key (never scored).
+  auto load = [&](int base, AlignedVector<KT, kE>* ks, AlignedVector<KT, kE>* vs) {
+    #pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int j = min(base + u * kStride + grp, s_hi - 1);
       const size_t at = (((size_t)table[j / kP] * kKVH + kvh) * kP + j % kP) * kD + sub * kE;
-      kn = *reinterpret_cast<const AlignedVector<KT, kE>*>(k + at);
-      vn = *reinterpret_cast<const AlignedVector<KT, kE>*>(v + at);
+      ks[u] = *reinterpret_cast<const AlignedVector<KT, kE>*>(k + at);
+      vs[u] = *reinterpret_cast<const AlignedVector<KT, kE>*>(v + at);
     }
-    float kf[kE], vf[kE];
-    #pragma unroll
-    for (int e = 0; e < kE; ++e) {
-      kf[e] = static_cast<float>(kv[e]);
-      vf[e] = static_cast<float>(vv[e]);
+  };
+  int jb = s_lo + warp * kKPW;
+  AlignedVector<KT, kE> kn[kU], vn[kU];  // with kPrefetch: the next iteration's sets
+  if (kPrefetch && jb < s_hi) load(jb, kn, vn);
+  for (; jb < s_hi; jb += kBatch) {
+    AlignedVector<KT, kE> kc[kU], vc[kU];  // this iteration's sets
+    if (kPrefetch) {
+      #pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        kc[u] = kn[u];
+        vc[u] = vn[u];
+      }
+      if (jb + kBatch < s_hi) load(jb + kBatch, kn, vn);
+    } else {
+      load(jb, kc, vc);
     }
     #pragma unroll
-    for (int g = 0; g < kG; ++g) {
-      float s = 0.0f;
+    for (int u = 0; u < kU; ++u) {
+      const int j0 = jb + u * kStride;  // the same in every lane of the warp
+      if (j0 >= s_hi) break;
+      const bool valid = j0 + grp < s_hi;
+      float kf[kE], vf[kE];
       #pragma unroll
-      for (int e = 0; e < kE; ++e) s += qr[g][e] * kf[e];
+      for (int e = 0; e < kE; ++e) {
+        kf[e] = static_cast<float>(kc[u][e]);
+        vf[e] = static_cast<float>(vc[u][e]);
+      }
       #pragma unroll
-      for (int o = kLPK / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-      if (kSoftcap) s = cap_log2e * tanhf(s * inv_cap);
-      if (valid) {
-        const float mn = fmaxf(m[g], s);
-        const float c = mlxi_scale_of(m[g], mn);
-        const float p = exp2f(s - mn);
-        l[g] = l[g] * c + p;
+      for (int g = 0; g < kG; ++g) {
+        float s = 0.0f;
         #pragma unroll
-        for (int e = 0; e < kE; ++e) acc[g][e] = acc[g][e] * c + p * vf[e];
-        m[g] = mn;
+        for (int e = 0; e < kE; ++e) s += qr[g][e] * kf[e];
+        #pragma unroll
+        for (int o = kLPK / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        if (kSoftcap) s = cap_log2e * tanhf(s * inv_cap);
+        if (valid) {
+          const float mn = fmaxf(m[g], s);
+          const float c = mlxi_scale_of(m[g], mn);
+          const float p = exp2f(s - mn);
+          l[g] = l[g] * c + p;
+          #pragma unroll
+          for (int e = 0; e < kE; ++e) acc[g][e] = acc[g][e] * c + p * vf[e];
+          m[g] = mn;
+        }
       }
     }
   }
@@ -269,7 +290,27 @@ const mx::fast::CustomKernelFunction& kernel(int which) {
   return fns[which];
 }
 
+// An integer environment knob in [lo, hi], or ``fallback`` where unset; anything else is a clear error.
+int env_int(const char* name, int lo, int hi, int fallback) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') {
+    return fallback;
+  }
+  char* end = nullptr;
+  const long x = std::strtol(v, &end, 10);
+  if (*end != '\0' || x < lo || x > hi) {
+    throw std::invalid_argument(std::string(name) + "='" + v + "' is not an integer in [" + std::to_string(lo) +
+                                ", " + std::to_string(hi) + "]; unset it for the default.");
+  }
+  return static_cast<int>(x);
+}
+
 }  // namespace
+
+PagedKeyPipeline paged_key_pipeline() {
+  return {env_int("MLX_INFER_PAGED_ATTN_UNROLL", 1, 8, kDefaultUnroll),
+          env_int("MLX_INFER_PAGED_ATTN_PREFETCH", 0, 1, kDefaultPrefetch ? 1 : 0) == 1};
+}
 
 int paged_attention_splits(int rows, int kv_heads, int max_keys) {
   const int blocks = std::max(1, rows * kv_heads);
@@ -297,9 +338,11 @@ mx::array cuda_paged_attention(const mx::array& q, const mx::array& k_storage, c
   const bool split = splits > 1;
   const bool capped = softcap > 0.0f;
   auto sc = mx::array({scale, capped ? softcap : 0.0f});  // (2,) float32: [scale, cap]
+  const auto pipe = paged_key_pipeline();
   std::vector<std::pair<std::string, mx::fast::TemplateArg>> targs{
       {"QT", q.dtype()}, {"KT", k_storage.dtype()}, {"OT", q.dtype()}, {"kD", D}, {"kP", P}, {"kG", G},
       {"kKVH", KVH}, {"kWindow", std::max(window, 0)}, {"kNW", kWarps}, {"kLPK", t.lpk}, {"kE", t.e},
+      {"kU", pipe.unroll}, {"kPrefetch", pipe.prefetch},
       {"kSoftcap", capped}, {"kSinks", sinks.has_value() && !split}};  // a split's partial has no sink
   // sinks: (H,) float32 (the caller casts); without them the scale array stands in, never read (no extra op).
   const auto sk = sinks ? *sinks : sc;

@@ -9,6 +9,15 @@ namespace mlx_infer {
 
 namespace mx = mlx::core;
 
+/// Pass 1's key pipeline: ``unroll`` sets of keys per warp and iteration, ``prefetch`` the next iteration's
+/// sets before this one's are scored. From MLX_INFER_PAGED_ATTN_UNROLL (1..8) and MLX_INFER_PAGED_ATTN_PREFETCH
+/// (0/1), read at each call (a graph's trace), else the tuned defaults; a bad value is a clear error.
+struct PagedKeyPipeline {
+  int unroll = 1;
+  bool prefetch = true;
+};
+PagedKeyPipeline paged_key_pipeline();
+
 /// Whether the CUDA kernels take these inputs (head_dim, GQA group, dtypes); else the gather path.
 bool cuda_paged_attention_supports(const mx::array& q, const mx::array& k_storage);
 
