@@ -12,6 +12,12 @@ import pytest
 # default); the CPU kernels are tested where they are asked for explicitly
 # (tests/test_cpu_kernels.py, load_model(..., cpu_kernels=True)). Subprocesses inherit this.
 os.environ["MLX_INFER_CPU_KERNELS"] = "0"
+# On CUDA, MLX rounds float32 products to TF32 by default (MLX_ENABLE_TF32, read once per process): a 10-bit
+# mantissa whose rounding depends on the product's kernel, so a row batched with 7 others (a GEMM) and the same
+# row alone (a GEMV) part after a few dozen greedy tokens of the tiny float32 models (the H200, session 14:
+# tests/test_paged_decode_step.py's 8-row llama case, eager paged against alone, token 35). The suite's
+# greedy-equality contracts are float32's; bf16 serving numerics are the benchmarks'. Subprocesses inherit it.
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
 if os.environ.get("MLX_INFER_CRASH_BACKTRACE") == "1":  # a native stack on a fatal signal (device runs)
     from mlx_infer import _fast

@@ -138,7 +138,7 @@ def _function(name: str, args: str, consts: dict, body: str) -> str:
 
 
 def program(R: int, H: int, KVH: int, D: int, P: int, T: int, window: int, splits: int, softcap: bool,
-            sinks: bool, unroll: int = 4, prefetch: bool = False) -> str:
+            sinks: bool, unroll: int = 2, prefetch: bool = False) -> str:
     """The C++ program running pass 1 (and, split, pass 2) as paged_attention_cuda.cpp launches them."""
     s = _sources()
     pass1 = s["kPass1"].replace("MLXI_SINK", s["kSink"])
@@ -160,7 +160,7 @@ def program(R: int, H: int, KVH: int, D: int, P: int, T: int, window: int, split
 
 
 def run(workdir: Path, q: np.ndarray, k: np.ndarray, v: np.ndarray, tables: np.ndarray, lengths: np.ndarray, *,
-        window: int, scale: float, softcap: float, sinks: np.ndarray | None, splits: int, unroll: int = 4,
+        window: int, scale: float, softcap: float, sinks: np.ndarray | None, splits: int, unroll: int = 2,
         prefetch: bool = False) -> np.ndarray:
     """The kernels' output ``(R, H, D)`` float32 for float32 ``q (R, H, D)``, storage ``(pages, KVH, P, D)``."""
     R, H, D = q.shape

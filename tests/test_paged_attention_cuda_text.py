@@ -28,7 +28,7 @@ CASES = [  # R, H, KVH, D, P, max_len, window, softcap, sinks
 
 #: Pass 1's key pipelines (kU sets per warp and iteration, kPrefetch): the default first, the kernel before the
 #: knob (one set, prefetched), and the others MLX_INFER_PAGED_ATTN_UNROLL / _PREFETCH select.
-PIPELINES = [(4, False), (1, True), (2, False), (2, True), (8, False)]
+PIPELINES = [(2, False), (1, True), (4, False), (2, True), (8, False)]
 
 
 #: Every case with the default pipeline; the plain ones (no cap, no sinks) with every pipeline.
@@ -62,3 +62,19 @@ def test_cuda_kernel_text_matches_float64_reference(tmp_path, R, H, KVH, D, P, m
     rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
     print(f"splits={splits} cap={cap} sinks={with_sinks} unroll={unroll} prefetch={prefetch}: {rel:.2e}")
     assert rel <= TOL
+
+
+def test_key_pipeline_knobs_read_with_clear_errors(monkeypatch):
+    """The CUDA kernel's key pipeline as a trace reads it: the tuned default, each knob, bad values refused."""
+    monkeypatch.delenv("MLX_INFER_PAGED_ATTN_UNROLL", raising=False)
+    monkeypatch.delenv("MLX_INFER_PAGED_ATTN_PREFETCH", raising=False)
+    assert _fast.paged_key_pipeline() == PIPELINES[0]
+    monkeypatch.setenv("MLX_INFER_PAGED_ATTN_UNROLL", "1")
+    monkeypatch.setenv("MLX_INFER_PAGED_ATTN_PREFETCH", "1")
+    assert _fast.paged_key_pipeline() == (1, True)
+    for name, bad in (("MLX_INFER_PAGED_ATTN_UNROLL", "9"), ("MLX_INFER_PAGED_ATTN_UNROLL", "two"),
+                      ("MLX_INFER_PAGED_ATTN_PREFETCH", "2")):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError, match=f"{name}='{bad}' is not an integer in"):
+            _fast.paged_key_pipeline()
+        monkeypatch.setenv(name, "1")

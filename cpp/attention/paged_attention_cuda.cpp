@@ -39,8 +39,10 @@ constexpr int kWarps = 4;           // NW: warps per block of pass 1
 constexpr int kTargetBlocks = 1056;  // ~8 blocks per SM of an H200 (132 SMs): split until rows x heads reach it
 constexpr int kMinSplitKeys = 64;    // a split reads at least this many keys of the longest row
 constexpr int kMaxSplits = 32;
-// Pass 1's key pipeline (kU, kPrefetch) where MLX_INFER_PAGED_ATTN_UNROLL / _PREFETCH are unset.
-constexpr int kDefaultUnroll = 4;
+// Pass 1's key pipeline (kU, kPrefetch) where MLX_INFER_PAGED_ATTN_UNROLL / _PREFETCH are unset: the H200's
+// sweep (benchmarks/gpu_paged_attention.py --sweep, session 14) has 2 sets unprefetched the fastest at 13 of 16
+// serving shapes (geomean 16% under the old 1 set prefetched), 8 sets at the other 3.
+constexpr int kDefaultUnroll = 2;
 constexpr bool kDefaultPrefetch = false;
 
 constexpr const char* kHeader = R"(

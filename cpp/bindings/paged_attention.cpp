@@ -9,6 +9,7 @@
 
 #include "mlx_infer/backend.h"
 #include "mlx_infer/paged_attention.h"
+#include "../attention/paged_attention_cuda.h"
 #include "../attention/qkv_rope_cuda.h"
 
 namespace nb = nanobind;
@@ -95,6 +96,15 @@ Returns:
       "A fused q|k|v product's output ``(R, (H + 2 KVH) D)`` as contiguous ``q (R, H, D)``, ``k, v (R, KVH, D)``, "
       "q and k rotated at ``positions (R,)`` as ``mx.fast.rope`` rotates them: one CUDA kernel (the paged step's "
       "on CUDA). CUDA only: elsewhere a clear error.");
+  m.def(
+      "paged_key_pipeline",
+      [] {
+        const auto p = mlx_infer::paged_key_pipeline();
+        return std::make_tuple(p.unroll, p.prefetch);
+      },
+      "The CUDA paged-attention kernel's key pipeline ``(unroll, prefetch)`` as the next trace reads it: "
+      "MLX_INFER_PAGED_ATTN_UNROLL (1..8) and MLX_INFER_PAGED_ATTN_PREFETCH (0/1), else the tuned defaults; "
+      "a bad value raises ValueError naming the variable.");
   m.def("rope_rows_per_call", &mlx_infer::rope_rows_per_call, "rows"_a, "heads"_a, "tokens"_a, "dims"_a,
         nb::kw_only(), "cuda"_a = mlx_infer::cuda_backend(),
         "Rows per mx.fast.rope call in the compiled steps: all of them, except where MLX's CUDA RoPE kernel would "
