@@ -375,6 +375,17 @@ case "${1:-a}" in
       --shape llama-1b --json "$out/h200-served-llama-1b.json"
     grep -h '^| \|^==\|best' "$out"/sweep.log "$out"/served-*.log
     ;;
-  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s14a|s14b" >&2
+  s14c)
+    # Session 14, after the 2-set key pipeline became the default: the paged step's CUDA cases with float32
+    # products exact (tests/conftest.py: MLX_ENABLE_TF32=0), then llama-8B's and gemma3-270m's tables.
+    run 150 gpu-tests python -m pytest -q -p no:cacheprovider -rf --tb=line tests/test_paged_decode_step.py -k "not real"
+    tail -n 15 "$out/gpu-tests.log"
+    run 200 served-llama-8b python benchmarks/served.py -p 512 -g 128 -r 1 -n 3 --no-text --streams 1,8,32,64,128 \
+      --shape llama-8b --json "$out/h200-served-llama-8b.json"
+    run 150 served-gemma3 python benchmarks/served.py -p 512 -g 128 -r 1 -n 3 --no-text --streams 1,8,32,64,128 \
+      --shape gemma3-270m --json "$out/h200-served-gemma3-270m.json"
+    grep -h '^| \|^==' "$out"/served-*.log
+    ;;
+  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s14a|s14b|s14c" >&2
      exit 2 ;;
 esac
