@@ -252,14 +252,7 @@ def sweep(pipelines: list[str], reps: int = 15, calls: int = 16, quick: bool = F
             def many():
                 return [_fast.paged_attention(q, *kv[i % 4], tabs, lens, scale=scale) for i in range(calls)]
 
-            for _ in range(3):
-                mx.eval(many())
-            ts = []
-            for _ in range(reps):
-                t = time.perf_counter()
-                mx.eval(many())
-                ts.append((time.perf_counter() - t) / calls * 1e3)
-            times.append(statistics.median(ts))
+            times.append(bench(many, reps) / calls)
         geo = math.exp(sum(math.log(t) for t in times) / len(times))
         ok = all(e <= TOL[mx.bfloat16] for e in errs)
         results["pipelines"][name] = {"ms": times, "geomean_ms": geo, "rel": errs, "ok": ok}

@@ -338,17 +338,10 @@ case "${1:-a}" in
       --steps 64 --torch-profiler "$out/prof-llama-1b-32-kernels.csv"
     grep -h "^streams\|ms/step\|GPU kernel time\|^| " "$out"/host-*.log "$out"/profile-*.log "$out"/served-*.log
     ;;
-  s13g)
-    # Session 13: qkv_rope off (MLX_INFER_QKV_ROPE=0: MLX's split and RoPE) against on, llama-1B 8-64 streams.
-    MLX_INFER_QKV_ROPE=0 run 200 served-llama-1b-off python benchmarks/served.py -p 512 -g 128 -r 3 -n 3 --no-text \
-      --streams 8,32,64 --shape llama-1b --json "$out/h200-served-llama-1b-off.json"
-    run 200 served-llama-1b-on python benchmarks/served.py -p 512 -g 128 -r 3 -n 3 --no-text \
-      --streams 8,32,64 --shape llama-1b --json "$out/h200-served-llama-1b-on.json"
-    grep -h '^| \|^==' "$out"/served-*.log
-    ;;
   s14a)
     # Session 14, one call: the paged step's CUDA parity with qkv_rope on (llama, fused q|k|v), then qkv_rope off
-    # (MLX_INFER_QKV_ROPE=0) against on, llama-1B at 8/32/64 streams, engines alternating inside each run.
+    # (MLX_INFER_QKV_ROPE=0) against on, llama-1B at 8/32/64 streams, engines alternating inside each run
+    # (session 13's s13g, after the parity case).
     run 90 gpu-tests python -m pytest -q -p no:cacheprovider tests/test_paged_decode_step.py \
       -k "compiled_paged_equals and llama"
     tail -3 "$out/gpu-tests.log"
@@ -386,6 +379,6 @@ case "${1:-a}" in
       --shape gemma3-270m --json "$out/h200-served-gemma3-270m.json"
     grep -h '^| \|^==' "$out"/served-*.log
     ;;
-  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s14a|s14b|s14c" >&2
+  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c" >&2
      exit 2 ;;
 esac
