@@ -1,118 +1,110 @@
-"""H200 probe: MLX's bf16 matmul at M=1/8 vs a warp-per-row GEMV custom CUDA kernel.
+"""The decode graphs' GEMV kernel (``_fast.skinny_linear``, cpp/matmul/gemv_cuda.cpp) against MLX's ``x @ W.T``.
 
-Run on a CUDA machine with mlx (CUDA) importable: python benchmarks/gpu_gemv_probe.py.
-Findings are in benchmarks/RESULTS.md (H200 section) and results/h200-gemv-probe.txt.
+For the products the compiled steps run (fused q|k|v and gate|up, o, down, the LM head) of the llama-8B,
+llama-1B and gemma3-270m shapes, at M = 1, 2, 4, 8, 16 rows: MLX's bf16 product, the kernel with its default
+tiling, and every tiling of the sweep (rows per warp x warps per block x chunks in flight per lane), each timed
+over weight copies that overflow the L2 (``--iters`` products queued, one ``mx.eval``: launch overhead counts
+as in a step), the kernel's output checked against a float32 product. Then per (shape, M) the whole step's
+products (layers x per-layer + head) for MLX, the default tiling and the best tiling of each product.
+
+    python benchmarks/gpu_gemv_probe.py --json OUT.json          # on the GPU machine (MLX's CUDA backend)
 """
-import time, sys
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
 import mlx.core as mx
 
-SRC = r"""
-    const int lane = threadIdx.x & 31;
-    const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    const int row0 = warp * R;
-    if (row0 >= N) return;
-    constexpr int K8 = K / 8;
-    const uint4* xr = reinterpret_cast<const uint4*>(x);
-    float acc[R][M];
-    #pragma unroll
-    for (int r = 0; r < R; ++r)
-      #pragma unroll
-      for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
-    #pragma unroll UNROLL
-    for (int i = lane; i < K8; i += 32) {
-      uint4 wv[R];
-      #pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const int row = min(row0 + r, N - 1);
-        wv[r] = __ldg(reinterpret_cast<const uint4*>(w) + (size_t)row * K8 + i);
-      }
-      #pragma unroll
-      for (int m = 0; m < M; ++m) {
-        uint4 xv = xr[m * K8 + i];
-        const __nv_bfloat162* xp = reinterpret_cast<const __nv_bfloat162*>(&xv);
-        float2 xf[4];
-        #pragma unroll
-        for (int j = 0; j < 4; ++j) xf[j] = __bfloat1622float2(xp[j]);
-        #pragma unroll
-        for (int r = 0; r < R; ++r) {
-          const __nv_bfloat162* wp = reinterpret_cast<const __nv_bfloat162*>(&wv[r]);
-          #pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            float2 wf = __bfloat1622float2(wp[j]);
-            acc[r][m] = fmaf(wf.x, xf[j].x, acc[r][m]);
-            acc[r][m] = fmaf(wf.y, xf[j].y, acc[r][m]);
-          }
-        }
-      }
-    }
-    #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      #pragma unroll
-      for (int m = 0; m < M; ++m) {
-        float v = acc[r][m];
-        #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
-        if (lane == 0 && row0 + r < N) y[m * N + row0 + r] = __float2bfloat16(v);
-      }
-    }
-"""
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_decode import SHAPES  # noqa: E402
+from products import L2_BYTES, layer_products  # noqa: E402
 
-def make(unroll):
-    return mx.fast.cuda_kernel(name=f"gemv_u{unroll}", input_names=["x", "w"], output_names=["y"],
-                               source=SRC.replace("UNROLL", str(unroll)), header="#include <cuda_bf16.h>\n")
+from mlx_infer import _fast  # noqa: E402
 
-KERNELS = {u: make(u) for u in (4, 8)}
+PRODUCTS = ("qkv", "o", "gate_up", "down", "head")  # what the compiled steps run (fused projections)
+TILINGS = [(r, w, u) for r, w, u in itertools.product((1, 2, 4), (4, 8), (4, 8, 16)) if r * u <= 32]
 
-def gemv(x, w, R=1, warps=4, unroll=4):
-    M, K = x.shape; N = w.shape[0]
-    nwarps = (N + R - 1) // R
-    return KERNELS[unroll](inputs=[x, w], template=[("M", M), ("K", K), ("N", N), ("R", R)],
-                           grid=(nwarps * 32, 1, 1), threadgroup=(warps * 32, 1, 1),
-                           output_shapes=[(M, N)], output_dtypes=[mx.bfloat16])[0]
 
-def bench(fn, xs, ws, reps=20):
-    n = len(ws)
-    mx.eval(fn(xs, ws[0]))
-    times = []
-    for _ in range(5):
-        mx.synchronize(); t0 = time.perf_counter()
-        out = []
-        for r in range(reps):
-            out.append(fn(xs, ws[r % n]))
-        mx.eval(out); mx.synchronize()
-        times.append((time.perf_counter() - t0) / reps)
-    return sorted(times)[2]
+def timer(ws: list[mx.array], x: mx.array, iters: int) -> Callable[[Callable[[mx.array, mx.array], mx.array]], float]:
+    def run(fn: Callable[[mx.array, mx.array], mx.array]) -> float:
+        mx.eval([fn(x, w) for w in ws])  # warm-up (and the kernel's NVRTC compile)
+        best = float("inf")
+        for _ in range(3):
+            t = time.perf_counter()
+            mx.eval([fn(x, ws[j % len(ws)]) for j in range(iters)])
+            best = min(best, (time.perf_counter() - t) / iters)
+        return best
+    return run
 
-shapes = {"8b.qo": (4096, 4096), "8b.kv": (4096, 1024), "8b.gate": (4096, 14336), "8b.down": (14336, 4096),
-          "8b.head": (4096, 128256), "1b.q": (2048, 2048), "1b.kv": (2048, 512), "1b.gate": (2048, 8192),
-          "1b.down": (8192, 2048), "270m.q": (640, 1024), "270m.gate": (640, 2048), "270m.down": (2048, 640),
-          "270m.head": (640, 262144)}
-print("device", mx.default_device(), mx.__version__)
-for name, (K, N) in shapes.items():
-    copies = max(2, int(2e9 // (K * N * 2)) if K * N * 2 < 2e9 else 2)
-    copies = min(copies, 16)
-    ws = [mx.random.normal((N, K)).astype(mx.bfloat16) * 0.02 for _ in range(copies)]
-    mx.eval(ws)
-    for M in (1, 8):
-        x = mx.random.normal((M, K)).astype(mx.bfloat16)
-        ref = (x.astype(mx.float32) @ ws[0].astype(mx.float32).T)
-        t_mlx = bench(lambda a, b: a @ b.T, x, ws)
-        line = f"{name:10s} M={M} K={K:6d} N={N:7d}  mlx {t_mlx*1e6:8.1f}us {K*N*2/t_mlx/1e12:5.2f}TB/s"
-        best = None
-        for R in (1, 2):
-            for warps in (4, 8):
-                for u in (4, 8):
-                    try:
-                        y = gemv(x, ws[0], R, warps, u)
-                        err = float(mx.abs(y.astype(mx.float32) - ref).max() / (mx.abs(ref).max() + 1e-9))
-                        t = bench(lambda a, b: gemv(a, b, R, warps, u), x, ws)
-                    except Exception as e:
-                        print("ERR", name, M, R, warps, u, repr(e)[:300]); continue
-                    if best is None or t < best[0]:
-                        best = (t, R, warps, u, err)
-        if best:
-            t, R, warps, u, err = best
-            line += f"  gemv {t*1e6:8.1f}us {K*N*2/t/1e12:5.2f}TB/s (R={R} W={warps} U={u} relerr={err:.1e})  speedup {t_mlx/t:4.2f}x"
-        print(line, flush=True)
-        del x
-    del ws; mx.clear_cache()
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="llama-8b,llama-1b,gemma3-270m")
+    p.add_argument("--ms", default="1,2,4,8,16")
+    p.add_argument("--iters", type=int, default=40)
+    p.add_argument("--no-sweep", action="store_true", help="the default tiling only")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    ms = [int(m) for m in args.ms.split(",")]
+    rows: list[dict[str, Any]] = []
+    print(f"device {mx.default_device()} mlx {mx.__version__}", flush=True)
+    for shape in args.shapes.split(","):
+        cfg = SHAPES[shape]
+        prods = layer_products(cfg)
+        per: dict[tuple[int, str], dict[str, float]] = {}
+        for name in PRODUCTS:
+            out, inp = prods[name]
+            copies = max(1, -(-L2_BYTES // (out * inp * 2)))
+            ws = [mx.random.normal((out, inp)).astype(mx.bfloat16) * 0.02 for _ in range(copies)]
+            mx.eval(ws)
+            for m in ms:
+                x = mx.random.normal((m, inp)).astype(mx.bfloat16)
+                ref = x.astype(mx.float32) @ ws[0].astype(mx.float32).T
+                run = timer(ws, x, args.iters)
+                t_mlx = run(lambda a, b: a @ b.T)
+                got = _fast.skinny_linear(x, ws[0]).astype(mx.float32)
+                err = (mx.abs(got - ref).max() / mx.abs(ref).max()).item()
+                t_def = run(lambda a, b: _fast.skinny_linear(a, b))
+                times = {"mlx": t_mlx, "default": t_def}
+                best = ("default", t_def)
+                for til in ([] if args.no_sweep else TILINGS):
+                    t = run(lambda a, b, til=til: _fast.skinny_linear(a, b, tiling=til))
+                    times[",".join(map(str, til))] = t
+                    if t < best[1]:
+                        best = (",".join(map(str, til)), t)
+                per[(m, name)] = {"mlx": t_mlx, "default": t_def, "best": best[1]}
+                gb = out * inp * 2 / 1e9
+                print(f"{shape:12s} {name:8s} M={m:2d} N={out:6d} K={inp:5d}  mlx {t_mlx * 1e6:7.1f} us "
+                      f"({gb / t_mlx / 1e3:4.2f} TB/s)  default {t_def * 1e6:7.1f} ({t_mlx / t_def:4.2f}x)  "
+                      f"best {best[0]:>8s} {best[1] * 1e6:7.1f} ({t_mlx / best[1]:4.2f}x, {gb / best[1] / 1e3:4.2f} "
+                      f"TB/s)  relerr {err:.1e}", flush=True)
+                rows.append({"suite": "gemv", "shape": shape, "product": name, "m": m, "out": out, "in": inp,
+                             "relerr_default": err, "us": {k: v * 1e6 for k, v in times.items()},
+                             "best_tiling": best[0]})
+                del x, ref
+            del ws
+            mx.clear_cache()
+        layers = cfg["num_hidden_layers"]
+        for m in ms:
+            step = {e: (sum(per[(m, n)][e] for n in PRODUCTS if n != "head") * layers + per[(m, "head")][e]) * 1e3
+                    for e in ("mlx", "default", "best")}
+            print(f"{shape:12s} step products M={m:2d}: mlx {step['mlx']:.3f} ms, default {step['default']:.3f} ms "
+                  f"({step['mlx'] / step['default']:.2f}x), best tilings {step['best']:.3f} ms "
+                  f"({step['mlx'] / step['best']:.2f}x)", flush=True)
+            rows.append({"suite": "gemv-step", "shape": shape, "m": m, **{f"{k}_ms": v for k, v in step.items()}})
+    if args.json:
+        doc = {"machine": platform.node(), "mlx": mx.__version__, "device": str(mx.default_device()),
+               "command": " ".join(sys.argv), "rows": rows}
+        Path(args.json).write_text(json.dumps(doc, indent=1))
+
+
+if __name__ == "__main__":
+    main()

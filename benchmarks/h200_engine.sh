@@ -379,6 +379,21 @@ case "${1:-a}" in
       --shape gemma3-270m --json "$out/h200-served-gemma3-270m.json"
     grep -h '^| \|^==' "$out"/served-*.log
     ;;
-  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c" >&2
+  s15a)
+    # Session 15: the GEMV kernel (cpp/matmul/gemv_cuda.cpp, dense products of 1..8 rows) on the device: its
+    # routing test and the paged step's CUDA parity with it; the tiling sweep against MLX's products; then the
+    # served A/B (the GEMV column against MLX_INFER_GEMV_ROWS=0, engines alternating) for llama-8B and llama-1B.
+    run 100 gpu-tests python -m pytest -q -p no:cacheprovider -rf --tb=short tests/test_gemv_cuda_text.py \
+      tests/test_paged_decode_step.py -k "routing or (compiled_paged_equals and llama)"
+    tail -n 8 "$out/gpu-tests.log"
+    run 140 gemv-probe python benchmarks/gpu_gemv_probe.py --ms 1,2,4,8 --json "$out/h200-gemv-probe.json"
+    grep -h "step products" "$out/gemv-probe.log"
+    run 180 served-llama-8b python benchmarks/served.py -p 512 -g 128 -r 2 -n 3 --no-text --no-gemv --streams 1,8 \
+      --shape llama-8b --json "$out/h200-served-llama-8b.json"
+    run 90 served-llama-1b python benchmarks/served.py -p 512 -g 128 -r 2 -n 3 --no-text --no-gemv --streams 1,8 \
+      --shape llama-1b --json "$out/h200-served-llama-1b.json"
+    grep -h '^| \|^==' "$out"/served-*.log
+    ;;
+  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a" >&2
      exit 2 ;;
 esac

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import json
 import statistics
 import sys
@@ -233,6 +234,24 @@ class OursIdsUnbounded(OursIds):
     config = {"bound_activations": False}
 
 
+class OursIdsNoGemv(OursIds):
+    """Token ids, the decode graphs' dense CUDA products all through MLX's matmul (``MLX_INFER_GEMV_ROWS=0``
+    while this column runs, so its traces take MLX's products): the A/B of the GEMV kernel (cpp/matmul)."""
+
+    name = "mlx-infer-ids-nogemv"
+
+    def run(self, streams: int, prompts: list[list[int]], gen: int) -> int:
+        old = os.environ.get("MLX_INFER_GEMV_ROWS")
+        os.environ["MLX_INFER_GEMV_ROWS"] = "0"
+        try:
+            return super().run(streams, prompts, gen)
+        finally:
+            if old is None:
+                del os.environ["MLX_INFER_GEMV_ROWS"]
+            else:
+                os.environ["MLX_INFER_GEMV_ROWS"] = old
+
+
 class MlxLm:
     """mlx-lm's ``BatchGenerator`` (continuous batching), refilled as requests finish."""
 
@@ -343,6 +362,8 @@ def main() -> None:
                    help="add a token-ids column whose paged step gathers K/V (attention='gather')")
     p.add_argument("--unbounded", action="store_true",
                    help="add a token-ids column whose iterations' activations are not bounded (bound_activations=False)")
+    p.add_argument("--no-gemv", action="store_true",
+                   help="also a token-ids column with MLX's products instead of the GEMV kernel (CUDA A/B)")
     p.add_argument("--no-text", action="store_true",
                    help="skip the detokenizing mlx-infer column (random-weight models: --shape)")
     p.add_argument("--stock-kernels", action="store_true",
@@ -366,7 +387,8 @@ def main() -> None:
     streams = [int(s) for s in args.streams.split(",")]
     ours_kinds: list[type] = (([] if args.no_text else [Ours]) + ([] if args.no_ids else [OursIds])
                               + ([OursIdsGather] if args.gather else [])
-                                  + ([OursIdsUnbounded] if args.unbounded else []))
+                                  + ([OursIdsUnbounded] if args.unbounded else [])
+                              + ([OursIdsNoGemv] if args.no_gemv else []))
     vocab = int(json.loads((path / "config.json").read_text()).get("vocab_size", 320))
     max_batch = max(streams)
     by_streams: dict[int, list[dict[str, Any]]] = {s: [] for s in streams}

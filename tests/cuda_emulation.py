@@ -1,4 +1,4 @@
-"""Run the paged-attention CUDA kernels' source text on the CPU (tests/test_paged_attention_cuda_text.py).
+"""Run the CUDA kernels' source text on the CPU (tests/test_paged_attention_cuda_text.py, test_gemv_cuda_text.py).
 
 The kernels of ``cpp/attention/paged_attention_cuda.cpp`` are strings that MLX's ``mx.fast.cuda_kernel``
 wraps in a ``__global__`` function (inputs, outputs, then the template arguments as ``constexpr``
@@ -232,3 +232,51 @@ def run_qkv_rope(workdir: Path, qkv: np.ndarray, positions: np.ndarray, *, H: in
     out = np.fromfile(workdir / "o.bin", np.float32)
     nq, nk = R * H * D, R * KVH * D
     return (out[:nq].reshape(R, H, D), out[nq:nq + nk].reshape(R, KVH, D), out[nq + nk:].reshape(R, KVH, D))
+
+
+GEMV_FILE = Path(__file__).resolve().parents[1] / "cpp" / "matmul" / "gemv_cuda.cpp"
+
+_GEMV_MAIN = r"""
+int main() {
+  auto xb = slurp("x.bin"), wb = slurp("w.bin"), bb = slurp("b.bin");
+  Shape ws{};
+  ws.d[0] = N, ws.d[1] = K;
+  std::vector<float> y((size_t)M * N, -12345.0f);
+  const int warps = (N + RPW - 1) / RPW, blocks = (warps + NWB - 1) / NWB;
+  gridDim = {blocks, 1, 1};
+  blockDim = {32 * NWB, 1, 1};
+  for (int x = 0; x < blocks; ++x) {
+    blockIdx = {x, 0, 0};
+    run_block(32 * NWB, [&] { gemv((const float*)xb.data(), (const float*)wb.data(), ws, (const float*)bb.data(),
+                                   y.data()); });
+  }
+  FILE* f = fopen("o.bin", "wb");
+  fwrite(y.data(), 4, y.size(), f);
+  fclose(f);
+}
+"""
+
+
+def run_gemv(workdir: Path, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, *, rows_per_warp: int,
+             warps: int, unroll: int) -> np.ndarray:
+    """gemv_cuda.cpp's kernel on the CPU, as skinny_linear launches it: float32 ``x (M, K) @ w (N, K).T (+ bias)``."""
+    text = GEMV_FILE.read_text()
+    m = re.search(r'constexpr const char\* kSource = R"\((.*?)\)";', text, re.S)
+    assert m is not None, f"kSource not found in {GEMV_FILE}"
+    M, K = x.shape
+    N = w.shape[0]
+    consts = dict(T=float, kM=M, kR=rows_per_warp, kNW=warps, kU=unroll, kBias=bias is not None)
+    args = "const float* x, const float* w, const Shape w_shape, const float* bias, float* y"
+    sizes = f"constexpr int M = {M}, N = {N}, K = {K}, RPW = {rows_per_warp}, NWB = {warps};\n"
+    source = (_MOCK + sizes + _function("gemv", args, consts, m.group(1)) + _MAIN.split("int main()")[0]
+              + _GEMV_MAIN)
+    workdir.mkdir(parents=True, exist_ok=True)
+    np.ascontiguousarray(x, np.float32).tofile(workdir / "x.bin")
+    np.ascontiguousarray(w, np.float32).tofile(workdir / "w.bin")
+    (np.zeros(1, np.float32) if bias is None else bias.astype(np.float32)).tofile(workdir / "b.bin")
+    (workdir / "emu.cpp").write_text(source)
+    build = subprocess.run([compiler(), "-std=c++20", "-O1", "-pthread", "-w", "emu.cpp", "-o", "emu"],
+                           cwd=workdir, capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr[-4000:]
+    subprocess.run(["./emu"], cwd=workdir, check=True, timeout=120)
+    return np.fromfile(workdir / "o.bin", np.float32).reshape(M, N)

@@ -2,6 +2,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/variant.h>
 
 #include <string>
@@ -171,6 +172,38 @@ Returns:
 
 Raises:
     ValueError: x's last axis is not w's K, w is not 2-D, or bias is not ``(N,)``.)");
+  m.def(
+      "skinny_linear",
+      [](const mx::array& x, const mx::array& w, const std::optional<mx::array>& bias,
+         std::optional<std::tuple<int, int, int>> tiling, mx::StreamOrDevice stream) {
+        std::optional<mlx_infer::GemvTiling> t;
+        if (tiling) t = mlx_infer::GemvTiling{std::get<0>(*tiling), std::get<1>(*tiling), std::get<2>(*tiling)};
+        return mlx_infer::skinny_linear(x, w, bias, t, stream);
+      },
+      "x"_a, "w"_a, "bias"_a = nb::none(), nb::kw_only(), "tiling"_a = nb::none(), "stream"_a = nb::none(),
+      R"(``x @ w.T (+ bias)`` for 1 to 16 rows by the CUDA GEMV kernel the decode graphs use.
+
+Args:
+    x: ``(..., K)``, 1 to 16 rows (``x.size // K``).
+    w: ``(N, K)`` of x's dtype (bfloat16, float16 or float32), K a multiple of 16 bytes.
+    bias: optional ``(N,)`` of w's dtype, added in float32 before the rounding.
+    tiling: ``(rows_per_warp, warps, unroll)``; default: the tuned choice for the shape.
+    stream: a GPU stream of MLX's CUDA backend (the kernel is compiled there by NVRTC).
+
+Returns:
+    ``(..., N)``: float32 accumulation, one rounding to the dtype.
+
+Raises:
+    ValueError: shapes, dtypes or tiling out of range.)");
+  m.def("gemv_max_rows", &mlx_infer::gemv_max_rows,
+        "The most rows the decode graphs' dense CUDA products send to skinny_linear (MLX_INFER_GEMV_ROWS, "
+        "read at each call; 0: never).");
+  m.def("skinny_linear_applies",
+        [](const mx::array& x, const mx::array& w, const std::optional<mx::array>& bias, mx::StreamOrDevice s) {
+          return mlx_infer::skinny_linear_applies(x, w, bias, s);
+        },
+        "x"_a, "w"_a, "bias"_a = nb::none(), nb::kw_only(), "stream"_a = nb::none(),
+        "Whether the decode graphs' dense product of these operands runs skinny_linear here.");
   m.def("tuned_products_available", &mlx_infer::tuned_products_available,
         "True where tuned_linear runs cuBLASLt: built with the CUDA toolkit and MLX's CUDA backend available.");
 

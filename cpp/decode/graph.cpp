@@ -51,13 +51,10 @@ mx::array base_linear(const Linear& l, const mx::array& x) {
                                   l.bits, l.mode);
     return l.bias ? mx::add(y, *l.bias) : y;
   }
-  if (l.tuned) {
+  if (l.tuned && !skinny_linear_applies(x, *l.w, l.bias)) {
     return tuned_linear(x, *l.w, l.bias);
   }
-  if (l.bias) {
-    return mx::addmm(*l.bias, x, mx::transpose(*l.w));
-  }
-  return mx::matmul(x, mx::transpose(*l.w));
+  return dense_linear(x, *l.w, l.bias);
 }
 
 // nn.Embedding / nn.QuantizedEmbedding lookup: ids (B, 1) -> (B, 1, hidden).
@@ -83,10 +80,10 @@ mx::array embed_as_linear(const Linear& e, const mx::array& x) {
   if (e.quantized()) {
     return mx::quantized_matmul(x, *e.w, *e.scales, e.biases, true, e.group_size, e.bits, e.mode);
   }
-  if (e.tuned) {
+  if (e.tuned && !skinny_linear_applies(x, *e.w)) {
     return tuned_linear(x, *e.w);
   }
-  return mx::matmul(x, mx::transpose(*e.w));
+  return dense_linear(x, *e.w);
 }
 
 void init_tensor_parallel(DecodeStep::Graph& g) {

@@ -146,6 +146,47 @@ mx::array tuned_linear(
 /// backend available.
 bool tuned_products_available();
 
+/// How skinny_linear's GEMV kernel splits a product: ``rows_per_warp`` rows of w per warp (1..4), ``warps``
+/// per block (1..16), ``unroll`` 16-byte chunks per lane loaded at once (1..16).
+struct GemvTiling {
+  int rows_per_warp = 1;
+  int warps = 4;
+  int unroll = 8;
+};
+
+/// The tiling skinny_linear uses for x of ``rows`` rows and w (n, k) when none is given.
+GemvTiling default_gemv_tiling(int rows, int n, int k);
+
+/// The most rows of x a dense CUDA product of the decode graphs sends to skinny_linear: MLX_INFER_GEMV_ROWS
+/// (0..16, 0: never), read at each call, else the default; a bad value is a std::invalid_argument naming it.
+int gemv_max_rows();
+
+/// Whether dense_linear takes skinny_linear for these operands: MLX's CUDA backend, a GPU stream, 1 to
+/// gemv_max_rows() rows (x.size / K), x, w (N, K) and bias (N,) of one float dtype, K a multiple of 16 bytes.
+bool skinny_linear_applies(
+    const mx::array& x,
+    const mx::array& w,
+    const std::optional<mx::array>& bias = std::nullopt,
+    mx::StreamOrDevice s = {});
+
+/// `x @ w.T (+ bias)` for x (..., K) of 1 to 16 rows by our CUDA GEMV kernel (cpp/matmul/gemv_cuda.cpp):
+/// float32 accumulation, one rounding to the dtype; ``tiling`` default: default_gemv_tiling. CUDA streams
+/// only (the kernel is NVRTC-compiled on the device). Throws std::invalid_argument naming the bad operand.
+mx::array skinny_linear(
+    const mx::array& x,
+    const mx::array& w,
+    const std::optional<mx::array>& bias = std::nullopt,
+    std::optional<GemvTiling> tiling = std::nullopt,
+    mx::StreamOrDevice s = {});
+
+/// The decode graphs' dense `x @ w.T (+ bias)`: skinny_linear where skinny_linear_applies, else
+/// `mx::matmul` (`mx::addmm` with a bias).
+mx::array dense_linear(
+    const mx::array& x,
+    const mx::array& w,
+    const std::optional<mx::array>& bias = std::nullopt,
+    mx::StreamOrDevice s = {});
+
 /// The instruction set the kernels dispatch to: "avx512vnni", "avx512", "avx2"
 /// or "generic". The default is the widest the CPU has except avx512vnni, which
 /// is opt-in: its quantized GEMV (M <= 4) rounds x to int8 per 32 values (as

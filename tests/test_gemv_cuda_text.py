@@ -1,0 +1,76 @@
+"""The CUDA GEMV kernel's source text (cpp/matmul/gemv_cuda.cpp, ``_fast.skinny_linear``), run on the CPU
+(tests/cuda_emulation.py), against a float64 ``x @ w.T + bias``: every tiling the H200 sweep tries, rows of x
+from 1 to 16, K with and without a whole last iteration, N not a multiple of the rows per warp or of a block's
+rows (the warps past N, the repeated last row), with and without a bias. Float32 in, float32 sums: ``max |y -
+ref| / max |ref|`` <= :data:`TOL`. The device run (benchmarks/products.py --gemv-sweep) checks the kernel under
+NVRTC in bfloat16; the routing (``skinny_linear_applies``, MLX_INFER_GEMV_ROWS) is tested on the CPU too.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from cuda_emulation import compiler, run_gemv
+from mlx_infer import _fast
+
+TOL = 1e-5
+
+CASES = [  # M, N, K, bias, (rows_per_warp, warps, unroll)
+    (1, 37, 256, False, (1, 4, 8)),   # K = 64 chunks: part of one iteration; N < a block's rows
+    (1, 70, 1024, True, (2, 4, 8)),   # K = 256 chunks: a whole iteration per lane; bias
+    (2, 45, 520, False, (2, 8, 4)),   # K = 130 chunks: the last iteration partial; N odd with 2 rows per warp
+    (4, 33, 640, True, (4, 2, 2)),    # 4 rows per warp, N = 33 (the last warp has one row)
+    (8, 19, 96, False, (1, 1, 1)),    # one warp per block, one chunk at a time
+    (16, 9, 4096, True, (1, 4, 16)),  # the most rows; 16 chunks per lane at once
+    (3, 64, 2048, False, (3, 4, 8)),  # rows per warp that divide nothing
+]
+
+
+@pytest.mark.parametrize("M,N,K,with_bias,tiling", CASES)
+def test_gemv_kernel_text_matches_float64(tmp_path, M, N, K, with_bias, tiling):
+    # The project builds with a C++ compiler (README); without g++ this test cannot check anything: fail, loudly.
+    assert compiler() is not None, "g++ (C++20, <barrier>) is needed to build the CUDA kernels' text for the CPU"
+    rng = np.random.default_rng(M * 1000 + N + K)
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    w = rng.standard_normal((N, K)).astype(np.float32)
+    b = rng.standard_normal(N).astype(np.float32) if with_bias else None
+    got = run_gemv(tmp_path, x, w, b, rows_per_warp=tiling[0], warps=tiling[1], unroll=tiling[2])
+    ref = x.astype(np.float64) @ w.astype(np.float64).T + (0 if b is None else b.astype(np.float64))
+    rel = np.abs(got - ref).max() / np.abs(ref).max()
+    print(f"M={M} N={N} K={K} tiling={tiling}: {rel:.2e}")
+    assert rel <= TOL
+
+
+def test_routing_and_knob(monkeypatch):
+    """Off CUDA no product is routed to the kernel; the knob is read at each call and refused when bad."""
+    x, w = mx.zeros((1, 64), mx.bfloat16), mx.zeros((32, 64), mx.bfloat16)
+    monkeypatch.delenv("MLX_INFER_GEMV_ROWS", raising=False)
+    assert _fast.gemv_max_rows() == 8
+    monkeypatch.setenv("MLX_INFER_GEMV_ROWS", "0")
+    assert _fast.gemv_max_rows() == 0
+    assert not _fast.skinny_linear_applies(x, w)
+    for bad in ("17", "-1", "four"):
+        monkeypatch.setenv("MLX_INFER_GEMV_ROWS", bad)
+        with pytest.raises(ValueError, match=f"MLX_INFER_GEMV_ROWS='{bad}' is not an integer in"):
+            _fast.gemv_max_rows()
+    monkeypatch.setenv("MLX_INFER_GEMV_ROWS", "8")
+    if mx.default_device() == mx.cpu:
+        assert not _fast.skinny_linear_applies(x, w, stream=mx.cpu)
+        with pytest.raises(ValueError, match="CUDA"):
+            _fast.skinny_linear(x, w, stream=mx.cpu)
+
+
+def test_bad_operands_clear_errors():
+    x, w = mx.zeros((2, 64), mx.float32), mx.zeros((32, 64), mx.float32)
+    with pytest.raises(ValueError, match=r"x \(\.\.\., K\) with 1 to 16 rows"):
+        _fast.skinny_linear(mx.zeros((17, 64)), w)
+    with pytest.raises(ValueError, match="multiple of 16 bytes"):
+        _fast.skinny_linear(mx.zeros((2, 6)), mx.zeros((32, 6)))
+    with pytest.raises(ValueError, match="one float dtype"):
+        _fast.skinny_linear(x.astype(mx.bfloat16), w)
+    with pytest.raises(ValueError, match=r"bias must be \(N,\)"):
+        _fast.skinny_linear(x, w, mx.zeros((31,)))
+    with pytest.raises(ValueError, match="tiling"):
+        _fast.skinny_linear(x, w, tiling=(5, 4, 8))
