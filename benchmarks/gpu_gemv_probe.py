@@ -30,7 +30,10 @@ from products import L2_BYTES, layer_products  # noqa: E402
 from mlx_infer import _fast  # noqa: E402
 
 PRODUCTS = ("qkv", "o", "gate_up", "down", "head")  # what the compiled steps run (fused projections)
-TILINGS = [(r, w, u) for r, w, u in itertools.product((1, 2, 4), (4, 8), (4, 8, 16)) if r * u <= 32]
+#: The CUDA-core form's tilings (rows per warp, warps, chunks in flight), swept at M = 1; the tensor-core form's
+#: (warps splitting K, steps in flight), swept at every M.
+CORE_TILINGS = [(r, w, u) for r, w, u in itertools.product((1, 2, 4), (4, 8), (4, 8, 16)) if r * u <= 32]
+MMA_TILINGS = list(itertools.product((2, 4, 8), (4, 8, 16)))
 
 
 def timer(ws: list[mx.array], x: mx.array, iters: int) -> Callable[[Callable[[mx.array, mx.array], mx.array]], float]:
@@ -48,7 +51,7 @@ def timer(ws: list[mx.array], x: mx.array, iters: int) -> Callable[[Callable[[mx
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="llama-8b,llama-1b,gemma3-270m")
-    p.add_argument("--ms", default="1,2,4,8,16")
+    p.add_argument("--ms", default="1,2,4,8,16,32")
     p.add_argument("--iters", type=int, default=40)
     p.add_argument("--no-sweep", action="store_true", help="the default tiling only")
     p.add_argument("--json", default=None)
@@ -74,20 +77,32 @@ def main() -> None:
                 err = (mx.abs(got - ref).max() / mx.abs(ref).max()).item()
                 t_def = run(lambda a, b: _fast.skinny_linear(a, b))
                 times = {"mlx": t_mlx, "default": t_def}
+                errs = {"default": err}
                 best = ("default", t_def)
-                for til in ([] if args.no_sweep else TILINGS):
-                    t = run(lambda a, b, til=til: _fast.skinny_linear(a, b, tiling=til))
-                    times[",".join(map(str, til))] = t
+                sweep = [] if args.no_sweep else (
+                    [("core " + ",".join(map(str, c)), c, False) for c in CORE_TILINGS if m == 1]
+                    + [("mma " + ",".join(map(str, c)), (1, *c), True) for c in MMA_TILINGS])
+                if not args.no_sweep and m <= 16:
+                    sweep.append(("core default", None, False))
+                for label, til, mma in sweep:
+                    if til is None:  # the CUDA-core form's default tiling at this M
+                        core = (2 if out >= 2048 and m <= 4 else 1, 4, 8 if inp >= 2048 else 4)
+                        til = core
+                    t = run(lambda a, b, til=til, mma=mma: _fast.skinny_linear(a, b, tiling=til, mma=mma))
+                    y = _fast.skinny_linear(x, ws[0], tiling=til, mma=mma).astype(mx.float32)
+                    errs[label] = (mx.abs(y - ref).max() / mx.abs(ref).max()).item()
+                    times[label] = t
                     if t < best[1]:
-                        best = (",".join(map(str, til)), t)
+                        best = (label, t)
                 per[(m, name)] = {"mlx": t_mlx, "default": t_def, "best": best[1]}
                 gb = out * inp * 2 / 1e9
                 print(f"{shape:12s} {name:8s} M={m:2d} N={out:6d} K={inp:5d}  mlx {t_mlx * 1e6:7.1f} us "
                       f"({gb / t_mlx / 1e3:4.2f} TB/s)  default {t_def * 1e6:7.1f} ({t_mlx / t_def:4.2f}x)  "
-                      f"best {best[0]:>8s} {best[1] * 1e6:7.1f} ({t_mlx / best[1]:4.2f}x, {gb / best[1] / 1e3:4.2f} "
-                      f"TB/s)  relerr {err:.1e}", flush=True)
+                      f"best {best[0]:>13s} {best[1] * 1e6:7.1f} ({t_mlx / best[1]:4.2f}x, {gb / best[1] / 1e3:4.2f} "
+                      f"TB/s)  relerr {err:.1e} (worst tiling {max(errs.values()):.1e})", flush=True)
                 rows.append({"suite": "gemv", "shape": shape, "product": name, "m": m, "out": out, "in": inp,
-                             "relerr_default": err, "us": {k: v * 1e6 for k, v in times.items()},
+                             "relerr": errs, "max_relerr": max(errs.values()),
+                             "us": {k: v * 1e6 for k, v in times.items()},
                              "best_tiling": best[0]})
                 del x, ref
             del ws

@@ -384,16 +384,38 @@ case "${1:-a}" in
     # routing test and the paged step's CUDA parity with it; the tiling sweep against MLX's products; then the
     # served A/B (the GEMV column against MLX_INFER_GEMV_ROWS=0, engines alternating) for llama-8B and llama-1B.
     run 100 gpu-tests python -m pytest -q -p no:cacheprovider -rf --tb=short tests/test_gemv_cuda_text.py \
-      tests/test_paged_decode_step.py -k "routing or (compiled_paged_equals and llama)"
+      tests/test_paged_decode_step.py -k "routing or (compiled_paged_equals and llama and not q4)"
     tail -n 8 "$out/gpu-tests.log"
-    run 140 gemv-probe python benchmarks/gpu_gemv_probe.py --ms 1,2,4,8 --json "$out/h200-gemv-probe.json"
+    run 110 gemv-probe python benchmarks/gpu_gemv_probe.py --ms 1,2,8,32 --json "$out/h200-gemv-probe.json"
     grep -h "step products" "$out/gemv-probe.log"
-    run 180 served-llama-8b python benchmarks/served.py -p 512 -g 128 -r 2 -n 3 --no-text --no-gemv --streams 1,8 \
+    export MLX_INFER_GEMV_ROWS=32  # the A/B at 32 streams too (the no-GEMV column sets 0 while it runs)
+    run 230 served-llama-8b python benchmarks/served.py -p 512 -g 128 -r 2 -n 3 --no-text --no-gemv \
+      --streams 1,8,32 --shape llama-8b --json "$out/h200-served-llama-8b.json"
+    run 100 served-llama-1b python benchmarks/served.py -p 512 -g 128 -r 2 -n 3 --no-text --no-gemv --streams 1,32 \
+      --shape llama-1b --json "$out/h200-served-llama-1b.json"
+    unset MLX_INFER_GEMV_ROWS
+    grep -h '^| \|^==' "$out"/served-*.log
+    ;;
+  s15b)
+    # Session 15, after s15a set the GEMV default: llama-8B's table with 3 requests per stream (1 and 32 streams
+    # missed with 1), llama-1B's 1-stream row and the HTTP column at 32 streams; the paged step's 8-row CUDA cases.
+    run 220 served-llama-8b python benchmarks/served.py -p 512 -g 128 -r 3 -n 3 --no-text --streams 1,8,32,64 \
       --shape llama-8b --json "$out/h200-served-llama-8b.json"
-    run 90 served-llama-1b python benchmarks/served.py -p 512 -g 128 -r 2 -n 3 --no-text --no-gemv --streams 1,8 \
+    run 150 served-llama-1b-http python benchmarks/served.py -p 512 -g 128 -r 3 -n 3 --no-text --http \
+      --streams 1,32 --shape llama-1b --json "$out/h200-served-llama-1b-http.json"
+    grep -h '^| \|^==' "$out"/served-*.log
+    run 170 gpu-tests-8 python -m pytest -q -p no:cacheprovider -rf --tb=short tests/test_paged_decode_step.py \
+      -k "8- and not real"
+    tail -n 8 "$out/gpu-tests-8.log"
+    ;;
+  s15c)
+    # Session 15: gemma3-270m's table and llama-1B's 8/64/128 rows with the GEMV default.
+    run 160 served-gemma3 python benchmarks/served.py -p 512 -g 128 -r 2 -n 3 --no-text --streams 1,8,32,64,128 \
+      --shape gemma3-270m --json "$out/h200-served-gemma3-270m.json"
+    run 170 served-llama-1b python benchmarks/served.py -p 512 -g 128 -r 3 -n 3 --no-text --streams 8,64,128 \
       --shape llama-1b --json "$out/h200-served-llama-1b.json"
     grep -h '^| \|^==' "$out"/served-*.log
     ;;
-  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a" >&2
+  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c" >&2
      exit 2 ;;
 esac

@@ -257,19 +257,80 @@ int main() {
 """
 
 
+# The tensor-core form's fragments and mma.sync m16n8k16 (row.col, float32 accumulation), per warp: every lane
+# posts its A (4 pairs) and B (2 pairs) fragments, then computes its own 4 elements of D = A B + C from them.
+_MMA_MOCK = r"""
+struct MlxiFrag { float lo = 0.0f, hi = 0.0f; };
+template <typename V> MlxiFrag mlxi_pair(const V& v, int j) { return {v[2 * j], v[2 * j + 1]}; }
+inline MlxiFrag mlxi_zero_pair() { return {}; }
+static MlxiFrag g_fa[32][32][4], g_fb[32][32][2];
+inline void mlxi_mma(const float*, float* c, const MlxiFrag* a, const MlxiFrag* b) {
+  const int w = threadIdx.x / 32, l = threadIdx.x % 32;
+  g_warp_bar[w]->arrive_and_wait();  // every lane has read the previous fragments
+  for (int j = 0; j < 4; ++j) g_fa[w][l][j] = a[j];
+  for (int j = 0; j < 2; ++j) g_fb[w][l][j] = b[j];
+  g_warp_bar[w]->arrive_and_wait();
+  auto A = [&](int r, int k) {
+    const MlxiFrag f = g_fa[w][(r % 8) * 4 + (k % 8) / 2][(r >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0)];
+    return k % 2 ? f.hi : f.lo;
+  };
+  auto B = [&](int k, int n) {
+    const MlxiFrag f = g_fb[w][n * 4 + (k % 8) / 2][k >= 8 ? 1 : 0];
+    return k % 2 ? f.hi : f.lo;
+  };
+  const int g = l / 4, t = l % 4;
+  for (int j = 0; j < 4; ++j) {
+    const int r = g + (j >= 2 ? 8 : 0), n = 2 * t + (j & 1);
+    float sum = 0.0f;
+    for (int k = 0; k < 16; ++k) sum += A(r, k) * B(k, n);
+    c[j] += sum;
+  }
+}
+"""
+
+_GEMV_MMA_MAIN = r"""
+int main() {
+  auto xb = slurp("x.bin"), wb = slurp("w.bin"), bb = slurp("b.bin");
+  Shape xs{}, ws{};
+  xs.d[0] = M, xs.d[1] = K;
+  ws.d[0] = N, ws.d[1] = K;
+  std::vector<float> y((size_t)M * N, -12345.0f);
+  const int blocks = (N + 7) / 8;
+  gridDim = {blocks, 1, 1};
+  blockDim = {32 * NWB, 1, 1};
+  for (int x = 0; x < blocks; ++x) {
+    blockIdx = {x, 0, 0};
+    run_block(32 * NWB, [&] { gemv((const float*)xb.data(), xs, (const float*)wb.data(), ws,
+                                   (const float*)bb.data(), y.data()); });
+  }
+  FILE* f = fopen("o.bin", "wb");
+  fwrite(y.data(), 4, y.size(), f);
+  fclose(f);
+}
+"""
+
+
 def run_gemv(workdir: Path, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, *, rows_per_warp: int,
-             warps: int, unroll: int) -> np.ndarray:
-    """gemv_cuda.cpp's kernel on the CPU, as skinny_linear launches it: float32 ``x (M, K) @ w (N, K).T (+ bias)``."""
+             warps: int, unroll: int, mma: bool = False) -> np.ndarray:
+    """gemv_cuda.cpp's kernel on the CPU, as skinny_linear launches it: float32 ``x (M, K) @ w (N, K).T (+ bias)``;
+    ``mma``: the tensor-core form (its fragments and mma.sync emulated in float32)."""
     text = GEMV_FILE.read_text()
-    m = re.search(r'constexpr const char\* kSource = R"\((.*?)\)";', text, re.S)
-    assert m is not None, f"kSource not found in {GEMV_FILE}"
+    name = "kMmaSource" if mma else "kSource"
+    m = re.search(r'constexpr const char\* %s = R"\((.*?)\)";' % name, text, re.S)
+    assert m is not None, f"{name} not found in {GEMV_FILE}"
     M, K = x.shape
     N = w.shape[0]
-    consts = dict(T=float, kM=M, kR=rows_per_warp, kNW=warps, kU=unroll, kBias=bias is not None)
-    args = "const float* x, const float* w, const Shape w_shape, const float* bias, float* y"
+    if mma:
+        consts = dict(T=float, kMT=-(-M // 16), kNW=warps, kU=unroll, kBias=bias is not None)
+        args = "const float* x, const Shape x_shape, const float* w, const Shape w_shape, const float* bias, float* y"
+        tail = _MMA_MOCK + _MAIN.split("int main()")[0] + _GEMV_MMA_MAIN
+    else:
+        consts = dict(T=float, kM=M, kR=rows_per_warp, kNW=warps, kU=unroll, kBias=bias is not None)
+        args = "const float* x, const float* w, const Shape w_shape, const float* bias, float* y"
+        tail = _MAIN.split("int main()")[0] + _GEMV_MAIN
     sizes = f"constexpr int M = {M}, N = {N}, K = {K}, RPW = {rows_per_warp}, NWB = {warps};\n"
-    source = (_MOCK + sizes + _function("gemv", args, consts, m.group(1)) + _MAIN.split("int main()")[0]
-              + _GEMV_MAIN)
+    main_at = tail.index("int main()")
+    source = _MOCK + sizes + tail[:main_at] + _function("gemv", args, consts, m.group(1)) + tail[main_at:]
     workdir.mkdir(parents=True, exist_ok=True)
     np.ascontiguousarray(x, np.float32).tofile(workdir / "x.bin")
     np.ascontiguousarray(w, np.float32).tofile(workdir / "w.bin")

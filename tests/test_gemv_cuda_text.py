@@ -28,6 +28,29 @@ CASES = [  # M, N, K, bias, (rows_per_warp, warps, unroll)
 ]
 
 
+MMA_CASES = [  # M, N, K, bias, (warps, unroll): the tensor-core form
+    (1, 37, 256, False, (4, 8)),    # 8 steps: one warp's iteration, the others none; N not a multiple of 8
+    (5, 64, 1024, True, (4, 4)),    # rows of x past M in the m-tile (zeros), bias
+    (16, 24, 640, False, (2, 8)),   # a whole m-tile; 20 steps: the last iteration partial
+    (20, 19, 2048, True, (8, 2)),   # two m-tiles, the second partial
+    (64, 8, 96, False, (1, 1)),     # four m-tiles, one warp, one step at a time
+]
+
+
+@pytest.mark.parametrize("M,N,K,with_bias,tiling", MMA_CASES)
+def test_gemv_mma_kernel_text_matches_float64(tmp_path, M, N, K, with_bias, tiling):
+    assert compiler() is not None, "g++ (C++20, <barrier>) is needed to build the CUDA kernels' text for the CPU"
+    rng = np.random.default_rng(M * 1000 + N + K + 1)
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    w = rng.standard_normal((N, K)).astype(np.float32)
+    b = rng.standard_normal(N).astype(np.float32) if with_bias else None
+    got = run_gemv(tmp_path, x, w, b, rows_per_warp=1, warps=tiling[0], unroll=tiling[1], mma=True)
+    ref = x.astype(np.float64) @ w.astype(np.float64).T + (0 if b is None else b.astype(np.float64))
+    rel = np.abs(got - ref).max() / np.abs(ref).max()
+    print(f"mma M={M} N={N} K={K} tiling={tiling}: {rel:.2e}")
+    assert rel <= TOL
+
+
 @pytest.mark.parametrize("M,N,K,with_bias,tiling", CASES)
 def test_gemv_kernel_text_matches_float64(tmp_path, M, N, K, with_bias, tiling):
     # The project builds with a C++ compiler (README); without g++ this test cannot check anything: fail, loudly.
@@ -51,7 +74,7 @@ def test_routing_and_knob(monkeypatch):
     monkeypatch.setenv("MLX_INFER_GEMV_ROWS", "0")
     assert _fast.gemv_max_rows() == 0
     assert not _fast.skinny_linear_applies(x, w)
-    for bad in ("17", "-1", "four"):
+    for bad in ("65", "-1", "four"):
         monkeypatch.setenv("MLX_INFER_GEMV_ROWS", bad)
         with pytest.raises(ValueError, match=f"MLX_INFER_GEMV_ROWS='{bad}' is not an integer in"):
             _fast.gemv_max_rows()
@@ -64,8 +87,12 @@ def test_routing_and_knob(monkeypatch):
 
 def test_bad_operands_clear_errors():
     x, w = mx.zeros((2, 64), mx.float32), mx.zeros((32, 64), mx.float32)
-    with pytest.raises(ValueError, match=r"x \(\.\.\., K\) with 1 to 16 rows"):
-        _fast.skinny_linear(mx.zeros((17, 64)), w)
+    with pytest.raises(ValueError, match=r"x \(\.\.\., K\) with 1 to 64 rows"):
+        _fast.skinny_linear(mx.zeros((65, 64)), w)
+    with pytest.raises(ValueError, match="CUDA-core form takes at most 16"):
+        _fast.skinny_linear(mx.zeros((17, 64)), w, tiling=(1, 4, 8))
+    with pytest.raises(ValueError, match="tensor-core form takes bfloat16/float16"):
+        _fast.skinny_linear(x, w, tiling=(1, 4, 8), mma=True)
     with pytest.raises(ValueError, match="multiple of 16 bytes"):
         _fast.skinny_linear(mx.zeros((2, 6)), mx.zeros((32, 6)))
     with pytest.raises(ValueError, match="one float dtype"):

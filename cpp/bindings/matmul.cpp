@@ -175,19 +175,23 @@ Raises:
   m.def(
       "skinny_linear",
       [](const mx::array& x, const mx::array& w, const std::optional<mx::array>& bias,
-         std::optional<std::tuple<int, int, int>> tiling, mx::StreamOrDevice stream) {
+         std::optional<std::tuple<int, int, int>> tiling, bool mma, mx::StreamOrDevice stream) {
         std::optional<mlx_infer::GemvTiling> t;
-        if (tiling) t = mlx_infer::GemvTiling{std::get<0>(*tiling), std::get<1>(*tiling), std::get<2>(*tiling)};
+        if (tiling) {
+          t = mlx_infer::GemvTiling{std::get<0>(*tiling), std::get<1>(*tiling), std::get<2>(*tiling), mma};
+        }
         return mlx_infer::skinny_linear(x, w, bias, t, stream);
       },
-      "x"_a, "w"_a, "bias"_a = nb::none(), nb::kw_only(), "tiling"_a = nb::none(), "stream"_a = nb::none(),
-      R"(``x @ w.T (+ bias)`` for 1 to 16 rows by the CUDA GEMV kernel the decode graphs use.
+      "x"_a, "w"_a, "bias"_a = nb::none(), nb::kw_only(), "tiling"_a = nb::none(), "mma"_a = false,
+      "stream"_a = nb::none(),
+      R"(``x @ w.T (+ bias)`` for 1 to 64 rows by the CUDA GEMV kernel the decode graphs use.
 
 Args:
-    x: ``(..., K)``, 1 to 16 rows (``x.size // K``).
+    x: ``(..., K)``, 1 to 64 rows (``x.size // K``; above 16 only the tensor-core form).
     w: ``(N, K)`` of x's dtype (bfloat16, float16 or float32), K a multiple of 16 bytes.
     bias: optional ``(N,)`` of w's dtype, added in float32 before the rounding.
-    tiling: ``(rows_per_warp, warps, unroll)``; default: the tuned choice for the shape.
+    tiling: ``(rows_per_warp, warps, unroll)``; default: the tuned choice for the shape (``mma`` then unused).
+    mma: with ``tiling``: the tensor-core form (16-bit, K a multiple of 32; rows_per_warp unused).
     stream: a GPU stream of MLX's CUDA backend (the kernel is compiled there by NVRTC).
 
 Returns:

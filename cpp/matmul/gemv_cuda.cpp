@@ -28,7 +28,8 @@ namespace {
 // Rows of x (products of the leading axes) up to which a dense CUDA product runs here, where
 // MLX_INFER_GEMV_ROWS is unset (0 there: never).
 constexpr int kDefaultMaxRows = 8;
-constexpr int kMaxRows = 16;  // the kernel's accumulators are kR x kM floats per lane
+constexpr int kMaxRows = 64;         // the tensor-core form's kMT m-tiles of 16 rows
+constexpr int kCoreRowsDefault = 1;  // above this many rows the default tiling is the tensor-core form
 
 // Template constants: T (x, w, bias and y's dtype), kM (rows of x), kR (rows of w per warp), kNW (warps per
 // block), kU (chunks per lane per iteration), kBias (bool). x (kM, K), w (N, K), bias (N,) (read only with kBias).
@@ -95,11 +96,114 @@ constexpr const char* kSource = R"(
   }
 )";
 
-const mx::fast::CustomKernelFunction& kernel() {
+// The tensor-core form, for 16-bit x and w and more rows (mma.sync m16n8k16, float32 accumulation): a block owns
+// 8 rows of w and its kNW warps split K; lane (g, t) = (lane / 4, lane % 4) loads 16 bytes of w's row n0 + g at
+// k = 32 s + 8 t (s: the step) and the same 16 bytes of x's rows. The dot product is over K, so any permutation
+// of K taken alike by x and w leaves it unchanged: a lane's 8 elements are its 4 k-pairs of two mma steps
+// (logical k 2t, 2t+1 and 2t+8, 2t+9 of each), which is what lets w's fragments come straight from 16-byte
+// loads. kMT m-tiles of 16 rows of x (rows past M are zeros, never stored). Template constants: T, kMT, kNW, kU
+// (steps in flight per lane), kBias. x (M, K), w (N, K), K a multiple of 32.
+constexpr const char* kMmaHeader = R"(
+typedef uint32_t MlxiFrag;  // two 16-bit elements
+template <typename V>
+__device__ __forceinline__ MlxiFrag mlxi_pair(const V& v, int j) { return reinterpret_cast<const MlxiFrag*>(&v)[j]; }
+__device__ __forceinline__ MlxiFrag mlxi_zero_pair() { return 0u; }
+__device__ __forceinline__ void mlxi_mma(const __nv_bfloat16*, float* c, const MlxiFrag* a, const MlxiFrag* b) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};\n"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+__device__ __forceinline__ void mlxi_mma(const __half*, float* c, const MlxiFrag* a, const MlxiFrag* b) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};\n"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+)";
+
+constexpr const char* kMmaSource = R"(
+  using V8 = AlignedVector<T, 8>;
+  const int N = w_shape[0], K = w_shape[1], M = x_shape[0];
+  const int steps = K / 32, rowv = K / 8;  // steps per row; 8-element vectors per row
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int g = lane / 4, t = lane % 4;
+  const int n0 = blockIdx.x * 8;
+  const V8* wv = reinterpret_cast<const V8*>(w) + (size_t)min(n0 + g, N - 1) * rowv + t;
+  const V8* xv = reinterpret_cast<const V8*>(x) + t;
+  float c[kMT][4];
+  #pragma unroll
+  for (int mt = 0; mt < kMT; ++mt) {
+    #pragma unroll
+    for (int j = 0; j < 4; ++j) c[mt][j] = 0.0f;
+  }
+  for (int s0 = warp * kU; s0 < steps; s0 += kNW * kU) {
+    V8 wc[kU];  // every load of w in the iteration is issued before the first is used
+    #pragma unroll
+    for (int u = 0; u < kU; ++u) wc[u] = wv[(size_t)min(s0 + u, steps - 1) * 4];
+    #pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int s = s0 + u;
+      if (s >= steps) break;  // the same in every lane of the warp
+      const MlxiFrag b1[2] = {mlxi_pair(wc[u], 0), mlxi_pair(wc[u], 1)};
+      const MlxiFrag b2[2] = {mlxi_pair(wc[u], 2), mlxi_pair(wc[u], 3)};
+      #pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        const int lo = mt * 16 + g, hi = lo + 8;
+        MlxiFrag xl[4], xh[4];
+        if (lo < M) {
+          const V8 v = xv[(size_t)lo * rowv + (size_t)s * 4];
+          #pragma unroll
+          for (int j = 0; j < 4; ++j) xl[j] = mlxi_pair(v, j);
+        } else {
+          #pragma unroll
+          for (int j = 0; j < 4; ++j) xl[j] = mlxi_zero_pair();
+        }
+        if (hi < M) {
+          const V8 v = xv[(size_t)hi * rowv + (size_t)s * 4];
+          #pragma unroll
+          for (int j = 0; j < 4; ++j) xh[j] = mlxi_pair(v, j);
+        } else {
+          #pragma unroll
+          for (int j = 0; j < 4; ++j) xh[j] = mlxi_zero_pair();
+        }
+        const MlxiFrag a1[4] = {xl[0], xh[0], xl[1], xh[1]};
+        const MlxiFrag a2[4] = {xl[2], xh[2], xl[3], xh[3]};
+        mlxi_mma((const T*)nullptr, c[mt], a1, b1);
+        mlxi_mma((const T*)nullptr, c[mt], a2, b2);
+      }
+    }
+  }
+  __shared__ float part[kNW * kMT * 4 * 32];
+  #pragma unroll
+  for (int mt = 0; mt < kMT; ++mt) {
+    #pragma unroll
+    for (int j = 0; j < 4; ++j) part[((warp * kMT + mt) * 4 + j) * 32 + lane] = c[mt][j];
+  }
+  __syncthreads();
+  if (warp == 0) {
+    #pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+      #pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        float v = 0.0f;
+        #pragma unroll
+        for (int q = 0; q < kNW; ++q) v += part[((q * kMT + mt) * 4 + j) * 32 + lane];
+        const int m = mt * 16 + g + (j >= 2 ? 8 : 0), n = n0 + 2 * t + (j & 1);
+        if (m < M && n < N) y[(size_t)m * N + n] = static_cast<T>(v + (kBias ? static_cast<float>(bias[n]) : 0.0f));
+      }
+    }
+  }
+)";
+
+const mx::fast::CustomKernelFunction& kernel(bool mma) {
   static std::once_flag once;
-  static mx::fast::CustomKernelFunction fn;
-  std::call_once(once, [] { fn = mx::fast::cuda_kernel("mlxi_gemv", {"x", "w", "bias"}, {"y"}, kSource, ""); });
-  return fn;
+  static mx::fast::CustomKernelFunction fns[2];
+  std::call_once(once, [] {
+    fns[0] = mx::fast::cuda_kernel("mlxi_gemv", {"x", "w", "bias"}, {"y"}, kSource, "");
+    fns[1] = mx::fast::cuda_kernel("mlxi_gemv_mma", {"x", "w", "bias"}, {"y"}, kMmaSource, kMmaHeader);
+  });
+  return fns[mma ? 1 : 0];
 }
 
 bool gemv_dtype(mx::Dtype t) { return t == mx::bfloat16 || t == mx::float16 || t == mx::float32; }
@@ -107,6 +211,14 @@ bool gemv_dtype(mx::Dtype t) { return t == mx::bfloat16 || t == mx::float16 || t
 int rows_of(const mx::array& x) {
   return x.ndim() == 0 || x.shape(-1) == 0 ? 0 : static_cast<int>(x.size() / x.shape(-1));
 }
+
+// Whether the tensor-core form takes w: 16-bit, K a multiple of 32.
+bool mma_takes(const mx::array& w) {
+  return (w.dtype() == mx::bfloat16 || w.dtype() == mx::float16) && w.shape(1) % 32 == 0;
+}
+
+// The most rows the CUDA-core form takes (its kR x kM accumulators per lane).
+constexpr int kMaxCoreRows = 16;
 
 }  // namespace
 
@@ -126,10 +238,17 @@ int gemv_max_rows() {
   return static_cast<int>(x);
 }
 
-GemvTiling default_gemv_tiling(int rows, int n, int k) {
+GemvTiling default_gemv_tiling(int rows, int n, int k, mx::Dtype dtype) {
   GemvTiling t;
+  const bool mma_ok = (dtype == mx::bfloat16 || dtype == mx::float16) && k % 32 == 0;
+  if (mma_ok && rows > kCoreRowsDefault) {
+    t.mma = true;
+    t.warps = 4;
+    t.unroll = 8;
+    return t;
+  }
   // Two rows of w per warp once there are enough of them to fill the GPU with warps; more chunks in
-  // flight per lane for long rows. (The H200 sweep, benchmarks/products.py --gemv-sweep, chose these.)
+  // flight per lane for long rows.
   t.rows_per_warp = n >= 2048 && rows <= 4 ? 2 : 1;
   t.warps = 4;
   t.unroll = k >= 2048 ? 8 : 4;
@@ -142,10 +261,12 @@ bool skinny_linear_applies(const mx::array& x, const mx::array& w, const std::op
   if (!cuda_backend() || mx::to_stream(s).device != mx::Device::gpu || rows < 1 || rows > gemv_max_rows()) {
     return false;
   }
-  const int c = 16 / static_cast<int>(mx::size_of(w.dtype()));
-  return w.ndim() == 2 && x.shape(-1) == w.shape(1) && x.dtype() == w.dtype() && gemv_dtype(w.dtype()) &&
-         w.shape(1) % c == 0 && w.shape(0) > 0 && (!bias || (bias->dtype() == w.dtype() && bias->ndim() == 1 &&
-                                                           bias->shape(0) == w.shape(0)));
+  if (w.ndim() != 2 || x.shape(-1) != w.shape(1) || x.dtype() != w.dtype() || !gemv_dtype(w.dtype()) ||
+      w.shape(0) == 0 || w.shape(1) % (16 / static_cast<int>(mx::size_of(w.dtype()))) != 0 ||
+      (rows > kMaxCoreRows && !mma_takes(w))) {
+    return false;
+  }
+  return !bias || (bias->dtype() == w.dtype() && bias->ndim() == 1 && bias->shape(0) == w.shape(0));
 }
 
 mx::array skinny_linear(const mx::array& x, const mx::array& w, const std::optional<mx::array>& bias,
@@ -163,11 +284,19 @@ mx::array skinny_linear(const mx::array& x, const mx::array& w, const std::optio
                                 ",) of w's dtype; got " + shape_text(bias->shape()) + ".");
   }
   const int n = w.shape(0), k = w.shape(1);
-  const auto t = tiling.value_or(default_gemv_tiling(rows, n, k));
+  const auto t = tiling.value_or(default_gemv_tiling(rows, n, k, w.dtype()));
   if (t.rows_per_warp < 1 || t.rows_per_warp > 4 || t.warps < 1 || t.warps > 16 || t.unroll < 1 || t.unroll > 16) {
     throw std::invalid_argument("[skinny_linear] tiling must have rows_per_warp in [1, 4], warps in [1, 16] and "
                                 "unroll in [1, 16]; got " + std::to_string(t.rows_per_warp) + ", " +
                                 std::to_string(t.warps) + ", " + std::to_string(t.unroll) + ".");
+  }
+  if (t.mma && !mma_takes(w)) {
+    throw std::invalid_argument("[skinny_linear] the tensor-core form takes bfloat16/float16 w with K a multiple of "
+                                "32; got " + shape_text(w.shape()) + ". Use the CUDA-core form (mma=False).");
+  }
+  if (!t.mma && rows > kMaxCoreRows) {
+    throw std::invalid_argument("[skinny_linear] the CUDA-core form takes at most " + std::to_string(kMaxCoreRows) +
+                                " rows; got " + std::to_string(rows) + ". Use the tensor-core form (mma=True).");
   }
   const auto stream = mx::to_stream(s);
   if (!cuda_backend() || stream.device != mx::Device::gpu) {
@@ -177,13 +306,22 @@ mx::array skinny_linear(const mx::array& x, const mx::array& w, const std::optio
   auto out_shape = x.shape();
   out_shape.back() = n;
   auto x2 = mx::reshape(x, {rows, k}, stream);  // (M, K)
-  const int warps_needed = (n + t.rows_per_warp - 1) / t.rows_per_warp;
-  const int blocks = (warps_needed + t.warps - 1) / t.warps;
   std::vector<mx::array> in{x2, w, bias ? *bias : x2};  // without a bias x stands in, never read
-  auto y = kernel()(in, {{rows, n}}, {w.dtype()}, {blocks * t.warps * 32, 1, 1}, {t.warps * 32, 1, 1},
-                    {{"T", w.dtype()}, {"kM", rows}, {"kR", t.rows_per_warp}, {"kNW", t.warps},
-                     {"kU", t.unroll}, {"kBias", bias.has_value()}},
-                    std::nullopt, false, stream)[0];  // (M, N)
+  mx::array y = x2;
+  if (t.mma) {
+    const int blocks = (n + 7) / 8;  // 8 rows of w per block
+    y = kernel(true)(in, {{rows, n}}, {w.dtype()}, {blocks * t.warps * 32, 1, 1}, {t.warps * 32, 1, 1},
+                     {{"T", w.dtype()}, {"kMT", (rows + 15) / 16}, {"kNW", t.warps}, {"kU", t.unroll},
+                      {"kBias", bias.has_value()}},
+                     std::nullopt, false, stream)[0];  // (M, N)
+  } else {
+    const int warps_needed = (n + t.rows_per_warp - 1) / t.rows_per_warp;
+    const int blocks = (warps_needed + t.warps - 1) / t.warps;
+    y = kernel(false)(in, {{rows, n}}, {w.dtype()}, {blocks * t.warps * 32, 1, 1}, {t.warps * 32, 1, 1},
+                      {{"T", w.dtype()}, {"kM", rows}, {"kR", t.rows_per_warp}, {"kNW", t.warps},
+                       {"kU", t.unroll}, {"kBias", bias.has_value()}},
+                      std::nullopt, false, stream)[0];  // (M, N)
+  }
   return mx::reshape(y, out_shape, stream);
 }
 

@@ -146,30 +146,34 @@ mx::array tuned_linear(
 /// backend available.
 bool tuned_products_available();
 
-/// How skinny_linear's GEMV kernel splits a product: ``rows_per_warp`` rows of w per warp (1..4), ``warps``
-/// per block (1..16), ``unroll`` 16-byte chunks per lane loaded at once (1..16).
+/// How skinny_linear's GEMV kernel runs a product. ``mma`` false, the CUDA-core form (1..16 rows of x):
+/// ``rows_per_warp`` rows of w per warp (1..4), ``warps`` per block (1..16), ``unroll`` 16-byte chunks per
+/// lane loaded at once (1..16). ``mma`` true, the tensor-core form (16-bit, K % 32 == 0, 1..64 rows): 8 rows
+/// of w per block, ``warps`` splitting K, ``unroll`` 32-element steps in flight per lane; rows_per_warp unused.
 struct GemvTiling {
   int rows_per_warp = 1;
   int warps = 4;
   int unroll = 8;
+  bool mma = false;
 };
 
-/// The tiling skinny_linear uses for x of ``rows`` rows and w (n, k) when none is given.
-GemvTiling default_gemv_tiling(int rows, int n, int k);
+/// The tiling skinny_linear uses for x of ``rows`` rows and w (n, k) of ``dtype`` when none is given.
+GemvTiling default_gemv_tiling(int rows, int n, int k, mx::Dtype dtype);
 
 /// The most rows of x a dense CUDA product of the decode graphs sends to skinny_linear: MLX_INFER_GEMV_ROWS
-/// (0..16, 0: never), read at each call, else the default; a bad value is a std::invalid_argument naming it.
+/// (0..64, 0: never), read at each call, else the default; a bad value is a std::invalid_argument naming it.
 int gemv_max_rows();
 
 /// Whether dense_linear takes skinny_linear for these operands: MLX's CUDA backend, a GPU stream, 1 to
-/// gemv_max_rows() rows (x.size / K), x, w (N, K) and bias (N,) of one float dtype, K a multiple of 16 bytes.
+/// gemv_max_rows() rows (x.size / K), x, w (N, K) and bias (N,) of one float dtype, K a multiple of 16 bytes
+/// (above 16 rows: 16-bit with K a multiple of 32, the tensor-core form).
 bool skinny_linear_applies(
     const mx::array& x,
     const mx::array& w,
     const std::optional<mx::array>& bias = std::nullopt,
     mx::StreamOrDevice s = {});
 
-/// `x @ w.T (+ bias)` for x (..., K) of 1 to 16 rows by our CUDA GEMV kernel (cpp/matmul/gemv_cuda.cpp):
+/// `x @ w.T (+ bias)` for x (..., K) of 1 to 64 rows by our CUDA GEMV kernel (cpp/matmul/gemv_cuda.cpp):
 /// float32 accumulation, one rounding to the dtype; ``tiling`` default: default_gemv_tiling. CUDA streams
 /// only (the kernel is NVRTC-compiled on the device). Throws std::invalid_argument naming the bad operand.
 mx::array skinny_linear(
