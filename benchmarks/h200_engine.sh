@@ -384,7 +384,7 @@ case "${1:-a}" in
     # routing test and the paged step's CUDA parity with it; the tiling sweep against MLX's products; then the
     # served A/B (the GEMV column against MLX_INFER_GEMV_ROWS=0, engines alternating) for llama-8B and llama-1B.
     run 100 gpu-tests python -m pytest -q -p no:cacheprovider -rf --tb=short tests/test_gemv_cuda_text.py \
-      tests/test_paged_decode_step.py -k "routing or (compiled_paged_equals and llama and not q4)"
+      tests/test_paged_decode_step.py -k "routing or cuda_skinny or (compiled_paged_equals and llama and not q4)"
     tail -n 8 "$out/gpu-tests.log"
     run 110 gemv-probe python benchmarks/gpu_gemv_probe.py --ms 1,2,8,32 --json "$out/h200-gemv-probe.json"
     grep -h "step products" "$out/gemv-probe.log"

@@ -101,3 +101,22 @@ def test_bad_operands_clear_errors():
         _fast.skinny_linear(x, w, mx.zeros((31,)))
     with pytest.raises(ValueError, match="tiling"):
         _fast.skinny_linear(x, w, tiling=(5, 4, 8))
+
+
+ON_CUDA = mx.default_device().type == mx.DeviceType.gpu and hasattr(mx, "cuda") and mx.cuda.is_available()
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="needs MLX's CUDA backend (the kernel is NVRTC-compiled on the device)")
+@pytest.mark.parametrize("M", [1, 2, 8, 16, 33])
+def test_cuda_skinny_linear_close_to_float32(M):
+    """On the device: both forms in bfloat16 against a float32 product (bf16 inputs exact in float32)."""
+    rng = np.random.default_rng(M)
+    x = mx.array(rng.standard_normal((M, 4096)).astype(np.float32)).astype(mx.bfloat16)
+    w = mx.array(rng.standard_normal((1000, 4096)).astype(np.float32) * 0.02).astype(mx.bfloat16)
+    b = mx.array(rng.standard_normal(1000).astype(np.float32)).astype(mx.bfloat16)
+    ref = x.astype(mx.float32) @ w.astype(mx.float32).T + b.astype(mx.float32)
+    forms = [(None, False), ((1, 4, 8), True)] + ([((2, 4, 8), False)] if M <= 16 else [])
+    for tiling, mma in forms:
+        y = _fast.skinny_linear(x, w, b, tiling=tiling, mma=mma).astype(mx.float32)
+        rel = (mx.abs(y - ref).max() / mx.abs(ref).max()).item()
+        assert rel < 1e-2, (tiling, mma, rel)  # one bfloat16 rounding of the output: ~4e-3
