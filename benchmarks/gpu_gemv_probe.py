@@ -33,7 +33,7 @@ PRODUCTS = ("qkv", "o", "gate_up", "down", "head")  # what the compiled steps ru
 #: The CUDA-core form's tilings (rows per warp, warps, chunks in flight), swept at M = 1; the tensor-core form's
 #: (warps splitting K, steps in flight), swept at every M.
 CORE_TILINGS = [(r, w, u) for r, w, u in itertools.product((1, 2, 4), (4, 8), (4, 8, 16)) if r * u <= 32]
-MMA_TILINGS = list(itertools.product((2, 4, 8), (4, 8, 16)))
+MMA_TILINGS = [(nt, w, u) for nt, w, u in itertools.product((1, 2, 4), (2, 4, 8), (4, 8, 16)) if nt * u <= 32]
 
 
 def timer(ws: list[mx.array], x: mx.array, iters: int) -> Callable[[Callable[[mx.array, mx.array], mx.array]], float]:
@@ -81,7 +81,7 @@ def main() -> None:
                 best = ("default", t_def)
                 sweep = [] if args.no_sweep else (
                     [("core " + ",".join(map(str, c)), c, False) for c in CORE_TILINGS if m == 1]
-                    + [("mma " + ",".join(map(str, c)), (1, *c), True) for c in MMA_TILINGS])
+                    + [("mma " + ",".join(map(str, c)), c, True) for c in MMA_TILINGS])
                 if not args.no_sweep and m <= 16:
                     sweep.append(("core default", None, False))
                 for label, til, mma in sweep:

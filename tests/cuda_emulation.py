@@ -295,7 +295,7 @@ int main() {
   xs.d[0] = M, xs.d[1] = K;
   ws.d[0] = N, ws.d[1] = K;
   std::vector<float> y((size_t)M * N, -12345.0f);
-  const int blocks = (N + 7) / 8;
+  const int blocks = (N + 8 * RPW - 1) / (8 * RPW);
   gridDim = {blocks, 1, 1};
   blockDim = {32 * NWB, 1, 1};
   for (int x = 0; x < blocks; ++x) {
@@ -321,7 +321,7 @@ def run_gemv(workdir: Path, x: np.ndarray, w: np.ndarray, bias: np.ndarray | Non
     M, K = x.shape
     N = w.shape[0]
     if mma:
-        consts = dict(T=float, kMT=-(-M // 16), kNW=warps, kU=unroll, kBias=bias is not None)
+        consts = dict(T=float, kMT=-(-M // 16), kNT=rows_per_warp, kNW=warps, kU=unroll, kBias=bias is not None)
         args = "const float* x, const Shape x_shape, const float* w, const Shape w_shape, const float* bias, float* y"
         tail = _MMA_MOCK + _MAIN.split("int main()")[0] + _GEMV_MMA_MAIN
     else:

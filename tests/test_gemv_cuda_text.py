@@ -28,12 +28,12 @@ CASES = [  # M, N, K, bias, (rows_per_warp, warps, unroll)
 ]
 
 
-MMA_CASES = [  # M, N, K, bias, (warps, unroll): the tensor-core form
-    (1, 37, 256, False, (4, 8)),    # 8 steps: one warp's iteration, the others none; N not a multiple of 8
-    (5, 64, 1024, True, (4, 4)),    # rows of x past M in the m-tile (zeros), bias
-    (16, 24, 640, False, (2, 8)),   # a whole m-tile; 20 steps: the last iteration partial
-    (20, 19, 2048, True, (8, 2)),   # two m-tiles, the second partial
-    (64, 8, 96, False, (1, 1)),     # four m-tiles, one warp, one step at a time
+MMA_CASES = [  # M, N, K, bias, (n-tiles, warps, unroll): the tensor-core form
+    (1, 37, 256, False, (1, 4, 8)),    # 8 steps: one warp's iteration, the others none; N not a multiple of 8
+    (5, 64, 1024, True, (2, 4, 4)),    # rows of x past M in the m-tile (zeros), bias, 2 n-tiles
+    (16, 24, 640, False, (4, 2, 8)),   # a whole m-tile; 20 steps: the last iteration partial; n-tiles past N
+    (20, 19, 2048, True, (1, 8, 2)),   # two m-tiles, the second partial
+    (64, 40, 96, False, (3, 1, 1)),    # four m-tiles, one warp, one step at a time, 3 n-tiles
 ]
 
 
@@ -44,7 +44,7 @@ def test_gemv_mma_kernel_text_matches_float64(tmp_path, M, N, K, with_bias, tili
     x = rng.standard_normal((M, K)).astype(np.float32)
     w = rng.standard_normal((N, K)).astype(np.float32)
     b = rng.standard_normal(N).astype(np.float32) if with_bias else None
-    got = run_gemv(tmp_path, x, w, b, rows_per_warp=1, warps=tiling[0], unroll=tiling[1], mma=True)
+    got = run_gemv(tmp_path, x, w, b, rows_per_warp=tiling[0], warps=tiling[1], unroll=tiling[2], mma=True)
     ref = x.astype(np.float64) @ w.astype(np.float64).T + (0 if b is None else b.astype(np.float64))
     rel = np.abs(got - ref).max() / np.abs(ref).max()
     print(f"mma M={M} N={N} K={K} tiling={tiling}: {rel:.2e}")
@@ -91,6 +91,9 @@ def test_bad_operands_clear_errors():
         _fast.skinny_linear(mx.zeros((65, 64)), w)
     with pytest.raises(ValueError, match="CUDA-core form takes at most 16"):
         _fast.skinny_linear(mx.zeros((17, 64)), w, tiling=(1, 4, 8))
+    with pytest.raises(ValueError, match="must fit 48 KiB of shared memory"):
+        _fast.skinny_linear(mx.zeros((64, 64), mx.bfloat16), mx.zeros((32, 64), mx.bfloat16), tiling=(4, 8, 4),
+                            mma=True)
     with pytest.raises(ValueError, match="tensor-core form takes bfloat16/float16"):
         _fast.skinny_linear(x, w, tiling=(1, 4, 8), mma=True)
     with pytest.raises(ValueError, match="multiple of 16 bytes"):
@@ -119,7 +122,7 @@ def check_on_device(M: int) -> None:
     w = mx.array(rng.standard_normal((1000, 4096)).astype(np.float32) * 0.02).astype(mx.bfloat16)
     b = mx.array(rng.standard_normal(1000).astype(np.float32)).astype(mx.bfloat16)
     ref = x.astype(mx.float32) @ w.astype(mx.float32).T + b.astype(mx.float32)
-    forms = [(None, False), ((1, 4, 8), True)] + ([((2, 4, 8), False)] if M <= 16 else [])
+    forms = [(None, False), ((1, 4, 8), True), ((4, 2, 4), True)] + ([((2, 4, 8), False)] if M <= 16 else [])
     for tiling, mma in forms:
         y = _fast.skinny_linear(x, w, b, tiling=tiling, mma=mma).astype(mx.float32)
         rel = (mx.abs(y - ref).max() / mx.abs(ref).max()).item()

@@ -191,7 +191,8 @@ Args:
     w: ``(N, K)`` of x's dtype (bfloat16, float16 or float32), K a multiple of 16 bytes.
     bias: optional ``(N,)`` of w's dtype, added in float32 before the rounding.
     tiling: ``(rows_per_warp, warps, unroll)``; default: the tuned choice for the shape (``mma`` then unused).
-    mma: with ``tiling``: the tensor-core form (16-bit, K a multiple of 32; rows_per_warp unused).
+    mma: with ``tiling``: the tensor-core form (16-bit, K a multiple of 32; rows_per_warp: n-tiles of 8 rows
+        of w per block).
     stream: a GPU stream of MLX's CUDA backend (the kernel is compiled there by NVRTC).
 
 Returns:

@@ -97,12 +97,13 @@ constexpr const char* kSource = R"(
 )";
 
 // The tensor-core form, for 16-bit x and w and more rows (mma.sync m16n8k16, float32 accumulation): a block owns
-// 8 rows of w and its kNW warps split K; lane (g, t) = (lane / 4, lane % 4) loads 16 bytes of w's row n0 + g at
+// kNT x 8 rows of w and its kNW warps split K; lane (g, t) = (lane / 4, lane % 4) loads 16 bytes of w's row n0 + g at
 // k = 32 s + 8 t (s: the step) and the same 16 bytes of x's rows. The dot product is over K, so any permutation
 // of K taken alike by x and w leaves it unchanged: a lane's 8 elements are its 4 k-pairs of two mma steps
 // (logical k 2t, 2t+1 and 2t+8, 2t+9 of each), which is what lets w's fragments come straight from 16-byte
-// loads. kMT m-tiles of 16 rows of x (rows past M are zeros, never stored). Template constants: T, kMT, kNW, kU
-// (steps in flight per lane), kBias. x (M, K), w (N, K), K a multiple of 32.
+// loads. kMT m-tiles of 16 rows of x (rows past M are zeros, never stored); kNT n-tiles of 8 rows of w per block
+// share each A fragment (x is read from L2 once per block: more n-tiles, less of that traffic). Template
+// constants: T, kMT, kNT, kNW, kU (steps in flight per lane), kBias. x (M, K), w (N, K), K a multiple of 32.
 constexpr const char* kMmaHeader = R"(
 typedef uint32_t MlxiFrag;  // two 16-bit elements
 template <typename V>
@@ -128,28 +129,34 @@ constexpr const char* kMmaSource = R"(
   const int steps = K / 32, rowv = K / 8;  // steps per row; 8-element vectors per row
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int g = lane / 4, t = lane % 4;
-  const int n0 = blockIdx.x * 8;
-  const V8* wv = reinterpret_cast<const V8*>(w) + (size_t)min(n0 + g, N - 1) * rowv + t;
-  const V8* xv = reinterpret_cast<const V8*>(x) + t;
-  float c[kMT][4];
+  const int n0 = blockIdx.x * 8 * kNT;
+  const V8* wv[kNT];  // this lane's row of each n-tile (a row past N repeats the last, never stored)
   #pragma unroll
-  for (int mt = 0; mt < kMT; ++mt) {
+  for (int nt = 0; nt < kNT; ++nt) wv[nt] = reinterpret_cast<const V8*>(w) + (size_t)min(n0 + nt * 8 + g, N - 1) * rowv + t;
+  const V8* xv = reinterpret_cast<const V8*>(x) + t;
+  float c[kNT][kMT][4];
+  #pragma unroll
+  for (int nt = 0; nt < kNT; ++nt) {
     #pragma unroll
-    for (int j = 0; j < 4; ++j) c[mt][j] = 0.0f;
+    for (int mt = 0; mt < kMT; ++mt) {
+      #pragma unroll
+      for (int j = 0; j < 4; ++j) c[nt][mt][j] = 0.0f;
+    }
   }
   for (int s0 = warp * kU; s0 < steps; s0 += kNW * kU) {
-    V8 wc[kU];  // every load of w in the iteration is issued before the first is used
+    V8 wc[kU][kNT];  // every load of w in the iteration is issued before the first is used
     #pragma unroll
-    for (int u = 0; u < kU; ++u) wc[u] = wv[(size_t)min(s0 + u, steps - 1) * 4];
+    for (int u = 0; u < kU; ++u) {
+      #pragma unroll
+      for (int nt = 0; nt < kNT; ++nt) wc[u][nt] = wv[nt][(size_t)min(s0 + u, steps - 1) * 4];
+    }
     #pragma unroll
     for (int u = 0; u < kU; ++u) {
       const int s = s0 + u;
       if (s >= steps) break;  // the same in every lane of the warp
-      const MlxiFrag b1[2] = {mlxi_pair(wc[u], 0), mlxi_pair(wc[u], 1)};
-      const MlxiFrag b2[2] = {mlxi_pair(wc[u], 2), mlxi_pair(wc[u], 3)};
       #pragma unroll
       for (int mt = 0; mt < kMT; ++mt) {
-        const int lo = mt * 16 + g, hi = lo + 8;
+        const int lo = mt * 16 + g, hi = lo + 8;  // x's rows in this lane's A fragments, read once for every n-tile
         MlxiFrag xl[4], xh[4];
         if (lo < M) {
           const V8 v = xv[(size_t)lo * rowv + (size_t)s * 4];
@@ -169,28 +176,42 @@ constexpr const char* kMmaSource = R"(
         }
         const MlxiFrag a1[4] = {xl[0], xh[0], xl[1], xh[1]};
         const MlxiFrag a2[4] = {xl[2], xh[2], xl[3], xh[3]};
-        mlxi_mma((const T*)nullptr, c[mt], a1, b1);
-        mlxi_mma((const T*)nullptr, c[mt], a2, b2);
+        #pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) {
+          const MlxiFrag b1[2] = {mlxi_pair(wc[u][nt], 0), mlxi_pair(wc[u][nt], 1)};
+          const MlxiFrag b2[2] = {mlxi_pair(wc[u][nt], 2), mlxi_pair(wc[u][nt], 3)};
+          mlxi_mma((const T*)nullptr, c[nt][mt], a1, b1);
+          mlxi_mma((const T*)nullptr, c[nt][mt], a2, b2);
+        }
       }
     }
   }
-  __shared__ float part[kNW * kMT * 4 * 32];
+  // The warps' partial sums over their steps meet in shared memory; warp 0 adds them and stores.
+  __shared__ float part[kNW * kNT * kMT * 4 * 32];
   #pragma unroll
-  for (int mt = 0; mt < kMT; ++mt) {
+  for (int nt = 0; nt < kNT; ++nt) {
     #pragma unroll
-    for (int j = 0; j < 4; ++j) part[((warp * kMT + mt) * 4 + j) * 32 + lane] = c[mt][j];
+    for (int mt = 0; mt < kMT; ++mt) {
+      #pragma unroll
+      for (int j = 0; j < 4; ++j) part[(((warp * kNT + nt) * kMT + mt) * 4 + j) * 32 + lane] = c[nt][mt][j];
+    }
   }
   __syncthreads();
   if (warp == 0) {
     #pragma unroll
-    for (int mt = 0; mt < kMT; ++mt) {
+    for (int nt = 0; nt < kNT; ++nt) {
       #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        float v = 0.0f;
+      for (int mt = 0; mt < kMT; ++mt) {
         #pragma unroll
-        for (int q = 0; q < kNW; ++q) v += part[((q * kMT + mt) * 4 + j) * 32 + lane];
-        const int m = mt * 16 + g + (j >= 2 ? 8 : 0), n = n0 + 2 * t + (j & 1);
-        if (m < M && n < N) y[(size_t)m * N + n] = static_cast<T>(v + (kBias ? static_cast<float>(bias[n]) : 0.0f));
+        for (int j = 0; j < 4; ++j) {
+          float v = 0.0f;
+          #pragma unroll
+          for (int q = 0; q < kNW; ++q) v += part[(((q * kNT + nt) * kMT + mt) * 4 + j) * 32 + lane];
+          const int m = mt * 16 + g + (j >= 2 ? 8 : 0), n = n0 + nt * 8 + 2 * t + (j & 1);
+          if (m < M && n < N) {
+            y[(size_t)m * N + n] = static_cast<T>(v + (kBias ? static_cast<float>(bias[n]) : 0.0f));
+          }
+        }
       }
     }
   }
@@ -243,6 +264,7 @@ GemvTiling default_gemv_tiling(int rows, int n, int k, mx::Dtype dtype) {
   const bool mma_ok = (dtype == mx::bfloat16 || dtype == mx::float16) && k % 32 == 0;
   if (mma_ok && rows > kCoreRowsDefault) {
     t.mma = true;
+    t.rows_per_warp = rows > 16 ? 2 : 1;  // n-tiles per block
     t.warps = 4;
     t.unroll = 8;
     return t;
@@ -294,6 +316,12 @@ mx::array skinny_linear(const mx::array& x, const mx::array& w, const std::optio
     throw std::invalid_argument("[skinny_linear] the tensor-core form takes bfloat16/float16 w with K a multiple of "
                                 "32; got " + shape_text(w.shape()) + ". Use the CUDA-core form (mma=False).");
   }
+  if (t.mma && t.warps * t.rows_per_warp * ((rows + 15) / 16) * 4 * 32 * 4 > 48 * 1024) {
+    throw std::invalid_argument("[skinny_linear] the tensor-core form's partial sums (warps x n-tiles x m-tiles x "
+                                "2 KiB) must fit 48 KiB of shared memory; got " + std::to_string(t.warps) + " x " +
+                                std::to_string(t.rows_per_warp) + " x " + std::to_string((rows + 15) / 16) +
+                                ". Use fewer warps or n-tiles.");
+  }
   if (!t.mma && rows > kMaxCoreRows) {
     throw std::invalid_argument("[skinny_linear] the CUDA-core form takes at most " + std::to_string(kMaxCoreRows) +
                                 " rows; got " + std::to_string(rows) + ". Use the tensor-core form (mma=True).");
@@ -309,9 +337,10 @@ mx::array skinny_linear(const mx::array& x, const mx::array& w, const std::optio
   std::vector<mx::array> in{x2, w, bias ? *bias : x2};  // without a bias x stands in, never read
   mx::array y = x2;
   if (t.mma) {
-    const int blocks = (n + 7) / 8;  // 8 rows of w per block
+    const int blocks = (n + 8 * t.rows_per_warp - 1) / (8 * t.rows_per_warp);  // rows_per_warp n-tiles of 8 rows
     y = kernel(true)(in, {{rows, n}}, {w.dtype()}, {blocks * t.warps * 32, 1, 1}, {t.warps * 32, 1, 1},
-                     {{"T", w.dtype()}, {"kMT", (rows + 15) / 16}, {"kNW", t.warps}, {"kU", t.unroll},
+                     {{"T", w.dtype()}, {"kMT", (rows + 15) / 16}, {"kNT", t.rows_per_warp}, {"kNW", t.warps},
+                      {"kU", t.unroll},
                       {"kBias", bias.has_value()}},
                      std::nullopt, false, stream)[0];  // (M, N)
   } else {

@@ -148,8 +148,9 @@ bool tuned_products_available();
 
 /// How skinny_linear's GEMV kernel runs a product. ``mma`` false, the CUDA-core form (1..16 rows of x):
 /// ``rows_per_warp`` rows of w per warp (1..4), ``warps`` per block (1..16), ``unroll`` 16-byte chunks per
-/// lane loaded at once (1..16). ``mma`` true, the tensor-core form (16-bit, K % 32 == 0, 1..64 rows): 8 rows
-/// of w per block, ``warps`` splitting K, ``unroll`` 32-element steps in flight per lane; rows_per_warp unused.
+/// lane loaded at once (1..16). ``mma`` true, the tensor-core form (16-bit, K % 32 == 0, 1..64 rows):
+/// ``rows_per_warp`` n-tiles of 8 rows of w per block (1..4), ``warps`` splitting K, ``unroll`` 32-element
+/// steps in flight per lane.
 struct GemvTiling {
   int rows_per_warp = 1;
   int warps = 4;
