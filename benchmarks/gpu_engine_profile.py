@@ -17,14 +17,18 @@ from __future__ import annotations
 import argparse
 import csv
 import ctypes
+import gc
 import glob
+import os
 import sys
 import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 GROUPS = [  # (group, substrings of a kernel name), first match wins
+    ("products (ours: mlxi_gemv)", ("mlxi_gemv",)),
     ("products (cuBLAS/gemv)", ("gemm", "gemv", "cutlass", "sm90_xmma", "xmma", "splitk", "Kernel2")),
     ("paged attention (ours)", ("mlxi_paged_attn",)),
     ("sdpa", ("sdpa", "attention", "flash")),
@@ -101,13 +105,35 @@ def profile(args: argparse.Namespace) -> None:
                 continue
         if cudart is not None:
             break
-    path = shape_dir(args.shape, False, Path(tempfile.mkdtemp(prefix="prof-")))
+    path = shape_dir(args.shape, args.toy, Path(tempfile.mkdtemp(prefix="prof-")))
     loaded = load_model(path)
-    engine = Engine(loaded, EngineConfig(max_batch=args.streams))
     vocab = loaded.model.args.vocab_size
     from mlx_infer.engine.config import weight_bytes
 
     weights = weight_bytes(loaded.model)
+    settings = args.gemv_rows.split(",") if args.gemv_rows else [None]
+    for setting in settings:  # one engine per MLX_INFER_GEMV_ROWS value (read when its step traces)
+        if setting is not None:
+            os.environ["MLX_INFER_GEMV_ROWS"] = setting
+            print(f"== MLX_INFER_GEMV_ROWS={setting}", flush=True)
+        engine = Engine(loaded, EngineConfig(max_batch=args.streams))
+        profile_engine(args, engine, vocab, weights, cudart,
+                       args.torch_profiler and (args.torch_profiler if setting is None
+                                                else args.torch_profiler.replace(".csv", f"-rows{setting}.csv")))
+        engine.stop()
+        del engine
+        gc.collect()
+        mx.clear_cache()
+
+
+def profile_engine(args: argparse.Namespace, engine: Any, vocab: int, weights: int, cudart: Any,
+                   kernel_csv: str | None) -> None:
+    """Two rounds of ``args.streams`` requests on ``engine``; the second's ``args.steps`` steps profiled."""
+    import mlx.core as mx
+
+    from served import prompts_for
+
+    from mlx_infer.engine import EngineRequest
     for warm in range(2):  # the first round traces; the second is what is profiled
         mx.synchronize()
         mx.clear_cache()
@@ -129,7 +155,7 @@ def profile(args: argparse.Namespace) -> None:
             engine.step()
         mx.synchronize()
         torch_prof = None
-        if warm == 1 and args.torch_profiler:
+        if warm == 1 and kernel_csv:
             import torch
             from torch.profiler import ProfilerActivity
 
@@ -145,8 +171,8 @@ def profile(args: argparse.Namespace) -> None:
         wall = time.perf_counter() - t
         if torch_prof is not None:
             torch_prof.__exit__(None, None, None)
-            write_kernel_csv(torch_prof, args.torch_profiler)
-            summarize(args.torch_profiler, args.steps)
+            write_kernel_csv(torch_prof, kernel_csv)
+            summarize(kernel_csv, args.steps)
         elif warm == 1 and cudart is not None:
             cudart.cudaProfilerStop()
         decode_peak = mx.get_peak_memory()
@@ -166,6 +192,9 @@ def main() -> None:
     p.add_argument("--prompt-tokens", "-p", type=int, default=512)
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--summarize", default=None, metavar="CSV", help="fold nsys's cuda_gpu_kern_sum CSV")
+    p.add_argument("--toy", action="store_true", help="the shape's toy sizes (a CPU smoke run)")
+    p.add_argument("--gemv-rows", default=None, metavar="LIST",
+                   help="one engine (and profile) per MLX_INFER_GEMV_ROWS value, e.g. 0,32 (the GEMV A/B)")
     p.add_argument("--torch-profiler", default=None, metavar="CSV",
                    help="profile with torch.profiler (CUPTI) instead of nsys; write the kernel table here")
     args = p.parse_args()

@@ -397,16 +397,19 @@ case "${1:-a}" in
     grep -h '^| \|^==' "$out"/served-*.log
     ;;
   s15b)
-    # Session 15, after s15a set the GEMV default: llama-8B's table with 3 requests per stream (1 and 32 streams
-    # missed with 1), llama-1B's 1-stream row and the HTTP column at 32 streams; the paged step's 8-row CUDA cases.
-    run 220 served-llama-8b python benchmarks/served.py -p 512 -g 128 -r 3 -n 3 --no-text --streams 1,8,32,64 \
+    # Session 15, the GEMV kernel off by default after s15a: where a step's time goes with it and without
+    # (CUPTI kernel table per step, one engine per MLX_INFER_GEMV_ROWS value in one process), llama-8B at 1 and
+    # 32 streams; then llama-8B's table with 3 requests per stream and the HTTP column at 32 streams (llama-1B).
+    run 120 prof-8b-s1 python benchmarks/gpu_engine_profile.py --shape llama-8b --streams 1 --steps 48 \
+      --gemv-rows 0,1 --torch-profiler /tmp/prof-8b-s1.csv
+    run 120 prof-8b-s32 python benchmarks/gpu_engine_profile.py --shape llama-8b --streams 32 --steps 48 \
+      --gemv-rows 0,32 --torch-profiler /tmp/prof-8b-s32.csv
+    grep -h "^==\|ms/step\|GPU kernel time\|products" "$out"/prof-*.log
+    run 210 served-llama-8b python benchmarks/served.py -p 512 -g 128 -r 3 -n 3 --no-text --streams 1,8,32,64 \
       --shape llama-8b --json "$out/h200-served-llama-8b.json"
-    run 150 served-llama-1b-http python benchmarks/served.py -p 512 -g 128 -r 3 -n 3 --no-text --http \
-      --streams 1,32 --shape llama-1b --json "$out/h200-served-llama-1b-http.json"
+    run 90 served-llama-1b-http python benchmarks/served.py -p 512 -g 128 -r 2 -n 3 --no-text --http \
+      --streams 32 --shape llama-1b --json "$out/h200-served-llama-1b-http.json"
     grep -h '^| \|^==' "$out"/served-*.log
-    run 170 gpu-tests-8 python -m pytest -q -p no:cacheprovider -rf --tb=short tests/test_paged_decode_step.py \
-      -k "8- and not real"
-    tail -n 8 "$out/gpu-tests-8.log"
     ;;
   s15c)
     # Session 15: gemma3-270m's table and llama-1B's 8/64/128 rows with the GEMV default.

@@ -70,6 +70,8 @@ def test_routing_and_knob(monkeypatch):
     """Off CUDA no product is routed to the kernel; the knob is read at each call and refused when bad."""
     x, w = mx.zeros((1, 64), mx.bfloat16), mx.zeros((32, 64), mx.bfloat16)
     monkeypatch.delenv("MLX_INFER_GEMV_ROWS", raising=False)
+    assert _fast.gemv_max_rows() == 0  # off by default (gemv_cuda.cpp: kDefaultMaxRows, the H200 A/B)
+    monkeypatch.setenv("MLX_INFER_GEMV_ROWS", "8")
     assert _fast.gemv_max_rows() == 8
     monkeypatch.setenv("MLX_INFER_GEMV_ROWS", "0")
     assert _fast.gemv_max_rows() == 0

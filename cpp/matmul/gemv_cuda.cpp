@@ -26,8 +26,11 @@ namespace mlx_infer {
 namespace {
 
 // Rows of x (products of the leading axes) up to which a dense CUDA product runs here, where
-// MLX_INFER_GEMV_ROWS is unset (0 there: never).
-constexpr int kDefaultMaxRows = 8;
+// MLX_INFER_GEMV_ROWS is unset (0: never). Off: in the H200's served A/B (session 15, s15a, engines
+// alternating, the GEMV column at MLX_INFER_GEMV_ROWS=32 against 0) it lost on llama-8B at 1 / 8 / 32 streams
+// (158 / 765 / 2,448 against 173 / 934 / 3,582 tok/s) and on llama-1B at 32 (8,296 against 10,309); it won only
+// llama-1B at 1 stream (379 against 349). benchmarks/RESULTS.md, "H200, session 15".
+constexpr int kDefaultMaxRows = 0;
 constexpr int kMaxRows = 64;         // the tensor-core form's kMT m-tiles of 16 rows
 constexpr int kCoreRowsDefault = 1;  // above this many rows the default tiling is the tensor-core form
 
