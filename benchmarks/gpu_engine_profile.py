@@ -29,7 +29,7 @@ from typing import Any
 
 GROUPS = [  # (group, substrings of a kernel name), first match wins
     ("products (ours: mlxi_gemv)", ("mlxi_gemv",)),
-    ("products (cuBLAS/gemv)", ("gemm", "gemv", "cutlass", "sm90_xmma", "xmma", "splitk", "Kernel2")),
+    ("products (cuBLAS/gemv)", ("gemm", "gemv", "cutlass", "sm90_xmma", "xmma", "splitk", "Kernel2", "nvjet")),
     ("paged attention (ours)", ("mlxi_paged_attn",)),
     ("sdpa", ("sdpa", "attention", "flash")),
     ("rope", ("rope",)),

@@ -419,6 +419,12 @@ case "${1:-a}" in
       --shape llama-1b --json "$out/h200-served-llama-1b.json"
     grep -h '^| \|^==' "$out"/served-*.log
     ;;
-  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c" >&2
+  s15d)
+    # Session 15, the last device minutes: the GEMV tilings timed by the device's kernel durations (CUPTI),
+    # llama-8B's products at 1 and 32 rows (s15a's host-timed probe measured MLX's per-op host cost instead).
+    run 100 gemv-probe python benchmarks/gpu_gemv_probe.py --shapes llama-8b --ms 1,32 --products qkv,o,gate_up,down \
+      --json "$out/h200-gemv-probe.json"
+    ;;
+  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d" >&2
      exit 2 ;;
 esac
