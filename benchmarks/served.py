@@ -399,12 +399,14 @@ def main() -> None:
         ours = [k(path, max_batch) for k in ours_kinds]
         columns = ours + [base]
         sizing, sharing = start_engines(ours, max_batch)
-        for s in streams:
+        for i, s in enumerate(streams):
             for r in measure(columns, s, args, vocab):
                 r.update(kernels=kernels, gpu_sharing=sharing)
                 if r["engine"] != "mlx-lm":
                     r["kv_sizing"] = sizing
                 by_streams[s].append(r)
+            if args.json:  # what has finished survives a run cut short (a device call's time limit)
+                write_json(results_document(finish(by_streams, streams[: i + 1], args, path)), Path(args.json))
         for c in columns:
             c.close()
         del base, ours, c
@@ -422,7 +424,18 @@ def main() -> None:
     finally:
         for c in columns:
             c.close()
-    rows = [r for s in streams for r in by_streams[s]]
+    rows = finish(by_streams, streams, args, path)
+    doc = results_document(rows)
+    print(markdown(rows))
+    if args.json:
+        write_json(doc, Path(args.json))
+    if args.plot:
+        plot(doc, Path(args.plot))
+
+
+def finish(by_streams: dict[int, list[dict[str, Any]]], streams: list[int], args: argparse.Namespace,
+           path: Path) -> list[dict[str, Any]]:
+    """The rows of ``streams``, each with its ratios against mlx-lm's row of the same stream count."""
     for s in streams:
         group = by_streams[s]
         ref = next(r for r in group if r["engine"] == "mlx-lm")
@@ -431,12 +444,7 @@ def main() -> None:
             r["ratio_vs_mlx-lm"] = r["decode_tps"] / ref["decode_tps"]
             r["decode_only_ratio_vs_mlx-lm"] = (r["decode_only_tps"] / ref["decode_only_tps"]
                                                 if r["decode_only_tps"] and ref["decode_only_tps"] else None)
-    doc = results_document(rows)
-    print(markdown(rows))
-    if args.json:
-        write_json(doc, Path(args.json))
-    if args.plot:
-        plot(doc, Path(args.plot))
+    return [r for s in streams for r in by_streams[s]]
 
 
 def start_engines(ours: list[Ours], max_batch: int) -> tuple[str, str]:
