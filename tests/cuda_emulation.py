@@ -113,6 +113,15 @@ def compiler() -> str | None:
     return shutil.which("g++")
 
 
+def build_and_run(workdir: Path, source: str) -> None:
+    """Compile ``source`` (an emulation program) in ``workdir`` with the host's g++ and run it there."""
+    (workdir / "emu.cpp").write_text(source)
+    build = subprocess.run([compiler(), "-std=c++20", "-O1", "-pthread", "-w", "emu.cpp", "-o", "emu"],
+                           cwd=workdir, capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr[-4000:]
+    subprocess.run(["./emu"], cwd=workdir, check=True, timeout=120)
+
+
 def _sources() -> dict[str, str]:
     text = KERNEL_FILE.read_text()
 
@@ -170,12 +179,8 @@ def run(workdir: Path, q: np.ndarray, k: np.ndarray, v: np.ndarray, tables: np.n
         np.ascontiguousarray(a).tofile(workdir / f"{name}.bin")
     np.array([scale, softcap], np.float32).tofile(workdir / "s.bin")  # [scale, cap], as the launch passes it
     (np.zeros(1, np.float32) if sinks is None else sinks.astype(np.float32)).tofile(workdir / "sk.bin")
-    (workdir / "emu.cpp").write_text(program(R, H, KVH, D, P, tables.shape[1], window, splits, softcap > 0,
-                                             sinks is not None, unroll, prefetch))
-    build = subprocess.run([compiler(), "-std=c++20", "-O1", "-pthread", "-w", "emu.cpp", "-o", "emu"],
-                           cwd=workdir, capture_output=True, text=True)
-    assert build.returncode == 0, build.stderr[-4000:]
-    subprocess.run(["./emu"], cwd=workdir, check=True, timeout=120)
+    build_and_run(workdir, program(R, H, KVH, D, P, tables.shape[1], window, splits, softcap > 0,
+                                   sinks is not None, unroll, prefetch))
     return np.fromfile(workdir / "o.bin", np.float32).reshape(R, H, D)
 
 
@@ -224,11 +229,7 @@ def run_qkv_rope(workdir: Path, qkv: np.ndarray, positions: np.ndarray, *, H: in
     # [scale, log2(base)] in float32, as qkv_rope passes them (std::log2 of the float base)
     np.array([scale, 0.0 if base is None else np.log2(np.float32(base))], np.float32).tofile(workdir / "par.bin")
     (np.zeros(1, np.float32) if freqs is None else freqs.astype(np.float32)).tofile(workdir / "fr.bin")
-    (workdir / "emu.cpp").write_text(source)
-    build = subprocess.run([compiler(), "-std=c++20", "-O1", "-pthread", "-w", "emu.cpp", "-o", "emu"],
-                           cwd=workdir, capture_output=True, text=True)
-    assert build.returncode == 0, build.stderr[-4000:]
-    subprocess.run(["./emu"], cwd=workdir, check=True, timeout=120)
+    build_and_run(workdir, source)
     out = np.fromfile(workdir / "o.bin", np.float32)
     nq, nk = R * H * D, R * KVH * D
     return (out[:nq].reshape(R, H, D), out[nq:nq + nk].reshape(R, KVH, D), out[nq + nk:].reshape(R, KVH, D))
@@ -335,9 +336,5 @@ def run_gemv(workdir: Path, x: np.ndarray, w: np.ndarray, bias: np.ndarray | Non
     np.ascontiguousarray(x, np.float32).tofile(workdir / "x.bin")
     np.ascontiguousarray(w, np.float32).tofile(workdir / "w.bin")
     (np.zeros(1, np.float32) if bias is None else bias.astype(np.float32)).tofile(workdir / "b.bin")
-    (workdir / "emu.cpp").write_text(source)
-    build = subprocess.run([compiler(), "-std=c++20", "-O1", "-pthread", "-w", "emu.cpp", "-o", "emu"],
-                           cwd=workdir, capture_output=True, text=True)
-    assert build.returncode == 0, build.stderr[-4000:]
-    subprocess.run(["./emu"], cwd=workdir, check=True, timeout=120)
+    build_and_run(workdir, source)
     return np.fromfile(workdir / "o.bin", np.float32).reshape(M, N)

@@ -137,6 +137,17 @@ constexpr const char* kMmaSource = R"(
   #pragma unroll
   for (int nt = 0; nt < kNT; ++nt) wv[nt] = reinterpret_cast<const V8*>(w) + (size_t)min(n0 + nt * 8 + g, N - 1) * rowv + t;
   const V8* xv = reinterpret_cast<const V8*>(x) + t;
+  // The 4 k-pairs of x's row ``m`` at step s in this lane's chunk (zeros past M).
+  auto x_pairs = [&](int m, int s, MlxiFrag* p) {
+    if (m < M) {
+      const V8 v = xv[(size_t)m * rowv + (size_t)s * 4];
+      #pragma unroll
+      for (int j = 0; j < 4; ++j) p[j] = mlxi_pair(v, j);
+    } else {
+      #pragma unroll
+      for (int j = 0; j < 4; ++j) p[j] = mlxi_zero_pair();
+    }
+  };
   float c[kNT][kMT][4];
   #pragma unroll
   for (int nt = 0; nt < kNT; ++nt) {
@@ -161,22 +172,8 @@ constexpr const char* kMmaSource = R"(
       for (int mt = 0; mt < kMT; ++mt) {
         const int lo = mt * 16 + g, hi = lo + 8;  // x's rows in this lane's A fragments, read once for every n-tile
         MlxiFrag xl[4], xh[4];
-        if (lo < M) {
-          const V8 v = xv[(size_t)lo * rowv + (size_t)s * 4];
-          #pragma unroll
-          for (int j = 0; j < 4; ++j) xl[j] = mlxi_pair(v, j);
-        } else {
-          #pragma unroll
-          for (int j = 0; j < 4; ++j) xl[j] = mlxi_zero_pair();
-        }
-        if (hi < M) {
-          const V8 v = xv[(size_t)hi * rowv + (size_t)s * 4];
-          #pragma unroll
-          for (int j = 0; j < 4; ++j) xh[j] = mlxi_pair(v, j);
-        } else {
-          #pragma unroll
-          for (int j = 0; j < 4; ++j) xh[j] = mlxi_zero_pair();
-        }
+        x_pairs(lo, s, xl);
+        x_pairs(hi, s, xh);
         const MlxiFrag a1[4] = {xl[0], xh[0], xl[1], xh[1]};
         const MlxiFrag a2[4] = {xl[2], xh[2], xl[3], xh[3]};
         #pragma unroll
