@@ -38,6 +38,10 @@ PRODUCTS = ("qkv", "o", "gate_up", "down", "head")  # what the compiled steps ru
 #: tilings (8-row n-tiles per block, warps splitting K, 32-element steps in flight per lane), at any.
 CORE_TILINGS = [(r, w, u) for r, w, u in itertools.product((1, 2, 4), (4, 8), (4, 8, 16)) if r * u <= 32]
 MMA_TILINGS = list(itertools.product((1, 2, 4), (2, 4, 8), (4, 8)))
+#: ``--quick``: the few tilings worth a look (NVRTC compiles each once per row count, ~1-2 s a kernel on the H200:
+#: the whole sweep took ~60 s for its first product in session 15).
+QUICK_CORE = [(1, 4, 16), (2, 4, 8), (1, 8, 8)]
+QUICK_MMA = [(1, 4, 8), (2, 2, 4), (4, 2, 4), (2, 4, 8)]
 #: A kernel of ours in CUPTI's table: mlx::core::cu::custom_kernel_mlxi_gemv[_mma]_<T>_<template ints>_<bias>(...
 OURS = re.compile(r"mlxi_gemv(_mma)?_bfloat16_t_([0-9_]+)_[tf]\(")
 
@@ -77,8 +81,10 @@ def main() -> None:
     p.add_argument("--ms", default="1,8,32")
     p.add_argument("--products", default=",".join(PRODUCTS))
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--quick", action="store_true", help="a handful of tilings instead of the whole sweep")
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    core_tilings, mma_tilings = (QUICK_CORE, QUICK_MMA) if args.quick else (CORE_TILINGS, MMA_TILINGS)
     try:
         import torch
 
@@ -103,9 +109,9 @@ def main() -> None:
                 ref = x.astype(mx.float32) @ ws[0].astype(mx.float32).T
                 runs: list[tuple[str, Any]] = [("mlx", lambda a, b: a @ b.T)]
                 runs += [(f"core {r},{w},{u}", lambda a, b, t=(r, w, u): _fast.skinny_linear(a, b, tiling=t))
-                         for r, w, u in CORE_TILINGS if m <= 16]
+                         for r, w, u in core_tilings if m <= 16]
                 runs += [(f"mma {n},{w},{u}", lambda a, b, t=(n, w, u): _fast.skinny_linear(a, b, tiling=t, mma=True))
-                         for n, w, u in MMA_TILINGS]
+                         for n, w, u in mma_tilings]
                 errs = {}
                 for label, fn in runs[1:]:
                     y = fn(x, ws[0]).astype(mx.float32)
