@@ -425,6 +425,24 @@ case "${1:-a}" in
     run 100 gemv-probe python benchmarks/gpu_gemv_probe.py --shapes llama-8b --ms 1,32 --products qkv,o,gate_up,down \
       --json "$out/h200-gemv-probe.json"
     ;;
-  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d" >&2
+  s16a)
+    # Session 16: the kernels' scale constants as template constants (no 8-byte host array read by every thread):
+    # the CUDA tests of the changed kernels, what a kernel pays for host-made arrays (probe), llama-8B's step
+    # kernels at 1 and 32 streams (against s15b's table), then the HTTP server beside the in-process engines.
+    run 100 gpu-tests python -m pytest -q -p no:cacheprovider -rf --tb=short tests/test_qkv_rope.py \
+      tests/test_paged_attention.py tests/test_paged_step_kernel.py
+    tail -n 6 "$out/gpu-tests.log"
+    run 60 host-arrays python benchmarks/gpu_host_arrays.py --json "$out/h200-host-arrays.json"
+    cat "$out/host-arrays.log"
+    run 90 prof-8b-s1 python benchmarks/gpu_engine_profile.py --shape llama-8b --streams 1 --steps 48 \
+      --torch-profiler /tmp/prof-8b-s1.csv
+    run 90 prof-8b-s32 python benchmarks/gpu_engine_profile.py --shape llama-8b --streams 32 --steps 48 \
+      --torch-profiler /tmp/prof-8b-s32.csv
+    grep -h "ms/step\|GPU kernel time\|products\|rope\|paged attention" "$out"/prof-*.log
+    run 170 served-llama-1b-http python benchmarks/served.py -p 512 -g 128 -r 3 -n 3 --no-ids --http --http-beside \
+      --streams 32 --shape llama-1b --json "$out/h200-served-llama-1b-http.json"
+    grep -h '^| \|^==' "$out"/served-*.log
+    ;;
+  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a" >&2
      exit 2 ;;
 esac

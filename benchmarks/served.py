@@ -29,12 +29,15 @@ Memory (the row's ``gpu_sharing`` and ``kv_sizing`` say which applied): mlx-lm's
 loaded first, then every in-process mlx-infer column's model, then their engines, so the
 engine's default sizing (which subtracts what this process already holds) sees them all.
 With one in-process mlx-infer column it gets that default; with several, each gets an equal
-explicit share of it. ``--memory-budget`` overrides both. The HTTP column never shares the
-GPU with an in-process pool: it runs in its own phase, after the in-process columns finish
+explicit share of it. ``--memory-budget`` overrides both. Unless ``--http-beside``, the HTTP column never
+shares the GPU with an in-process pool: it runs in its own phase, after the in-process columns finish
 and their engines and models are freed (``del``, ``gc.collect()``, ``mx.clear_cache()``),
 so the server's default sizing sees the device empty; its ratios are against the mlx-lm
 rows of the first phase. Each in-process row records its pool (``kv_pool_gb``,
-``kv_pool_tokens``, ``kv_sizing``); the server's row records its startup line's pool.
+``kv_pool_tokens``, ``kv_sizing``); the server's row records its startup line's pool. With
+``--http-beside`` the server starts in the first phase instead (its weights in its own process), its
+pool one more equal explicit share of the default, and its trials alternate with the in-process
+columns' (the comparison the HTTP goal asks for: the machine's drift between phases is as large as it).
 
     python benchmarks/served.py --shape llama-1b --http --json benchmarks/results/h200-served-llama-1b.json \
         --plot benchmarks/results/h200-served-llama-1b.png        # on a GPU: the issue's table
@@ -354,6 +357,9 @@ def main() -> None:
     p.add_argument("--requests-per-stream", "-r", type=int, default=2)
     p.add_argument("--num-trials", "-n", type=int, default=3)
     p.add_argument("--http", action="store_true", help="also run mlx-infer behind the HTTP server")
+    p.add_argument("--http-beside", action="store_true",
+                   help="with --http: the server runs beside the in-process columns (one phase, trials alternating; "
+                        "every pool an equal explicit share of the default sizing) instead of in its own phase")
     p.add_argument("--http-clients", type=int, default=None, metavar="N",
                    help="client processes of the HTTP column (default: one per 16 streams of the largest count; "
                         "served_http.py)")
@@ -398,12 +404,18 @@ def main() -> None:
         base = MlxLm(path, max_batch)
         ours = [k(path, max_batch) for k in ours_kinds]
         columns = ours + [base]
-        sizing, sharing = start_engines(ours, max_batch)
+        beside = args.http and args.http_beside
+        sizing, sharing, budget = start_engines(ours, max_batch, beside=beside)
+        if beside:  # the server shares the phase: its pool is one more equal share
+            columns.insert(len(ours), OursHTTP(path, max_batch, budget, args.http_clients))
+            sharing += "; mlx-infer serve in its own process beside them, alternating too"
         for i, s in enumerate(streams):
             for r in measure(columns, s, args, vocab):
                 r.update(kernels=kernels, gpu_sharing=sharing)
                 if r["engine"] != "mlx-lm":
                     r["kv_sizing"] = sizing
+                if r["engine"] == OursHTTP.name:
+                    r.update(kv_pool=columns[len(ours)].pool, **describe(columns[len(ours)]))
                 by_streams[s].append(r)
             if args.json:  # what has finished survives a run cut short (a device call's time limit)
                 write_json(results_document(finish(by_streams, streams[: i + 1], args, path)), Path(args.json))
@@ -413,7 +425,7 @@ def main() -> None:
         columns = []
         gc.collect()
         mx.clear_cache()
-        if args.http:  # Phase 2: the server alone on the device
+        if args.http and not args.http_beside:  # Phase 2: the server alone on the device
             columns = [OursHTTP(path, max_batch, BUDGET_GB, args.http_clients)]
             for s in streams:
                 for r in measure(columns, s, args, vocab):
@@ -447,25 +459,27 @@ def finish(by_streams: dict[int, list[dict[str, Any]]], streams: list[int], args
     return [r for s in streams for r in by_streams[s]]
 
 
-def start_engines(ours: list[Ours], max_batch: int) -> tuple[str, str]:
+def start_engines(ours: list[Ours], max_batch: int, beside: bool = False) -> tuple[str, str, float | None]:
     """Build the in-process engines once every model is loaded: ``(their sizing, how they share
-    the device)`` (module docstring)."""
+    the device, the budget each got)`` (module docstring). ``beside``: an HTTP server will share
+    the device too, so it counts as one more pool in the split."""
+    pools = len(ours) + (1 if beside else 0)
     if BUDGET_GB is not None:
         budget, sizing = BUDGET_GB, f"--memory-budget {BUDGET_GB:g} each"
-    elif len(ours) <= 1:
+    elif pools <= 1:
         budget, sizing = None, "default device sizing, after mlx-lm's model was loaded"
     else:
         from mlx_infer.engine import EngineConfig
         from mlx_infer.engine.config import KV_FRACTION, kv_budget
 
         whole = kv_budget(ours[0].loaded.model, EngineConfig(max_batch=max_batch))
-        budget = whole.bytes / len(ours) / KV_FRACTION / 2**30  # so each pool gets 1/n of the default's KV bytes
-        sizing = f"1/{len(ours)} of the default device sizing each ({whole.bytes / 2**30:.2f} GiB: {whole.source})"
+        budget = whole.bytes / pools / KV_FRACTION / 2**30  # so each pool gets 1/n of the default's KV bytes
+        sizing = f"1/{pools} of the default device sizing each ({whole.bytes / 2**30:.2f} GiB: {whole.source})"
     for e in ours:
         e.start(budget, sizing)
     sharing = (f"in process: {len(ours)} mlx-infer engine(s) and mlx-lm's model, loaded before the engines; "
                "engines alternate trial by trial")
-    return sizing, sharing
+    return sizing, sharing, budget
 
 
 def measure(engines: list[Any], s: int, args: argparse.Namespace, vocab: int) -> list[dict[str, Any]]:

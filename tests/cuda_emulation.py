@@ -50,6 +50,7 @@ inline float __shfl_xor_sync(unsigned, float v, int o) {
   return g_shfl[w][l ^ o];
 }
 inline void __syncthreads() { g_block_bar->arrive_and_wait(); }
+inline float __int_as_float(int bits) { float f; __builtin_memcpy(&f, &bits, sizeof f); return f; }
 template <typename T, int N> struct AlignedVector { T v[N]; T operator[](int i) const { return v[i]; } };
 struct Shape { int d[8]; int operator[](int i) const { return d[i]; } };
 """
@@ -75,20 +76,20 @@ std::vector<char> slurp(const char* p) {
 }
 int main() {
   auto q = slurp("q.bin"), k = slurp("k.bin"), v = slurp("v.bin"), tb = slurp("t.bin"), ln = slurp("l.bin"),
-       sc = slurp("s.bin"), sk = slurp("sk.bin");
+       sk = slurp("sk.bin");
   Shape qs{}, ts{};
   qs.d[0] = R, qs.d[1] = H, qs.d[2] = D;
   ts.d[0] = R, ts.d[1] = T;
   std::vector<float> out((size_t)R * H * D), part((size_t)SPLITS * R * H * D), ml((size_t)SPLITS * R * H * 2);
   auto *Q = (const float*)q.data(), *K = (const float*)k.data(), *V = (const float*)v.data();
   auto *TB = (const int32_t*)tb.data(), *LN = (const int32_t*)ln.data();
-  auto *SC = (const float*)sc.data(), *SK = (const float*)sk.data();
+  auto *SK = (const float*)sk.data();
   gridDim = {SPLITS, KVH, R};
   blockDim = {32 * NW, 1, 1};
   for (int z = 0; z < R; ++z) for (int y = 0; y < KVH; ++y) for (int x = 0; x < SPLITS; ++x) {
     blockIdx = {x, y, z};
-    if (SPLITS == 1) run_block(32 * NW, [&] { pass1_out(Q, qs, K, V, TB, ts, LN, SC, SK, out.data()); });
-    else run_block(32 * NW, [&] { pass1_part(Q, qs, K, V, TB, ts, LN, SC, SK, part.data(), ml.data()); });
+    if (SPLITS == 1) run_block(32 * NW, [&] { pass1_out(Q, qs, K, V, TB, ts, LN, SK, out.data()); });
+    else run_block(32 * NW, [&] { pass1_part(Q, qs, K, V, TB, ts, LN, SK, part.data(), ml.data()); });
   }
   if (SPLITS > 1) {
     Shape ps{};
@@ -146,17 +147,23 @@ def _function(name: str, args: str, consts: dict, body: str) -> str:
     return f"void {name}({args}) {{\n" + "\n".join(lines) + f"\n{body}\n}}\n"
 
 
-def program(R: int, H: int, KVH: int, D: int, P: int, T: int, window: int, splits: int, softcap: bool,
-            sinks: bool, unroll: int = 2, prefetch: bool = False) -> str:
+def float_bits(x: float) -> int:
+    """A float32's bit pattern as an int: the kernels' kScaleBits-style template constants (kernel_args.h)."""
+    return int(np.array([x], np.float32).view(np.int32)[0])
+
+
+def program(R: int, H: int, KVH: int, D: int, P: int, T: int, window: int, splits: int, softcap: float,
+            sinks: bool, unroll: int = 2, prefetch: bool = False, scale: float = 1.0) -> str:
     """The C++ program running pass 1 (and, split, pass 2) as paged_attention_cuda.cpp launches them."""
     s = _sources()
     pass1 = s["kPass1"].replace("MLXI_SINK", s["kSink"])
     pass2 = s["kPass2"].replace("MLXI_SINK", s["kSink"])
     lpk = min(32, D // 8)
     consts = dict(QT=float, KT=float, OT=float, kD=D, kP=P, kG=H // KVH, kKVH=KVH, kWindow=max(window, 0),
-                  kNW=NUM_WARPS, kLPK=lpk, kE=D // lpk, kU=unroll, kPrefetch=prefetch, kSoftcap=softcap)
+                  kNW=NUM_WARPS, kLPK=lpk, kE=D // lpk, kU=unroll, kPrefetch=prefetch, kSoftcap=softcap > 0,
+                  kScaleBits=float_bits(scale), kCapBits=float_bits(max(softcap, 0.0)))
     common = ("const float* q, const Shape q_shape, const float* k, const float* v, const int32_t* block_tables, "
-              "const Shape block_tables_shape, const int32_t* lengths, const float* scale, const float* sinks, ")
+              "const Shape block_tables_shape, const int32_t* lengths, const float* sinks, ")
     sizes = f"constexpr int R = {R}, H = {H}, KVH = {KVH}, D = {D}, T = {T}, SPLITS = {splits}, NW = {NUM_WARPS};\n"
     return (_MOCK + s["kHeader"] + sizes
             + _function("pass1_out", common + "float* out", {**consts, "kSinks": sinks and splits == 1},
@@ -177,10 +184,9 @@ def run(workdir: Path, q: np.ndarray, k: np.ndarray, v: np.ndarray, tables: np.n
     workdir.mkdir(parents=True, exist_ok=True)
     for name, a in (("q", q), ("k", k), ("v", v), ("t", tables), ("l", lengths)):
         np.ascontiguousarray(a).tofile(workdir / f"{name}.bin")
-    np.array([scale, softcap], np.float32).tofile(workdir / "s.bin")  # [scale, cap], as the launch passes it
     (np.zeros(1, np.float32) if sinks is None else sinks.astype(np.float32)).tofile(workdir / "sk.bin")
-    build_and_run(workdir, program(R, H, KVH, D, P, tables.shape[1], window, splits, softcap > 0,
-                                   sinks is not None, unroll, prefetch))
+    build_and_run(workdir, program(R, H, KVH, D, P, tables.shape[1], window, splits, softcap,
+                                   sinks is not None, unroll, prefetch, scale))
     return np.fromfile(workdir / "o.bin", np.float32).reshape(R, H, D)
 
 
@@ -188,7 +194,7 @@ ROPE_FILE = Path(__file__).resolve().parents[1] / "cpp" / "attention" / "qkv_rop
 
 _ROPE_MAIN = r"""
 int main() {
-  auto qkv = slurp("qkv.bin"), pos = slurp("pos.bin"), par = slurp("par.bin"), fr = slurp("fr.bin");
+  auto qkv = slurp("qkv.bin"), pos = slurp("pos.bin"), fr = slurp("fr.bin");
   std::vector<float> q((size_t)R * H * D), k((size_t)R * KVH * D), v((size_t)R * KVH * D);
   const int half = D / 2, bx = std::min(half, 128);
   gridDim = {(half + bx - 1) / bx, H + 2 * KVH, R};
@@ -197,8 +203,8 @@ int main() {
     blockIdx = {x, y, z};
     for (int t = 0; t < bx; ++t) {
       threadIdx.x = t;
-      qkv_rope((const float*)qkv.data(), (const int32_t*)pos.data(), (const float*)par.data(),
-               (const float*)fr.data(), q.data(), k.data(), v.data());
+      qkv_rope((const float*)qkv.data(), (const int32_t*)pos.data(), (const float*)fr.data(), q.data(), k.data(),
+               v.data());
     }
   }
   FILE* f = fopen("o.bin", "wb");
@@ -218,16 +224,16 @@ def run_qkv_rope(workdir: Path, qkv: np.ndarray, positions: np.ndarray, *, H: in
     m = re.search(r'constexpr const char\* kQkvRope = R"\((.*?)\)";', text, re.S)
     assert m is not None, f"kQkvRope not found in {ROPE_FILE}"
     R = qkv.shape[0]
-    consts = dict(T=float, kH=H, kKVH=KVH, kD=D, kDims=dims, kTraditional=traditional, kFreqs=freqs is not None)
-    args = ("const float* qkv, const int32_t* positions, const float* params, const float* freqs, float* q_out, "
-            "float* k_out, float* v_out")
+    consts = dict(T=float, kH=H, kKVH=KVH, kD=D, kDims=dims, kTraditional=traditional, kFreqs=freqs is not None,
+                  # scale and log2(base) in float32, as qkv_rope passes them (std::log2 of the float base)
+                  kScaleBits=float_bits(scale),
+                  kLog2BaseBits=float_bits(0.0 if base is None else float(np.log2(np.float32(base)))))
+    args = "const float* qkv, const int32_t* positions, const float* freqs, float* q_out, float* k_out, float* v_out"
     source = (_MOCK + f"constexpr int R = {R}, H = {H}, KVH = {KVH}, D = {D};\n"
               + _function("qkv_rope", args, consts, m.group(1)) + _MAIN.split("int main()")[0] + _ROPE_MAIN)
     workdir.mkdir(parents=True, exist_ok=True)
     np.ascontiguousarray(qkv, np.float32).tofile(workdir / "qkv.bin")
     np.ascontiguousarray(positions, np.int32).tofile(workdir / "pos.bin")
-    # [scale, log2(base)] in float32, as qkv_rope passes them (std::log2 of the float base)
-    np.array([scale, 0.0 if base is None else np.log2(np.float32(base))], np.float32).tofile(workdir / "par.bin")
     (np.zeros(1, np.float32) if freqs is None else freqs.astype(np.float32)).tofile(workdir / "fr.bin")
     build_and_run(workdir, source)
     out = np.fromfile(workdir / "o.bin", np.float32)

@@ -22,6 +22,7 @@
 #include <mlx/fast.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <map>
 #include <mutex>
@@ -29,6 +30,7 @@
 #include <string>
 #include <tuple>
 
+#include "kernel_args.h"
 #include "mlx_infer/paged_attention.h"
 
 namespace mlx_infer {
@@ -54,7 +56,9 @@ __device__ __forceinline__ float mlxi_scale_of(float m, float M) {
 // Pass 1. Template constants: QT KT OT (dtypes), kD kP kG kKVH kWindow kNW kLPK kE, kU (key sets per warp
 // and iteration), kPrefetch (bool: the next iteration's sets load before this one's are scored), kSoftcap (bool: the
 // cap is compiled away when false), kSinks (bool: the sink joins; false in a split's partial); MLXI_STORE: the
-// store. ``scale``: [scale, cap] float32; ``sinks``: (H,) float32 (read only with kSinks).
+// store. kScaleBits / kCapBits: the scale and the cap, float32 bit patterns (template constants, not a device
+// array: a host-made 8-byte array lives in MLX's mapped host pool, so every thread's read of it would cross to
+// host memory); ``sinks``: (H,) float32 (read only with kSinks).
 constexpr const char* kPass1 = R"(
   constexpr int kKPW = 32 / kLPK;
   const int split = blockIdx.x, kvh = blockIdx.y, r = blockIdx.z;
@@ -73,8 +77,8 @@ constexpr const char* kPass1 = R"(
 
   constexpr float kMlxiLog2e = 1.4426950408889634f;
   // exp2 domain; soft-capped: the natural score first, capped, then into the exp2 domain.
-  const float qscale = kSoftcap ? scale[0] : scale[0] * kMlxiLog2e;
-  const float cap = kSoftcap ? scale[1] : 0.0f;
+  const float qscale = kSoftcap ? __int_as_float(kScaleBits) : __int_as_float(kScaleBits) * kMlxiLog2e;
+  const float cap = kSoftcap ? __int_as_float(kCapBits) : 0.0f;
   const float inv_cap = kSoftcap ? 1.0f / cap : 0.0f;
   const float cap_log2e = cap * kMlxiLog2e;
   float qr[kG][kE], acc[kG][kE], m[kG], l[kG];
@@ -283,7 +287,7 @@ const mx::fast::CustomKernelFunction& kernel(int which) {
   static std::once_flag once;
   static mx::fast::CustomKernelFunction fns[3];
   std::call_once(once, [] {
-    const std::vector<std::string> in{"q", "k", "v", "block_tables", "lengths", "scale", "sinks"};
+    const std::vector<std::string> in{"q", "k", "v", "block_tables", "lengths", "sinks"};
     fns[0] = mx::fast::cuda_kernel("mlxi_paged_attn", in, {"out"}, pass1(kStoreOut), kHeader);
     fns[1] = mx::fast::cuda_kernel("mlxi_paged_attn_split", in, {"o_part", "ml"}, pass1(kStorePart), kHeader);
     fns[2] = mx::fast::cuda_kernel("mlxi_paged_attn_merge", {"o_part", "ml", "sinks"}, {"out"},
@@ -339,16 +343,20 @@ mx::array cuda_paged_attention(const mx::array& q, const mx::array& k_storage, c
   const int splits = paged_attention_splits(R, KVH, max_keys);
   const bool split = splits > 1;
   const bool capped = softcap > 0.0f;
-  auto sc = mx::array({scale, capped ? softcap : 0.0f});  // (2,) float32: [scale, cap]
+  if (!(scale > 0.0f) || !std::isfinite(scale) || !std::isfinite(softcap)) {
+    throw std::invalid_argument("[paged_attention] the CUDA kernel needs a positive finite scale and a finite "
+                                "soft cap, got " + std::to_string(scale) + " and " + std::to_string(softcap) + ".");
+  }
   const auto pipe = paged_key_pipeline();
   std::vector<std::pair<std::string, mx::fast::TemplateArg>> targs{
       {"QT", q.dtype()}, {"KT", k_storage.dtype()}, {"OT", q.dtype()}, {"kD", D}, {"kP", P}, {"kG", G},
       {"kKVH", KVH}, {"kWindow", std::max(window, 0)}, {"kNW", kWarps}, {"kLPK", t.lpk}, {"kE", t.e},
       {"kU", pipe.unroll}, {"kPrefetch", pipe.prefetch},
-      {"kSoftcap", capped}, {"kSinks", sinks.has_value() && !split}};  // a split's partial has no sink
-  // sinks: (H,) float32 (the caller casts); without them the scale array stands in, never read (no extra op).
-  const auto sk = sinks ? *sinks : sc;
-  std::vector<mx::array> in{q, k_storage, v_storage, block_tables, lengths, sc, sk};
+      {"kSoftcap", capped}, {"kSinks", sinks.has_value() && !split},  // a split's partial has no sink
+      {"kScaleBits", float_bits(scale)}, {"kCapBits", float_bits(capped ? softcap : 0.0f)}};
+  // sinks: (H,) float32 (the caller casts); without them the lengths stand in, never read (no extra op).
+  const auto sk = sinks ? *sinks : lengths;
+  std::vector<mx::array> in{q, k_storage, v_storage, block_tables, lengths, sk};
   const std::tuple<int, int, int> grid{32 * kWarps * splits, KVH, R}, block{32 * kWarps, 1, 1};
   if (!split) {
     return kernel(0)(in, {q.shape()}, {q.dtype()}, grid, block, targs, std::nullopt, false, s)[0];

@@ -20,6 +20,7 @@
 #include <cstring>
 #include <mutex>
 
+#include "kernel_args.h"
 #include "mlx_infer/backend.h"
 
 namespace mlx_infer {
@@ -27,8 +28,9 @@ namespace mlx_infer {
 namespace {
 
 // Template constants: T (dtype), kH kKVH kD kDims (rotated features), kTraditional, kFreqs (inv_freq from
-// freqs, else from params[1] = log2(base)). params: [scale, log2(base)] float32; freqs: (kDims / 2,) float32
-// (read only with kFreqs). Outputs q (R, kH, kD), k (R, kKVH, kD), v (R, kKVH, kD).
+// freqs, else from log2(base)), kScaleBits / kLog2BaseBits (float32 bit patterns: kernel_args.h says why not
+// an array). freqs: (kDims / 2,) float32 (read only with kFreqs). Outputs q (R, kH, kD), k (R, kKVH, kD),
+// v (R, kKVH, kD).
 constexpr const char* kQkvRope = R"(
   const int u = blockIdx.x * blockDim.x + threadIdx.x;
   const int head = blockIdx.y, r = blockIdx.z;
@@ -55,9 +57,9 @@ constexpr const char* kQkvRope = R"(
     inv_freq = 1.0 / freqs[u];
   } else {
     const float d = static_cast<float>(u) / static_cast<float>(kRot);
-    inv_freq = exp2f(-d * params[1]);
+    inv_freq = exp2f(-d * __int_as_float(kLog2BaseBits));
   }
-  const float L = params[0] * static_cast<float>(positions[r]);
+  const float L = __int_as_float(kScaleBits) * static_cast<float>(positions[r]);
   const float theta = L * inv_freq;
   const float c = cosf(theta);
   const float s = sinf(theta);
@@ -75,7 +77,7 @@ const mx::fast::CustomKernelFunction& kernel() {
   static std::once_flag once;
   static mx::fast::CustomKernelFunction fn;
   std::call_once(once, [] {
-    fn = mx::fast::cuda_kernel("mlxi_qkv_rope", {"qkv", "positions", "params", "freqs"},
+    fn = mx::fast::cuda_kernel("mlxi_qkv_rope", {"qkv", "positions", "freqs"},
                                {"q_out", "k_out", "v_out"}, kQkvRope, "");
   });
   return fn;
@@ -101,24 +103,25 @@ bool qkv_rope_enabled() {
 bool qkv_rope_supported(const mx::array& qkv, int H, int KVH, int D, const RopeSpec& rope) {
   return cuda_backend() && mx::default_device() == mx::Device::gpu && qkv.ndim() == 2 &&
          qkv.shape(1) == (H + 2 * KVH) * D && float_dtype(qkv.dtype()) && D % 2 == 0 && rope.dims > 0 && rope.dims % 2 == 0 && rope.dims <= D && rope.mscale == 1.0f &&
-         (rope.freqs.has_value() || rope.base.has_value());
+         rope.scale > 0.0f && std::isfinite(rope.scale) &&
+         (rope.freqs.has_value() || (rope.base.has_value() && *rope.base >= 1.0f && std::isfinite(*rope.base)));
 }
 
 std::array<mx::array, 3> qkv_rope(const mx::array& qkv, int H, int KVH, int D, const RopeSpec& rope,
                                   const mx::array& positions) {
   const int R = qkv.shape(0);
   const bool with_freqs = rope.freqs.has_value();
-  auto params = mx::array({rope.scale, with_freqs ? 0.0f : std::log2(*rope.base)});  // (2,) float32
-  // Without freqs the params array stands in, never read (no extra op).
-  auto freqs = with_freqs ? mx::astype(mx::reshape(*rope.freqs, {-1}), mx::float32) : params;
   auto pos = positions.dtype() == mx::int32 ? positions : mx::astype(positions, mx::int32);
+  // Without freqs the positions stand in, never read (no extra op).
+  auto freqs = with_freqs ? mx::astype(mx::reshape(*rope.freqs, {-1}), mx::float32) : mx::reshape(pos, {R});
   const int half = D / 2;
   const int bx = std::min(half, 128);
   std::vector<std::pair<std::string, mx::fast::TemplateArg>> targs{
       {"T", qkv.dtype()}, {"kH", H}, {"kKVH", KVH}, {"kD", D}, {"kDims", rope.dims},
-      {"kTraditional", rope.traditional}, {"kFreqs", with_freqs}};
+      {"kTraditional", rope.traditional}, {"kFreqs", with_freqs}, {"kScaleBits", float_bits(rope.scale)},
+      {"kLog2BaseBits", float_bits(with_freqs ? 0.0f : std::log2(*rope.base))}};
   const std::tuple<int, int, int> grid{((half + bx - 1) / bx) * bx, H + 2 * KVH, R}, block{bx, 1, 1};
-  auto out = kernel()({qkv, mx::reshape(pos, {R}), params, freqs}, {{R, H, D}, {R, KVH, D}, {R, KVH, D}},
+  auto out = kernel()({qkv, mx::reshape(pos, {R}), freqs}, {{R, H, D}, {R, KVH, D}, {R, KVH, D}},
                       {qkv.dtype(), qkv.dtype(), qkv.dtype()}, grid, block, targs, std::nullopt, false, {});
   return {out[0], out[1], out[2]};
 }
