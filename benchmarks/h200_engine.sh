@@ -443,6 +443,26 @@ case "${1:-a}" in
       --streams 32 --shape llama-1b --json "$out/h200-served-llama-1b-http.json"
     grep -h '^| \|^==' "$out"/served-*.log
     ;;
-  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a" >&2
+  s16b)
+    # Session 16, after the template-constant kernels (s16a): llama-8B's whole table, 3 requests per stream.
+    run 500 served-llama-8b python benchmarks/served.py -p 512 -g 128 -r 3 -n 3 --no-text --streams 1,8,32,64,128 \
+      --shape llama-8b --json "$out/h200-served-llama-8b.json"
+    grep -h '^| \|^==' "$out"/served-*.log
+    ;;
+  s16c)
+    # Session 16: llama-1B's and gemma3-270m's tables; the CUDA step parity of the changed kernels; the HTTP server
+    # beside the in-process detokenizing engine with a py-spy profile of its GIL holder.
+    run 230 served-llama-1b python benchmarks/served.py -p 512 -g 128 -r 3 -n 3 --no-text --streams 1,8,32,64,128 \
+      --shape llama-1b --json "$out/h200-served-llama-1b.json"
+    run 150 served-gemma3 python benchmarks/served.py -p 512 -g 128 -r 2 -n 3 --no-text --streams 1,8,32,64,128 \
+      --shape gemma3-270m --json "$out/h200-served-gemma3-270m.json"
+    run 80 gpu-tests python -m pytest -q -p no:cacheprovider -rf --tb=short tests/test_paged_step_kernel.py \
+      tests/test_paged_attention.py -k "kernel_logits or kernel_and_gather"
+    tail -n 4 "$out/gpu-tests.log"
+    run 90 served-llama-1b-http python benchmarks/served.py -p 512 -g 128 -r 2 -n 2 --no-ids --http --http-beside \
+      --streams 32 --shape llama-1b --http-pyspy "$out/http-gil.txt" --json "$out/h200-served-llama-1b-http.json"
+    grep -h '^| \|^==' "$out"/served-*.log
+    ;;
+  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c" >&2
      exit 2 ;;
 esac

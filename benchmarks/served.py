@@ -360,6 +360,9 @@ def main() -> None:
     p.add_argument("--http-beside", action="store_true",
                    help="with --http: the server runs beside the in-process columns (one phase, trials alternating; "
                         "every pool an equal explicit share of the default sizing) instead of in its own phase")
+    p.add_argument("--http-pyspy", default=None, metavar="PATH",
+                   help="with --http: sample the server's GIL holder with py-spy during its first trial of 16+ streams "
+                        "(collapsed stacks to PATH)")
     p.add_argument("--http-clients", type=int, default=None, metavar="N",
                    help="client processes of the HTTP column (default: one per 16 streams of the largest count; "
                         "served_http.py)")
@@ -407,7 +410,7 @@ def main() -> None:
         beside = args.http and args.http_beside
         sizing, sharing, budget = start_engines(ours, max_batch, beside=beside)
         if beside:  # the server shares the phase: its pool is one more equal share
-            columns.insert(len(ours), OursHTTP(path, max_batch, budget, args.http_clients))
+            columns.insert(len(ours), OursHTTP(path, max_batch, budget, args.http_clients, args.http_pyspy))
             sharing += "; mlx-infer serve in its own process beside them, alternating too"
         for i, s in enumerate(streams):
             for r in measure(columns, s, args, vocab):
@@ -426,7 +429,7 @@ def main() -> None:
         gc.collect()
         mx.clear_cache()
         if args.http and not args.http_beside:  # Phase 2: the server alone on the device
-            columns = [OursHTTP(path, max_batch, BUDGET_GB, args.http_clients)]
+            columns = [OursHTTP(path, max_batch, BUDGET_GB, args.http_clients, args.http_pyspy)]
             for s in streams:
                 for r in measure(columns, s, args, vocab):
                     r.update(kernels=kernels, kv_sizing=columns[0].sizing, kv_pool=columns[0].pool,

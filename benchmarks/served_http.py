@@ -99,7 +99,8 @@ class OursHTTP:
 
     name = "mlx-infer-http"
 
-    def __init__(self, path: Path, max_batch: int, budget_gb: float | None = None, clients: int | None = None):
+    def __init__(self, path: Path, max_batch: int, budget_gb: float | None = None, clients: int | None = None,
+                 pyspy: str | None = None):
         import httpx
 
         with socket.socket() as s:
@@ -112,6 +113,7 @@ class OursHTTP:
                                       *(["--memory-budget", str(budget_gb)] if budget_gb else [])],
                                      stdout=self.log)
         self.model = path.name
+        self.pyspy, self.pyspy_proc = pyspy, None  # --http-pyspy: one GIL profile, of the first trial of 16+ streams
         self.sizing = f"--memory-budget {budget_gb:g}" if budget_gb else "default device sizing (own phase)"
         self.clients = clients or max(1, math.ceil(max_batch / STREAMS_PER_CLIENT))
         self.pool_executor = ProcessPoolExecutor(self.clients, mp_context=multiprocessing.get_context("spawn"))
@@ -134,6 +136,8 @@ class OursHTTP:
 
     def run(self, streams: int, prompts: list[list[int]], gen: int) -> int:
         """One trial: ``streams`` closed-loop streams over ``prompts``; sets ``ttfts`` and ``events``."""
+        if self.pyspy and streams >= STREAMS_PER_CLIENT:
+            self.pyspy_proc, self.pyspy = profile_gil(self.proc.pid, self.pyspy), None  # once
         parts = split(streams, prompts, math.ceil(streams / STREAMS_PER_CLIENT) if self.clients > 1 else 1)
         futures = [self.pool_executor.submit(client_share, self.url, self.model, n, work, gen) for n, work in parts]
         self.ttfts, self.events = [], []
@@ -156,10 +160,26 @@ class OursHTTP:
         return None
 
     def close(self) -> None:
+        if self.pyspy_proc is not None:
+            self.pyspy_proc.wait(timeout=60)
         self.pool_executor.shutdown()
         self.proc.terminate()
         self.proc.wait(timeout=30)
         self.log.close()
+
+
+def profile_gil(pid: int, out: str, seconds: int = 6) -> subprocess.Popen | None:
+    """py-spy sampling the server's GIL holder (``--gil``: which thread holds it, and where) for ``seconds``,
+    in the background (collapsed stacks to ``out``); None (and a note) where py-spy is missing."""
+    import shutil
+
+    near = [Path(sys.executable).parent / "py-spy"] + [Path(p) / "bin" / "py-spy" for p in sys.path if p]  # venv, --target
+    exe = shutil.which("py-spy") or next((str(p) for p in near if p.exists()), None)
+    if exe is None:
+        print("--http-pyspy: py-spy not found (pip install py-spy)", file=sys.stderr)
+        return None
+    return subprocess.Popen([exe, "record", "--pid", str(pid), "--duration", str(seconds), "--rate", "500", "--gil",
+                             "--threads", "--nonblocking", "--format", "raw", "-o", out])
 
 
 def describe(e: Any) -> dict[str, Any]:
