@@ -232,7 +232,14 @@ thread-safe.)")
             for (const auto& [tables, lengths, slots] : groups) {
               gs.push_back(PagedGroupInputs{tables, lengths, slots});
             }
-            auto out = self.step(tokens, positions, logit_rows, gs, keys, values, adapter_slots);
+            // The graph is built (and, first time per signature, traced) without the GIL: MLX's graph state
+            // is per thread (tracing, compile cache, default streams), and a server's event loop streams
+            // meanwhile instead of waiting for the engine thread's C++ (a GIL profile of `mlx-infer serve`,
+            // H200, session 16: a third of the GIL held was this call).
+            auto out = [&] {
+              nb::gil_scoped_release nogil;
+              return self.step(tokens, positions, logit_rows, gs, keys, values, adapter_slots);
+            }();
             return std::make_tuple(out.logits, std::move(out.keys), std::move(out.values));
           },
           "tokens"_a, "positions"_a, "logit_rows"_a, "groups"_a, "keys"_a, "values"_a,
