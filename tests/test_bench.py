@@ -104,6 +104,25 @@ def test_served_benchmark_on_a_toy_shape_writes_ttft_memory_json_and_plot(tmp_pa
     assert (tmp_path / "served.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_served_benchmark_http_beside_shares_the_phase_and_the_sizing(tmp_path):
+    """--http --http-beside: the server runs in the in-process phase, trials alternating, its pool one
+    more equal share of the default sizing (the in-process engine's budget, recorded in its rows)."""
+    import pathlib
+
+    script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "served.py"
+    out = tmp_path / "served.json"
+    r = subprocess.run([sys.executable, str(script), "--shape", "gemma3-270m", "--toy", "--streams", "2",
+                        "-p", "8", "-g", "2", "-r", "1", "-n", "1", "--http", "--http-beside", "--no-ids",
+                        "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = {row["engine"]: row for row in json.loads(out.read_text())["rows"]}
+    assert sorted(rows) == ["mlx-infer", "mlx-infer-http", "mlx-lm"]
+    assert rows["mlx-infer"]["kv_sizing"].startswith("1/2 of the default device sizing each")
+    http = rows["mlx-infer-http"]
+    assert http["kv_sizing"] == rows["mlx-infer"]["kv_sizing"] and "beside them" in http["gpu_sharing"]
+    assert "KV pages of" in http["kv_pool"] and http["trials"][0]["tokens"] == 4
+
+
 def test_served_benchmark_default_sizing_splits_the_device_between_in_process_engines(tmp_path):
     """No --memory-budget and two in-process mlx-infer columns: every model is loaded first, then
     each engine gets an equal explicit share of the default sizing (recorded in its rows)."""
