@@ -324,9 +324,12 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
                 yield "data: [DONE]\n\n"
             finally:  # client gone (the task is cancelled) or stream ended: release the requests
                 release_all(handles)
+        async def release_after() -> None:  # async: Starlette runs a sync task through a worker thread
+            release_all(handles)
+
         # The background task also releases requests whose client left before the body started.
         return StreamingResponse(body(), media_type="text/event-stream",
-                                 background=BackgroundTask(release_all, handles),
+                                 background=BackgroundTask(release_after),
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     # -- routes -------------------------------------------------------------------
