@@ -140,3 +140,18 @@ def test_served_benchmark_default_sizing_splits_the_device_between_in_process_en
         assert rows[name]["kv_sizing"].startswith("1/2 of the default device sizing each")
         assert rows[name]["kv_pool_tokens"] > 0
     assert "kv_sizing" not in rows["mlx-lm"]
+
+
+def test_server_loop_benchmark_reports_the_loops_cpu_per_chunk(tmp_path):
+    """benchmarks/server_loop.py: the event loop's thread CPU per streamed chunk, in its JSON."""
+    import pathlib
+
+    script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "server_loop.py"
+    out = tmp_path / "loop.json"
+    r = subprocess.run([sys.executable, str(script), "--streams", "2", "--requests", "4", "-g", "4", "--rounds", "2",
+                        "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert [row["tokens"] for row in doc["rows"]] == [16, 16]  # 4 requests of 4 tokens a round
+    assert all(0 < row["chunks"] <= 16 and row["loop_us_per_chunk"] > 0 for row in doc["rows"])
+    assert doc["median_loop_us_per_chunk"] > 0 and "median loop CPU" in r.stdout
