@@ -463,6 +463,25 @@ case "${1:-a}" in
       --streams 32 --shape llama-1b --http-pyspy "$out/http-gil.txt" --json "$out/h200-served-llama-1b-http.json"
     grep -h '^| \|^==' "$out"/served-*.log
     ;;
-  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c" >&2
+  s17a)
+    # Next: the HTTP server beside the engine after the GIL release (10da9a6) and the async release task, with its
+    # GIL profile; the paged step's kernel cases on CUDA (NVRTC compiles each new variant: give them time); then
+    # session 16's four misses again with more requests per stream.
+    run 150 served-llama-1b-http python benchmarks/served.py -p 512 -g 128 -r 3 -n 3 --no-ids --http --http-beside \
+      --streams 32 --shape llama-1b --http-pyspy "$out/http-gil.txt" --json "$out/h200-served-llama-1b-http.json"
+    run 200 gpu-tests python -m pytest -q -p no:cacheprovider -rf --tb=short tests/test_paged_step_kernel.py
+    tail -n 4 "$out/gpu-tests.log"
+    run 120 served-llama-1b python benchmarks/served.py -p 512 -g 128 -r 4 -n 3 --no-text --streams 1,64 \
+      --shape llama-1b --json "$out/h200-served-llama-1b.json"
+    grep -h '^| \|^==' "$out"/served-*.log
+    ;;
+  s17b)
+    run 200 served-llama-8b python benchmarks/served.py -p 512 -g 128 -r 4 -n 3 --no-text --streams 32 \
+      --shape llama-8b --json "$out/h200-served-llama-8b.json"
+    run 200 served-gemma3 python benchmarks/served.py -p 512 -g 128 -r 4 -n 3 --no-text --streams 128 \
+      --shape gemma3-270m --json "$out/h200-served-gemma3-270m.json"
+    grep -h '^| \|^==' "$out"/served-*.log
+    ;;
+  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b" >&2
      exit 2 ;;
 esac
