@@ -11,6 +11,13 @@ the CPU time of the loop's thread and the engine's thread (``pthread_getcpuclock
 
 Loop CPU per chunk is the figure to compare across server changes (CPU time, not wall: the machine's
 other load moves it less; still, compare medians of rounds, runs alternating).
+
+Each round also splits a request's time to first token (means, so the parts add up to the mean TTFT; clocks
+comparable across
+processes: ``time.perf_counter`` is CLOCK_MONOTONIC on Linux and macOS): the client's send to the app's
+entry (an ASGI probe around the app, matched by an ``x-rid`` header), the entry to the first body bytes
+sent (parsing, submit, the engine's own TTFT, the first chunk's formatting), those bytes to the client;
+and the engine's TTFT alone (``RequestResult.ttft_ms``: submit to first token).
 """
 
 from __future__ import annotations
@@ -31,7 +38,67 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from served import shape_dir  # noqa: E402
-from served_http import _ready, client_share  # noqa: E402
+from served_http import _ready  # noqa: E402
+
+#: Per request (by its x-rid): [app entry, first body bytes sent] (perf_counter).
+SEEN: dict[int, list[float | None]] = {}
+
+
+class Probe:
+    """ASGI middleware recording when each request enters the app and when its first body bytes go out."""
+
+    def __init__(self, app: object):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: object, send: object) -> None:
+        rid = dict(scope.get("headers", [])).get(b"x-rid") if scope["type"] == "http" else None
+        rec: list[float | None] = [time.perf_counter(), None]
+        if rid is not None:
+            SEEN[int(rid)] = rec
+
+        async def probe_send(message: dict) -> None:
+            if rec[1] is None and message["type"] == "http.response.body" and message.get("body"):
+                rec[1] = time.perf_counter()
+            await send(message)  # type: ignore[operator]
+
+        await self.app(scope, receive, probe_send)  # type: ignore[operator]
+
+
+def timed_client(url: str, model: str, streams: int, work: list[tuple[int, list[int]]], gen: int
+                 ) -> tuple[int, int, dict[int, tuple[float, float]]]:
+    """``client_share``'s closed loop with an ``x-rid`` header per request: (tokens, chunks, per request
+    (send time, first chunk's arrival))."""
+    import asyncio
+
+    import httpx
+
+    times: dict[int, tuple[float, float]] = {}
+    counts = [0, 0]
+
+    async def main() -> None:
+        queue = list(work)
+        async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=streams + 4)) as c:
+            async def stream() -> None:
+                while queue:
+                    rid, prompt = queue.pop(0)
+                    body = {"model": model, "prompt": prompt, "max_tokens": gen, "stream": True, "ignore_eos": True,
+                            "temperature": 0, "stream_options": {"include_usage": True,
+                                                                 "continuous_usage_stats": True}}
+                    t0, first, done = time.perf_counter(), None, 0
+                    async with c.stream("POST", "/v1/completions", json=body, headers={"x-rid": str(rid)}) as r:
+                        async for line in r.aiter_lines():
+                            if line.startswith("data: {"):
+                                chunk = json.loads(line[6:])
+                                if chunk.get("choices"):
+                                    first = first or time.perf_counter()
+                                    counts[1] += 1
+                                done = chunk["usage"]["completion_tokens"]
+                    counts[0] += done
+                    times[rid] = (t0, first or t0)
+            await asyncio.gather(*(stream() for _ in range(streams)))
+
+    asyncio.run(main())
+    return counts[0], counts[1], times
 
 
 def thread_cpu(thread: object) -> float:
@@ -57,26 +124,46 @@ def main() -> None:
     path = shape_dir(args.shape, True, Path(tempfile.mkdtemp(prefix="server-loop-")))
     vocab = int(json.loads((path / "config.json").read_text())["vocab_size"])
     engine = Engine(load_model(path), EngineConfig(max_batch=args.streams, memory_budget_gb=0.5)).start()
+    handles: list = []
+    submit = engine.submit
+
+    def recording_submit(*a: object, **k: object) -> object:  # the engine-side TTFT of each request
+        h = submit(*a, **k)  # type: ignore[arg-type]
+        handles.append(h)
+        return h
+
+    engine.submit = recording_submit  # type: ignore[method-assign]
     clients = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
     clients.submit(_ready).result()
     rng = random.Random(0)
     rows = []
     try:
-        with ServerThread(create_app(engine, model_id="m")) as server:
+        with ServerThread(Probe(create_app(engine, model_id="m"))) as server:
             for i in range(args.rounds):
                 work = [(j, [rng.randrange(5, vocab - 5) for _ in range(args.prompt_tokens)])
                         for j in range(args.requests)]
+                SEEN.clear()
+                handles.clear()
                 loop0, eng0, t0 = thread_cpu(server._thread), thread_cpu(engine._thread), time.perf_counter()
-                tokens, _, events = clients.submit(client_share, server.url, "m", args.streams, work,
-                                                   args.generation_tokens).result()
+                tokens, chunks, times = clients.submit(timed_client, server.url, "m", args.streams, work,
+                                                       args.generation_tokens).result()
                 loop1, eng1, t1 = thread_cpu(server._thread), thread_cpu(engine._thread), time.perf_counter()
-                row = {"round": i, "tokens": tokens, "chunks": len(events), "wall_s": t1 - t0,
-                       "loop_us_per_chunk": 1e6 * (loop1 - loop0) / len(events),
-                       "engine_us_per_token": 1e6 * (eng1 - eng0) / tokens}
+                ms = lambda xs: 1e3 * statistics.fmean(xs)  # noqa: E731
+                row = {"round": i, "tokens": tokens, "chunks": chunks, "wall_s": t1 - t0,
+                       "loop_us_per_chunk": 1e6 * (loop1 - loop0) / chunks,
+                       "engine_us_per_token": 1e6 * (eng1 - eng0) / tokens,
+                       "ttft_mean_ms": ms([f - s for s, f in times.values()]),
+                       "send_to_app_mean_ms": ms([SEEN[r][0] - s for r, (s, _) in times.items()]),
+                       "app_to_first_bytes_mean_ms": ms([SEEN[r][1] - SEEN[r][0] for r in times]),
+                       "first_bytes_to_client_mean_ms": ms([f - SEEN[r][1] for r, (_, f) in times.items()]),
+                       "engine_ttft_mean_ms": statistics.fmean(h.result().ttft_ms for h in handles)}
                 rows.append(row)
-                print(f"round {i}: {tokens} tokens in {len(events)} chunks, {t1 - t0:.2f} s; loop CPU "
+                print(f"round {i}: {tokens} tokens in {chunks} chunks, {t1 - t0:.2f} s; loop CPU "
                       f"{row['loop_us_per_chunk']:.1f} us/chunk, engine thread CPU {row['engine_us_per_token']:.1f} "
-                      "us/token", flush=True)
+                      f"us/token; TTFT mean {row['ttft_mean_ms']:.1f} ms: send->app {row['send_to_app_mean_ms']:.1f}, "
+                      f"app->first bytes {row['app_to_first_bytes_mean_ms']:.1f} (engine TTFT "
+                      f"{row['engine_ttft_mean_ms']:.1f}), bytes->client {row['first_bytes_to_client_mean_ms']:.1f}",
+                      flush=True)
     finally:
         clients.shutdown()
         engine.stop()

@@ -143,7 +143,7 @@ def test_served_benchmark_default_sizing_splits_the_device_between_in_process_en
 
 
 def test_server_loop_benchmark_reports_the_loops_cpu_per_chunk(tmp_path):
-    """benchmarks/server_loop.py: the event loop's thread CPU per streamed chunk, in its JSON."""
+    """benchmarks/server_loop.py: the event loop's thread CPU per streamed chunk and the TTFT split, in its JSON."""
     import pathlib
 
     script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "server_loop.py"
@@ -155,3 +155,7 @@ def test_server_loop_benchmark_reports_the_loops_cpu_per_chunk(tmp_path):
     assert [row["tokens"] for row in doc["rows"]] == [16, 16]  # 4 requests of 4 tokens a round
     assert all(0 < row["chunks"] <= 16 and row["loop_us_per_chunk"] > 0 for row in doc["rows"])
     assert doc["median_loop_us_per_chunk"] > 0 and "median loop CPU" in r.stdout
+    for row in doc["rows"]:  # the TTFT split: its parts add up to the mean TTFT
+        parts = row["send_to_app_mean_ms"] + row["app_to_first_bytes_mean_ms"] + row["first_bytes_to_client_mean_ms"]
+        assert abs(parts - row["ttft_mean_ms"]) < 1e-6 * max(1.0, row["ttft_mean_ms"])
+        assert 0 < row["engine_ttft_mean_ms"] <= row["ttft_mean_ms"]
