@@ -22,7 +22,6 @@
 #include <mlx/fast.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdlib>
 #include <map>
 #include <mutex>
@@ -343,17 +342,14 @@ mx::array cuda_paged_attention(const mx::array& q, const mx::array& k_storage, c
   const int splits = paged_attention_splits(R, KVH, max_keys);
   const bool split = splits > 1;
   const bool capped = softcap > 0.0f;
-  if (!(scale > 0.0f) || !std::isfinite(scale) || !std::isfinite(softcap)) {
-    throw std::invalid_argument("[paged_attention] the CUDA kernel needs a positive finite scale and a finite "
-                                "soft cap, got " + std::to_string(scale) + " and " + std::to_string(softcap) + ".");
-  }
   const auto pipe = paged_key_pipeline();
   std::vector<std::pair<std::string, mx::fast::TemplateArg>> targs{
       {"QT", q.dtype()}, {"KT", k_storage.dtype()}, {"OT", q.dtype()}, {"kD", D}, {"kP", P}, {"kG", G},
       {"kKVH", KVH}, {"kWindow", std::max(window, 0)}, {"kNW", kWarps}, {"kLPK", t.lpk}, {"kE", t.e},
       {"kU", pipe.unroll}, {"kPrefetch", pipe.prefetch},
       {"kSoftcap", capped}, {"kSinks", sinks.has_value() && !split},  // a split's partial has no sink
-      {"kScaleBits", float_bits(scale)}, {"kCapBits", float_bits(capped ? softcap : 0.0f)}};
+      {"kScaleBits", float_bits(scale, "the attention scale")},
+      {"kCapBits", float_bits(capped ? softcap : 0.0f, "the soft cap")}};
   // sinks: (H,) float32 (the caller casts); without them the lengths stand in, never read (no extra op).
   const auto sk = sinks ? *sinks : lengths;
   std::vector<mx::array> in{q, k_storage, v_storage, block_tables, lengths, sk};

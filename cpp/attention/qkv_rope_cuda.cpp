@@ -118,8 +118,9 @@ std::array<mx::array, 3> qkv_rope(const mx::array& qkv, int H, int KVH, int D, c
   const int bx = std::min(half, 128);
   std::vector<std::pair<std::string, mx::fast::TemplateArg>> targs{
       {"T", qkv.dtype()}, {"kH", H}, {"kKVH", KVH}, {"kD", D}, {"kDims", rope.dims},
-      {"kTraditional", rope.traditional}, {"kFreqs", with_freqs}, {"kScaleBits", float_bits(rope.scale)},
-      {"kLog2BaseBits", float_bits(with_freqs ? 0.0f : std::log2(*rope.base))}};
+      {"kTraditional", rope.traditional}, {"kFreqs", with_freqs},
+      {"kScaleBits", float_bits(rope.scale, "the RoPE scale")},
+      {"kLog2BaseBits", float_bits(with_freqs ? 0.0f : std::log2(*rope.base), "log2 of the RoPE base")}};
   const std::tuple<int, int, int> grid{((half + bx - 1) / bx) * bx, H + 2 * KVH, R}, block{bx, 1, 1};
   auto out = kernel()({qkv, mx::reshape(pos, {R}), freqs}, {{R, H, D}, {R, KVH, D}, {R, KVH, D}},
                       {qkv.dtype(), qkv.dtype(), qkv.dtype()}, grid, block, targs, std::nullopt, false, {});
