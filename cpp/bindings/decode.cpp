@@ -235,7 +235,7 @@ thread-safe.)")
             // The graph is built (and, first time per signature, traced) without the GIL: MLX's graph state
             // is per thread (tracing, compile cache, default streams), and a server's event loop streams
             // meanwhile instead of waiting for the engine thread's C++ (a GIL profile of `mlx-infer serve`,
-            // H200, session 16: a third of the GIL held was this call).
+            // H200, session 16: 19 of its 55 samples of the GIL holder were in this call).
             auto out = [&] {
               nb::gil_scoped_release nogil;
               return self.step(tokens, positions, logit_rows, gs, keys, values, adapter_slots);

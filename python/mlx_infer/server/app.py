@@ -324,6 +324,7 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
                 yield "data: [DONE]\n\n"
             finally:  # client gone (the task is cancelled) or stream ended: release the requests
                 release_all(handles)
+
         async def release_after() -> None:  # async: Starlette runs a sync task through a worker thread
             release_all(handles)
 
