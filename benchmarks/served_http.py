@@ -29,15 +29,18 @@ STREAMS_PER_CLIENT = 16
 
 
 def client_share(url: str, model: str, streams: int, work: list[tuple[int, list[int]]],
-                 gen: int) -> tuple[int, list[float], list[tuple[float, int, bool, int]]]:
+                 gen: int) -> tuple[int, list[float], list[tuple[float, int, bool, int]], dict[int, float]]:
     """``streams`` closed-loop streams over ``work`` ((request number, prompt) pairs), in this process.
-    Returns the completion tokens the server counted, each request's TTFT (s) and every chunk's
-    ``(arrival, request number, finished, tokens)``: a chunk carries every token that was ready when the
-    server's loop sent it (server/app.py), counted from the running usage (``continuous_usage_stats``)."""
+    Returns the completion tokens the server counted, each request's TTFT (s), every chunk's
+    ``(arrival, request number, finished, tokens)`` (a chunk carries every token that was ready when the
+    server's loop sent it, server/app.py, counted from the running usage: ``continuous_usage_stats``) and
+    each request's send time. Each request carries its number in an ``x-rid`` header (server_loop.py's
+    probe matches on it)."""
     import httpx
 
     ttfts: list[float] = []
     events: list[tuple[float, int, bool, int]] = []
+    sent: dict[int, float] = {}
 
     async def main() -> int:
         queue = list(work)
@@ -52,7 +55,9 @@ def client_share(url: str, model: str, streams: int, work: list[tuple[int, list[
                             "ignore_eos": True, "temperature": 0,
                             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
                     t0, first, seen = time.perf_counter(), True, 0
-                    async with client.stream("POST", "/v1/completions", json=body) as resp:
+                    sent[rid] = t0
+                    async with client.stream("POST", "/v1/completions", json=body,
+                                             headers={"x-rid": str(rid)}) as resp:
                         async for line in resp.aiter_lines():
                             if line.startswith("data: {"):
                                 chunk = json.loads(line[6:])
@@ -70,7 +75,7 @@ def client_share(url: str, model: str, streams: int, work: list[tuple[int, list[
         return total
 
     total = asyncio.run(main())
-    return total, ttfts, events
+    return total, ttfts, events, sent
 
 
 def _ready() -> bool:
@@ -143,7 +148,7 @@ class OursHTTP:
         self.ttfts, self.events = [], []
         total = 0
         for f in futures:
-            t, ttfts, events = f.result()
+            t, ttfts, events, _ = f.result()
             total += t
             self.ttfts += ttfts
             self.events += events

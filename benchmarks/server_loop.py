@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from served import shape_dir  # noqa: E402
-from served_http import _ready  # noqa: E402
+from served_http import _ready, client_share  # noqa: E402
 
 #: Per request (by its x-rid): [app entry, first body bytes sent] (perf_counter).
 SEEN: dict[int, list[float | None]] = {}
@@ -62,43 +62,6 @@ class Probe:
             await send(message)  # type: ignore[operator]
 
         await self.app(scope, receive, probe_send)  # type: ignore[operator]
-
-
-def timed_client(url: str, model: str, streams: int, work: list[tuple[int, list[int]]], gen: int
-                 ) -> tuple[int, int, dict[int, tuple[float, float]]]:
-    """``client_share``'s closed loop with an ``x-rid`` header per request: (tokens, chunks, per request
-    (send time, first chunk's arrival))."""
-    import asyncio
-
-    import httpx
-
-    times: dict[int, tuple[float, float]] = {}
-    counts = [0, 0]
-
-    async def main() -> None:
-        queue = list(work)
-        async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=streams + 4)) as c:
-            async def stream() -> None:
-                while queue:
-                    rid, prompt = queue.pop(0)
-                    body = {"model": model, "prompt": prompt, "max_tokens": gen, "stream": True, "ignore_eos": True,
-                            "temperature": 0, "stream_options": {"include_usage": True,
-                                                                 "continuous_usage_stats": True}}
-                    t0, first, done = time.perf_counter(), None, 0
-                    async with c.stream("POST", "/v1/completions", json=body, headers={"x-rid": str(rid)}) as r:
-                        async for line in r.aiter_lines():
-                            if line.startswith("data: {"):
-                                chunk = json.loads(line[6:])
-                                if chunk.get("choices"):
-                                    first = first or time.perf_counter()
-                                    counts[1] += 1
-                                done = chunk["usage"]["completion_tokens"]
-                    counts[0] += done
-                    times[rid] = (t0, first or t0)
-            await asyncio.gather(*(stream() for _ in range(streams)))
-
-    asyncio.run(main())
-    return counts[0], counts[1], times
 
 
 def thread_cpu(thread: object) -> float:
@@ -145,8 +108,11 @@ def main() -> None:
                 SEEN.clear()
                 handles.clear()
                 loop0, eng0, t0 = thread_cpu(server._thread), thread_cpu(engine._thread), time.perf_counter()
-                tokens, chunks, times = clients.submit(timed_client, server.url, "m", args.streams, work,
-                                                       args.generation_tokens).result()
+                tokens, _, events, sent = clients.submit(client_share, server.url, "m", args.streams, work,
+                                                         args.generation_tokens).result()
+                chunks, times = len(events), {}  # times: per request (send, first chunk's arrival)
+                for t, r, _, _ in sorted(events):
+                    times.setdefault(r, (sent[r], t))
                 loop1, eng1, t1 = thread_cpu(server._thread), thread_cpu(engine._thread), time.perf_counter()
                 ms = lambda xs: 1e3 * statistics.fmean(xs)  # noqa: E731
                 row = {"round": i, "tokens": tokens, "chunks": chunks, "wall_s": t1 - t0,

@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 
 from mlx_infer import _fast
+from test_qkv_rope import ON_CUDA
 
-ON_CUDA = mx.default_device().type == mx.DeviceType.gpu and hasattr(mx, "cuda") and mx.cuda.is_available()
 #: The kernel the op runs where these tests run (the CUDA machine runs them too; Metal has none: the gather).
 BACKEND = "cuda" if ON_CUDA else "cpu" if mx.default_device().type == mx.DeviceType.cpu else "gather"
 
