@@ -16,8 +16,8 @@ llama, gemma3 (window 8, rows longer than it), qwen3 (q/k norms). Checks:
   tokens see each other causally through their lengths), ``logit_rows``
   returns the asked rows in order.
 
-gemma4 has no paged step (refused at construction: its shared-KV layers own no
-pages); it decodes eagerly in the engine.
+gemma4's paged step (its KV-owning layers not read by a shared one attend
+through the kernel too) is checked in test_paged_decode_step.py.
 """
 
 from __future__ import annotations

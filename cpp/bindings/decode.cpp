@@ -123,17 +123,27 @@ per shape on CUDA; ``mx.matmul`` elsewhere, so harmless off CUDA).)")
       .def_rw("expert_start", &DecodeConfig::expert_start,
               "Tensor parallel, gemma4: the first expert held here (expert parallel).")
       .def_rw("layer_kv_heads", &DecodeConfig::layer_kv_heads,
-              "gemma4: KV heads per layer (empty = num_kv_heads everywhere).")
+              "KV heads per layer (gemma4; empty = num_kv_heads everywhere).")
       .def_rw("layer_head_dims", &DecodeConfig::layer_head_dims,
-              "gemma4: head dim per layer (empty = head_dim everywhere).")
+              "Head dim per layer (gemma4; empty = head_dim everywhere).")
       .def_rw("kv_donors", &DecodeConfig::kv_donors,
-              R"(gemma4: per layer, -1 when it owns a KV buffer, else the earlier layer
-whose buffer it reads (KV sharing). Empty = every layer owns one.)")
+              R"(Per layer, -1 when it owns a KV buffer, else the earlier layer whose
+buffer it reads (KV sharing: gemma4). Empty = every layer owns one.)")
+      .def_rw("v_from_k", &DecodeConfig::v_from_k,
+              R"(Per layer, 1 where V is K's projection and the layer has no v weights
+(gemma4's attention_k_eq_v). Empty = every layer has its own.)")
+      .def_rw("v_norm", &DecodeConfig::v_norm, "V RMS-normed (no weight) before it is cached (gemma4).")
       .def_rw("per_layer_width", &DecodeConfig::per_layer_width,
-              "gemma4: per-layer input width (0 = no per-layer inputs).")
+              "Per-layer input width (gemma4; 0 = no per-layer inputs).")
+      .def_rw("layer_scalars", &DecodeConfig::layer_scalars,
+              "Each layer's output times its ``layers.{i}.layer_scalar`` (gemma4).")
       .def_rw("num_experts", &DecodeConfig::num_experts,
-              "Experts of the MoE layers (gemma4, qwen3_moe; 0 = none).")
-      .def_rw("top_k_experts", &DecodeConfig::top_k_experts, "Experts routed per token.");
+              "Experts of the MoE layers (those with a router; 0 = none).")
+      .def_rw("top_k_experts", &DecodeConfig::top_k_experts, "Experts routed per token.")
+      .def_rw("moe_beside_mlp", &DecodeConfig::moe_beside_mlp,
+              R"(The experts run beside the dense MLP, with their own norms, the router
+on rms(h) * router_scale and per-expert scales (gemma4); else instead of it
+(qwen3_moe, gpt_oss).)");
 
   nb::class_<DecodeStep>(
       m, "DecodeStep",

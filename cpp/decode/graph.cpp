@@ -1,11 +1,9 @@
-// The one-token forward of the llama and gemma2/gemma3 families, composed of the same
-// MLX ops, in the same order, as python/mlx_infer/models/{llama,gemma2,gemma3}.py, so
-// the compiled step's logits stay within rounding of the eager graph's.
+// The building blocks of the decode forward (forward.cpp), each the MLX ops of its eager layer in the
+// same order (python/mlx_infer/layers, models/*.py), and the plain step's K/V access (DecodeStep's
+// buffers) and graph (decode_forward).
 #include "graph.h"
 
-#include "gemma4.h"
 #include "lora.h"
-#include "../attention/qkv_rope_cuda.h"
 
 #include "mlx_infer/backend.h"
 #include "mlx_infer/cpu_attention.h"
@@ -171,16 +169,6 @@ mx::array rope(const mx::array& x, const RopeSpec& r, const mx::array& offset) {
 
 namespace {
 
-// gemma3.residual_add: in float16, summed in float32 and clipped to the f16 range.
-mx::array residual(const DecodeConfig& cfg, const mx::array& x, const mx::array& y) {
-  if (!cfg.clip_f16_residual || x.dtype() != mx::float16) {
-    return mx::add(x, y);
-  }
-  float bound = 65504.0f;
-  auto s = mx::add(mx::astype(x, mx::float32), mx::astype(y, mx::float32));
-  return mx::astype(mx::clip(s, mx::array(-bound), mx::array(bound)), mx::float16);
-}
-
 // nn.silu(gate) * up  /  nn.gelu_approx(gate) * up  /  gpt_oss.swiglu_oai(gate, up, limit), op for op.
 std::vector<mx::array> swiglu_ops(const std::vector<mx::array>& in) {
   const auto& gate = in[0];
@@ -332,143 +320,6 @@ class BufferKV final : public KVAccess {
 
 }  // namespace
 
-mx::array decode_layers(
-    const DecodeStep::Graph& g,
-    const mx::array& tokens,
-    const mx::array& positions,
-    KVAccess& kv,
-    const std::optional<mx::array>& logit_rows) {
-  const auto& cfg = g.cfg;
-  const int L = cfg.num_layers;
-  const int B = tokens.shape(0);
-  const int H = cfg.num_heads, KVH = cfg.num_kv_heads, D = cfg.head_dim;
-  // The llama/gemma3 forward reads g.layers; gemma4 loads its own weights (g.gemma4) and
-  // leaves g.layers empty, so a caller that routes it here gets an error, never a stray read.
-  if (g.gemma4 || static_cast<int>(g.layers.size()) != L) {
-    throw std::invalid_argument("[DecodeStep] the llama/gemma3 forward has weights for " +
-                                std::to_string(g.layers.size()) + " of " + std::to_string(L) +
-                                " layers (family '" + cfg.family + "' has its own forward).");
-  }
-
-  auto h = tp_embed_lookup(g, g.embed, mx::reshape(tokens, {B, 1}), cfg.vocab_start);  // (B, 1, E)
-  if (cfg.embed_scale != 0.0f) {
-    h = mx::multiply(h, scalar(cfg.embed_scale, h.dtype()));
-  }
-
-  for (int i = 0; i < L; ++i) {
-    const auto& lw = g.layers[i];
-
-    auto x = lw.attn_norm ? rms(h, lw.attn_norm, cfg.rms_norm_eps) : h;  // olmo2: no pre-norm
-    mx::array q(0), k(0), v(0);
-    bool rotated = false;  // q and k already rotated (qkv_rope)
-    if (lw.qkv.present()) {
-      auto qkv = apply_linear(lw.qkv, x);  // (B, 1, (H + 2 KVH) D)
-      auto flat = mx::reshape(qkv, {B, (H + 2 * KVH) * D});
-      if (!lw.q_norm && kv.fused_qkv_rope() && qkv_rope_supported(flat, H, KVH, D, lw.rope)) {
-        auto [qr, kr, vr] = qkv_rope(flat, H, KVH, D, lw.rope, positions);  // contiguous (B, heads, D)
-        q = mx::reshape(qr, {B, H, 1, D});
-        k = mx::reshape(kr, {B, KVH, 1, D});
-        v = mx::reshape(vr, {B, KVH, 1, D});
-        rotated = true;
-      } else {
-        auto parts = mx::split(qkv, mx::Shape{H * D, (H + KVH) * D}, -1);
-        q = parts[0], k = parts[1], v = parts[2];
-      }
-    } else {
-      q = apply_linear(lw.q, x);
-      k = apply_linear(lw.k, x);
-      v = apply_linear(lw.v, x);
-    }
-    if (!rotated) {
-      if (lw.q_norm && cfg.qk_norm_whole) {  // olmo2: over all heads at once, before they split
-        q = rms(q, lw.q_norm, cfg.rms_norm_eps);
-        k = rms(k, lw.k_norm, cfg.rms_norm_eps);
-      }
-      q = mx::reshape(q, {B, 1, H, D});
-      k = mx::reshape(k, {B, 1, KVH, D});
-      v = mx::reshape(v, {B, 1, KVH, D});
-      if (lw.q_norm && !cfg.qk_norm_whole) {
-        q = rms(q, lw.q_norm, cfg.rms_norm_eps);
-        k = rms(k, lw.k_norm, cfg.rms_norm_eps);
-      }
-      q = mx::transpose(q, {0, 2, 1, 3});  // (B, H, 1, D)
-      k = mx::transpose(k, {0, 2, 1, 3});  // (B, KVH, 1, D)
-      v = mx::transpose(v, {0, 2, 1, 3});
-      q = rope(q, lw.rope, positions);
-      k = rope(k, lw.rope, positions);
-    }
-
-    auto direct = kv.write_attend(i, q, k, v);  // (B, H, 1, D), or none: write_read and SDPA
-    auto attn = direct ? *direct : attend(g, q, kv.write_read(i, k, v), lw.sinks);
-    attn = mx::reshape(mx::transpose(attn, {0, 2, 1, 3}), {B, 1, H * D});  // (B, 1, H*D)
-    auto r = tp_sum(g, apply_linear(lw.o, attn));  // (B, 1, E): all heads' sum under tensor parallel
-    if (cfg.residual_scale != 1.0f) {
-      r = mx::multiply(r, scalar(cfg.residual_scale, r.dtype()));
-    }
-
-    if (lw.post_attn_norm) {  // gemma3 sandwich norms
-      h = residual(cfg, h, rms(r, lw.post_attn_norm, cfg.rms_norm_eps));
-    } else {
-      h = mx::add(h, r);
-    }
-
-    x = lw.mlp_norm ? rms(h, lw.mlp_norm, cfg.rms_norm_eps) : h;
-    if (lw.router.present()) {  // routed experts: qwen3_moe's SparseMoeBlock, gpt_oss's MLPBlock
-      const int E = cfg.num_experts, topk = cfg.top_k_experts;
-      auto logits = apply_linear(lw.router, x);  // (B, 1, E)
-      // qwen3_moe: the softmax over all experts, then the top k; gpt_oss: the top k logits, then their softmax.
-      auto gates = cfg.moe_softmax_topk ? logits : mx::softmax(logits, -1, /*precise=*/true);
-      auto part = mx::argpartition(gates, E - topk, -1);
-      auto idx = mx::slice(part, {0, 0, E - topk}, part.shape());  // (B, 1, k)
-      auto scores = mx::take_along_axis(gates, idx, -1);
-      if (cfg.moe_softmax_topk) {
-        scores = mx::softmax(scores, -1, /*precise=*/true);
-      } else if (cfg.norm_topk_prob) {
-        scores = mx::divide(scores, mx::sum(scores, -1, /*keepdims=*/true));
-      }
-      auto y = switch_glu(cfg, lw.expert_gate, lw.expert_up, lw.expert_down, x, idx, scores, false);
-      r = mx::astype(y, x.dtype());
-    } else {
-      mx::array gate(0), up(0);
-      if (lw.gate_up.present()) {
-        auto gu = apply_linear(lw.gate_up, x);
-        auto parts = mx::split(gu, 2, -1);
-        gate = parts[0], up = parts[1];
-      } else {
-        gate = apply_linear(lw.gate, x);
-        up = apply_linear(lw.up, x);
-      }
-      auto act = g.fast_gated
-          ? fast_gated_activation(gate, up, cfg.activation == "gelu_tanh" ? "gelu_approx" : "silu")
-          : gated(cfg, gate, up);
-      r = tp_sum(g, apply_linear(lw.down, act));
-    }
-    if (cfg.residual_scale != 1.0f) {
-      r = mx::multiply(r, scalar(cfg.residual_scale, r.dtype()));
-    }
-    if (lw.post_mlp_norm) {
-      h = residual(cfg, h, rms(r, lw.post_mlp_norm, cfg.rms_norm_eps));
-    } else {
-      h = mx::add(h, r);
-    }
-  }
-
-  if (logit_rows) {
-    h = mx::take(h, *logit_rows, 0);  // (M, 1, E): the head runs on these rows only
-  }
-  h = rms(h, g.norm, cfg.rms_norm_eps);
-  auto logits = g.lm_head.present() ? apply_linear(g.lm_head, h) : embed_as_linear(g.embed, h);
-  logits = tp_gather_logits(g, logits);  // (B, 1, vocab)
-  if (cfg.logits_divisor != 1.0f) {
-    logits = mx::divide(logits, scalar(cfg.logits_divisor, logits.dtype()));
-  }
-  if (cfg.final_logit_softcap) {
-    auto cap = scalar(*cfg.final_logit_softcap, logits.dtype());
-    logits = mx::multiply(mx::tanh(mx::divide(logits, cap)), cap);
-  }
-  return mx::reshape(logits, {h.shape(0), logits.shape(-1)});  // (B or M, vocab)
-}
-
 std::pair<std::vector<int>, std::vector<int>> window_groups(const DecodeStep::Graph& g) {
   const auto windows = buffer_windows(g);
   std::vector<int> groups(windows);
@@ -500,26 +351,15 @@ std::vector<mx::array> decode_forward(
   return outputs;
 }
 
-mx::array layers_forward(const DecodeStep::Graph& g, const mx::array& tokens, const mx::array& positions,
-                         KVAccess& kv, const std::optional<mx::array>& logit_rows) {
-  return g.gemma4 ? gemma4_layers(g, tokens, positions, kv, logit_rows)
-                  : decode_layers(g, tokens, positions, kv, logit_rows);
-}
-
 int num_buffers(const DecodeStep::Graph& g) {
-  return g.gemma4 ? g.gemma4->buffers : g.cfg.num_layers;
+  return static_cast<int>(g.buffer_layer.size());
 }
 
 std::vector<BufferGeometry> buffer_geometry(const DecodeStep::Graph& g) {
   std::vector<BufferGeometry> out;
-  if (g.gemma4) {
-    for (const auto& lw : g.gemma4->layers) {
-      if (lw.owns_kv) out.push_back({lw.kv_heads, lw.head_dim, lw.window});
-    }
-    return out;
-  }
-  for (const auto& lw : g.layers) {
-    out.push_back({g.cfg.num_kv_heads, g.cfg.head_dim, lw.window});
+  for (int i : g.buffer_layer) {
+    const auto& lw = g.layers[i];
+    out.push_back({lw.kv_heads, lw.head_dim, lw.window});
   }
   return out;
 }

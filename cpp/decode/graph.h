@@ -1,4 +1,16 @@
 // Internal to cpp/decode/: the weights of a decode step and its one-token forward (reading the weights: weights.h).
+//
+// One forward for every family (forward.cpp); what a family adds is a switch of DecodeConfig and, where it
+// has weights, their canonical names (decode.h has the shared ones). Beyond those:
+//
+//   layers.{i}.sinks                          per-head attention sink logits (gpt_oss)
+//   layers.{i}.router.*, layers.{i}.experts.{gate,up,down}.*   routed experts, (experts, out, in)
+//   layers.{i}.layer_scalar                   layer_scalars
+//   embed_per_layer.*, per_layer_proj.*, per_layer_proj_norm.weight,
+//   layers.{i}.{pli_gate,pli_proj}.*, layers.{i}.pli_norm.weight      per_layer_width > 0
+//   layers.{i}.{router_scale,per_expert_scale},
+//   layers.{i}.{mlp_norm_2,post_mlp_norm_1,post_mlp_norm_2}.weight     moe_beside_mlp
+//   KV-shared layers (kv_donors) have no k, v, k_norm; v_from_k layers no v.
 #pragma once
 
 #include <memory>
@@ -36,23 +48,35 @@ struct Linear {
 struct LayerWeights {
   Linear q, k, v, o, gate, up, down;
   Linear qkv, gate_up;  // fused forms (handed over fused, or DecodeConfig::fuse_projections): members set
-  Linear router, expert_gate, expert_up, expert_down;  // a MoE layer (qwen3_moe): instead of gate/up/down
+  Linear router, expert_gate, expert_up, expert_down;  // a MoE layer: instead of (or beside) gate/up/down
   std::optional<mx::array> attn_norm, mlp_norm, post_attn_norm, post_mlp_norm, q_norm, k_norm;
   std::optional<mx::array> sinks;  // (H,) attention sink logits (gpt_oss)
+  // moe_beside_mlp: router.scale * hidden**-0.5 (as the router computes it), the per-expert output scales, and
+  // the experts' own norms
+  std::optional<mx::array> router_scale, per_expert_scale, mlp_norm_2, post_mlp_norm_1, post_mlp_norm_2;
+  std::optional<mx::array> layer_scalar;  // layer_scalars
+  Linear pli_gate, pli_proj;              // per-layer inputs (per_layer_width > 0)
+  std::optional<mx::array> pli_norm;
+  int kv_heads = 0;
+  int head_dim = 0;
   int window = 0;
+  bool owns_kv = true;  // false: a KV-shared layer, reading its donor's buffer
+  bool shared = false;  // an owner whose buffer a later layer reads (its attention is the gather path's)
+  int buffer = 0;       // index of the K/V buffer pair it writes (owner) or reads (donor's)
   RopeSpec rope;
 };
 
-struct Gemma4Weights;  // gemma4.h
-struct LoraLayout;     // lora.h
+struct LoraLayout;  // lora.h
 
 struct DecodeStep::Graph {
   DecodeConfig cfg;
-  std::shared_ptr<const Gemma4Weights> gemma4;  // set for family "gemma4" (its own forward)
   Linear embed;
   Linear lm_head;  // absent (w unset) when the head is tied to the embedding
   std::optional<mx::array> norm;
   std::vector<LayerWeights> layers;
+  std::vector<int> buffer_layer;  // per K/V buffer, the layer that owns it
+  Linear embed_per_layer, per_layer_proj;  // per-layer inputs (per_layer_width > 0)
+  std::optional<mx::array> per_layer_proj_norm;
   mx::Dtype dtype = mx::float32;  // activations
   std::optional<mx::distributed::Group> tp;  // set when cfg.tp_backend names a group
   bool fast_attention = false;  // attention / the gated activation on mlx-infer's CPU kernels,
@@ -98,17 +122,10 @@ class KVAccess {
   virtual bool fused_qkv_rope() const { return false; }
 };
 
-/// The one-token forward over any KV storage: logits (B, vocab), lazily; with
-/// ``logit_rows`` (M,) int32 only those rows' logits (M, vocab), the head run on them alone.
-mx::array decode_layers(
-    const DecodeStep::Graph& g,
-    const mx::array& tokens,
-    const mx::array& positions,
-    KVAccess& kv,
-    const std::optional<mx::array>& logit_rows = std::nullopt);
-
-/// The family's one-token forward over any KV storage (decode_layers or gemma4_layers);
-/// ``kv`` is indexed by buffer (KV-owning layer, in order); ``logit_rows`` as decode_layers'.
+/// The one-token forward over any KV storage (forward.cpp): logits (B, vocab), lazily. ``kv`` is indexed
+/// by buffer (KV-owning layer, in order); a KV-shared layer attends over what its donor's ``write_read``
+/// returned in the same forward. With ``logit_rows`` (M,) int32 only those rows' logits (M, vocab), the
+/// head run on them alone.
 mx::array layers_forward(
     const DecodeStep::Graph& g,
     const mx::array& tokens,
@@ -123,7 +140,7 @@ struct BufferGeometry {
   int window;
 };
 
-/// K/V buffer pairs the forward writes (the KV-owning layers; all layers but gemma4's KV-shared ones).
+/// K/V buffer pairs the forward writes (the KV-owning layers; all layers but the KV-shared ones).
 int num_buffers(const DecodeStep::Graph& g);
 /// Per buffer, in order (needs the graph's weights loaded).
 std::vector<BufferGeometry> buffer_geometry(const DecodeStep::Graph& g);
@@ -176,6 +193,10 @@ mx::array rope(const mx::array& x, const RopeSpec& r, const mx::array& offset);
 mx::array gated(const DecodeConfig& cfg, const mx::array& gate, const mx::array& up);
 /// SwitchLinear / QuantizedSwitchLinear over the rows' expert ids (moe.cpp).
 mx::array switch_linear(const Linear& l, const mx::array& x, const mx::array& idx, bool sorted);
+/// The router of layer ``lw``: each row's top-k expert ids and their weights, each (B, 1, k), from the
+/// pre-MLP input ``x`` (or, moe_beside_mlp, the residual stream ``h``) (moe.cpp).
+std::pair<mx::array, mx::array> route_experts(const DecodeConfig& cfg, const LayerWeights& lw, const mx::array& x,
+                                              const mx::array& h);
 /// SwitchGLU over each row's top-k experts, then the routing-weighted sum: x (B, 1, D), indices and
 /// weights (B, 1, k) -> (B, 1, D). Expert parallel (a sharded graph): this rank's experts only
 /// (cfg.expert_start on), the others' weights zero; the caller all_sums the ranks' shares (moe.cpp).

@@ -1,10 +1,36 @@
-// Routed experts of the decode forwards (gemma4's MoE block, qwen3_moe in the llama forward):
-// SwitchGLU over the top-k experts of each row, then the routing-weighted sum.
+// Routed experts of the decode forward (qwen3_moe's and gpt_oss's instead of the MLP, gemma4's beside it):
+// the router's top-k experts of each row, SwitchGLU over them, then the routing-weighted sum.
 #include <optional>
 
 #include "graph.h"
 
 namespace mlx_infer {
+
+std::pair<mx::array, mx::array> route_experts(const DecodeConfig& cfg, const LayerWeights& lw, const mx::array& x,
+                                              const mx::array& h) {
+  const int E = cfg.num_experts, k = cfg.top_k_experts;
+  auto top_k = [&](const mx::array& scores) {  // (B, 1, E) -> the k largest's ids (B, 1, k)
+    auto part = mx::argpartition(scores, E - k, -1);
+    return mx::slice(part, {0, 0, E - k}, part.shape());
+  };
+  if (cfg.moe_beside_mlp) {  // gemma4's Router: the top k of rms(h) * scale's scores, softmaxed, per-expert scaled
+    auto scores = apply_linear(lw.router, rms(h, lw.router_scale, cfg.rms_norm_eps));  // (B, 1, E)
+    auto idx = top_k(scores);
+    auto weights = mx::softmax(mx::take_along_axis(scores, idx, -1), -1, /*precise=*/false);
+    return {idx, mx::multiply(weights, mx::take(*lw.per_expert_scale, idx, 0))};
+  }
+  auto logits = apply_linear(lw.router, x);  // (B, 1, E)
+  // qwen3_moe: the softmax over all experts, then the top k; gpt_oss: the top k logits, then their softmax.
+  auto gates = cfg.moe_softmax_topk ? logits : mx::softmax(logits, -1, /*precise=*/true);
+  auto idx = top_k(gates);
+  auto scores = mx::take_along_axis(gates, idx, -1);
+  if (cfg.moe_softmax_topk) {
+    scores = mx::softmax(scores, -1, /*precise=*/true);
+  } else if (cfg.norm_topk_prob) {
+    scores = mx::divide(scores, mx::sum(scores, -1, /*keepdims=*/true));
+  }
+  return {idx, scores};
+}
 
 // SwitchLinear / QuantizedSwitchLinear, and their per-expert bias (gpt_oss).
 mx::array switch_linear(const Linear& l, const mx::array& x, const mx::array& idx, bool sorted) {

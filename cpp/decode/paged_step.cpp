@@ -57,8 +57,7 @@ class PagedKV final : public KVAccess {
     }
     const auto* in = group_inputs(layer_groups_[i]);
     auto [new_k, new_v] = write(i, k, v);
-    std::optional<mx::array> sinks;  // the llama forward's buffer i is layer i
-    if (!g_.gemma4) sinks = g_.layers[i].sinks;
+    const auto& sinks = g_.layers[g_.buffer_layer[i]].sinks;
     auto out = paged_attention(q3, new_k, new_v, in[0], in[1], windows_[i], g_.cfg.attn_scale,
                                g_.cfg.attn_softcap, sinks);
     return mx::reshape(out, {R, H, 1, D});  // (R, H, 1, D)

@@ -40,12 +40,6 @@ void validate_decode_config(const DecodeConfig& c) {
   for (int w : c.windows) {
     if (w < 0) fail("a sliding window must be >= 1 (0 = global).");
   }
-  const bool gemma4 = c.family == "gemma4";
-  if (!gemma4 && (!c.layer_kv_heads.empty() || !c.layer_head_dims.empty() || !c.kv_donors.empty() ||
-                  c.per_layer_width != 0)) {
-    fail("per-layer KV geometry, KV sharing and per-layer inputs are gemma4 switches; "
-         "family is '" + c.family + "'.");
-  }
   auto per_layer = [&](const std::vector<int>& v, const char* name) {
     if (!v.empty() && static_cast<int>(v.size()) != c.num_layers) {
       fail(std::string(name) + " needs one entry per layer (or none).");
@@ -54,6 +48,8 @@ void validate_decode_config(const DecodeConfig& c) {
   per_layer(c.layer_kv_heads, "layer_kv_heads");
   per_layer(c.layer_head_dims, "layer_head_dims");
   per_layer(c.kv_donors, "kv_donors");
+  per_layer(c.v_from_k, "v_from_k");
+  if (c.moe_beside_mlp && c.num_experts == 0) fail("moe_beside_mlp needs num_experts > 0.");
   for (int i = 0; i < c.num_layers; ++i) {
     const int kvh = layer_kv_heads(c, i), hd = layer_head_dim(c, i);
     if (kvh < 1 || c.num_heads % kvh != 0) fail("num_heads must be a multiple of each layer's KV heads.");

@@ -4,9 +4,8 @@
 // python/mlx_infer/generation/bindings/graph_spec.py's check_every_parameter_used).
 #include "weights.h"
 
-#include "gemma4.h"
-
 #include <algorithm>
+#include <cmath>
 #include <stdexcept>
 #include <string>
 #include <tuple>
@@ -98,16 +97,11 @@ std::unordered_map<std::string, int> linear_outs(const DecodeStep::Graph& g) {
     if (l.present() && !l.name.empty()) out.emplace(l.name, l.w->shape(0));
   };
   for (const auto& lw : g.layers) {
-    for (const auto* l : {&lw.q, &lw.k, &lw.v, &lw.o, &lw.gate, &lw.up, &lw.down}) add(*l);
+    for (const auto* l : {&lw.q, &lw.k, &lw.v, &lw.o, &lw.gate, &lw.up, &lw.down, &lw.pli_gate, &lw.pli_proj}) add(*l);
     for (const auto* l : {&lw.qkv, &lw.gate_up}) {  // a fused form: by its members, or (fused in the
       if (!l->present()) continue;                    // checkpoint: phi3, glm4) by its own name
       add(*l);
       for (const auto& [name, rows] : l->members) out.emplace(name, rows);
-    }
-  }
-  if (g.gemma4) {
-    for (const auto& lw : g.gemma4->layers) {
-      for (const auto* l : {&lw.q, &lw.k, &lw.v, &lw.o, &lw.gate, &lw.up, &lw.down, &lw.pli_gate, &lw.pli_proj}) add(*l);
     }
   }
   return out;
@@ -157,35 +151,52 @@ void load_graph_weights(
   auto linear = [&](const std::string& name, bool required = true) {
     return with_tuned_product(read_linear(weights, quantization, fast, name, required), cfg);
   };
-  if (cfg.family == "gemma4") {
-    load_gemma4_weights(g, weights, quantization);
-    check_every_weight_read(weights, read.names);
-    return;
-  }
+  auto need = [&](const std::string& name) { return require_weight(weights, name); };
   g.embed = linear("embed");
   g.lm_head = linear("lm_head", /*required=*/false);
-  g.norm = require_weight(weights, "norm.weight");
+  g.norm = need("norm.weight");
   g.dtype = g.embed.quantized() ? g.embed.scales->dtype() : g.embed.w->dtype();
-  std::vector<mx::array> fused;  // evaluated once, here, not in the first step
-  auto keep = [&fused](const Linear& l) {
+  if (cfg.per_layer_width > 0) {
+    g.embed_per_layer = linear("embed_per_layer");
+    g.per_layer_proj = linear("per_layer_proj");
+    g.per_layer_proj_norm = need("per_layer_proj_norm.weight");
+  }
+  std::vector<mx::array> derived;  // evaluated once, here, not in the first step
+  auto keep = [&derived](const Linear& l) {
     for (const auto* a : {&l.w, &l.scales, &l.biases, &l.bias}) {
-      if (*a) fused.push_back(**a);
+      if (*a) derived.push_back(**a);
     }
   };
+  std::vector<int> buffer_of(cfg.num_layers, -1);
   for (int i = 0; i < cfg.num_layers; ++i) {
     std::string p = "layers." + std::to_string(i) + ".";
     LayerWeights lw;
+    lw.kv_heads = layer_kv_heads(cfg, i);
+    lw.head_dim = layer_head_dim(cfg, i);
+    lw.window = cfg.windows[i];
+    lw.rope = cfg.ropes[i];
+    const int donor = cfg.kv_donors.empty() ? -1 : cfg.kv_donors[i];
+    lw.owns_kv = donor == -1;
+    if (lw.owns_kv) {
+      lw.buffer = static_cast<int>(g.buffer_layer.size());
+      g.buffer_layer.push_back(i);
+    } else {
+      lw.buffer = buffer_of[donor];
+      g.layers[donor].shared = true;
+    }
+    buffer_of[i] = lw.buffer;
+    const bool v_from_k = !cfg.v_from_k.empty() && cfg.v_from_k[i] != 0;
     // Handed over fused (bindings/fused.py: the model's q/k/v and gate/up are views of these), or
     // one product each.
     lw.qkv = linear(p + "qkv", /*required=*/false);
     lw.gate_up = linear(p + "gate_up", /*required=*/false);
     // Their members, in output order, as the forward splits them: what adapters on q/k/v, gate/up target.
     if (lw.qkv.present()) {
-      const int H = cfg.num_heads * cfg.head_dim, KV = cfg.num_kv_heads * cfg.head_dim;
-      if (lw.qkv.w->shape(0) != H + 2 * KV) {
+      const int H = cfg.num_heads * lw.head_dim, KV = lw.kv_heads * lw.head_dim;
+      if (!lw.owns_kv || v_from_k || lw.qkv.w->shape(0) != H + 2 * KV) {
         throw std::invalid_argument("[DecodeStep] " + p + "qkv has " + std::to_string(lw.qkv.w->shape(0)) +
                                     " output rows, not (num_heads + 2 num_kv_heads) head_dim = " +
-                                    std::to_string(H + 2 * KV) + ".");
+                                    std::to_string(H + 2 * KV) + " (a KV-shared or v_from_k layer has none).");
       }
       lw.qkv.members = {{p + "q", H}, {p + "k", KV}, {p + "v", KV}};
     }
@@ -193,12 +204,35 @@ void load_graph_weights(
       const int I = lw.gate_up.w->shape(0) / 2;
       lw.gate_up.members = {{p + "gate", I}, {p + "up", I}};
     }
-    lw.router = linear(p + "router", /*required=*/false);  // a MoE layer
+    // A MoE layer: the router and the experts, instead of the MLP or (moe_beside_mlp) beside it.
+    lw.router = linear(p + "router", /*required=*/cfg.moe_beside_mlp);
     if (lw.router.present()) {
+      if (cfg.num_experts < 1) {
+        throw std::invalid_argument("[DecodeStep] " + p + "router is given but num_experts is 0.");
+      }
       lw.expert_gate = linear(p + "experts.gate");
       lw.expert_up = linear(p + "experts.up");
       lw.expert_down = linear(p + "experts.down");
+      if (cfg.moe_beside_mlp) {
+        auto scale = need(p + "router_scale");
+        lw.router_scale = mx::multiply(
+            scale, scalar(std::pow(static_cast<double>(cfg.hidden_size), -0.5), scale.dtype()));
+        derived.push_back(*lw.router_scale);
+        lw.per_expert_scale = need(p + "per_expert_scale");
+        lw.mlp_norm_2 = need(p + "mlp_norm_2.weight");
+        lw.post_mlp_norm_1 = need(p + "post_mlp_norm_1.weight");
+        lw.post_mlp_norm_2 = need(p + "post_mlp_norm_2.weight");
+        // Expert parallel: this rank holds num_experts / group size of them.
+        const int held = g.tp ? cfg.num_experts / g.tp->size() : cfg.num_experts;
+        for (const auto* e : {&lw.expert_gate, &lw.expert_up, &lw.expert_down}) {
+          if (e->w->ndim() != 3 || e->w->shape(0) != held || e->fast) {
+            throw std::invalid_argument("[DecodeStep] " + p +
+                                        "experts.* must be (experts held, out, in) and run on MLX's kernels.");
+          }
+        }
+      }
     }
+    const bool experts_only = lw.router.present() && !cfg.moe_beside_mlp;
     for (auto [field, name] : {std::pair{&LayerWeights::q, "q"}, {&LayerWeights::k, "k"},
                                {&LayerWeights::v, "v"}, {&LayerWeights::o, "o"},
                                {&LayerWeights::gate, "gate"}, {&LayerWeights::up, "up"},
@@ -206,14 +240,15 @@ void load_graph_weights(
       const std::string n = name;
       if ((lw.qkv.present() && (n == "q" || n == "k" || n == "v")) ||
           (lw.gate_up.present() && (n == "gate" || n == "up")) ||
-          (lw.router.present() && (n == "gate" || n == "up" || n == "down"))) {
+          (experts_only && (n == "gate" || n == "up" || n == "down")) ||
+          (!lw.owns_kv && (n == "k" || n == "v")) || (v_from_k && n == "v")) {
         continue;
       }
       lw.*field = linear(p + name);
     }
     if (cfg.pre_norms) {
-      lw.attn_norm = require_weight(weights, p + "attn_norm.weight");
-      lw.mlp_norm = require_weight(weights, p + "mlp_norm.weight");
+      lw.attn_norm = need(p + "attn_norm.weight");
+      lw.mlp_norm = need(p + "mlp_norm.weight");
     } else if (!find_weight(weights, p + "post_attn_norm.weight")) {
       throw std::invalid_argument("[DecodeStep] " + p + "has neither pre- nor post-norms (pre_norms is off).");
     }
@@ -221,24 +256,35 @@ void load_graph_weights(
     lw.post_mlp_norm = find_weight(weights, p + "post_mlp_norm.weight");
     lw.sinks = find_weight(weights, p + "sinks");
     lw.q_norm = find_weight(weights, p + "q_norm.weight");
-    lw.k_norm = find_weight(weights, p + "k_norm.weight");
-    if (lw.q_norm.has_value() != lw.k_norm.has_value()) {
-      throw std::invalid_argument("[DecodeStep] " + p + "q_norm and k_norm must come together.");
+    if (lw.owns_kv) {
+      lw.k_norm = find_weight(weights, p + "k_norm.weight");
+      if (lw.q_norm.has_value() != lw.k_norm.has_value()) {
+        throw std::invalid_argument("[DecodeStep] " + p + "q_norm and k_norm must come together.");
+      }
+    } else if (lw.q_norm.has_value() != g.layers[donor].q_norm.has_value()) {
+      throw std::invalid_argument("[DecodeStep] " + p + "q_norm must be given as its KV donor's is.");
     }
     if (lw.post_attn_norm.has_value() != lw.post_mlp_norm.has_value()) {
       throw std::invalid_argument("[DecodeStep] " + p +
                                   "post_attn_norm and post_mlp_norm must come together.");
     }
-    lw.window = cfg.windows[i];
-    lw.rope = cfg.ropes[i];
+    if (cfg.layer_scalars) {
+      lw.layer_scalar = need(p + "layer_scalar");
+    }
+    if (cfg.per_layer_width > 0) {
+      lw.pli_gate = linear(p + "pli_gate");
+      lw.pli_proj = linear(p + "pli_proj");
+      lw.pli_norm = need(p + "pli_norm.weight");
+    }
     if (cfg.fuse_projections) {
       // The fused copies replace the separate weights in this graph (the model keeps its own).
-      if (!lw.qkv.present() && same_kind(lw.q, lw.k) && same_kind(lw.q, lw.v)) {
+      if (!lw.qkv.present() && lw.k.present() && lw.v.present() && same_kind(lw.q, lw.k) &&
+          same_kind(lw.q, lw.v)) {
         lw.qkv = fuse({&lw.q, &lw.k, &lw.v});
         lw.q = lw.k = lw.v = Linear{};
         keep(lw.qkv);
       }
-      if (!lw.gate_up.present() && same_kind(lw.gate, lw.up)) {
+      if (!lw.gate_up.present() && lw.gate.present() && same_kind(lw.gate, lw.up)) {
         lw.gate_up = fuse({&lw.gate, &lw.up});
         lw.gate = lw.up = Linear{};
         keep(lw.gate_up);
@@ -247,8 +293,8 @@ void load_graph_weights(
     g.layers.push_back(std::move(lw));
   }
   check_every_weight_read(weights, read.names);
-  if (!fused.empty()) {
-    mx::eval(fused);
+  if (!derived.empty()) {
+    mx::eval(derived);
   }
 }
 

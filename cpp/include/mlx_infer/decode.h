@@ -1,15 +1,16 @@
 // The compiled one-token decode step (DESIGN.md, "Contracts": DecodeStep).
 //
-// One step feeds one new token for each of B sequences through a llama-,
-// gemma3- or gemma4-family graph and returns the next-token logits. The step
+// One step feeds one new token for each of B sequences through a decoder
+// graph (one forward for every family, cpp/decode/forward.cpp, its switches
+// in DecodeConfig) and returns the next-token logits. The step
 // is pure: (tokens, positions, write slots, read lengths, K/V) -> (logits,
 // K/V'); the caller owns the KV (python/mlx_infer/state/kv.py, mlx-lm's
 // layout) and holds the returned arrays in place of the ones it passed:
 //
 //   per KV-owning layer, K and V buffers (B, kv_heads_i, S_i, head_dim_i)
-//     (every layer owns one, except gemma4's KV-shared layers, which read
-//     their donor's buffers after the donor's write; kv_heads_i / head_dim_i
-//     are the layer's own where DecodeConfig::layer_* say so)
+//     (every layer owns one, except KV-shared layers (kv_donors: gemma4's),
+//     which read their donor's buffers after the donor's write; kv_heads_i /
+//     head_dim_i are the layer's own where DecodeConfig::layer_* say so)
 //
 //   Buffers are grouped by window (window_groups(): the distinct windows of
 //   the KV-owning layers, ascending; 0 = global). Per group g and row b the
@@ -63,7 +64,7 @@ struct RopeSpec {
 
 /// The graph a step runs. Weights are handed over separately (see DecodeStep).
 struct DecodeConfig {
-  std::string family;  // "llama", "gemma3" or "gemma4" (gemma4 runs its own forward, gemma4.cpp)
+  std::string family;  // the graph's family, for messages: the switches below say what the forward does
   int num_layers = 0;
   int hidden_size = 0;
   int num_heads = 0;
@@ -110,13 +111,21 @@ struct DecodeConfig {
   int per_layer_vocab_start = 0;  // gemma4: the same for the per-layer input table
   int expert_start = 0;           // gemma4: experts held here are [expert_start, +local); all_sum after
 
-  // gemma4 only; the defaults give every layer its own (num_kv_heads, head_dim) buffer.
+  // Per-layer KV geometry and KV sharing (gemma4); the defaults give every layer its own
+  // (num_kv_heads, head_dim) buffer.
   std::vector<int> layer_kv_heads;   // per layer; empty = num_kv_heads everywhere
   std::vector<int> layer_head_dims;  // per layer; empty = head_dim everywhere
   std::vector<int> kv_donors;        // per layer: -1 owns a buffer, j reads layer j's; empty = all own
-  int per_layer_width = 0;           // per-layer input width (0 = no per-layer inputs)
-  int num_experts = 0;               // MoE layers (gemma4: beside the MLP; qwen3_moe: instead) when > 0...
+  std::vector<int> v_from_k;         // per layer: 1 = V is K's projection, no v weights (gemma4's
+                                     // attention_k_eq_v); empty = every layer has its own
+  bool v_norm = false;               // gemma4: V RMS-normed (no weight) before it is cached
+  int per_layer_width = 0;           // per-layer input width (0 = no per-layer inputs: gemma4's)
+  bool layer_scalars = false;        // gemma4: each layer's output times its layers.{i}.layer_scalar
+  int num_experts = 0;               // MoE layers (those with a router) when > 0...
   int top_k_experts = 0;             // ...routing each token to this many experts
+  bool moe_beside_mlp = false;       // gemma4: the experts run beside the dense MLP, with their own norms,
+                                     // the router on rms(h) * router_scale and per-expert scales (else
+                                     // instead of the MLP: qwen3_moe, gpt_oss)
 };
 
 /// KV layout helpers (the per-layer geometry of DecodeConfig).
@@ -146,8 +155,8 @@ class DecodeStep {
   ///     embed.{weight,scales,biases}, norm.weight, lm_head.* (absent when tied),
   ///     layers.{i}.{q,k,v,o,gate,up,down}.{weight,bias,scales,biases},
   ///     layers.{i}.{attn_norm,mlp_norm,post_attn_norm,post_mlp_norm,q_norm,k_norm}.weight
-  ///     (norm weights already include gemma's ``1 +``); gemma4 adds its own
-  ///     (see cpp/decode/gemma4.h).
+  ///     (norm weights already include gemma's ``1 +``); the switches' own names
+  ///     are listed in cpp/decode/graph.h.
   ///   quantization: linear name (``embed``, ``lm_head``, ``layers.{i}.q``...) -> spec.
   DecodeStep(
       DecodeConfig config,

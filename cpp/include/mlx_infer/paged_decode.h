@@ -1,5 +1,5 @@
 // The compiled paged step (DESIGN.md, "Contracts": DecodeStep; issue 5, issue
-// 16). The same layer code as DecodeStep (cpp/decode/graph.cpp), reading and
+// 16). The same forward as DecodeStep (cpp/decode/forward.cpp), reading and
 // writing the pages of a paged store where DecodeStep reads and writes the plain caches' buffers.
 //
 // The step owns no KV. Each call gets the store's page arrays, one K and one V

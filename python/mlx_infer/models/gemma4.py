@@ -445,8 +445,8 @@ class Gemma4Model(nn.Module):
 class Model(CausalLM):
     """Gemma 4 causal LM: ``inputs (B, L) -> logits (B, L, vocab)``.
 
-    Compiled decode is declared: the C++ step (``cpp/decode/gemma4.cpp``) covers
-    every switch; a graph it cannot build (e.g. nvfp4 experts with a global
+    Compiled decode is declared: the C++ step's one forward (``cpp/decode/forward.cpp``)
+    covers every switch (``bindings/graph_spec.py: _gemma4_spec`` sets them); a graph it cannot build (e.g. nvfp4 experts with a global
     scale) is refused by the binding, which then decodes eagerly.
     """
 

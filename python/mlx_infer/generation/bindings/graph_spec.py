@@ -19,10 +19,11 @@ Canonical weight names::
 
 Gemma's norms scale by ``1 + w``; the ``1 +`` is applied here, once.
 
-Gemma 4 (:func:`_gemma4_spec`; its norms scale by ``w``) adds per-layer KV
-geometry, KV sharing (``kv_donors``: shared layers own no buffer), per-layer
-inputs and the MoE block; its extra canonical names are listed in
-``cpp/decode/gemma4.h``. The step's buffers then exist for the KV-owning
+Gemma 4 (:func:`_gemma4_spec`; its norms scale by ``w``) sets the switches of the
+one C++ forward that only it uses so far: per-layer KV geometry, KV sharing
+(``kv_donors``: shared layers own no buffer), V from K, the V norm, per-layer
+inputs, layer scalars and the experts beside the MLP; their canonical names are
+listed in ``cpp/decode/graph.h``. The step's buffers then exist for the KV-owning
 layers only, in the order of ``model.make_cache()``.
 """
 
@@ -404,7 +405,7 @@ def _add_experts(name: str, module: nn.Module, weights: dict, quant: dict) -> No
 
 def _gemma4_spec(model: Any, kv_scheme: str | None,
                  policy: DecodePolicy) -> tuple[Any, dict[str, mx.array], dict[str, tuple]]:
-    """:func:`graph_spec` for a Gemma 4 text graph (names: ``cpp/decode/gemma4.h``)."""
+    """:func:`graph_spec` for a Gemma 4 text graph (names: ``cpp/decode/graph.h``)."""
     args, inner = model.args, model.model
     layers = inner.layers
     if any(t not in (FULL, SLIDING) for t in args.layer_types):
@@ -429,10 +430,14 @@ def _gemma4_spec(model: Any, kv_scheme: str | None,
     cfg.layer_kv_heads = [layer.self_attn.n_kv_heads for layer in layers]
     cfg.layer_head_dims = [layer.self_attn.head_dim for layer in layers]
     cfg.kv_donors = [-1 if d is None else int(d) for d in args.kv_donors]
+    cfg.v_from_k = [int(layer.self_attn.owns_kv and layer.self_attn.k_eq_v) for layer in layers]
+    cfg.v_norm = True  # V RMS-normed without a weight
     cfg.per_layer_width = int(inner.per_layer_width or 0)
+    cfg.layer_scalars = True
     if args.enable_moe_block:
         cfg.num_experts = int(args.num_experts)
         cfg.top_k_experts = int(args.top_k_experts)
+        cfg.moe_beside_mlp = True  # the experts beside the dense MLP, with their own norms
     _apply_policy(cfg, kv_scheme, policy)
     _apply_tensor_parallel(cfg, model)
     cfg.fuse_projections = False  # the gemma4 forward runs each projection on its own

@@ -1,0 +1,233 @@
+// The one-token forward of every family with a compiled step, composed of the same MLX ops, in the same
+// order, as the family's model file (python/mlx_infer/models/*.py), so the compiled step's logits stay
+// within rounding of the eager graph's. What a family adds is a switch of DecodeConfig or a weight it has
+// (graph.h lists them): pre- or post-norms, sandwich norms, q/k norms per head or over the projection,
+// fused q|k|v and gate|up, NoPE layers, sinks, soft caps, routed experts instead of (or beside) the MLP,
+// per-layer KV geometry and KV sharing, per-layer inputs, layer scalars, granite's multipliers.
+//
+// The K/V storage is a KVAccess: DecodeStep's buffers (graph.cpp) or a paged store's pages
+// (paged_step.cpp). KV-shared layers read what their donor's write_read returned earlier in the same step.
+#include "graph.h"
+
+#include "../attention/qkv_rope_cuda.h"
+#include "mlx_infer/matmul.h"
+
+#include <cmath>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace mlx_infer {
+
+namespace {
+
+// gemma3.residual_add: in float16, summed in float32 and clipped to the f16 range.
+mx::array residual(const DecodeConfig& cfg, const mx::array& x, const mx::array& y) {
+  if (!cfg.clip_f16_residual || x.dtype() != mx::float16) {
+    return mx::add(x, y);
+  }
+  float bound = 65504.0f;
+  auto s = mx::add(mx::astype(x, mx::float32), mx::astype(y, mx::float32));
+  return mx::astype(mx::clip(s, mx::array(-bound), mx::array(bound)), mx::float16);
+}
+
+// h + norm(r): the sandwich norm's residual where the layer has one (gemma), else h + r.
+mx::array add_residual(const DecodeConfig& cfg, const mx::array& h, const mx::array& r,
+                       const std::optional<mx::array>& post_norm) {
+  return post_norm ? residual(cfg, h, rms(r, post_norm, cfg.rms_norm_eps)) : mx::add(h, r);
+}
+
+// nn.gelu_approx(x) alone (shapeless-compiled as MLX compiles it): the per-layer-input gate
+// multiplies after it, outside the fused activation, as the eager layer does.
+std::vector<mx::array> gelu_approx_ops(const std::vector<mx::array>& in) {
+  const auto& x = in[0];
+  auto dt = x.dtype();
+  auto inner = mx::add(x, mx::multiply(scalar(0.044715, dt), mx::power(x, scalar(3, dt))));
+  auto t = mx::tanh(mx::multiply(scalar(0.7978845608028654, dt), inner));  // sqrt(2 / pi)
+  return {mx::multiply(mx::multiply(scalar(0.5, dt), x), mx::add(scalar(1, dt), t))};
+}
+
+mx::array gelu_approx(const mx::array& x) {
+  static auto fn = mx::compile(gelu_approx_ops, /*shapeless=*/true);
+  return fn({x})[0];
+}
+
+// The per-layer inputs (gemma4): (B, 1, L, P), the token-identity part plus a projection of the embeddings.
+mx::array per_layer_inputs(const DecodeStep::Graph& g, const mx::array& ids, const mx::array& h) {
+  const auto& cfg = g.cfg;
+  const int B = ids.shape(0), L = cfg.num_layers, P = cfg.per_layer_width;
+  auto t = tp_embed_lookup(g, g.embed_per_layer, ids, cfg.per_layer_vocab_start);  // (B, 1, L*P)
+  t = mx::reshape(mx::multiply(t, scalar(std::sqrt(static_cast<double>(P)), t.dtype())), {B, 1, L, P});
+  auto proj = apply_linear(g.per_layer_proj, h);  // (B, 1, L*P)
+  proj = mx::multiply(proj, scalar(std::pow(static_cast<double>(cfg.hidden_size), -0.5), proj.dtype()));
+  proj = rms(mx::reshape(proj, {B, 1, L, P}), g.per_layer_proj_norm, cfg.rms_norm_eps);
+  auto sum = mx::add(proj, t);
+  return mx::multiply(sum, scalar(std::pow(2.0, -0.5), sum.dtype()));
+}
+
+// The dense gated MLP: down(act(gate(x)) * up(x)), all heads' shares summed under tensor parallel.
+mx::array dense_mlp(const DecodeStep::Graph& g, const LayerWeights& lw, const mx::array& x) {
+  mx::array gate(0), up(0);
+  if (lw.gate_up.present()) {
+    auto parts = mx::split(apply_linear(lw.gate_up, x), 2, -1);
+    gate = parts[0], up = parts[1];
+  } else {
+    gate = apply_linear(lw.gate, x);
+    up = apply_linear(lw.up, x);
+  }
+  auto act = g.fast_gated
+      ? fast_gated_activation(gate, up, g.cfg.activation == "gelu_tanh" ? "gelu_approx" : "silu")
+      : gated(g.cfg, gate, up);
+  return tp_sum(g, apply_linear(lw.down, act));
+}
+
+// The block after attention: h -> h + mlp(h) (the dense MLP, the routed experts instead of it, or both).
+mx::array mlp_block(const DecodeStep::Graph& g, const LayerWeights& lw, const mx::array& h) {
+  const auto& cfg = g.cfg;
+  const float eps = cfg.rms_norm_eps;
+  auto x = lw.mlp_norm ? rms(h, lw.mlp_norm, eps) : h;
+  mx::array r(0);
+  if (!lw.router.present()) {
+    r = dense_mlp(g, lw, x);
+  } else if (!cfg.moe_beside_mlp) {  // qwen3_moe's SparseMoeBlock, gpt_oss's MLPBlock: the experts alone
+    auto [idx, scores] = route_experts(cfg, lw, x, h);
+    r = mx::astype(switch_glu(cfg, lw.expert_gate, lw.expert_up, lw.expert_down, x, idx, scores, false),
+                   x.dtype());
+  } else {  // gemma4: the dense MLP and the experts side by side, each normed, then summed
+    auto h1 = rms(dense_mlp(g, lw, x), lw.post_mlp_norm_1, eps);
+    auto [idx, scores] = route_experts(cfg, lw, x, h);
+    // Expert parallel: this rank holds some of the experts (cfg.expert_start on); the ranks' shares summed.
+    const bool parallel = g.tp.has_value() && lw.expert_gate.w->shape(0) < cfg.num_experts;
+    auto h2 = tp_sum(g, switch_glu(cfg, lw.expert_gate, lw.expert_up, lw.expert_down, rms(h, lw.mlp_norm_2, eps),
+                                   idx, scores, parallel));
+    r = mx::add(h1, rms(h2, lw.post_mlp_norm_2, eps));
+  }
+  if (cfg.residual_scale != 1.0f) {
+    r = mx::multiply(r, scalar(cfg.residual_scale, r.dtype()));
+  }
+  return add_residual(cfg, h, r, lw.post_mlp_norm);
+}
+
+}  // namespace
+
+mx::array layers_forward(
+    const DecodeStep::Graph& g,
+    const mx::array& tokens,
+    const mx::array& positions,  // (B,) int32
+    KVAccess& kv,
+    const std::optional<mx::array>& logit_rows) {
+  const auto& cfg = g.cfg;
+  const int L = cfg.num_layers;
+  const int B = tokens.shape(0);
+  const int H = cfg.num_heads;
+  const float eps = cfg.rms_norm_eps;
+  if (static_cast<int>(g.layers.size()) != L) {
+    throw std::invalid_argument("[DecodeStep] the forward has weights for " + std::to_string(g.layers.size()) +
+                                " of " + std::to_string(L) + " layers.");
+  }
+
+  auto ids = mx::reshape(tokens, {B, 1});
+  auto h = tp_embed_lookup(g, g.embed, ids, cfg.vocab_start);  // (B, 1, E)
+  if (cfg.embed_scale != 0.0f) {
+    h = mx::multiply(h, scalar(cfg.embed_scale, h.dtype()));
+  }
+  std::optional<mx::array> pli;  // (B, 1, L, P)
+  if (cfg.per_layer_width > 0) {
+    pli = per_layer_inputs(g, ids, h);
+  }
+
+  std::vector<std::optional<AttentionInputs>> reads(num_buffers(g));  // a shared buffer's, after its write
+  for (int i = 0; i < L; ++i) {
+    const auto& lw = g.layers[i];
+    const int KVH = lw.kv_heads, D = lw.head_dim;
+
+    auto x = lw.attn_norm ? rms(h, lw.attn_norm, eps) : h;  // olmo2: no pre-norm
+    mx::array q(0), k(0), v(0);
+    bool rotated = false;  // q and k already rotated (qkv_rope)
+    if (lw.qkv.present()) {
+      auto qkv = apply_linear(lw.qkv, x);  // (B, 1, (H + 2 KVH) D)
+      auto flat = mx::reshape(qkv, {B, (H + 2 * KVH) * D});
+      if (!lw.q_norm && kv.fused_qkv_rope() && qkv_rope_supported(flat, H, KVH, D, lw.rope)) {
+        auto [qr, kr, vr] = qkv_rope(flat, H, KVH, D, lw.rope, positions);  // contiguous (B, heads, D)
+        q = mx::reshape(qr, {B, H, 1, D});
+        k = mx::reshape(kr, {B, KVH, 1, D});
+        v = mx::reshape(vr, {B, KVH, 1, D});
+        rotated = true;
+      } else {
+        auto parts = mx::split(qkv, mx::Shape{H * D, (H + KVH) * D}, -1);
+        q = parts[0], k = parts[1], v = parts[2];
+      }
+    } else {
+      q = apply_linear(lw.q, x);
+      if (lw.owns_kv) {
+        k = apply_linear(lw.k, x);
+        v = lw.v.present() ? apply_linear(lw.v, x) : k;  // v_from_k: V is K's projection
+      }
+    }
+    if (!rotated) {
+      if (lw.q_norm && cfg.qk_norm_whole) {  // olmo2: over all heads at once, before they split
+        q = rms(q, lw.q_norm, eps);
+        if (lw.owns_kv) k = rms(k, lw.k_norm, eps);
+      }
+      q = mx::reshape(q, {B, 1, H, D});
+      if (lw.q_norm && !cfg.qk_norm_whole) q = rms(q, lw.q_norm, eps);
+      q = rope(mx::transpose(q, {0, 2, 1, 3}), lw.rope, positions);  // (B, H, 1, D)
+      if (lw.owns_kv) {
+        k = mx::reshape(k, {B, 1, KVH, D});
+        v = mx::reshape(v, {B, 1, KVH, D});
+        if (lw.k_norm && !cfg.qk_norm_whole) k = rms(k, lw.k_norm, eps);
+        if (cfg.v_norm) v = rms(v, std::nullopt, eps);
+        k = rope(mx::transpose(k, {0, 2, 1, 3}), lw.rope, positions);  // (B, KVH, 1, D)
+        v = mx::transpose(v, {0, 2, 1, 3});
+      }
+    }
+
+    std::optional<mx::array> attn;  // (B, H, 1, D)
+    if (lw.owns_kv && !lw.shared) {
+      attn = kv.write_attend(lw.buffer, q, k, v);  // an attention kernel over the storage, or none
+    }
+    if (!attn) {
+      if (lw.owns_kv) {
+        reads[lw.buffer] = kv.write_read(lw.buffer, k, v);
+      } else if (!reads[lw.buffer]) {
+        throw std::invalid_argument("[DecodeStep] layer " + std::to_string(i) +
+                                    " reads K/V no earlier layer wrote in this step.");
+      }
+      attn = attend(g, q, *reads[lw.buffer], lw.sinks);
+    }
+    auto o = mx::reshape(mx::transpose(*attn, {0, 2, 1, 3}), {B, 1, H * D});  // (B, 1, H*D)
+    auto r = tp_sum(g, apply_linear(lw.o, o));  // (B, 1, E): all heads' sum under tensor parallel
+    if (cfg.residual_scale != 1.0f) {
+      r = mx::multiply(r, scalar(cfg.residual_scale, r.dtype()));
+    }
+    h = add_residual(cfg, h, r, lw.post_attn_norm);
+    h = mlp_block(g, lw, h);
+
+    if (pli) {
+      auto mine = mx::reshape(mx::slice(*pli, {0, 0, i, 0}, {B, 1, i + 1, cfg.per_layer_width}),
+                              {B, 1, cfg.per_layer_width});  // (B, 1, P)
+      auto gate = mx::multiply(gelu_approx(apply_linear(lw.pli_gate, h)), mine);  // (B, 1, P)
+      h = mx::add(h, rms(apply_linear(lw.pli_proj, gate), lw.pli_norm, eps));
+    }
+    if (lw.layer_scalar) {
+      h = mx::multiply(h, *lw.layer_scalar);
+    }
+  }
+
+  if (logit_rows) {
+    h = mx::take(h, *logit_rows, 0);  // (M, 1, E): the head runs on these rows only
+  }
+  h = rms(h, g.norm, eps);
+  auto logits = g.lm_head.present() ? apply_linear(g.lm_head, h) : embed_as_linear(g.embed, h);
+  logits = tp_gather_logits(g, logits);  // (B, 1, vocab)
+  if (cfg.logits_divisor != 1.0f) {
+    logits = mx::divide(logits, scalar(cfg.logits_divisor, logits.dtype()));
+  }
+  if (cfg.final_logit_softcap) {
+    auto cap = scalar(*cfg.final_logit_softcap, logits.dtype());
+    logits = mx::multiply(mx::tanh(mx::divide(logits, cap)), cap);
+  }
+  return mx::reshape(logits, {h.shape(0), logits.shape(-1)});  // (B or M, vocab)
+}
+
+}  // namespace mlx_infer
