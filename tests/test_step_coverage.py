@@ -75,3 +75,23 @@ def test_a_norm_over_every_head_is_refused_under_tensor_parallelism(monkeypatch)
     monkeypatch.setattr(spec, "_apply_tensor_parallel", lambda cfg, m: setattr(cfg, "tp_backend", "ring"))
     with pytest.raises(DecodeStepUnsupported, match=r"tensor-parallel.*q/k norms span"):
         graph_spec(model)
+
+
+# Gemma 4's block is switches of the one forward (cpp/decode/forward.cpp): each switch reads its own weights,
+# so a switch left off leaves them unread (an error naming one), and a switch on without them is missing one.
+GEMMA4_SWITCH_WEIGHTS = [("moe", "moe_beside_mlp", False, r"does not use: .*'layers\.0\.mlp_norm_2\.weight'"),
+                         ("moe", "v_from_k", [0, 0, 0], r"missing weight 'layers\.2\.v\.weight'"),
+                         ("ple", "per_layer_width", 0, r"does not use: 'embed_per_layer\.weight'"),
+                         ("ple", "layer_scalars", False, r"does not use: .*'layers\.0\.layer_scalar'")]
+
+
+@pytest.mark.parametrize("variant,switch,value,error", GEMMA4_SWITCH_WEIGHTS,
+                         ids=[s for _, s, _, _ in GEMMA4_SWITCH_WEIGHTS])
+def test_each_gemma4_switch_reads_its_own_weights(variant, switch, value, error):
+    from tiny import GEMMA4_SWITCHES
+
+    cfg, weights, quant = graph_spec(_model("gemma4", **GEMMA4_SWITCHES[variant]))
+    _fast.DecodeStep(cfg, weights, quant)  # as translated: every weight read
+    setattr(cfg, switch, value)
+    with pytest.raises(ValueError, match=error):
+        _fast.DecodeStep(cfg, weights, quant)
