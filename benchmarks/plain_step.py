@@ -32,6 +32,11 @@ from mlx_infer.generation.bindings.decode_step import CompiledDecodeStep  # noqa
 #: Bigger than tests/tiny.py's defaults so the KV (not the Python overhead) dominates a step.
 SIZES = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8,
          "num_key_value_heads": 4, "vocab_size": 320}
+#: Per family, what its config needs beside SIZES (gemma4: its KV-shared, per-layer-input variant, 6 layers).
+EXTRA = {"gemma3": {"head_dim": 32},
+         "gemma4": {"head_dim": 32, "global_head_dim": 64, "num_hidden_layers": 6, "num_kv_shared_layers": 2,
+                    "hidden_size_per_layer_input": 8,
+                    "layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2}}
 
 
 def trial(model, step: CompiledDecodeStep, batch: int, prompt: int, gen: int) -> float:
@@ -61,8 +66,7 @@ def main() -> None:
     p.add_argument("--num-trials", "-n", type=int, default=3)
     args = p.parse_args()
     for family in args.families.split(","):
-        extra = {"head_dim": 32} if family == "gemma3" else {}
-        path = make_tiny_model_dir(Path(tempfile.mkdtemp()) / family, family, **SIZES, **extra)
+        path = make_tiny_model_dir(Path(tempfile.mkdtemp()) / family, family, **{**SIZES, **EXTRA.get(family, {})})
         model = load_model(path).model
         step = CompiledDecodeStep(model)
         for b in (int(x) for x in args.batch_sizes.split(",")):
