@@ -11,7 +11,7 @@ is the median of ``-n`` runs. A run submits ``B`` greedy requests (random
 the engine on this thread until every prompt is prefilled, then times the
 rest: decode tokens per second over the whole batch.
 
-``tiny``: the tests' random llama and gemma3 configs (tests/tiny.py).
+``tiny``: the tests' random llama, gemma3 and gemma4 (KV-shared) configs (tests/tiny.py).
 ``real``: Gemma 3 270M (the default-model GGUF, dequantized to float32).
 """
 
@@ -47,9 +47,12 @@ def models(which: str) -> list[tuple[str, Any]]:
         from mlx_infer.artifacts.default_model import default_model_gguf
         return [("gemma3-270m", load_model(default_model_gguf()))]
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from tiny import make_tiny_model_dir
+    from tiny import GEMMA4_SWITCHES, make_tiny_model_dir
     root = Path(tempfile.mkdtemp())
-    return [(f"tiny-{f}", load_model(make_tiny_model_dir(root / f, f))) for f in ("llama", "gemma3")]
+    out = [(f"tiny-{f}", load_model(make_tiny_model_dir(root / f, f))) for f in ("llama", "gemma3")]
+    # gemma4's KV-shared variant: shared and unshared KV-owning layers, per-layer inputs
+    return out + [("tiny-gemma4-kv_shared", load_model(make_tiny_model_dir(root / "g4", "gemma4",
+                                                                           **GEMMA4_SWITCHES["kv_shared"])))]
 
 
 def one_run(engine: Engine, prompts: list[list[int]], gen: int) -> tuple[float, int]:
