@@ -264,8 +264,8 @@ def test_serve_chat_template_and_defaults_apply(base, tmp_path):
     app, engine, _ = build(ServeOptions(model=str(base), chat_template=template, temp=0.5, top_k=3))
     try:
         assert engine.tokenizer.chat_template == template
-        assert engine.loaded.generation_config["temperature"] == 0.5
-        assert engine.loaded.generation_config["top_k"] == 3
+        assert engine.generation_config["temperature"] == 0.5
+        assert engine.generation_config["top_k"] == 3
     finally:
         engine.stop()
 

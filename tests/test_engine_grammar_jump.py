@@ -181,6 +181,10 @@ def test_serve_switch(tmp_path, monkeypatch):
         assert seen["options"].grammar_jump is want
         _, engine, _ = build(ServeOptions(model=str(d), grammar_jump=want, memory_budget_gb=0.5))
         try:
-            assert engine.grammar_jump is want
+            assert engine.call(_grammar_jump) is want  # asked in the engine's process
         finally:
             engine.stop()
+
+
+def _grammar_jump(engine) -> bool:
+    return engine.grammar_jump

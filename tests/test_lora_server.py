@@ -80,8 +80,12 @@ def test_models_list_and_selection(served):
         complete(client, model_id, adapter="nope")
     with pytest.raises(openai.NotFoundError):
         complete(client, "nope")
+    assert engine.call(_compiled_with_adapters)  # compiled, no fallback (in the engine's process)
+
+
+def _compiled_with_adapters(engine) -> bool:
     step = engine.paged_decode
-    assert step is not None and not step.failed and step.adapters.active  # compiled, no fallback
+    return step is not None and not step.failed and bool(step.adapters.active)
 
 
 def test_concurrent_requests_over_adapters(served):
@@ -149,31 +153,58 @@ def threading_sleep(s: float) -> None:
     time.sleep(s)
 
 
-def test_run_time_load_is_checked_against_the_memory_budget(served, monkeypatch):
-    """POST /v1/adapters refuses (413) an adapter that would grow the bank past what the memory budget
-    leaves beside the KV pool, and takes it when it just fits (the projection is the bank's real size)."""
+def _bank_bytes(engine) -> tuple[int, set[str]]:
+    from mlx_infer.adapters import bank_of
+
+    bank = bank_of(engine.model)
+    return bank.nbytes, set(bank.names)
+
+
+def _projected(engine, path: str) -> int:
     from mlx_infer.adapters import bank_of, load_adapter
-    from mlx_infer.engine import config as engine_config
+
+    return bank_of(engine.model).projected_nbytes(load_adapter(path, engine.model, name="big"))
+
+
+def _pool(engine) -> tuple[int, int]:
     from mlx_infer.server.adapters import pool_bytes
 
+    return pool_bytes(engine), engine.store.nbytes
+
+
+def _budget(engine, total: int | None) -> None:
+    """The memory budget the engine's process reads, fixed at ``total`` bytes (``None``: the real one again)."""
+    from mlx_infer.engine import config as engine_config
+
+    real = getattr(engine_config, "_real_kv_budget", engine_config.kv_budget)
+    engine_config._real_kv_budget = real
+    engine_config.kv_budget = real if total is None else (lambda model, config: engine_config.KVBudget(total, "test"))
+
+
+def test_run_time_load_is_checked_against_the_memory_budget(served):
+    """POST /v1/adapters refuses (413) an adapter that would grow the bank past what the memory budget
+    leaves beside the KV pool, and takes it when it just fits (the projection is the bank's real size).
+    The bank and the budget live in the engine's process: the test reads and sets them there."""
     server, client, engine, model_id, paths, text, root = served
     url = server.url
     big = make_mlx_adapter(root / "tiny", root / "big", seed=90, rank=24, b_std=1.0)  # a larger rank: stacks grow
-    bank = bank_of(engine.model)
-    before = bank.nbytes
-    need = bank.projected_nbytes(load_adapter(big, engine.model, name="big"))
+    before = engine.call(_bank_bytes)[0]
+    need = engine.call(_projected, str(big))
     assert need > before
-    pool = pool_bytes(engine)
-    assert pool >= engine.store.nbytes  # the whole pool, allocated or not yet
-    for spare, status in ((need - before - 1, 413), (need - before, 200)):
-        monkeypatch.setattr(engine_config, "kv_budget",
-                            lambda model, config, spare=spare: engine_config.KVBudget(pool + spare, "test"))
-        r = httpx.post(url + "/v1/adapters", json={"name": "big", "path": str(big)}, timeout=60)
-        assert r.status_code == status, r.text
-        if status == 413:
-            err = r.json()["error"]
-            assert err["code"] == "adapter_too_large" and "memory budget" in err["message"]
-            assert bank.nbytes == before and "big" not in bank.names
-            assert complete(client, "a1") == text["a1"]  # still serving
-    assert bank.nbytes == need
+    pool, allocated = engine.call(_pool)
+    assert pool >= allocated  # the whole pool, allocated or not yet
+    try:
+        for spare, status in ((need - before - 1, 413), (need - before, 200)):
+            engine.call(_budget, pool + spare)
+            r = httpx.post(url + "/v1/adapters", json={"name": "big", "path": str(big)}, timeout=60)
+            assert r.status_code == status, r.text
+            if status == 413:
+                err = r.json()["error"]
+                assert err["code"] == "adapter_too_large" and "memory budget" in err["message"]
+                nbytes, names = engine.call(_bank_bytes)
+                assert nbytes == before and "big" not in names
+                assert complete(client, "a1") == text["a1"]  # still serving
+    finally:
+        engine.call(_budget, None)
+    assert engine.call(_bank_bytes)[0] == need
     assert httpx.delete(url + "/v1/adapters/big", timeout=60).status_code == 200

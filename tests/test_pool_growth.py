@@ -312,9 +312,13 @@ def test_serve_preallocates_the_kv_only_when_asked(tmp_path):
     d = make_tiny_model_dir(tmp_path / "m", "llama")
     for preallocate in (False, True):
         _, engine, _ = build(ServeOptions(model=str(d), memory_budget_gb=0.05, preallocate_kv=preallocate))
-        try:
-            store = engine.store
-            assert (store.growth is None) == preallocate
-            assert (store.materialized == [g.num_pages for g in store.groups]) == preallocate
+        try:  # the pool lives in the engine's process: asked there
+            growth_off, all_materialized = engine.call(_pool_state)
+            assert growth_off == preallocate and all_materialized == preallocate
         finally:
             engine.stop()
+
+
+def _pool_state(engine) -> tuple[bool, bool]:
+    store = engine.store
+    return store.growth is None, store.materialized == [g.num_pages for g in store.groups]

@@ -115,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CORS: comma-separated origins to answer ('*' for any; default: CORS off)")
     s.add_argument("--no-grammar-jump", action="store_true",
                    help="feed tokens a constraint forces one decode step each (default: one forward per span)")
+    s.add_argument("--no-engine-process", action="store_true",
+                   help="run the engine as a thread of the server's process (default: a process of its own, so "
+                        "streaming responses and stepping the model do not share one GIL)")
     add_serve_flags(s)
     s.set_defaults(func=_serve)
 

@@ -119,5 +119,6 @@ def _serve(args: argparse.Namespace) -> int:
                        temp=args.temp, top_p=args.top_p, top_k=args.top_k,
                        min_p=args.min_p, chat_template=template, grammar_jump=not args.no_grammar_jump,
                        loras=tuple(parse_loras(args.lora)), max_loras=args.max_loras,
+                       engine_process=not args.no_engine_process,
                        **({"public": public} if public is not None else {})))
     return 0

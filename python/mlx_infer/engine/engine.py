@@ -284,6 +284,17 @@ class Engine:
         handles = [self.submit(r) for r in requests]
         return [h.result(timeout) for h in handles]
 
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(self, *args)``: what the server does to the engine's model and pool (adapters, the
+        startup line), written once for this engine and for one in its own process
+        (:meth:`EngineProcess.call <mlx_infer.engine.process.EngineProcess.call>`)."""
+        return fn(self, *args)
+
+    @property
+    def generation_config(self) -> dict[str, Any] | None:
+        """The model's sampling defaults (generation_config.json, the server's overrides applied)."""
+        return self.loaded.generation_config
+
     # -- introspection -------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:

@@ -13,7 +13,9 @@ with the base model's id. Run time::
     POST   /v1/unload_lora_adapter      vLLM's {"lora_name"}
 
 Loading reads and checks the files on a worker thread; the bank's own lock orders it with
-the engine thread's use (engine/adapters.py).
+the engine thread's use (engine/adapters.py). The bank lives with the engine: every function here
+that reads or changes it runs through ``engine.call`` (in the engine's process when the server runs
+the engine in its own, engine/process.py).
 """
 
 from __future__ import annotations
@@ -56,24 +58,57 @@ def adapter_of(engine: Any, req: Any, model_names: set[str]) -> str | None:
     Raises:
         OpenAIError: 404 for an adapter nobody loaded.
     """
-    bank = bank_of(engine.model)
-    names = set(bank.names) if bank is not None else set()
     field = getattr(req, "adapter", None)
+    if field is None and req.model in model_names:
+        return None  # the base model: no question to the engine
+    names = adapter_names(engine)
     if field is not None:
         if field not in names:
             raise P.OpenAIError(404, f"The adapter '{field}' is not loaded (loaded: {', '.join(sorted(names)) or 'none'}).",
                                 param="adapter", code="model_not_found")
         return field
-    return req.model if req.model in names and req.model not in model_names else None
+    return req.model if req.model in names else None
 
 
 def adapter_models(engine: Any, model_id: str, created: int) -> list[dict[str, Any]]:
     """``/v1/models`` entries of the registered adapters (vLLM's shape)."""
+    return [{"id": n, "object": "model", "created": created, "owned_by": "mlx-infer", "root": p,
+             "parent": model_id, "max_model_len": engine.context_length} for n, p in engine.call(_sources)]
+
+
+# -- run in the engine's process (EngineProcess.call; Engine.call in process) -------------
+
+
+def _sources(engine: Any) -> list[tuple[str, str]]:
     bank = bank_of(engine.model)
-    if bank is None:
-        return []
-    return [{"id": n, "object": "model", "created": created, "owned_by": "mlx-infer", "root": str(p),
-             "parent": model_id, "max_model_len": engine.context_length} for n, p in bank.sources.items()]
+    return [] if bank is None else [(n, str(p)) for n, p in bank.sources.items()]
+
+
+def _names(engine: Any) -> set[str]:
+    bank = bank_of(engine.model)
+    return set(bank.names) if bank is not None else set()
+
+
+def _listing(engine: Any) -> list[dict[str, Any]]:
+    b = bank_of(engine.model)
+    return [] if b is None else [{"name": n, "path": str(p), "resident": n in b.resident, "in_use": b.in_use(n)}
+                                 for n, p in b.sources.items()]
+
+
+def _bank(engine: Any) -> AdapterBank:
+    b = bank_of(engine.model)
+    return b if b is not None else AdapterBank(engine.model)
+
+
+def _register(engine: Any, name: str, path: str) -> dict[str, Any]:
+    b = _bank(engine)
+    adapter = b.register(name, path, max_nbytes=bank_allowance(engine, b))
+    return {"name": adapter.name, "path": str(adapter.path), "format": adapter.format, "kind": adapter.kind,
+            "rank": adapter.rank, "targets": len(adapter.targets)}
+
+
+def _unload(engine: Any, name: str) -> None:
+    _bank(engine).unload(name)
 
 
 def bank_allowance(engine: Any, bank: AdapterBank) -> int | None:
@@ -102,20 +137,18 @@ def pool_bytes(engine: Any) -> int:
     return max(store.nbytes, sum(g.num_pages * layer_page * len(g.layers) for g in store.groups))
 
 
+# -- the routes ------------------------------------------------------------------------
+
+
 def add_adapter_routes(app: FastAPI, engine: Any, reserved: set[str]) -> None:
     """Register the run-time adapter routes (see the module doc). ``reserved``: the base model's names."""
-
-    def bank() -> AdapterBank:
-        b = bank_of(engine.model)
-        return b if b is not None else AdapterBank(engine.model)
 
     async def load(name: str, path: str) -> dict[str, Any]:
         if not name or name in reserved:
             raise P.OpenAIError(400, f"'{name}' cannot name an adapter: it is empty or the base model's id.",
                                 param="name", code="invalid_value")
-        b = bank()
         try:
-            adapter = await asyncio.to_thread(b.register, name, path, max_nbytes=bank_allowance(engine, b))
+            return await asyncio.to_thread(engine.call, _register, name, path)
         except AdapterInUseError as e:
             raise P.OpenAIError(409, str(e), code="adapters_busy") from None
         except AdapterMemoryError as e:
@@ -126,12 +159,10 @@ def add_adapter_routes(app: FastAPI, engine: Any, reserved: set[str]) -> None:
         except (OSError, ValueError, RuntimeError) as e:  # a path the OS refuses: the client's input
             raise P.OpenAIError(400, f"cannot load an adapter from {path!r}: {e}", param="path",
                                 code="invalid_adapter") from None
-        return {"name": adapter.name, "path": str(adapter.path), "format": adapter.format, "kind": adapter.kind,
-                "rank": adapter.rank, "targets": len(adapter.targets)}
 
-    def unload(name: str) -> dict[str, Any]:
+    async def unload(name: str) -> dict[str, Any]:
         try:
-            bank().unload(name)
+            await asyncio.to_thread(engine.call, _unload, name)
         except AdapterNotFoundError as e:
             raise P.OpenAIError(404, str(e), param="name", code="adapter_not_found") from None
         except AdapterInUseError as e:
@@ -140,10 +171,7 @@ def add_adapter_routes(app: FastAPI, engine: Any, reserved: set[str]) -> None:
 
     @app.get("/v1/adapters")
     async def list_adapters() -> dict[str, Any]:
-        b = bank_of(engine.model)
-        data = [] if b is None else [{"name": n, "path": str(p), "resident": n in b.resident, "in_use": b.in_use(n)}
-                                     for n, p in b.sources.items()]
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": engine.call(_listing)}
 
     @app.post("/v1/adapters")
     async def post_adapter(req: LoadAdapter) -> dict[str, Any]:
@@ -151,7 +179,7 @@ def add_adapter_routes(app: FastAPI, engine: Any, reserved: set[str]) -> None:
 
     @app.delete("/v1/adapters/{name}")
     async def delete_adapter(name: str) -> dict[str, Any]:
-        return unload(name)
+        return await unload(name)
 
     @app.post("/v1/load_lora_adapter")
     async def vllm_load(req: VllmLoad) -> dict[str, Any]:
@@ -159,13 +187,12 @@ def add_adapter_routes(app: FastAPI, engine: Any, reserved: set[str]) -> None:
 
     @app.post("/v1/unload_lora_adapter")
     async def vllm_unload(req: VllmUnload) -> dict[str, Any]:
-        return unload(req.lora_name)
+        return await unload(req.lora_name)
 
 
 def adapter_names(engine: Any) -> set[str]:
     """Names of the registered adapters (valid ``model`` values besides the base model's)."""
-    bank = bank_of(engine.model)
-    return set(bank.names) if bank is not None else set()
+    return engine.call(_names)
 
 
 def served_name(engine: Any, req: Any, model_names: set[str], model_id: str) -> str:

@@ -100,7 +100,12 @@ def running_usage(chunk: dict[str, Any], on: bool, prompt_tokens: int, streamed:
 
 def warm_constraint_tokenizer(engine: Engine) -> None:
     """Build structured output's token trie in the background when llguidance is installed
-    (~6 s for a 256k vocabulary), so the first constrained request does not wait for it."""
+    (~6 s for a 256k vocabulary), so the first constrained request does not wait for it. It runs where
+    the engine compiles constraints: through ``engine.call``, in the engine's process when it has one."""
+    engine.call(_warm_constraint_tokenizer)
+
+
+def _warm_constraint_tokenizer(engine: Engine) -> None:
     import importlib.util
     import threading
 
@@ -156,7 +161,7 @@ def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
         raise MlxInferError("give api_key or guard=GuardConfig(api_key=...), not both.")
     guard = guard or GuardConfig(api_key=api_key)
     drain = drain or Drain()
-    defaults = dict(engine.loaded.generation_config or {})
+    defaults = dict(engine.generation_config or {})
     check_generation_defaults(defaults)
     context = engine.context_length
     cap = max_tokens_cap if max_tokens_cap is not None else max(default_max_tokens, context or 0)

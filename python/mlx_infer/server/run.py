@@ -52,6 +52,8 @@ class ServeOptions:
             ``Composition.grammar_jump``; engine/grammar_jump.py).
         loras: ``(name, path)`` adapters to serve (``--lora NAME=PATH``), each a model in /v1/models.
         max_loras: most adapters resident at once (idle ones unload least recently used first).
+        engine_process: run the engine in a process of its own (engine/process.py: the event loop and the
+            step loop stop sharing one GIL); ``False``: a thread of the server's process.
     """
 
     model: str | None = None
@@ -79,6 +81,7 @@ class ServeOptions:
     grammar_jump: bool = True
     loras: tuple[tuple[str, str], ...] = ()
     max_loras: int = 8
+    engine_process: bool = True
 
     def check(self) -> None:
         """Raise :class:`MlxInferError` naming the first bad option (before any model loads)."""
@@ -126,7 +129,7 @@ class ServeOptions:
         return {k: v for k, v in given.items() if v is not None}
 
 
-def model_name(loaded: Any, requested: str | None) -> str:
+def model_name(requested: str | None) -> str:
     """The id clients pass as ``model``: the directory (or GGUF) name, or ``default``."""
     if requested is None:
         return "default"
@@ -151,12 +154,11 @@ def make_engine(options: ServeOptions, loaded: Any) -> Any:
     return Engine(loaded, config, composition=Composition(grammar_jump=options.grammar_jump))
 
 
-def build(options: ServeOptions) -> tuple[Any, Any, str]:
-    """Load the model, start an engine and build the app: ``(app, engine, model_id)``."""
+def load_for_serving(options: ServeOptions) -> Any:
+    """The model the options name, with the operator's sampling defaults and chat template applied."""
     from ..artifacts.loader import load_model
-    from .app import check_generation_defaults, create_app
+    from .app import check_generation_defaults
 
-    options.check()
     loaded = load_model(options.model)
     overrides = options.sampling_defaults()
     if overrides:  # the operator's defaults win over the model's generation_config.json
@@ -167,9 +169,42 @@ def build(options: ServeOptions) -> tuple[Any, Any, str]:
     if options.chat_template is not None:
         loaded.tokenizer.chat_template = options.chat_template
     check_generation_defaults(dict(loaded.generation_config or {}))  # before an engine takes memory
-    engine = make_engine(options, loaded).start()
+    return loaded
+
+
+def engine_for_process(options: ServeOptions) -> tuple[Any, Any]:
+    """In the engine's own process (engine/process.py): load, build the engine, and the facts the server
+    reads of it."""
+    from ..engine.process import EngineFacts
+
+    loaded = load_for_serving(options)
+    engine = make_engine(options, loaded)
+    facts = EngineFacts(tokenizer=loaded.tokenizer, generation_config=loaded.generation_config,
+                        context_length=engine.context_length, eos=engine.eos, vocab_size=engine.vocab_size,
+                        pool_summary=pool_summary(engine))
+    return engine, facts
+
+
+def start_engine(options: ServeOptions) -> Any:
+    """The running engine the server drives: in its own process (``options.engine_process``), else here."""
+    from ..parallel import current_group
+
+    # A tensor-parallel leader keeps its engine here: the group was joined by this process.
+    if options.engine_process and current_group().size == 1:
+        from ..engine.process import EngineProcess
+
+        return EngineProcess(engine_for_process, options)
+    return make_engine(options, load_for_serving(options)).start()
+
+
+def build(options: ServeOptions) -> tuple[Any, Any, str]:
+    """Load the model, start an engine and build the app: ``(app, engine, model_id)``."""
+    from .app import create_app
+
+    options.check()
+    engine = start_engine(options)
     try:
-        model_id = options.served_model_name or model_name(loaded, options.model)
+        model_id = options.served_model_name or model_name(options.model)
         aliases = tuple({options.model} - {None}) if options.model and not options.served_model_name else ()
         guard = GuardConfig(api_key=options.api_key, public=options.public, body_timeout_s=options.body_timeout_s)
         app = create_app(engine, model_id=model_id, default_max_tokens=options.max_tokens,
@@ -240,7 +275,7 @@ def serve(options: ServeOptions) -> None:
         for line in exposure_lines(options):
             print(f"mlx-infer: {line}", file=sys.stderr, flush=True)
         print(f"mlx-infer: serving '{model_id}' on http://{options.host}:{port}/v1 "
-              f"({_pool_summary(engine)})", flush=True)
+              f"({engine.call(_pool_summary)})", flush=True)
         server = make_server(app, log_level=options.log_level, drain_timeout_s=options.drain_timeout_s,
                              header_timeout_s=options.header_timeout_s)
         sys.setswitchinterval(switch_interval())  # the engine thread gets the GIL back soon after its eval
@@ -303,7 +338,11 @@ def _pages_summary(store: Any) -> str:
                      for g in store.groups)
 
 
-def _pool_summary(engine: Any) -> str:
+def _pool_summary(engine: Any) -> str:  # engine.call: where the engine (and its pool) lives
+    return pool_summary(engine)
+
+
+def pool_summary(engine: Any) -> str:
     """The KV pool on the startup line: pages per group (the capacity), the tokens the global pool
     holds, what it was sized from, and the pages materialized now where the storage grows."""
     store = engine.store

@@ -1,0 +1,432 @@
+"""The engine in a process of its own, for the server (vLLM's ``AsyncLLM`` / ``EngineCore`` split).
+
+In one process the server's event loop (parsing requests, writing SSE chunks) and the engine thread (planning
+and launching steps, reading tokens) take turns on one GIL: each chunk the loop writes is time the engine
+cannot plan the next step in, and the device waits. :class:`EngineProcess` runs the :class:`~.engine.Engine`
+in a child process instead; the server keeps the HTTP work and the tokenizer (chat templates, prompts)::
+
+    server process                                      engine process (spawned)
+    ------------------------------------------          -------------------------------------------
+    EngineProcess.submit(request) ----- submit ------>  receiver thread: Engine.submit (validates)
+                 (waits for the reply) <--- reply ----  (the engine's own errors, raised here again)
+    reader thread: handle._deliver,    <-- events ----  sender thread: every event since its last
+       one wake-up per event loop                       send, one message (a step's tokens)
+    handle.cancel() ------------------- cancel ------>  Engine.cancel
+    EngineProcess.call(fn, *args) ------ call ------->  fn(engine, *args) (adapters, metrics, the pool)
+
+Messages are pickled tuples over one ``multiprocessing`` pipe. The engine process ignores SIGINT (the server
+decides when to stop: drain, then :meth:`EngineProcess.stop`) and ends when the pipe closes, so it never
+outlives the server. If it dies, every live request ends with ``"error"`` and later submits raise
+:class:`~.engine.EngineClosedError`.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..errors import MlxInferError
+from .engine import EngineClosedError
+from .request import EngineRequest, RequestHandle, RequestResult, TokenEvent, wake
+
+log = logging.getLogger("mlx_infer.engine")
+
+#: Seconds :meth:`EngineProcess.stop` waits for the engine process to end before it is killed.
+STOP_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What the server reads of the engine once, sent by the engine process when it is ready.
+
+    Attributes:
+        tokenizer: the model's :class:`~mlx_infer.input.tokenizer.Tokenizer` (the server encodes prompts).
+        generation_config: the model's sampling defaults, the operator's overrides applied.
+        context_length: the model's context window (``None``: unbounded).
+        eos: the end-of-sequence token ids.
+        vocab_size: the vocabulary size (``None``: unknown).
+        pool_summary: the KV pool, as the server's startup line states it.
+    """
+
+    tokenizer: Any
+    generation_config: dict[str, Any] | None
+    context_length: int | None
+    eos: frozenset[int]
+    vocab_size: int | None
+    pool_summary: str
+
+
+class EngineProcess:
+    """An :class:`~.engine.Engine` in a spawned process, driven like one (see the module docstring).
+
+    It offers what the server uses of an engine: :meth:`submit`, :meth:`cancel`, :meth:`call`,
+    :meth:`stats`, :meth:`prometheus`, :meth:`stop` and the model's facts (``tokenizer``,
+    ``generation_config``, ``context_length``, ``eos``, ``vocab_size``).
+
+    Args:
+        build: a picklable function that runs in the engine process, loads the model and returns
+            ``(engine, facts)``: the unstarted :class:`~.engine.Engine` and its :class:`EngineFacts`.
+        args: ``build``'s arguments (picklable).
+
+    Raises:
+        MlxInferError: ``build`` failed in the engine process (its error, raised again here), or the
+            process died before it was ready.
+    """
+
+    def __init__(self, build: Callable[..., tuple[Any, EngineFacts]], *args: Any):
+        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no MLX or device state inherited
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_engine_main, args=(child, build, args), name="mlx-infer-engine",
+                                 daemon=True)
+        self._proc.start()
+        child.close()
+        self._send_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._handles: dict[str, RequestHandle] = {}
+        self._replies: dict[int, list] = {}  # call id -> [threading.Event, ok, value]
+        self._next_call = 0
+        self._closed = False
+        self._gone: str | None = None  # why the engine process is unreachable
+        first = self._recv_ready()
+        if first[0] == "failed":
+            self._proc.join(STOP_TIMEOUT_S)
+            raise first[1]
+        self.facts: EngineFacts = first[1]
+        self.tokenizer = self.facts.tokenizer
+        self.generation_config = self.facts.generation_config
+        self.context_length = self.facts.context_length
+        self.eos = self.facts.eos
+        self.vocab_size = self.facts.vocab_size
+        self._reader = threading.Thread(target=self._read, name="mlx-infer-engine-reader", daemon=True)
+        self._reader.start()
+
+    def _recv_ready(self) -> tuple:
+        while not self._conn.poll(0.2):  # loading takes as long as it takes; a dead process ends the wait
+            if not self._proc.is_alive():
+                raise MlxInferError(f"the engine process exited (code {self._proc.exitcode}) before it was "
+                                    "ready; its error is above")
+        try:
+            return self._conn.recv()
+        except (EOFError, OSError):
+            self._proc.join(STOP_TIMEOUT_S)
+            raise MlxInferError(f"the engine process exited (code {self._proc.exitcode}) before it was "
+                                "ready; its error is above") from None
+
+    # -- what the server calls ------------------------------------------------------
+
+    def submit(self, request: EngineRequest, *, on_token: Callable[[TokenEvent], None] | None = None) -> RequestHandle:
+        """Queue ``request`` in the engine process; returns its :class:`RequestHandle` once the engine
+        accepted it. Raises what :meth:`Engine.submit <mlx_infer.engine.Engine.submit>` raises."""
+        handle = RequestHandle(request, self.cancel, on_token)
+        with self._lock:
+            if request.request_id in self._handles:
+                raise MlxInferError(f"request id {request.request_id!r} is already running.")
+            self._handles[request.request_id] = handle
+        try:
+            self._request("submit", request)
+        except BaseException:
+            with self._lock:
+                self._handles.pop(request.request_id, None)
+            raise
+        return handle
+
+    def cancel(self, request_id: str) -> None:
+        """Cancel a request (a no-op once it finished)."""
+        try:
+            self._send(("cancel", request_id))
+        except EngineClosedError:
+            pass  # nothing runs any more
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(engine, *args)`` in the engine process, its value (or its error) returned here: what the
+        server does to the engine's model and pool (adapters, the startup line). ``fn`` and the arguments
+        must pickle (a module-level function)."""
+        return self._request("call", fn, args)
+
+    def stats(self) -> dict[str, Any]:
+        """:meth:`Engine.stats <mlx_infer.engine.Engine.stats>` of the engine process."""
+        return self.call(_stats)
+
+    def prometheus(self) -> str:
+        """:meth:`Engine.prometheus <mlx_infer.engine.Engine.prometheus>` of the engine process."""
+        return self.call(_prometheus)
+
+    def start(self) -> "EngineProcess":
+        """The engine thread already runs (for the :class:`~.engine.Engine` interface)."""
+        return self
+
+    def stop(self) -> None:
+        """Stop the engine process: unfinished requests end with ``"cancelled"``; waits for it to exit."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._send(("stop",))
+        except EngineClosedError:
+            pass
+        self._reader.join(STOP_TIMEOUT_S)
+        self._proc.join(STOP_TIMEOUT_S)
+        if self._proc.is_alive():
+            log.warning("the engine process did not stop within %.0f s; killing it", STOP_TIMEOUT_S)
+            self._proc.kill()
+            self._proc.join()
+        self._conn.close()
+        self._end_all("cancelled", None)
+
+    def __enter__(self) -> "EngineProcess":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    @property
+    def alive(self) -> bool:
+        """Whether the engine process runs and answers."""
+        return self._gone is None and self._proc.is_alive()
+
+    # -- the pipe ----------------------------------------------------------------------
+
+    def _send(self, msg: tuple) -> None:
+        if self._gone is not None:
+            raise EngineClosedError(f"The engine process is gone ({self._gone}); restart the server.")
+        try:
+            with self._send_lock:
+                self._conn.send(msg)
+        except (OSError, ValueError) as e:  # the pipe broke: the process died
+            raise EngineClosedError(f"The engine process is gone ({e}); restart the server.") from None
+
+    def _request(self, kind: str, *payload: Any) -> Any:
+        if self._closed:
+            raise EngineClosedError("This engine was stopped; create a new one.")
+        done = threading.Event()
+        with self._lock:
+            self._next_call += 1
+            call_id = self._next_call
+            self._replies[call_id] = slot = [done, False, None]
+        try:
+            self._send((kind, call_id, *payload))
+            while not done.wait(1.0):  # a dead process answers nothing: the reader then fails the call
+                if self._gone is not None:
+                    break
+        finally:
+            with self._lock:
+                self._replies.pop(call_id, None)
+        if not done.is_set():
+            raise EngineClosedError(f"The engine process is gone ({self._gone}); restart the server.")
+        _, ok, value = slot
+        if not ok:
+            raise value
+        return value
+
+    def _read(self) -> None:
+        """The reader thread: replies to their callers, events to their handles."""
+        try:
+            while True:
+                msg = self._conn.recv()
+                if msg[0] == "events":
+                    self._deliver(msg[1])
+                elif msg[0] == "reply":
+                    _, call_id, ok, value = msg
+                    with self._lock:
+                        slot = self._replies.get(call_id)
+                    if slot is not None:
+                        slot[1], slot[2] = ok, value
+                        slot[0].set()
+                elif msg[0] == "stopped":
+                    self._deliver(msg[1])
+                    self._gone = "stopped"
+                    return
+        except (EOFError, OSError) as e:
+            self._gone = f"its pipe closed: {type(e).__name__}"
+            if not self._closed:
+                log.error("the engine process exited unexpectedly (code %s)", self._proc.exitcode)
+        except Exception:  # noqa: BLE001 - a message that cannot be read: the engine is unusable
+            self._gone = "a message could not be read"
+            log.exception("reading from the engine process failed")
+        finally:
+            with self._lock:
+                slots = [s for s in self._replies.values() if not s[0].is_set()]
+            for slot in slots:  # callers waiting on an answer that will not come
+                slot[1], slot[2] = False, EngineClosedError(f"The engine process is gone ({self._gone}); "
+                                                            "restart the server.")
+                slot[0].set()
+            self._end_all("error", f"the engine process is gone ({self._gone})")
+
+    def _deliver(self, batch: list[tuple[str, TokenEvent, RequestResult | None, Any]]) -> None:
+        wakeups: dict = {}
+        for rid, event, result, scores in batch:
+            with self._lock:
+                handle = self._handles.get(rid)
+                if result is not None:
+                    self._handles.pop(rid, None)
+            if handle is None:
+                continue
+            if scores is not None:
+                handle.prompt_logprobs = scores
+            handle._deliver(event, result, wakeups=wakeups)
+        if wakeups:
+            wake(wakeups)
+
+    def _end_all(self, reason: str, error: str | None) -> None:
+        """End every request the engine process will not answer any more."""
+        with self._lock:
+            left, self._handles = list(self._handles.values()), {}
+        for h in left:
+            if h.done:
+                continue
+            n = len(h.request.prompt_ids)
+            h._deliver(TokenEvent(request_id=h.request_id, token=None, index=0, finish_reason=reason),
+                       RequestResult(request_id=h.request_id, prompt_tokens=n, finish_reason=reason, error=error))
+
+
+def _stats(engine: Any) -> dict[str, Any]:
+    return engine.stats()
+
+
+def _prometheus(engine: Any) -> str:
+    return engine.prometheus()
+
+
+# -- the engine process --------------------------------------------------------------
+
+
+class _Outbox:
+    """Events the engine thread produced, sent by one sender thread: each send carries every event since
+    the last one (a step's tokens in one message), so the engine thread never waits on the pipe."""
+
+    def __init__(self, conn: Any, send_lock: threading.Lock):
+        self._conn, self._send_lock = conn, send_lock
+        self._cond = threading.Condition()
+        self._items: list[tuple[str, TokenEvent]] = []
+        self._handles: dict[str, RequestHandle] = {}
+        self._first: set[str] = set()  # requests whose first event is not sent yet (their prompt scores go with it)
+        self._closing = False
+
+    def callback(self, rid: str) -> Callable[[TokenEvent], None]:
+        def on_token(event: TokenEvent) -> None:  # the engine thread: append and go on
+            with self._cond:
+                self._items.append((rid, event))
+                self._cond.notify()
+        return on_token
+
+    def track(self, handle: RequestHandle) -> None:
+        with self._cond:
+            self._handles[handle.request_id] = handle
+            self._first.add(handle.request_id)
+
+    def run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._items or self._closing)
+                items, self._items = self._items, []
+                closing = self._closing and not items
+            if closing:
+                return
+            self.send("events", items)
+
+    def send(self, kind: str, items: list[tuple[str, TokenEvent]]) -> None:
+        batch, late, late_ids = [], [], set()
+        for rid, event in items:
+            with self._cond:
+                handle = None if rid in late_ids else self._handles.get(rid)
+                first = handle is not None and rid in self._first
+                if first:
+                    self._first.discard(rid)
+            if handle is None:  # an event before its submit returned: its handle is tracked in a moment
+                late.append((rid, event))
+                late_ids.add(rid)
+                continue
+            result = handle.result(STOP_TIMEOUT_S) if event.finish_reason is not None else None
+            if result is not None:
+                with self._cond:
+                    self._handles.pop(rid, None)
+            batch.append((rid, event, result, handle.prompt_logprobs if first else None))
+        if late:
+            with self._cond:
+                self._items[:0] = late
+                self._cond.notify()
+            time.sleep(0.001)
+        with self._send_lock:
+            self._conn.send((kind, batch))
+
+    def close(self) -> None:
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+
+
+def _engine_main(conn: Any, build: Callable[..., tuple[Any, EngineFacts]], args: tuple) -> None:
+    """The engine process: build the engine, then serve the pipe until ``stop`` or until it closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the server stops us
+    try:
+        engine, facts = build(*args)
+        engine.start()
+    except BaseException as e:  # noqa: BLE001 - the server raises it again
+        conn.send(("failed", e if _picklable(e) else MlxInferError(f"{type(e).__name__}: {e}")))
+        conn.close()
+        return
+    send_lock = threading.Lock()
+    outbox = _Outbox(conn, send_lock)
+    sender = threading.Thread(target=outbox.run, name="mlx-infer-engine-sender", daemon=True)
+    sender.start()
+
+    def reply(call_id: int, ok: bool, value: Any) -> None:
+        if not ok and not _picklable(value):
+            value = MlxInferError(f"{type(value).__name__}: {value}")
+        with send_lock:
+            conn.send(("reply", call_id, ok, value))
+
+    with send_lock:
+        conn.send(("ready", facts))
+    try:
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):  # the server is gone
+                break
+            kind = msg[0]
+            if kind == "stop":
+                break
+            if kind == "cancel":
+                engine.cancel(msg[1])
+            elif kind == "submit":
+                _, call_id, request = msg
+                try:
+                    handle = engine.submit(request, on_token=outbox.callback(request.request_id))
+                    outbox.track(handle)
+                    reply(call_id, True, None)
+                except Exception as e:  # noqa: BLE001 - the request's error, raised in the server
+                    reply(call_id, False, e)
+            elif kind == "call":
+                _, call_id, fn, fargs = msg
+                try:
+                    value = fn(engine, *fargs)
+                except Exception as e:  # noqa: BLE001 - raised in the server
+                    reply(call_id, False, e)
+                else:
+                    reply(call_id, True, value)
+    finally:
+        engine.stop()  # unfinished requests end "cancelled": their final events go out below
+        outbox.close()
+        sender.join(STOP_TIMEOUT_S)
+        try:
+            with send_lock:
+                conn.send(("stopped", []))
+        except (OSError, ValueError):
+            pass
+        conn.close()
+
+
+def _picklable(value: Any) -> bool:
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(value))
+    except Exception:  # noqa: BLE001 - any failure: send a plain error instead
+        return False
+    return True

@@ -1,0 +1,200 @@
+"""The engine in its own process (engine/process.py): the same tokens, errors, cancels and metrics as the
+engine in process, requests ended (never hung) when that process dies, and the server over it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from mlx_infer.engine import Engine, EngineClosedError, EngineRequest
+from mlx_infer.engine.process import EngineProcess
+from mlx_infer.errors import MlxInferError, PromptTooLongError
+from mlx_infer.sampling import SamplingParams
+from mlx_infer.server.run import ServeOptions, engine_for_process, load_for_serving, make_engine, start_engine
+from tiny import make_tiny_model_dir
+
+TIMEOUT = 60.0
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model_dir(tmp_path_factory.mktemp("engine-process"), "llama", max_position_embeddings=512)
+
+
+@pytest.fixture(scope="module")
+def options(model_dir):
+    return ServeOptions(model=str(model_dir), page_size=8)
+
+
+@pytest.fixture(scope="module")
+def remote(options):
+    engine = start_engine(options)
+    assert isinstance(engine, EngineProcess)
+    yield engine
+    engine.stop()
+
+
+def _requests(n: int = 6, max_tokens: int = 12) -> list[EngineRequest]:
+    return [EngineRequest(prompt_ids=[1, 2 + i, 3 + 2 * i, 4], max_tokens=max_tokens, ignore_eos=True,
+                          sampling=SamplingParams(temperature=0.0) if i % 2 else SamplingParams(temperature=0.8,
+                                                                                                 seed=i))
+            for i in range(n)]
+
+
+def test_tokens_and_text_equal_the_engine_in_process(remote, options):
+    """Greedy and seeded requests, together: the same ids, text and finish as the engine in this process."""
+    local = make_engine(options, load_for_serving(options)).start()
+    try:
+        want = [(r.token_ids, r.text, r.finish_reason) for r in local.generate(_requests(), timeout=TIMEOUT)]
+    finally:
+        local.stop()
+    handles = [remote.submit(r) for r in _requests()]
+    got = [(h.result(TIMEOUT).token_ids, h.result().text, h.result().finish_reason) for h in handles]
+    assert got == want
+    assert all(len(ids) == 12 and reason == "length" for ids, _, reason in got)
+
+
+def test_events_stream_in_order_and_end_with_the_result(remote):
+    h = remote.submit(EngineRequest(prompt_ids=[5, 6, 7], max_tokens=9, ignore_eos=True))
+    events = list(h)
+    assert [e.index for e in events] == list(range(9))
+    assert events[-1].finish_reason == "length" and all(e.finish_reason is None for e in events[:-1])
+    assert [e.token for e in events] == h.result(TIMEOUT).token_ids
+    assert "".join(e.text for e in events) == h.result().text
+
+
+def test_async_batches_deliver_every_event(remote):
+    import asyncio
+
+    async def run() -> list[int]:
+        h = remote.submit(EngineRequest(prompt_ids=[9, 8, 7], max_tokens=10, ignore_eos=True))
+        return [e.token async for e in h], h
+
+    tokens, h = asyncio.run(run())
+    assert tokens == h.result().token_ids and len(tokens) == 10
+
+
+def test_submit_errors_are_the_engines_own(remote):
+    with pytest.raises(PromptTooLongError, match="context window is 512"):
+        remote.submit(EngineRequest(prompt_ids=[1] * 600, max_tokens=2))
+    with pytest.raises(MlxInferError, match="vocabulary size"):
+        remote.submit(EngineRequest(prompt_ids=[1, 10**6], max_tokens=2))
+    h = remote.submit(EngineRequest(prompt_ids=[1, 2], max_tokens=200, ignore_eos=True, request_id="twice"))
+    with pytest.raises(MlxInferError, match="already running"):
+        remote.submit(EngineRequest(prompt_ids=[1, 2], max_tokens=2, request_id="twice"))
+    h.cancel()
+    assert h.result(TIMEOUT).finish_reason == "cancelled"
+
+
+def test_cancel_frees_the_pages(remote):
+    h = remote.submit(EngineRequest(prompt_ids=[3, 4, 5], max_tokens=400, ignore_eos=True))
+    next(iter(h))  # it runs
+    h.cancel()
+    r = h.result(TIMEOUT)
+    assert r.finish_reason == "cancelled" and len(r.token_ids) < 400
+    deadline = time.monotonic() + 10
+    while remote.stats()["running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    s = remote.stats()
+    assert s["running"] == 0 and s["kv_pages_used"] == 0, s
+    assert "mlx_infer_kv_pages_used 0" in remote.prometheus()
+
+
+def _pid(engine: Engine) -> int:
+    return os.getpid()
+
+
+def _raise(engine: Engine, message: str) -> None:
+    raise MlxInferError(message)
+
+
+class _Unpicklable(Exception):
+    def __init__(self, a, b):
+        super().__init__(f"{a}/{b}")
+
+
+def _raise_unpicklable(engine: Engine) -> None:
+    raise _Unpicklable(1, 2)
+
+
+def test_call_runs_in_the_engine_process_and_raises_its_errors(remote):
+    assert remote.call(_pid) != os.getpid()
+    with pytest.raises(MlxInferError, match="named by the test"):
+        remote.call(_raise, "named by the test")
+    with pytest.raises(MlxInferError, match="_Unpicklable: 1/2"):  # an error that cannot travel: by name
+        remote.call(_raise_unpicklable)
+    assert remote.alive
+
+
+def test_prompt_scores_travel_with_the_first_event(remote):
+    h = remote.submit(EngineRequest(prompt_ids=[1, 5, 9, 13], max_tokens=3, prompt_logprobs=2))
+    r = h.result(TIMEOUT)
+    assert h.prompt_logprobs is not None and r.prompt_logprobs is not None
+    assert list(h.prompt_logprobs.token_ids) == [1, 5, 9, 13]
+
+
+def test_a_build_that_fails_raises_here(tmp_path):
+    with pytest.raises(MlxInferError, match="nowhere"):
+        EngineProcess(engine_for_process, ServeOptions(model=str(tmp_path / "nowhere")))
+
+
+def test_a_dead_engine_process_ends_its_requests(options):
+    engine = start_engine(options)
+    try:
+        h = engine.submit(EngineRequest(prompt_ids=[1, 2, 3], max_tokens=100_000, ignore_eos=True))
+        next(iter(h))
+        os.kill(engine._proc.pid, signal.SIGKILL)
+        r = h.result(TIMEOUT)
+        assert r.finish_reason == "error" and "engine process is gone" in r.error
+        assert not engine.alive
+        with pytest.raises(EngineClosedError, match="restart the server"):
+            engine.submit(EngineRequest(prompt_ids=[1, 2], max_tokens=2))
+        with pytest.raises(EngineClosedError):
+            engine.stats()
+    finally:
+        engine.stop()
+
+
+def test_stop_cancels_what_runs_and_ends_the_process(options):
+    engine = start_engine(options)
+    h = engine.submit(EngineRequest(prompt_ids=[1, 2, 3], max_tokens=100_000, ignore_eos=True))
+    next(iter(h))
+    engine.stop()
+    assert h.result(TIMEOUT).finish_reason == "cancelled"
+    assert not engine._proc.is_alive()
+    with pytest.raises(EngineClosedError):
+        engine.submit(EngineRequest(prompt_ids=[1, 2], max_tokens=2))
+
+
+def test_the_server_streams_the_same_text_over_either_engine(options):
+    """One streamed and one plain completion through the HTTP server, over the engine process and over the
+    engine in process: the same text; /metrics and the adapter list answer over both."""
+    from mlx_infer.server.app import create_app
+    from mlx_infer.server.run import ServerThread
+
+    body = {"model": "tiny", "prompt": "Hello there", "max_tokens": 16, "ignore_eos": True, "temperature": 0}
+    seen = []
+    for engine_process in (True, False):
+        engine = start_engine(ServeOptions(model=options.model, page_size=8, engine_process=engine_process))
+        try:
+            assert isinstance(engine, EngineProcess) == engine_process
+            with ServerThread(create_app(engine, model_id="tiny")) as server:
+                plain = httpx.post(server.url + "/v1/completions", json=body, timeout=TIMEOUT).json()
+                with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True},
+                                  timeout=TIMEOUT) as r:
+                    lines = [ln for ln in r.iter_lines() if ln.startswith("data: {")]
+                import json
+
+                streamed = "".join(json.loads(ln[6:])["choices"][0]["text"] for ln in lines)
+                metrics = httpx.get(server.url + "/metrics", timeout=TIMEOUT).text
+                adapters = httpx.get(server.url + "/v1/adapters", timeout=TIMEOUT).json()
+            seen.append((plain["choices"][0]["text"], streamed))
+            assert "mlx_infer_generation_tokens_total 32" in metrics
+            assert adapters == {"object": "list", "data": []}
+        finally:
+            engine.stop()
+    assert seen[0] == seen[1] and seen[0][0] == seen[0][1] and seen[0][0]
