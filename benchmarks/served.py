@@ -68,7 +68,7 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
-from served_http import OursHTTP, describe  # the HTTP column (its own module: client processes)
+from served_http import OursHTTP, OursHTTPThread, describe  # the HTTP column (its own module: client processes)
 
 ROOT = Path(__file__).resolve().parent.parent
 KERNELS: dict[str, Any] = {}  # load_model options (--stock-kernels)
@@ -302,6 +302,29 @@ class MlxLm:
         self.model = None
 
 
+class MlxLmStep(MlxLm):
+    """mlx-lm's ``generate_step``, one request after another: issue 16's 1-stream anchor (a column of the
+    1-stream rows only; ``--mlx-lm-step``)."""
+
+    name = "mlx-lm-step"
+    max_streams = 1
+
+    def run(self, streams: int, prompts: list[list[int]], gen: int) -> int:
+        from mlx_lm.generate import generate_step
+
+        total = 0
+        self.ttfts, self.events = [], []
+        for uid, prompt in enumerate(prompts):
+            sent = time.perf_counter()
+            for n, (token, _) in enumerate(generate_step(mx.array(prompt, mx.uint32), self.model, max_tokens=gen)):
+                now = time.perf_counter()
+                if n == 0:
+                    self.ttfts.append(now - sent)
+                self.events.append((now, uid, n == gen - 1))
+                total += 1
+        return total
+
+
 def decode_window(events: list[tuple], streams: int) -> float | None:
     """Tokens/s while all of the first ``streams`` requests decode together: from the last of
     their first tokens to the first of their ends (no prefill inside the window). An event is
@@ -360,6 +383,12 @@ def main() -> None:
     p.add_argument("--http-beside", action="store_true",
                    help="with --http: the server runs beside the in-process columns (one phase, trials alternating; "
                         "every pool an equal explicit share of the default sizing) instead of in its own phase")
+    p.add_argument("--mlx-lm-step", action="store_true",
+                   help="also mlx-lm's generate_step (one request at a time) in the 1-stream rows: issue 16's "
+                        "1-stream anchor")
+    p.add_argument("--http-thread", action="store_true",
+                   help="with --http --http-beside: also the server with its engine as a thread of its own process "
+                        "(--no-engine-process), the A/B of the engine process")
     p.add_argument("--http-pyspy", default=None, metavar="PATH",
                    help="with --http: sample the server's GIL holder with py-spy during its first trial of 16+ streams "
                         "(collapsed stacks to PATH)")
@@ -407,18 +436,25 @@ def main() -> None:
         base = MlxLm(path, max_batch)
         ours = [k(path, max_batch) for k in ours_kinds]
         columns = ours + [base]
+        if args.mlx_lm_step and 1 in streams:  # its model is mlx-lm's (one copy)
+            step = MlxLmStep.__new__(MlxLmStep)
+            step.model = base.model
+            columns.append(step)
         beside = args.http and args.http_beside
-        sizing, sharing, budget = start_engines(ours, max_batch, beside=beside)
-        if beside:  # the server shares the phase: its pool is one more equal share
-            columns.insert(len(ours), OursHTTP(path, max_batch, budget, args.http_clients, args.http_pyspy))
+        servers = [OursHTTP] + ([OursHTTPThread] if args.http_thread else [])
+        sizing, sharing, budget = start_engines(ours, max_batch, beside=len(servers) if beside else 0)
+        if beside:  # the servers share the phase: each one's pool is one more equal share
+            for k in reversed(servers):
+                columns.insert(len(ours), k(path, max_batch, budget, args.http_clients, args.http_pyspy))
             sharing += "; mlx-infer serve in its own process beside them, alternating too"
         for i, s in enumerate(streams):
             for r in measure(columns, s, args, vocab):
                 r.update(kernels=kernels, gpu_sharing=sharing)
                 if r["engine"] != "mlx-lm":
                     r["kv_sizing"] = sizing
-                if r["engine"] == OursHTTP.name:
-                    r.update(kv_pool=columns[len(ours)].pool, **describe(columns[len(ours)]))
+                server = next((c for c in columns if isinstance(c, OursHTTP) and c.name == r["engine"]), None)
+                if server is not None:
+                    r.update(kv_pool=server.pool, **describe(server))
                 by_streams[s].append(r)
             if args.json:  # what has finished survives a run cut short (a device call's time limit)
                 write_json(results_document(finish(by_streams, streams[: i + 1], args, path)), Path(args.json))
@@ -462,11 +498,11 @@ def finish(by_streams: dict[int, list[dict[str, Any]]], streams: list[int], args
     return [r for s in streams for r in by_streams[s]]
 
 
-def start_engines(ours: list[Ours], max_batch: int, beside: bool = False) -> tuple[str, str, float | None]:
+def start_engines(ours: list[Ours], max_batch: int, beside: int = 0) -> tuple[str, str, float | None]:
     """Build the in-process engines once every model is loaded: ``(their sizing, how they share
-    the device, the budget each got)`` (module docstring). ``beside``: an HTTP server will share
-    the device too, so it counts as one more pool in the split."""
-    pools = len(ours) + (1 if beside else 0)
+    the device, the budget each got)`` (module docstring). ``beside``: HTTP servers that will share
+    the device too, each one more pool in the split."""
+    pools = len(ours) + beside
     if BUDGET_GB is not None:
         budget, sizing = BUDGET_GB, f"--memory-budget {BUDGET_GB:g} each"
     elif pools <= 1:
@@ -489,6 +525,7 @@ def measure(engines: list[Any], s: int, args: argparse.Namespace, vocab: int) ->
     """One uncounted warm-up trial per engine at ``s`` streams, then ``-n`` trials alternating
     engines; a row per engine (medians over the counted trials). Each trial has prompts of its own."""
     n = s * args.requests_per_stream
+    engines = [e for e in engines if s <= getattr(e, "max_streams", s)]  # mlx-lm-step: 1-stream rows only
     for e in engines:
         e.run(s, prompts_for(n, args.prompt_tokens, vocab), args.generation_tokens)
     trials: dict[str, list[dict[str, Any]]] = {e.name: [] for e in engines}

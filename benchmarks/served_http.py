@@ -103,6 +103,7 @@ class OursHTTP:
     """``mlx-infer serve`` in its own process; client processes stream completions over loopback."""
 
     name = "mlx-infer-http"
+    flags: tuple[str, ...] = ()  # the engine in its own process: serve's default
 
     def __init__(self, path: Path, max_batch: int, budget_gb: float | None = None, clients: int | None = None,
                  pyspy: str | None = None):
@@ -115,7 +116,7 @@ class OursHTTP:
         self.log = tempfile.NamedTemporaryFile("w+", prefix="served-http-", suffix=".log")
         self.proc = subprocess.Popen([sys.executable, "-m", "mlx_infer", "serve", "--model", str(path),
                                       "--port", str(port), "--max-batch", str(max_batch), "--log-level", "warning",
-                                      *(["--memory-budget", str(budget_gb)] if budget_gb else [])],
+                                      *(["--memory-budget", str(budget_gb)] if budget_gb else []), *self.flags],
                                      stdout=self.log)
         self.model = path.name
         self.pyspy, self.pyspy_proc = pyspy, None  # --http-pyspy: one GIL profile, of the first trial of 16+ streams
@@ -171,6 +172,14 @@ class OursHTTP:
         self.proc.terminate()
         self.proc.wait(timeout=30)
         self.log.close()
+
+
+class OursHTTPThread(OursHTTP):
+    """The same server with its engine as a thread of the server's process (``--no-engine-process``):
+    the A/B of the engine process (``served.py --http-thread``)."""
+
+    name = "mlx-infer-http-thread"
+    flags = ("--no-engine-process",)
 
 
 def profile_gil(pid: int, out: str, seconds: int = 6) -> subprocess.Popen | None:
