@@ -482,6 +482,56 @@ case "${1:-a}" in
       --shape gemma3-270m --json "$out/h200-served-gemma3-270m.json"
     grep -h '^| \|^==' "$out"/served-*.log
     ;;
-  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b" >&2
+  s18a)
+    # Session 18: the one C++ forward (ab263fd, gemma4 folded into cpp/decode/forward.cpp) on the device: the
+    # CUDA cases of the changed step; the plain step before (f67da1d, built from .before/ beside the main
+    # build) and after, batch 1, each run with mlx-lm as its anchor; then the HTTP server beside the engine
+    # after the GIL release (10da9a6) and the async release task, with its GIL profile.
+    (rm -rf /tmp/before && cp -r .before /tmp/before && cd /tmp/before && CMAKE_BUILD_PARALLEL_LEVEL=12 \
+      python3 -m pip install -q --no-build-isolation --no-deps --no-compile -Ccmake.define.MLX_INFER_LTO=OFF \
+      --target /tmp/site-before . > "$out/build-before.log" 2>&1; echo "before build rc=$?" >> "$out/phase.log") &
+    BEFORE_BUILD=$!
+    run 100 gpu-tests python -m pytest -q -p no:cacheprovider -rf --tb=short tests/test_step_coverage.py \
+      tests/test_gemma4_decode_step.py -k "not refused"
+    tail -n 4 "$out/gpu-tests.log"
+    decode="python benchmarks/gpu_decode.py --models llama-8b,llama-1b,gemma3-270m --batches 1 --engines mlx-lm,step -n 2 -g 64"
+    run 110 decode-after $decode --json "$out/h200-decode-after.json"
+    if wait "${BEFORE_BUILD:-0}" 2>/dev/null && [ -d /tmp/site-before/mlx_infer ]; then
+      PYTHONPATH=/tmp/site-before:/tmp/site run 110 decode-before $decode --json "$out/h200-decode-before.json"
+    else echo "before build missing" | tee -a "$out/phase.log"; fi
+    grep -h "tok/s\|^|" "$out"/decode-*.log | head -40
+    run 150 served-llama-1b-http python benchmarks/served.py -p 512 -g 128 -r 3 -n 3 --no-ids --http --http-beside \
+      --streams 32 --shape llama-1b --http-pyspy "$out/http-gil.txt" --json "$out/h200-served-llama-1b-http.json"
+    grep -h '^| \|^==' "$out"/served-*.log
+    ;;
+  s18b)
+    # Session 18: the server's engine in its own process (engine/process.py) against the same server with the
+    # engine as a thread (--no-engine-process) and the in-process engine, all beside one another, alternating
+    # (llama-1B and gemma3-270m at 32 streams); then the 1-stream rows against mlx-lm's generate_step too.
+    (rm -rf /tmp/before && cp -r .before /tmp/before && cd /tmp/before && CMAKE_BUILD_PARALLEL_LEVEL=8 \
+      python3 -m pip install -q --no-build-isolation --no-deps --no-compile -Ccmake.define.MLX_INFER_LTO=OFF \
+      --target /tmp/site-before . > /tmp/build-before.log 2>&1; echo "before build rc=$?" >> "$out/phase.log") &
+    run 220 served-llama-1b-http python benchmarks/served.py -p 512 -g 128 -r 3 -n 3 --no-ids --http --http-beside \
+      --http-thread --streams 32 --shape llama-1b --json "$out/h200-served-llama-1b-http.json"
+    run 130 served-gemma3-http python benchmarks/served.py -p 512 -g 128 -r 3 -n 2 --no-ids --http --http-beside \
+      --http-thread --streams 32 --shape gemma3-270m --json "$out/h200-served-gemma3-270m-http.json"
+    for shape in llama-8b llama-1b; do
+      run 75 "served-$shape-1" python benchmarks/served.py -p 512 -g 128 -r 3 -n 3 --no-text --mlx-lm-step \
+        --streams 1 --shape $shape --json "$out/h200-served-$shape-1.json"
+    done
+    grep -h '^| \|^==' "$out"/served-*.log
+    ;;
+  s18c)
+    # Session 18, right after s18b on the same machine: the plain step before (f67da1d, built by s18b in
+    # /tmp/site-before) and after the one forward, batch 1, each run with mlx-lm as its anchor.
+    decode="python benchmarks/gpu_decode.py --models llama-8b,llama-1b,gemma3-270m --batches 1 --engines mlx-lm,step -n 2 -g 64"
+    if [ -d /tmp/site-before/mlx_infer ]; then
+      PYTHONPATH=/tmp/site-before:/tmp/site run 100 decode-before $decode --json "$out/h200-decode-before.json"
+      run 100 decode-after $decode --json "$out/h200-decode-after.json"
+      PYTHONPATH=/tmp/site-before:/tmp/site run 100 decode-before2 $decode --json "$out/h200-decode-before2.json"
+    else echo "before build missing" | tee -a "$out/phase.log"; tail -20 /tmp/build-before.log; fi
+    grep -h "trial" "$out"/decode-*.log
+    ;;
+  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c" >&2
      exit 2 ;;
 esac
