@@ -508,9 +508,6 @@ case "${1:-a}" in
     # Session 18: the server's engine in its own process (engine/process.py) against the same server with the
     # engine as a thread (--no-engine-process) and the in-process engine, all beside one another, alternating
     # (llama-1B and gemma3-270m at 32 streams); then the 1-stream rows against mlx-lm's generate_step too.
-    (rm -rf /tmp/before && cp -r .before /tmp/before && cd /tmp/before && CMAKE_BUILD_PARALLEL_LEVEL=8 \
-      python3 -m pip install -q --no-build-isolation --no-deps --no-compile -Ccmake.define.MLX_INFER_LTO=OFF \
-      --target /tmp/site-before . > /tmp/build-before.log 2>&1; echo "before build rc=$?" >> "$out/phase.log") &
     run 220 served-llama-1b-http python benchmarks/served.py -p 512 -g 128 -r 3 -n 3 --no-ids --http --http-beside \
       --http-thread --streams 32 --shape llama-1b --json "$out/h200-served-llama-1b-http.json"
     run 130 served-gemma3-http python benchmarks/served.py -p 512 -g 128 -r 3 -n 2 --no-ids --http --http-beside \
@@ -520,15 +517,21 @@ case "${1:-a}" in
         --streams 1 --shape $shape --json "$out/h200-served-$shape-1.json"
     done
     grep -h '^| \|^==' "$out"/served-*.log
+    # s18c's "before" build, after the measurements (a build beside them would perturb them); setsid: it
+    # outlives this command on the warm machine
+    rm -rf /tmp/before && cp -r .before /tmp/before
+    (cd /tmp/before && setsid nohup bash -c "CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install -q \
+      --no-build-isolation --no-deps --no-compile -Ccmake.define.MLX_INFER_LTO=OFF --target /tmp/site-before . \
+      > /tmp/build-before.log 2>&1" > /dev/null 2>&1 &)
     ;;
   s18c)
     # Session 18, right after s18b on the same machine: the plain step before (f67da1d, built by s18b in
     # /tmp/site-before) and after the one forward, batch 1, each run with mlx-lm as its anchor.
     decode="python benchmarks/gpu_decode.py --models llama-8b,llama-1b,gemma3-270m --batches 1 --engines mlx-lm,step -n 2 -g 64"
+    for _ in $(seq 60); do [ -d /tmp/site-before/mlx_infer ] && break; sleep 1; done  # the build s18b started
     if [ -d /tmp/site-before/mlx_infer ]; then
       PYTHONPATH=/tmp/site-before:/tmp/site run 100 decode-before $decode --json "$out/h200-decode-before.json"
       run 100 decode-after $decode --json "$out/h200-decode-after.json"
-      PYTHONPATH=/tmp/site-before:/tmp/site run 100 decode-before2 $decode --json "$out/h200-decode-before2.json"
     else echo "before build missing" | tee -a "$out/phase.log"; tail -20 /tmp/build-before.log; fi
     grep -h "trial" "$out"/decode-*.log
     ;;
