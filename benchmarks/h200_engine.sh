@@ -512,10 +512,8 @@ case "${1:-a}" in
       --http-thread --streams 32 --shape llama-1b --json "$out/h200-served-llama-1b-http.json"
     run 130 served-gemma3-http python benchmarks/served.py -p 512 -g 128 -r 3 -n 2 --no-ids --http --http-beside \
       --http-thread --streams 32 --shape gemma3-270m --json "$out/h200-served-gemma3-270m-http.json"
-    for shape in llama-8b llama-1b; do
-      run 75 "served-$shape-1" python benchmarks/served.py -p 512 -g 128 -r 3 -n 3 --no-text --mlx-lm-step \
-        --streams 1 --shape $shape --json "$out/h200-served-$shape-1.json"
-    done
+    run 75 served-llama-1b-1 python benchmarks/served.py -p 512 -g 128 -r 3 -n 3 --no-text --mlx-lm-step \
+      --streams 1 --shape llama-1b --json "$out/h200-served-llama-1b-1.json"
     grep -h '^| \|^==' "$out"/served-*.log
     # s18c's "before" build, after the measurements (a build beside them would perturb them); setsid: it
     # outlives this command on the warm machine

@@ -51,6 +51,7 @@ from ..engine import Engine, EngineClosedError, EngineRequest, QueueFullError, R
 from ..errors import MlxInferError, PromptTooLongError
 from ..sampling import SamplingParams
 from ..engine import RequestResult
+from ..engine.process import EngineProcess
 from ..engine.prompt_scores import PromptLogprobs
 from .prompt_logprobs import check_scorable, echo_logprobs, vllm_prompt_logprobs
 from .streaming import merge
@@ -135,14 +136,15 @@ def check_generation_defaults(defaults: dict[str, Any]) -> None:
                             "Fix or remove that key in generation_config.json.") from None
 
 
-def create_app(engine: Engine, *, model_id: str, api_key: str | None = None,
+def create_app(engine: "Engine | EngineProcess", *, model_id: str, api_key: str | None = None,
                default_max_tokens: int = DEFAULT_MAX_TOKENS, max_tokens_cap: int | None = None,
                aliases: tuple[str, ...] = (), guard: GuardConfig | None = None,
                drain: Drain | None = None, allowed_origins: tuple[str, ...] = ()) -> FastAPI:
     """An app serving ``engine``'s model under ``model_id`` (and ``aliases``).
 
     Args:
-        engine: a started engine; the caller owns it (starts and stops it).
+        engine: a started engine, in this process or in its own (:class:`~mlx_infer.engine.process.EngineProcess`);
+            the caller owns it (starts and stops it).
         model_id: the id clients pass as ``model``.
         api_key: require ``Authorization: Bearer <key>`` (shorthand for ``GuardConfig(api_key=...)``;
             give one or the other).
