@@ -198,3 +198,103 @@ def test_the_server_streams_the_same_text_over_either_engine(options):
         finally:
             engine.stop()
     assert seen[0] == seen[1] and seen[0][0] == seen[0][1] and seen[0][0]
+
+
+def _children(pid: int) -> set[int]:
+    """The live child processes of ``pid`` (Linux's /proc)."""
+    out: set[int] = set()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                out.update(int(c) for c in f.read().split())
+        except FileNotFoundError:
+            pass
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def long_dir(tmp_path_factory):
+    """A long context: a stream of 4000 tokens outlives the drain."""
+    return make_tiny_model_dir(tmp_path_factory.mktemp("engine-process-long"), "llama", max_position_embeddings=8192)
+
+
+def _start_cli_server(model_dir) -> tuple:
+    import re
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "mlx_infer.cli", "serve", "--model", str(model_dir), "--port", "0",
+                             "--drain-timeout", "0.5", "--max-tokens", "4000", "--log-level", "warning"],
+                            stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                            start_new_session=True)
+    deadline = time.monotonic() + 60
+    port = None
+    while port is None and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        assert line or proc.poll() is None, proc.stderr.read()
+        m = re.search(r"http://127\.0\.0\.1:(\d+)/v1", line)
+        port = int(m.group(1)) if m else None
+    assert port, "no banner"
+    return proc, f"http://127.0.0.1:{port}"
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads Linux's /proc (CI runs on Linux)")
+def test_ctrl_c_on_the_cli_server_ends_the_engine_process(long_dir):
+    """Ctrl-C reaches the server's whole process group: the engine process ignores it, the server drains (the
+    stream ends as aborted) and stops it; nothing of the server is left running."""
+    import json
+
+    proc, url = _start_cli_server(long_dir)
+    kids = _children(proc.pid)
+    try:
+        assert kids, "the engine process"
+        body = {"model": long_dir.name, "prompt": "Hi", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+        lines = []
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=TIMEOUT) as r:
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+                if len(lines) == 3:
+                    os.killpg(proc.pid, signal.SIGINT)  # the terminal's Ctrl-C: every process of the group
+        assert len(lines) > 3, lines
+        assert proc.wait(timeout=20) == 130
+        events = [json.loads(ln[6:]) for ln in lines if ln.startswith("data: {")]
+        assert [c["choices"][0]["finish_reason"] for c in events if c.get("choices")][-1] == "abort"
+        deadline = time.monotonic() + 10
+        while any(_alive(k) for k in kids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(_alive(k) for k in kids)
+        assert "Traceback" not in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads Linux's /proc (CI runs on Linux)")
+def test_a_killed_server_leaves_no_engine_process(model_dir):
+    """SIGKILL on the server (no cleanup runs there): its engine process sees the pipe close and exits."""
+    proc, url = _start_cli_server(model_dir)
+    kids = _children(proc.pid)
+    try:
+        assert kids and httpx.get(url + "/health", timeout=TIMEOUT).status_code == 200
+        proc.kill()
+        proc.wait(timeout=20)
+        deadline = time.monotonic() + 20
+        while any(_alive(k) for k in kids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(_alive(k) for k in kids)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for k in kids:
+            if _alive(k):
+                os.kill(k, signal.SIGKILL)
