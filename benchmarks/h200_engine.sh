@@ -541,6 +541,12 @@ case "${1:-a}" in
       --streams 1 --shape llama-1b --json "$out/h200-served-llama-1b-1.json"
     grep -h '^| \|^==' "$out"/served-*.log
     ;;
-  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d" >&2
+  s18e)
+    # Session 18's last minutes of device time: the HTTP A/B alone (engine process vs thread vs in process).
+    run 170 served-llama-1b-http python benchmarks/served.py -p 512 -g 128 -r 2 -n 2 --no-ids --http --http-beside \
+      --http-thread --streams 32 --shape llama-1b --json "$out/h200-served-llama-1b-http.json"
+    grep -h '^| \|^==\|^streams' "$out"/served-*.log
+    ;;
+  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e" >&2
      exit 2 ;;
 esac
