@@ -235,7 +235,9 @@ def exposure_lines(options: ServeOptions) -> list[str]:
 def switch_interval() -> float:
     """Seconds the server's threads hold the GIL before a waiting one may take it
     (:data:`~mlx_infer.defaults.SERVER_SWITCH_INTERVAL_S`; ``MLX_INFER_SWITCH_INTERVAL`` overrides it,
-    for an A/B). The engine thread releases the GIL while MLX evaluates a step and the event loop
+    for an A/B). It matters where the engine is a thread of the server (``--no-engine-process``; with the
+    engine in its own process the server's threads are the event loop and the reader of the engine's
+    events, and the engine's GIL is its own). The engine thread releases the GIL while MLX evaluates a step and the event loop
     streams meanwhile; with a short interval each preempts the other mid-work, so the engine's
     planning of the next step is cut into slices behind SSE writes while the device idles. A long
     one lets each run until it blocks (the engine in eval, the loop in its poll); the loop's work
