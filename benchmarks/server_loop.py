@@ -69,6 +69,12 @@ def thread_cpu(thread: object) -> float:
     return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))  # type: ignore[attr-defined]
 
 
+def engine_cpu(engine: object) -> float | None:
+    """Seconds of CPU the engine thread has used (``None``: the engine runs in its own process)."""
+    thread = getattr(engine, "_thread", None)
+    return None if thread is None else thread_cpu(thread)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="llama-1b", help="a served.py shape, at its toy sizes")
@@ -77,16 +83,19 @@ def main() -> None:
     p.add_argument("--prompt-tokens", "-p", type=int, default=16)
     p.add_argument("--generation-tokens", "-g", type=int, default=64)
     p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--engine-process", action="store_true",
+                   help="the engine in its own process (engine/process.py, serve's default); its thread's CPU is "
+                        "then not read")
     p.add_argument("--json", default=None)
     args = p.parse_args()
 
-    from mlx_infer.artifacts.loader import load_model
-    from mlx_infer.engine import Engine, EngineConfig
     from mlx_infer.server import ServerThread, create_app
+    from mlx_infer.server.run import ServeOptions, start_engine
 
     path = shape_dir(args.shape, True, Path(tempfile.mkdtemp(prefix="server-loop-")))
     vocab = int(json.loads((path / "config.json").read_text())["vocab_size"])
-    engine = Engine(load_model(path), EngineConfig(max_batch=args.streams, memory_budget_gb=0.5)).start()
+    engine = start_engine(ServeOptions(model=str(path), max_batch=args.streams, memory_budget_gb=0.5,
+                                       engine_process=args.engine_process))
     handles: list = []
     submit = engine.submit
 
@@ -107,17 +116,17 @@ def main() -> None:
                         for j in range(args.requests)]
                 SEEN.clear()
                 handles.clear()
-                loop0, eng0, t0 = thread_cpu(server._thread), thread_cpu(engine._thread), time.perf_counter()
+                loop0, eng0, t0 = thread_cpu(server._thread), engine_cpu(engine), time.perf_counter()
                 tokens, _, events, sent = clients.submit(client_share, server.url, "m", args.streams, work,
                                                          args.generation_tokens).result()
                 chunks, times = len(events), {}  # times: per request (send, first chunk's arrival)
                 for t, r, _, _ in sorted(events):
                     times.setdefault(r, (sent[r], t))
-                loop1, eng1, t1 = thread_cpu(server._thread), thread_cpu(engine._thread), time.perf_counter()
+                loop1, eng1, t1 = thread_cpu(server._thread), engine_cpu(engine), time.perf_counter()
                 ms = lambda xs: 1e3 * statistics.fmean(xs)  # noqa: E731
                 row = {"round": i, "tokens": tokens, "chunks": chunks, "wall_s": t1 - t0,
                        "loop_us_per_chunk": 1e6 * (loop1 - loop0) / chunks,
-                       "engine_us_per_token": 1e6 * (eng1 - eng0) / tokens,
+                       "engine_us_per_token": None if eng0 is None else 1e6 * (eng1 - eng0) / tokens,
                        "ttft_mean_ms": ms([f - s for s, f in times.values()]),
                        "send_to_app_mean_ms": ms([SEEN[r][0] - s for r, (s, _) in times.items()]),
                        "app_to_first_bytes_mean_ms": ms([SEEN[r][1] - SEEN[r][0] for r in times]),
@@ -125,8 +134,8 @@ def main() -> None:
                        "engine_ttft_mean_ms": statistics.fmean(h.result().ttft_ms for h in handles)}
                 rows.append(row)
                 print(f"round {i}: {tokens} tokens in {chunks} chunks, {t1 - t0:.2f} s; loop CPU "
-                      f"{row['loop_us_per_chunk']:.1f} us/chunk, engine thread CPU {row['engine_us_per_token']:.1f} "
-                      f"us/token; TTFT mean {row['ttft_mean_ms']:.1f} ms: send->app {row['send_to_app_mean_ms']:.1f}, "
+                      f"{row['loop_us_per_chunk']:.1f} us/chunk, engine thread CPU "
+                      f"{row['engine_us_per_token'] or float('nan'):.1f} us/token; TTFT mean {row['ttft_mean_ms']:.1f} ms: send->app {row['send_to_app_mean_ms']:.1f}, "
                       f"app->first bytes {row['app_to_first_bytes_mean_ms']:.1f} (engine TTFT "
                       f"{row['engine_ttft_mean_ms']:.1f}), bytes->client {row['first_bytes_to_client_mean_ms']:.1f}",
                       flush=True)
