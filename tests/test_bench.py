@@ -123,6 +123,30 @@ def test_served_benchmark_http_beside_shares_the_phase_and_the_sizing(tmp_path):
     assert "KV pages of" in http["kv_pool"] and http["trials"][0]["tokens"] == 4
 
 
+def test_served_benchmark_http_thread_and_generate_step_columns(tmp_path):
+    """--http-thread: the server with its engine as a thread (--no-engine-process) beside the default one, each
+    its own equal share; --mlx-lm-step: mlx-lm's generate_step in the 1-stream rows only."""
+    import pathlib
+
+    script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "served.py"
+    out = tmp_path / "served.json"
+    r = subprocess.run([sys.executable, str(script), "--shape", "gemma3-270m", "--toy", "--streams", "1,2",
+                        "-p", "8", "-g", "3", "-r", "1", "-n", "1", "--http", "--http-beside", "--http-thread",
+                        "--mlx-lm-step", "--no-text", "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    by = {(row["batch"], row["engine"]): row for row in rows}
+    assert sorted(e for s, e in by if s == 1) == ["mlx-infer-http", "mlx-infer-http-thread", "mlx-infer-ids",
+                                                   "mlx-lm", "mlx-lm-step"]
+    assert sorted(e for s, e in by if s == 2) == ["mlx-infer-http", "mlx-infer-http-thread", "mlx-infer-ids",
+                                                   "mlx-lm"]
+    for name in ("mlx-infer-http", "mlx-infer-http-thread"):
+        row = by[(2, name)]
+        assert row["kv_sizing"].startswith("1/3 of the default device sizing each") and "KV pages of" in row["kv_pool"]
+        assert row["trials"][0]["tokens"] == 6
+    assert by[(1, "mlx-lm-step")]["trials"][0]["tokens"] == 3
+
+
 def test_served_benchmark_default_sizing_splits_the_device_between_in_process_engines(tmp_path):
     """No --memory-budget and two in-process mlx-infer columns: every model is loaded first, then
     each engine gets an equal explicit share of the default sizing (recorded in its rows)."""
@@ -142,16 +166,19 @@ def test_served_benchmark_default_sizing_splits_the_device_between_in_process_en
     assert "kv_sizing" not in rows["mlx-lm"]
 
 
-def test_server_loop_benchmark_reports_the_loops_cpu_per_chunk(tmp_path):
+@pytest.mark.parametrize("engine_process", [False, True], ids=["engine-thread", "engine-process"])
+def test_server_loop_benchmark_reports_the_loops_cpu_per_chunk(tmp_path, engine_process):
     """benchmarks/server_loop.py: the event loop's thread CPU per streamed chunk and the TTFT split, in its JSON."""
     import pathlib
 
     script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "server_loop.py"
     out = tmp_path / "loop.json"
     r = subprocess.run([sys.executable, str(script), "--streams", "2", "--requests", "4", "-g", "4", "--rounds", "2",
-                        "--json", str(out)], capture_output=True, text=True, timeout=600)
+                        "--json", str(out), *(["--engine-process"] if engine_process else [])],
+                       capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     doc = json.loads(out.read_text())
+    assert all((row["engine_us_per_token"] is None) == engine_process for row in doc["rows"])
     assert [row["tokens"] for row in doc["rows"]] == [16, 16]  # 4 requests of 4 tokens a round
     assert all(0 < row["chunks"] <= 16 and row["loop_us_per_chunk"] > 0 for row in doc["rows"])
     assert doc["median_loop_us_per_chunk"] > 0 and "median loop CPU" in r.stdout
