@@ -258,13 +258,14 @@ def test_ctrl_c_on_the_cli_server_ends_the_engine_process(long_dir):
     try:
         assert kids, "the engine process"
         body = {"model": long_dir.name, "prompt": "Hi", "max_tokens": 4000, "ignore_eos": True, "stream": True}
-        lines = []
+        lines, sent = [], False
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=TIMEOUT) as r:
             for line in r.iter_lines():
                 if line:
                     lines.append(line)
-                if len(lines) == 3:
+                if len(lines) == 3 and not sent:  # once: a second SIGINT is uvicorn's force-exit
                     os.killpg(proc.pid, signal.SIGINT)  # the terminal's Ctrl-C: every process of the group
+                    sent = True
         assert len(lines) > 3, lines
         assert proc.wait(timeout=20) == 130
         events = [json.loads(ln[6:]) for ln in lines if ln.startswith("data: {")]
@@ -298,3 +299,38 @@ def test_a_killed_server_leaves_no_engine_process(model_dir):
         for k in kids:
             if _alive(k):
                 os.kill(k, signal.SIGKILL)
+
+
+def test_asubmit_awaits_the_engine_without_blocking_the_loop(remote):
+    """The server's way in: the answer is awaited (other tasks run meanwhile), the engine's errors are raised,
+    and a caller that leaves while waiting leaves no request running."""
+    import asyncio
+
+    async def run() -> None:
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        t = asyncio.ensure_future(ticker())
+        handles = [await remote.asubmit(r) for r in _requests(4, max_tokens=5)]
+        results = [await h.aresult() for h in handles]
+        assert all(len(r.token_ids) == 5 for r in results) and ticks > 0
+        with pytest.raises(PromptTooLongError):
+            await remote.asubmit(EngineRequest(prompt_ids=[1] * 600, max_tokens=2))
+        waiting = asyncio.ensure_future(remote.asubmit(EngineRequest(prompt_ids=[1, 2, 3], max_tokens=100_000,
+                                                                     ignore_eos=True, request_id="left")))
+        await asyncio.sleep(0)  # sent, not yet answered
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        t.cancel()
+
+    asyncio.run(run())
+    deadline = time.monotonic() + 10
+    while remote.stats()["running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert remote.stats()["running"] == 0  # the request the caller left was cancelled in the engine

@@ -271,6 +271,13 @@ class Engine:
         self._wake.set()
         return handle
 
+    async def asubmit(self, request: EngineRequest, *,
+                      on_token: Callable[[TokenEvent], None] | None = None) -> RequestHandle:
+        """:meth:`submit` for an event loop (the server's): here it returns at once; an
+        :class:`~mlx_infer.engine.process.EngineProcess` awaits the engine process's answer without
+        blocking the loop."""
+        return self.submit(request, on_token=on_token)
+
     def cancel(self, request_id: str) -> None:
         """Cancel a request (a no-op once it finished); pages are freed at the next iteration."""
         with self._lock:

@@ -22,6 +22,7 @@ outlives the server. If it dies, every live request ends with ``"error"`` and la
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import multiprocessing
 import signal
@@ -135,6 +136,27 @@ class EngineProcess:
             raise
         return handle
 
+    async def asubmit(self, request: EngineRequest, *,
+                      on_token: Callable[[TokenEvent], None] | None = None) -> RequestHandle:
+        """:meth:`submit` for an event loop: the loop serves other requests while the engine process answers
+        (the server's routes submit this way)."""
+        handle = RequestHandle(request, self.cancel, on_token)
+        with self._lock:
+            if request.request_id in self._handles:
+                raise MlxInferError(f"request id {request.request_id!r} is already running.")
+            self._handles[request.request_id] = handle
+        loop = asyncio.get_running_loop()
+        answer = loop.create_future()
+        try:
+            await self._arequest(loop, answer, "submit", request)
+        except BaseException as e:
+            with self._lock:
+                self._handles.pop(request.request_id, None)
+            if isinstance(e, asyncio.CancelledError):  # the caller left: the engine may have taken it already
+                self.cancel(request.request_id)
+            raise
+        return handle
+
     def cancel(self, request_id: str) -> None:
         """Cancel a request (a no-op once it finished)."""
         try:
@@ -223,6 +245,21 @@ class EngineProcess:
             raise value
         return value
 
+    async def _arequest(self, loop: asyncio.AbstractEventLoop, answer: asyncio.Future, kind: str,
+                        *payload: Any) -> Any:
+        if self._closed:
+            raise EngineClosedError("This engine was stopped; create a new one.")
+        with self._lock:
+            self._next_call += 1
+            call_id = self._next_call
+            self._replies[call_id] = _LoopReply(loop, answer)
+        try:
+            self._send((kind, call_id, *payload))
+            return await answer
+        finally:
+            with self._lock:
+                self._replies.pop(call_id, None)
+
     def _read(self) -> None:
         """The reader thread: replies to their callers, events to their handles."""
         try:
@@ -234,7 +271,9 @@ class EngineProcess:
                     _, call_id, ok, value = msg
                     with self._lock:
                         slot = self._replies.get(call_id)
-                    if slot is not None:
+                    if isinstance(slot, _LoopReply):
+                        slot.settle(ok, value)
+                    elif slot is not None:
                         slot[1], slot[2] = ok, value
                         slot[0].set()
                 elif msg[0] == "stopped":
@@ -250,11 +289,14 @@ class EngineProcess:
             log.exception("reading from the engine process failed")
         finally:
             with self._lock:
-                slots = [s for s in self._replies.values() if not s[0].is_set()]
+                slots = list(self._replies.values())
+            gone = EngineClosedError(f"The engine process is gone ({self._gone}); restart the server.")
             for slot in slots:  # callers waiting on an answer that will not come
-                slot[1], slot[2] = False, EngineClosedError(f"The engine process is gone ({self._gone}); "
-                                                            "restart the server.")
-                slot[0].set()
+                if isinstance(slot, _LoopReply):
+                    slot.settle(False, gone)
+                elif not slot[0].is_set():
+                    slot[1], slot[2] = False, gone
+                    slot[0].set()
             self._end_all("error", f"the engine process is gone ({self._gone})")
 
     def _deliver(self, batch: list[tuple[str, TokenEvent, RequestResult | None, Any]]) -> None:
@@ -282,6 +324,22 @@ class EngineProcess:
             n = len(h.request.prompt_ids)
             h._deliver(TokenEvent(request_id=h.request_id, token=None, index=0, finish_reason=reason),
                        RequestResult(request_id=h.request_id, prompt_tokens=n, finish_reason=reason, error=error))
+
+
+class _LoopReply:
+    """A reply an event loop awaits: set on the loop's own thread."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, future: asyncio.Future):
+        self.loop, self.future = loop, future
+
+    def settle(self, ok: bool, value: Any) -> None:
+        def settle() -> None:
+            if not self.future.done():
+                self.future.set_result(value) if ok else self.future.set_exception(value)
+        try:
+            self.loop.call_soon_threadsafe(settle)
+        except RuntimeError:  # the loop is closed: nobody awaits
+            pass
 
 
 def _stats(engine: Any) -> dict[str, Any]:

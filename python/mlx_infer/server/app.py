@@ -217,21 +217,20 @@ def create_app(engine: "Engine | EngineProcess", *, model_id: str, api_key: str 
             raise P.OpenAIError(404, f"The model '{name}' does not exist; this server serves '{model_id}'.",
                                 param="model", code="model_not_found")
 
-    def submit(prompt_ids: list[int], req: P._Sampling, sampling: Any, max_tokens: int,
-               constraint: Any = None, keep_special: bool = False, prompt_logprobs: int | None = None) -> RequestHandle:
+    async def submit(prompt_ids: list[int], req: P._Sampling, sampling: Any, max_tokens: int, constraint: Any = None,
+                     keep_special: bool = False, prompt_logprobs: int | None = None) -> RequestHandle:
         if drain.draining:
             raise P.OpenAIError(503, "The server is shutting down; retry on another instance.", type="server_error",
                                 code="server_shutdown")
         constraint = constraint or constraint_of(req)
         try:
-            handle = engine.submit(EngineRequest(prompt_ids=prompt_ids, sampling=sampling, max_tokens=max_tokens,
-                                                 stop=P.stop_strings(req.stop), ignore_eos=bool(req.ignore_eos),
-                                                 namespace=model_id, constraint=constraint,
-                                                 adapter=adapter_of(engine, req, names),
-                                                 skip_special_tokens=req.skip_special_tokens is not False
-                                                 and not keep_special,
-                                                 spaces_between_special_tokens=req.spaces_between_special_tokens
-                                                 is not False, prompt_logprobs=prompt_logprobs))
+            request = EngineRequest(prompt_ids=prompt_ids, sampling=sampling, max_tokens=max_tokens,
+                                    stop=P.stop_strings(req.stop), ignore_eos=bool(req.ignore_eos),
+                                    namespace=model_id, constraint=constraint, adapter=adapter_of(engine, req, names),
+                                    skip_special_tokens=req.skip_special_tokens is not False and not keep_special,
+                                    spaces_between_special_tokens=req.spaces_between_special_tokens is not False,
+                                    prompt_logprobs=prompt_logprobs)
+            handle = await engine.asubmit(request)  # an engine process answers while the loop serves others
         except PromptTooLongError as e:
             raise P.OpenAIError(400, str(e), param="messages" if hasattr(req, "messages") else "prompt",
                                 code="context_length_exceeded") from None
@@ -278,12 +277,12 @@ def create_app(engine: "Engine | EngineProcess", *, model_id: str, api_key: str 
                 task.cancel()
             release(handle)
 
-    def submit_all(jobs: list[tuple]) -> list[RequestHandle]:
+    async def submit_all(jobs: list[tuple]) -> list[RequestHandle]:
         """Submit every ``(prompt_ids, req, sampling, limit[, constraint, keep_special, prompt_logprobs])`` job, or none."""
         handles = []
         try:
             for job in jobs:
-                handles.append(submit(*job))
+                handles.append(await submit(*job))
             return handles
         except BaseException:
             for h in handles:  # one failed: the others stop too
@@ -292,7 +291,7 @@ def create_app(engine: "Engine | EngineProcess", *, model_id: str, api_key: str 
 
     async def wait_all(jobs: list[tuple], request: Request) -> list[Any]:
         """Submit every job (see :func:`submit_all`); their results in order."""
-        handles = submit_all(jobs)
+        handles = await submit_all(jobs)
         try:
             return list(await asyncio.gather(*(wait(h, request) for h in handles)))
         except BaseException:
@@ -440,7 +439,7 @@ def create_app(engine: "Engine | EngineProcess", *, model_id: str, api_key: str 
         if req.stream:  # every choice in one stream (prompt k's choices are k*n .. k*n+n-1)
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
-            handles = submit_all(jobs)
+            handles = await submit_all(jobs)
 
             async def choice_chunks(i: int, h: RequestHandle | None) -> AsyncIterator[dict[str, Any]]:
                 offset = 0
@@ -562,7 +561,7 @@ def create_app(engine: "Engine | EngineProcess", *, model_id: str, api_key: str 
         if req.stream:  # every choice in one stream, each with its own tool-call parser state
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
-            handles = submit_all(jobs)
+            handles = await submit_all(jobs)
 
             def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
                 return {"id": rid, "object": "chat.completion.chunk", "created": t, "model": served,
@@ -608,7 +607,7 @@ def create_app(engine: "Engine | EngineProcess", *, model_id: str, api_key: str 
             return {"id": rid, "object": "chat.completion", "created": t, "model": served,
                     "choices": [chat_choice(r, i) for i, r in enumerate(results)],
                     "usage": total_usage(results, req.n), **prompt_part(results[0])}
-        handle = submit(*jobs[0])
+        handle = await submit(*jobs[0])
 
         r = await wait(handle, request)
         return {"id": rid, "object": "chat.completion", "created": t, "model": served,
