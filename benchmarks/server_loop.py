@@ -97,14 +97,14 @@ def main() -> None:
     engine = start_engine(ServeOptions(model=str(path), max_batch=args.streams, memory_budget_gb=0.5,
                                        engine_process=args.engine_process))
     handles: list = []
-    submit = engine.submit
+    asubmit = engine.asubmit  # the server's way in (server/app.py)
 
-    def recording_submit(*a: object, **k: object) -> object:  # the engine-side TTFT of each request
-        h = submit(*a, **k)  # type: ignore[arg-type]
+    async def recording_submit(*a: object, **k: object) -> object:  # the engine-side TTFT of each request
+        h = await asubmit(*a, **k)  # type: ignore[arg-type]
         handles.append(h)
         return h
 
-    engine.submit = recording_submit  # type: ignore[method-assign]
+    engine.asubmit = recording_submit  # type: ignore[method-assign]
     clients = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
     clients.submit(_ready).result()
     rng = random.Random(0)
