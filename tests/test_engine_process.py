@@ -244,6 +244,11 @@ def _start_cli_server(model_dir) -> tuple:
         m = re.search(r"http://127\.0\.0\.1:(\d+)/v1", line)
         port = int(m.group(1)) if m else None
     assert port, "no banner"
+    proc.banner = ""  # the stderr lines printed before it, the engine's among them
+    while "the engine runs in" not in proc.banner:
+        line = proc.stderr.readline()
+        assert line, proc.banner
+        proc.banner += line
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -257,6 +262,7 @@ def test_ctrl_c_on_the_cli_server_ends_the_engine_process(long_dir):
     kids = _children(proc.pid)
     try:
         assert kids, "the engine process"
+        assert any(f"the engine runs in process {k}" in proc.banner for k in kids), proc.banner
         body = {"model": long_dir.name, "prompt": "Hi", "max_tokens": 4000, "ignore_eos": True, "stream": True}
         lines, sent = [], False
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=TIMEOUT) as r:

@@ -207,6 +207,11 @@ class EngineProcess:
         self.stop()
 
     @property
+    def pid(self) -> int | None:
+        """The engine process's id."""
+        return self._proc.pid
+
+    @property
     def alive(self) -> bool:
         """Whether the engine process runs and answers."""
         return self._gone is None and self._proc.is_alive()

@@ -276,6 +276,9 @@ def serve(options: ServeOptions) -> None:
         port = sock.getsockname()[1]
         for line in exposure_lines(options):
             print(f"mlx-infer: {line}", file=sys.stderr, flush=True)
+        pid = getattr(engine, "pid", None)
+        print(f"mlx-infer: the engine runs in {'process ' + str(pid) if pid else 'a thread of this process'}",
+              file=sys.stderr, flush=True)
         print(f"mlx-infer: serving '{model_id}' on http://{options.host}:{port}/v1 "
               f"({engine.call(_pool_summary)})", flush=True)
         server = make_server(app, log_level=options.log_level, drain_timeout_s=options.drain_timeout_s,
