@@ -505,6 +505,8 @@ case "${1:-a}" in
     grep -h '^| \|^==' "$out"/served-*.log
     ;;
   s18b)
+    # Carry .before (git-ignored; make it first, here: echo /.before/ >> .git/info/exclude; mkdir .before &&
+    # git archive f67da1d CMakeLists.txt pyproject.toml README.md cpp python tools | tar -x -C .before) for s18c.
     # Session 18: the server's engine in its own process (engine/process.py) against the same server with the
     # engine as a thread (--no-engine-process) and the in-process engine, all beside one another, alternating
     # (llama-1B and gemma3-270m at 32 streams); then the 1-stream rows against mlx-lm's generate_step too.
