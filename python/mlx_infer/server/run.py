@@ -53,7 +53,9 @@ class ServeOptions:
         loras: ``(name, path)`` adapters to serve (``--lora NAME=PATH``), each a model in /v1/models.
         max_loras: most adapters resident at once (idle ones unload least recently used first).
         engine_process: run the engine in a process of its own (engine/process.py: the event loop and the
-            step loop stop sharing one GIL); ``False``: a thread of the server's process.
+            step loop stop sharing one GIL); ``False``: a thread of the server's process. The process is
+            spawned, so a script that calls :func:`serve` needs Python's ``if __name__ == "__main__":`` guard
+            (the spawned interpreter imports the script's main module).
     """
 
     model: str | None = None
