@@ -123,11 +123,7 @@ class EngineProcess:
     def submit(self, request: EngineRequest, *, on_token: Callable[[TokenEvent], None] | None = None) -> RequestHandle:
         """Queue ``request`` in the engine process; returns its :class:`RequestHandle` once the engine
         accepted it. Raises what :meth:`Engine.submit <mlx_infer.engine.Engine.submit>` raises."""
-        handle = RequestHandle(request, self.cancel, on_token)
-        with self._lock:
-            if request.request_id in self._handles:
-                raise MlxInferError(f"request id {request.request_id!r} is already running.")
-            self._handles[request.request_id] = handle
+        handle = self._register(request, on_token)
         try:
             self._request("submit", request)
         except BaseException:
@@ -140,11 +136,7 @@ class EngineProcess:
                       on_token: Callable[[TokenEvent], None] | None = None) -> RequestHandle:
         """:meth:`submit` for an event loop: the loop serves other requests while the engine process answers
         (the server's routes submit this way)."""
-        handle = RequestHandle(request, self.cancel, on_token)
-        with self._lock:
-            if request.request_id in self._handles:
-                raise MlxInferError(f"request id {request.request_id!r} is already running.")
-            self._handles[request.request_id] = handle
+        handle = self._register(request, on_token)
         loop = asyncio.get_running_loop()
         answer = loop.create_future()
         try:
@@ -155,6 +147,15 @@ class EngineProcess:
             if isinstance(e, asyncio.CancelledError):  # the caller left: the engine may have taken it already
                 self.cancel(request.request_id)
             raise
+        return handle
+
+    def _register(self, request: EngineRequest, on_token: Callable[[TokenEvent], None] | None) -> RequestHandle:
+        """The request's handle, where the reader thread finds it (its events may come before the reply)."""
+        handle = RequestHandle(request, self.cancel, on_token)
+        with self._lock:
+            if request.request_id in self._handles:
+                raise MlxInferError(f"request id {request.request_id!r} is already running.")
+            self._handles[request.request_id] = handle
         return handle
 
     def cancel(self, request_id: str) -> None:
