@@ -12,7 +12,9 @@ launches ``--layers`` copies of one kernel per "step" (as a step's layers do), 1
 - ``p-small``: p an 8-byte host array (how qkv_rope and paged attention passed their scale before session 16);
 - ``idx-small``: idx a 4-byte host array made anew each step (a one-row step's positions);
 - ``idx-host``: idx a 128-byte host array made anew each step (a 32-row step's positions);
-- ``idx-dev``: the same 128 bytes copied once by a GPU op at the step's start (the copy's own kernel counted).
+- ``idx-dev``: the same 128 bytes copied once by a GPU op at the step's start (the copy's own kernel counted);
+- ``idx-prefetch``: the 128-byte host array sent to the GPU by ``mlx_infer._fast.prefetch_to_gpu`` (as the
+  engine's step plan is), then ``--build-ms`` of host time (a step's graph build) before the launches.
 
     python benchmarks/gpu_host_arrays.py --json benchmarks/results/h200-host-arrays.json
 """
@@ -54,7 +56,7 @@ def launch(k: Any, x: mx.array, p: mx.array, idx: mx.array, const: bool) -> mx.a
 
 
 def step(case: str, k: Any, x: mx.array, layers: int, rows: int, rng: np.random.Generator,
-         resident: mx.array) -> mx.array:
+         resident: mx.array, build_ms: float = 0.0) -> mx.array:
     """One "step": the case's inputs made as a decode step makes them, then ``layers`` launches.
     ``resident``: a GPU-made int32 array of 32 (device memory, made once)."""
     host = rng.integers(0, 100, size=rows).astype(np.int32)  # this step's plan values
@@ -67,6 +69,12 @@ def step(case: str, k: Any, x: mx.array, layers: int, rows: int, rng: np.random.
         idx = mx.array(host)  # host-made: 4 B (small pool) or 128 B (managed)
         if case == "idx-dev":
             idx = mx.concatenate([idx, mx.zeros(4, mx.int32)])[:rows]  # one GPU copy: device memory
+        elif case == "idx-prefetch":
+            from mlx_infer import _fast
+
+            if not _fast.prefetch_to_gpu(idx):
+                raise SystemExit(f"prefetch_to_gpu issued no prefetch: {_fast.prefetch_error() or 'not CUDA'}")
+            time.sleep(build_ms / 1e3)  # the host's graph build, while the pages move
     h = x
     for _ in range(layers):
         h = launch(k, h, p, idx, case != "p-small")
@@ -78,12 +86,14 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--blocks", type=int, default=1536)
+    ap.add_argument("--build-ms", type=float, default=0.5,
+                    help="idx-prefetch: host time between the prefetch and the launches (a step's graph build)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    cases = {"const": 32, "p-small": 32, "idx-small": 1, "idx-host": 32, "idx-dev": 32}
+    cases = {"const": 32, "p-small": 32, "idx-small": 1, "idx-host": 32, "idx-dev": 32, "idx-prefetch": 32}
     kernels = {c: kernel("probe_" + c.replace("-", "_")) for c in cases}
     x = mx.random.normal((args.blocks * 64,))
     mx.eval(x)
@@ -91,7 +101,7 @@ def main() -> None:
     resident = mx.arange(32, dtype=mx.int32) * 3  # device memory (a GPU op's output of 128 bytes)
     mx.eval(resident)
     for c, rows in cases.items():  # warm-up: NVRTC
-        mx.eval(step(c, kernels[c], x, args.layers, rows, rng, resident))
+        mx.eval(step(c, kernels[c], x, args.layers, rows, rng, resident, args.build_ms))
     mx.synchronize()
     torch.zeros(1, device="cuda")
     rows_out: list[dict[str, Any]] = []
@@ -99,7 +109,7 @@ def main() -> None:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             t0 = time.perf_counter()
             for _ in range(args.steps):
-                mx.eval(step(c, kernels[c], x, args.layers, rows, rng, resident))
+                mx.eval(step(c, kernels[c], x, args.layers, rows, rng, resident, args.build_ms))
                 mx.synchronize()
             wall = (time.perf_counter() - t0) / args.steps
         per: dict[str, list[float]] = defaultdict(list)

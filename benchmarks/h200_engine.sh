@@ -549,6 +549,23 @@ case "${1:-a}" in
       --http-thread --streams 32 --shape llama-1b --json "$out/h200-served-llama-1b-http.json"
     grep -h '^| \|^==\|^streams' "$out"/served-*.log
     ;;
-  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e" >&2
+  s19a)
+    # Session 19: the step plan prefetched to the GPU (cpp/kv/prefetch.cpp) — the probe's new case, then the
+    # engine with and without it (--no-prefetch, alternating) at 1 and 32 streams, the 1-stream row against
+    # mlx-lm's generate_step too; then session 18's HTTP A/B (engine process vs thread vs in process).
+    run 60 plan-tests python -m pytest -q -p no:cacheprovider -rf --tb=short tests/test_step_plan.py
+    tail -n 3 "$out/plan-tests.log"
+    run 60 host-arrays python benchmarks/gpu_host_arrays.py --json "$out/h200-host-arrays.json"
+    grep -h "rows)" "$out/host-arrays.log"
+    run 90 served-llama-1b-1 python benchmarks/served.py -p 512 -g 128 -r 3 -n 3 --no-text --mlx-lm-step \
+      --no-prefetch --streams 1 --shape llama-1b --json "$out/h200-served-llama-1b-1.json"
+    run 100 served-llama-1b-32 python benchmarks/served.py -p 512 -g 128 -r 3 -n 3 --no-text --no-prefetch \
+      --streams 32 --shape llama-1b --json "$out/h200-served-llama-1b-32.json"
+    grep -h '^| \|^==' "$out"/served-*.log
+    run 220 served-llama-1b-http python benchmarks/served.py -p 512 -g 128 -r 3 -n 3 --no-ids --http --http-beside \
+      --http-thread --streams 32 --shape llama-1b --json "$out/h200-served-llama-1b-http.json"
+    grep -h '^| \|^==' "$out"/served-llama-1b-http.log
+    ;;
+  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e|s19a" >&2
      exit 2 ;;
 esac

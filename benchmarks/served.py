@@ -237,22 +237,38 @@ class OursIdsUnbounded(OursIds):
     config = {"bound_activations": False}
 
 
-class OursIdsNoGemv(OursIds):
+class _EnvColumn(OursIds):
+    """Token ids with ``env`` set while the column runs (the knobs the C++ side reads at each trace or call)."""
+
+    env: dict[str, str] = {}
+
+    def run(self, streams: int, prompts: list[list[int]], gen: int) -> int:
+        old = {k: os.environ.get(k) for k in self.env}
+        os.environ.update(self.env)
+        try:
+            return super().run(streams, prompts, gen)
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    del os.environ[k]
+                else:
+                    os.environ[k] = v
+
+
+class OursIdsNoGemv(_EnvColumn):
     """Token ids, the decode graphs' dense CUDA products all through MLX's matmul (``MLX_INFER_GEMV_ROWS=0``
     while this column runs, so its traces take MLX's products): the A/B of the GEMV kernel (cpp/matmul)."""
 
     name = "mlx-infer-ids-nogemv"
+    env = {"MLX_INFER_GEMV_ROWS": "0"}
 
-    def run(self, streams: int, prompts: list[list[int]], gen: int) -> int:
-        old = os.environ.get("MLX_INFER_GEMV_ROWS")
-        os.environ["MLX_INFER_GEMV_ROWS"] = "0"
-        try:
-            return super().run(streams, prompts, gen)
-        finally:
-            if old is None:
-                del os.environ["MLX_INFER_GEMV_ROWS"]
-            else:
-                os.environ["MLX_INFER_GEMV_ROWS"] = old
+
+class OursIdsNoPrefetch(_EnvColumn):
+    """Token ids, the step plan not prefetched to the GPU (``MLX_INFER_PREFETCH_PLAN=0``: its first kernel
+    faults the managed pages in): the A/B of ``_fast.prefetch_to_gpu`` (cpp/kv/prefetch.cpp)."""
+
+    name = "mlx-infer-ids-noprefetch"
+    env = {"MLX_INFER_PREFETCH_PLAN": "0"}
 
 
 class MlxLm:
@@ -402,6 +418,8 @@ def main() -> None:
                    help="add a token-ids column whose iterations' activations are not bounded (bound_activations=False)")
     p.add_argument("--no-gemv", action="store_true",
                    help="also a token-ids column with MLX's products instead of the GEMV kernel (CUDA A/B)")
+    p.add_argument("--no-prefetch", action="store_true",
+                   help="also a token-ids column whose step plan is not prefetched to the GPU (CUDA A/B)")
     p.add_argument("--no-text", action="store_true",
                    help="skip the detokenizing mlx-infer column (random-weight models: --shape)")
     p.add_argument("--stock-kernels", action="store_true",
@@ -426,7 +444,8 @@ def main() -> None:
     ours_kinds: list[type] = (([] if args.no_text else [Ours]) + ([] if args.no_ids else [OursIds])
                               + ([OursIdsGather] if args.gather else [])
                                   + ([OursIdsUnbounded] if args.unbounded else [])
-                              + ([OursIdsNoGemv] if args.no_gemv else []))
+                              + ([OursIdsNoGemv] if args.no_gemv else [])
+                              + ([OursIdsNoPrefetch] if args.no_prefetch else []))
     vocab = int(json.loads((path / "config.json").read_text()).get("vocab_size", 320))
     max_batch = max(streams)
     by_streams: dict[int, list[dict[str, Any]]] = {s: [] for s in streams}

@@ -125,24 +125,26 @@ def test_served_benchmark_http_beside_shares_the_phase_and_the_sizing(tmp_path):
 
 def test_served_benchmark_http_thread_and_generate_step_columns(tmp_path):
     """--http-thread: the server with its engine as a thread (--no-engine-process) beside the default one, each
-    its own equal share; --mlx-lm-step: mlx-lm's generate_step in the 1-stream rows only."""
+    its own equal share; --mlx-lm-step: mlx-lm's generate_step in the 1-stream rows only; --no-prefetch: a
+    token-ids column with the step plan's GPU prefetch off (MLX_INFER_PREFETCH_PLAN=0 while it runs)."""
     import pathlib
 
     script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "served.py"
     out = tmp_path / "served.json"
     r = subprocess.run([sys.executable, str(script), "--shape", "gemma3-270m", "--toy", "--streams", "1,2",
                         "-p", "8", "-g", "3", "-r", "1", "-n", "1", "--http", "--http-beside", "--http-thread",
-                        "--mlx-lm-step", "--no-text", "--json", str(out)], capture_output=True, text=True, timeout=600)
+                        "--mlx-lm-step", "--no-prefetch", "--no-text", "--json", str(out)], capture_output=True, text=True,
+                       timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     by = {(row["batch"], row["engine"]): row for row in rows}
-    assert sorted(e for s, e in by if s == 1) == ["mlx-infer-http", "mlx-infer-http-thread", "mlx-infer-ids",
-                                                   "mlx-lm", "mlx-lm-step"]
-    assert sorted(e for s, e in by if s == 2) == ["mlx-infer-http", "mlx-infer-http-thread", "mlx-infer-ids",
-                                                   "mlx-lm"]
+    ours = ["mlx-infer-http", "mlx-infer-http-thread", "mlx-infer-ids", "mlx-infer-ids-noprefetch"]
+    assert sorted(e for s, e in by if s == 1) == ours + ["mlx-lm", "mlx-lm-step"]
+    assert sorted(e for s, e in by if s == 2) == ours + ["mlx-lm"]
+    assert by[(2, "mlx-infer-ids-noprefetch")]["trials"][0]["tokens"] == 6
     for name in ("mlx-infer-http", "mlx-infer-http-thread"):
         row = by[(2, name)]
-        assert row["kv_sizing"].startswith("1/3 of the default device sizing each") and "KV pages of" in row["kv_pool"]
+        assert row["kv_sizing"].startswith("1/4 of the default device sizing each") and "KV pages of" in row["kv_pool"]
         assert row["trials"][0]["tokens"] == 6
     assert by[(1, "mlx-lm-step")]["trials"][0]["tokens"] == 3
 

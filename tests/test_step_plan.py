@@ -125,3 +125,30 @@ def test_row_bucket_pads_with_null_page_rows_after_the_real_ones():
     assert ints(plan.write_slots[0])[3:] == [0] * 5 and ints(plan.block_tables[0])[3:] == [[0]] * 5
     assert g.length(1) == 3  # padding grows no sequence
     g.check()
+
+
+ON_CUDA = mx.default_device().type == mx.DeviceType.gpu and hasattr(mx, "cuda") and mx.cuda.is_available()
+
+
+def test_prefetch_to_gpu_is_a_hint_that_keeps_the_values(monkeypatch):
+    """The step plan's buffer is prefetched to the GPU when made (cpp/kv/prefetch.cpp): on CUDA a
+    prefetch is issued and the values a kernel then reads are the host's; elsewhere nothing happens.
+    ``MLX_INFER_PREFETCH_PLAN=0`` turns it off; an unevaluated array is refused by name."""
+    from mlx_infer import _fast
+
+    a = mx.array(np.arange(300, dtype=np.int32))  # made from host data: evaluated
+    issued = _fast.prefetch_to_gpu(a)
+    assert issued == ON_CUDA, _fast.prefetch_error()
+    assert _fast.prefetch_error() == ""
+    assert mx.sum(a * 2).item() == 2 * sum(range(300))  # a kernel reads the prefetched pages
+    monkeypatch.setenv("MLX_INFER_PREFETCH_PLAN", "0")
+    assert _fast.prefetch_to_gpu(mx.array([1, 2, 3])) is False
+    monkeypatch.delenv("MLX_INFER_PREFETCH_PLAN")
+    with pytest.raises(ValueError, match="must be evaluated"):
+        _fast.prefetch_to_gpu(mx.arange(4) + 1)
+    # The plan made with prefetching on reads back the same (a step over it is the engine tests' part).
+    g = groups()
+    g.add_sequence(1)
+    plan = g.append_batch([1], [3], table_bucket=2)
+    assert ints(plan.positions) == [0, 1, 2] and ints(plan.write_slots[0]) == [4, 5, 6]
+    assert _fast.prefetch_error() == ""

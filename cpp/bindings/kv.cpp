@@ -306,6 +306,16 @@ it already released: roll back at most ``slack`` tokens past the last append.)")
         return out + ")";
       });
 
+  m.def("prefetch_to_gpu", &mlx_infer::prefetch_to_gpu, "array"_a,
+        R"(Start moving an evaluated host-made array's pages to the GPU (CUDA only; a hint).
+
+MLX's CUDA allocator keeps an array made from host data in managed memory; the first kernel
+that reads it faults its pages over. The engine's step plan is prefetched this way when it is
+made. Returns ``False`` (doing nothing) off CUDA, with ``MLX_INFER_PREFETCH_PLAN=0``, or after a
+failed prefetch (``prefetch_error()`` says why); ``True`` when a prefetch was issued.)");
+  m.def("prefetch_error", &mlx_infer::prefetch_error,
+        "Why prefetch_to_gpu stopped prefetching ('' when it has not failed).");
+
   m.def(
       "gather_pages",
       [](const mx::array& storage, const mx::array& block_table, int length) {

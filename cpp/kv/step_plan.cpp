@@ -30,8 +30,11 @@ class Packed {
     data_.insert(data_.end(), v.begin(), v.end());
     return static_cast<int>(parts_.size()) - 1;
   }
-  // Call once everything is added.
-  void seal() { all_ = ints(data_, {static_cast<int>(data_.size())}); }
+  // Call once everything is added: the buffer made, its pages sent to the GPU (a hint; see prefetch.cpp).
+  void seal() {
+    all_ = ints(data_, {static_cast<int>(data_.size())});
+    prefetch_to_gpu(*all_);
+  }
   mx::array view(int i) const {
     const auto& p = parts_[i];
     auto flat = mx::slice(*all_, {static_cast<int>(p.offset)}, {static_cast<int>(p.offset + p.size)});

@@ -99,6 +99,13 @@ struct AppendResult {
   }
 };
 
+/// On CUDA, start moving a host-made array's managed pages to the GPU on a stream of
+/// its own (cuMemPrefetchAsync), so the step's first kernel does not fault them in.
+/// A hint: returns false (and does nothing) without a CUDA driver, with
+/// MLX_INFER_PREFETCH_PLAN=0, or after a failure (prefetch_error() says which).
+bool prefetch_to_gpu(const mx::array& a);
+std::string prefetch_error();
+
 /// One step of a batch, as arrays: what every paged forward reads (the eager
 /// paged graph and the compiled paged step alike). R rows, one new token
 /// each; a sequence given n tokens gets n consecutive rows with the same
