@@ -91,6 +91,19 @@ SHAPES: dict[str, dict[str, Any]] = {
         "rope_theta": 1_000_000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 40960,
         "tie_word_embeddings": False,
     },
+    # gpt-oss-20b's layer (hidden 2880, 64 query / 8 KV heads of 64, 32 experts of 2880, top 4, sinks, sliding
+    # 128 / full alternating, YaRN) over 12 of its 24 layers: bf16 experts (the checkpoint's MXFP4 dequantized)
+    # are 1.6 GB a layer, and the GPU holds both engines' copies.
+    "gpt-oss-20b-12l": {
+        "model_type": "gpt_oss", "hidden_size": 2880, "num_hidden_layers": 12, "num_attention_heads": 64,
+        "num_key_value_heads": 8, "head_dim": 64, "intermediate_size": 2880, "num_local_experts": 32,
+        "num_experts_per_tok": 4, "vocab_size": 201088, "sliding_window": 128,
+        "layer_types": ["sliding_attention", "full_attention"] * 6, "swiglu_limit": 7.0,
+        "rope_theta": 150000.0, "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                                 "beta_slow": 1.0, "truncate": False,
+                                                 "original_max_position_embeddings": 4096},
+        "rms_norm_eps": 1e-5, "max_position_embeddings": 131072, "tie_word_embeddings": False,
+    },
 }
 
 # --tiny: the same families at toy sizes, for a CPU smoke run.
@@ -105,6 +118,9 @@ TINY = {
     "qwen3-moe-a3b-24l": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                               head_dim=16, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
                               num_experts_per_tok=2, vocab_size=1024),
+    "gpt-oss-20b-12l": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=16, intermediate_size=64, num_local_experts=8, num_experts_per_tok=2,
+                            vocab_size=1024, sliding_window=16, layer_types=["sliding_attention", "full_attention"]),
 }
 
 ENGINE_POLICIES = {
@@ -126,12 +142,12 @@ def log(*a: Any) -> None:
 # -- the model ---------------------------------------------------------------------------------------
 
 
-def build_model(config: dict[str, Any], seed: int = 0) -> Any:
-    """Our graph with random bfloat16 weights, evaluated layer by layer."""
+def build_model(config: dict[str, Any], seed: int = 0, dtype: mx.Dtype = mx.bfloat16) -> Any:
+    """Our graph with random weights (bfloat16 unless told), evaluated layer by layer."""
     model_cls, args_cls = get_model_classes(config["model_type"])
     mx.random.seed(seed)
     model = model_cls(args_cls.from_dict(config))
-    model.set_dtype(mx.bfloat16)
+    model.set_dtype(dtype)
     for part in [model.model.embed_tokens, *model.model.layers, model.model.norm,
                  *([model.lm_head] if hasattr(model, "lm_head") else [])]:
         mx.eval(part.parameters())
@@ -141,7 +157,8 @@ def build_model(config: dict[str, Any], seed: int = 0) -> Any:
 def save_hf_dir(model: Any, config: dict[str, Any], path: Path, shard_bytes: int = 4 << 30) -> None:
     """config.json + model-0000N.safetensors shards, the layout mlx-lm loads."""
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16"}, indent=2))
+    dtype = next(w.dtype for _, w in tree_flatten(model.parameters()))
+    (path / "config.json").write_text(json.dumps({**config, "torch_dtype": str(dtype).split(".")[-1]}, indent=2))
     shard: dict[str, mx.array] = {}
     size, n = 0, 0
     for name, w in tree_flatten(model.parameters()):
@@ -294,8 +311,10 @@ def breakdown(model: Any, prompts: list[list[int]], make_step: Callable[[list[An
 
 def run_model(name: str, config: dict[str, Any], args: argparse.Namespace, rows: list[dict[str, Any]],
               splits: list[dict[str, Any]]) -> None:
-    log(f"== {name}: building random bf16 weights")
-    model = build_model(config)
+    # float32 for a CPU smoke run: MLX's CPU gather_mm (mlx-lm's experts) takes float32 only.
+    dtype = mx.float32 if args.tiny and mx.default_device() == mx.cpu else mx.bfloat16
+    log(f"== {name}: building random {str(dtype).split('.')[-1]} weights")
+    model = build_model(config, dtype=dtype)
     tmp = Path(tempfile.mkdtemp(prefix=f"gpu-decode-{name}-"))
     try:
         engines: list[Any] = []

@@ -566,6 +566,19 @@ case "${1:-a}" in
       --http-thread --streams 32 --shape llama-1b --json "$out/h200-served-llama-1b-http.json"
     grep -h '^| \|^==' "$out"/served-llama-1b-http.log
     ;;
-  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e|s19a" >&2
+  s19b)
+    # Session 19, second call: the HTTP A/B on gemma3-270m (engine process vs in process, 32 streams); the
+    # llama-1B 1-stream row with 4x longer decodes (s19a's 1-second trials spread 208-409 tok/s) against
+    # generate_step; gpt-oss-20b's layer (12 of 24 layers) against mlx-lm, batch 1 and 32 (issue 20).
+    run 130 served-gemma3-http python benchmarks/served.py -p 512 -g 128 -r 3 -n 3 --no-ids --http --http-beside \
+      --streams 32 --shape gemma3-270m --json "$out/h200-served-gemma3-270m-http.json"
+    run 120 served-llama-1b-1 python benchmarks/served.py -p 512 -g 512 -r 2 -n 3 --no-text --mlx-lm-step \
+      --streams 1 --shape llama-1b --json "$out/h200-served-llama-1b-1.json"
+    grep -h '^| \|^==' "$out"/served-*.log
+    run 210 gpt-oss python benchmarks/gpu_decode.py --models gpt-oss-20b-12l --batches 1,32 --engines mlx-lm,step \
+      -n 2 -g 64 --json "$out/h200-decode-gpt-oss.json"
+    grep -h "gpt-oss" "$out/gpt-oss.log" | tail -8
+    ;;
+  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e|s19a|s19b" >&2
      exit 2 ;;
 esac

@@ -188,3 +188,21 @@ def test_server_loop_benchmark_reports_the_loops_cpu_per_chunk(tmp_path, engine_
         parts = row["send_to_app_mean_ms"] + row["app_to_first_bytes_mean_ms"] + row["first_bytes_to_client_mean_ms"]
         assert abs(parts - row["ttft_mean_ms"]) < 1e-6 * max(1.0, row["ttft_mean_ms"])
         assert 0 < row["engine_ttft_mean_ms"] <= row["ttft_mean_ms"]
+
+
+def test_gpu_decode_benchmark_runs_the_moe_shapes_at_toy_sizes(tmp_path):
+    """gpu_decode.py --tiny (float32 on the CPU, where MLX's gather_mm takes nothing else): gpt-oss's and
+    Qwen3-MoE's shapes through mlx-lm and the compiled step, every row with a positive decode rate."""
+    import pathlib
+
+    script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_decode.py"
+    out = tmp_path / "decode.json"
+    r = subprocess.run([sys.executable, str(script), "--tiny", "--models", "gpt-oss-20b-12l,qwen3-moe-a3b-24l",
+                        "--batches", "1,2", "--engines", "mlx-lm,step", "-n", "1", "-p", "8", "-g", "4",
+                        "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    got = sorted((row["model"], row["batch"], row["engine"]) for row in rows)
+    assert got == sorted((m + "-tiny", b, e) for m in ("gpt-oss-20b-12l", "qwen3-moe-a3b-24l") for b in (1, 2)
+                         for e in ("mlx-lm", "step"))
+    assert all(row["decode_tps"] > 0 for row in rows), rows
