@@ -570,7 +570,7 @@ case "${1:-a}" in
     # Session 19, second call: the HTTP A/B on gemma3-270m (engine process vs in process, 32 streams); the
     # llama-1B 1-stream row with 4x longer decodes (s19a's 1-second trials spread 208-409 tok/s) against
     # generate_step; gpt-oss-20b's layer (12 of 24 layers) against mlx-lm, batch 1 and 32 (issue 20).
-    run 130 served-gemma3-http python benchmarks/served.py -p 512 -g 128 -r 3 -n 3 --no-ids --http --http-beside \
+    run 100 served-gemma3-http python benchmarks/served.py -p 512 -g 128 -r 3 -n 2 --no-ids --http --http-beside \
       --streams 32 --shape gemma3-270m --json "$out/h200-served-gemma3-270m-http.json"
     run 120 served-llama-1b-1 python benchmarks/served.py -p 512 -g 512 -r 2 -n 3 --no-text --mlx-lm-step \
       --streams 1 --shape llama-1b --json "$out/h200-served-llama-1b-1.json"
