@@ -156,7 +156,8 @@ bool prefetch_to_gpu(const mx::array& a) {
     throw std::invalid_argument("[prefetch_to_gpu] the array must be evaluated (made from host data, or mx.eval it).");
   }
 #if defined(__linux__)
-  if (disabled.load() || a.nbytes() == 0) return false;
+  // <= 8 bytes: MLX's small pool, pages shared by many buffers the CPU writes and the GPU reads in place.
+  if (disabled.load() || a.nbytes() <= 8) return false;
   const char* env = std::getenv("MLX_INFER_PREFETCH_PLAN");  // read each call: an A/B flips it in one process
   if (env && std::strcmp(env, "0") == 0) return false;
   Driver* d = driver();

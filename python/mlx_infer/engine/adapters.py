@@ -23,6 +23,7 @@ import mlx.core as mx
 
 from ..adapters.apply import adapter_rows
 from ..adapters.bank import AdapterSlotsBusyError, bank_of
+from .host_arrays import host_array
 
 __all__ = ["AdapterSlotsBusyError", "batch_slots", "hold_adapter", "release_adapter", "rows_context", "slots_for"]
 
@@ -74,7 +75,7 @@ def slots_for(rows: Sequence[Any], counts: Sequence[int] | None = None, total: i
     slots = [getattr(r, "adapter_slot", 0) for r, n in zip(rows, counts) for _ in range(n)]
     if total is not None:
         slots += [0] * (total - len(slots))
-    return mx.array(slots, mx.int32)
+    return host_array(slots, mx.int32)
 
 
 def rows_context(slots: mx.array | None) -> ContextManager[None]:

@@ -31,6 +31,7 @@ import mlx.core as mx
 
 from ..state.paged import PagedKVStore
 from .batch import DecodeBatch
+from .host_arrays import host_array
 from .metrics import EngineMetrics
 from .scheduler import DECODE, PREFILL, LiveRequest, Scheduler
 
@@ -76,7 +77,7 @@ def mixed_inputs(decode_inputs: mx.array, batch: DecodeBatch, chunks: list[Chunk
     B = decode_inputs.shape[0]
     ids = [t for c in chunks for t in c.r.all_ids[c.r.prefilled:c.r.prefilled + c.n]]
     pad = batch.rows - B - len(ids)
-    tokens = mx.concatenate([decode_inputs.astype(mx.uint32), mx.array(ids + [0] * pad, mx.uint32)])  # (R,)
+    tokens = mx.concatenate([decode_inputs.astype(mx.uint32), host_array(ids + [0] * pad, mx.uint32)])  # (R,)
     logit_rows = list(range(B))
     ended: list[LiveRequest] = []
     end = B
@@ -87,7 +88,7 @@ def mixed_inputs(decode_inputs: mx.array, batch: DecodeBatch, chunks: list[Chunk
             ended.append(c.r)
     pad_row = logit_rows[0] if logit_rows else 0  # a step of chunks none of which ends: row 0's, dropped
     logit_rows += [pad_row] * (-len(logit_rows) % LOGIT_BUCKET or (LOGIT_BUCKET if not logit_rows else 0))
-    batch.logit_rows = mx.array(logit_rows, mx.int32)  # (M padded,)
+    batch.logit_rows = host_array(logit_rows, mx.int32)  # (M padded,)
     return tokens, ended
 
 

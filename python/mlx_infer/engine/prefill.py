@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 
 from .adapters import rows_context, slots_for
+from .host_arrays import host_array
 from .prompt_scores import score_chunk
 from .rows import Step, queue_outputs, sample_rows
 from .scheduler import DECODE, PREFILL, LiveRequest
@@ -55,7 +56,7 @@ def prefill(engine: "Engine") -> tuple[bool, Step | None]:
             caches = r.caches
         else:
             caches = batch.caches
-        tokens = mx.array([r.all_ids[r.prefilled:r.prefilled + n] for r in rows], mx.uint32)  # (B, n)
+        tokens = host_array([r.all_ids[r.prefilled:r.prefilled + n] for r in rows], mx.uint32)  # (B, n)
         if engine._ceiling is not None:  # bound what the forward holds (engine/activations.py)
             engine._ceiling.engage(n * len(rows), len(rows))
         with rows_context(slots_for(rows)):

@@ -10,6 +10,7 @@ import mlx.core as mx
 
 from ..sampling import SampleOutput
 from .grammar_jump import forced_output
+from .host_arrays import host_array
 from .scheduler import LiveRequest
 
 
@@ -42,7 +43,7 @@ def step_inputs(rows: list[LiveRequest]) -> mx.array:
             run = []
         if isinstance(ni, tuple):
             if host:
-                pieces.append(mx.array(host, mx.uint32))
+                pieces.append(host_array(host, mx.uint32))
                 host = []
             run = [ni[0], ni[1], ni[1] + 1]
         else:
@@ -50,7 +51,7 @@ def step_inputs(rows: list[LiveRequest]) -> mx.array:
     if run:
         pieces.append(run[0][run[1]:run[2]])
     if host:
-        pieces.append(mx.array(host, mx.uint32))
+        pieces.append(host_array(host, mx.uint32))
     return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces)
 
 
@@ -99,8 +100,8 @@ def sample_rows(rows: list[LiveRequest], logits: mx.array) -> tuple[mx.array, li
     if not sampled and not host:
         return greedy[0], outs
     offset = (0, b if argmax_rows else 0, (b if argmax_rows else 0) + len(sampled))
-    pool = mx.concatenate([*greedy, *sampled, *([mx.array(host, mx.uint32)] if host else [])])  # (B + S + F,)
-    return pool[mx.array([offset[k] + j for k, j in where], mx.int32)], outs  # (B,) uint32
+    pool = mx.concatenate([*greedy, *sampled, *([host_array(host, mx.uint32)] if host else [])])  # (B + S + F,)
+    return pool[host_array([offset[k] + j for k, j in where], mx.int32)], outs  # (B,) uint32
 
 
 def queue_outputs(tokens: mx.array, outs: list[SampleOutput | None] | None) -> None:
