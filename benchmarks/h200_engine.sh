@@ -569,12 +569,16 @@ case "${1:-a}" in
   s19b)
     # Session 19, second call: the HTTP A/B on gemma3-270m (engine process vs in process, 32 streams); the
     # llama-1B 1-stream row with 4x longer decodes (s19a's 1-second trials spread 208-409 tok/s) against
-    # generate_step; gpt-oss-20b's layer (12 of 24 layers) against mlx-lm, batch 1 and 32 (issue 20).
-    run 100 served-gemma3-http python benchmarks/served.py -p 512 -g 128 -r 3 -n 2 --no-ids --http --http-beside \
+    # generate_step, and its kernels (host- or GPU-bound?); gpt-oss-20b's layer (12 of 24 layers) against mlx-lm,
+    # batch 1 and 32 (issue 20).
+    run 80 served-gemma3-http python benchmarks/served.py -p 512 -g 128 -r 2 -n 2 --no-ids --http --http-beside \
       --streams 32 --shape gemma3-270m --json "$out/h200-served-gemma3-270m-http.json"
     run 120 served-llama-1b-1 python benchmarks/served.py -p 512 -g 512 -r 2 -n 3 --no-text --mlx-lm-step \
       --streams 1 --shape llama-1b --json "$out/h200-served-llama-1b-1.json"
     grep -h '^| \|^==' "$out"/served-*.log
+    run 60 prof-1b-s1 python benchmarks/gpu_engine_profile.py --shape llama-1b --streams 1 --steps 48 \
+      --torch-profiler /tmp/prof-1b-s1.csv
+    grep -h "ms/step\|GPU kernel time\|products\|rope\|paged attention\|other\|norm" "$out/prof-1b-s1.log"
     run 210 gpt-oss python benchmarks/gpu_decode.py --models gpt-oss-20b-12l --batches 1,32 --engines mlx-lm,step \
       -n 2 -g 64 --json "$out/h200-decode-gpt-oss.json"
     grep -h "gpt-oss" "$out/gpt-oss.log" | tail -8
