@@ -164,7 +164,7 @@ struct LoraLayout;  // cpp/decode/lora.h
 struct DecodeStepOutput {
   mx::array logits;               // (B, vocab)
   std::vector<mx::array> keys;    // per KV-owning layer (B, kv_heads, S, head_dim)
-  std::vector<mx::array> values;  // likewise
+  std::vector<mx::array> values;  // likewise (MLA: qk_rope_head_dim wide)
 };
 
 /// A one-token decode step over K/V the caller owns (see the file comment). Not thread-safe.
@@ -192,7 +192,8 @@ class DecodeStep {
   ///   positions: B ints, each row's new token's position (the tokens it already holds).
   ///   slots: per window group (window_groups()) B ints, the slot the new token goes to.
   ///   reads: per window group B ints, the leading slots attention reads after the write.
-  ///   keys, values: per KV-owning layer (kv_layers) ``(B, kv_heads, S, head_dim)``.
+  ///   keys, values: per KV-owning layer (kv_layers) ``(B, kv_heads, S, head_dim)`` (MLA's values:
+  ///     ``(B, 1, S, qk_rope_head_dim)``).
   ///   adapter_slots: (B,) each row's bank slot (with adapters set); none: no row has one.
   /// Throws std::invalid_argument on bad input, std::runtime_error past max_capacity.
   DecodeStepOutput step(const mx::array& tokens, const std::vector<int>& positions,
