@@ -36,11 +36,10 @@ def test_config_and_declaration(name):
     args = args_cls.from_dict({**cfg, "some_future_key": 1})
     assert args.hidden_size == cfg["hidden_size"]
     model = build_ours(name)
-    # A compiled C++ step only where its llama/gemma forward runs the family (NoPE layers, granite's multipliers,
-    # gemma2's soft caps, gpt_oss's sinks);
-    # for the others the binding refuses and generate / the engine run the eager graph.
-    compiled = any(name == f or name.startswith(f + "_")
-                   for f in ("granite", "smollm3", "glm4", "phi3", "olmo2", "qwen3_moe", "gemma2", "gpt_oss"))
+    # A compiled C++ step for every family of these specs: its one forward's switches run them (NoPE layers,
+    # granite's multipliers, gemma2's soft caps, gpt_oss's sinks, deepseek_v3's latent attention and routing).
+    compiled = any(name == f or name.startswith(f + "_") for f in ("granite", "smollm3", "glm4", "phi3", "olmo2",
+                                                                   "qwen3_moe", "gemma2", "gpt_oss", "deepseek_v3"))
     assert model.declaration == GraphDeclaration(method="autoregressive", compiled_decode=compiled)
     assert len(model.layers) == cfg["num_hidden_layers"]
     assert graph_family(model) == family_of(cfg["model_type"])  # declared by the class, as the registry says

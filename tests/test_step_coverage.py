@@ -95,3 +95,43 @@ def test_each_gemma4_switch_reads_its_own_weights(variant, switch, value, error)
     setattr(cfg, switch, value)
     with pytest.raises(ValueError, match=error):
         _fast.DecodeStep(cfg, weights, quant)
+
+
+# DeepSeek V3 (generation/bindings/mla_spec.py): the latent attention's and the noaux_tc router's weights are
+# covered both ways too (tests/families.py's checkpoint: q LoRA, a dense first layer, shared experts).
+def _deepseek():
+    from families import hf_setup
+    from mlx_infer.artifacts.loader import load_model
+
+    return load_model(hf_setup("deepseek_v3")[0], cpu_kernels=False).model
+
+
+def test_deepseek_parameter_the_step_would_not_read_refuses_the_step_by_name():
+    model = _deepseek()
+    model.model.layers[2].self_attn.extra_scale = mx.ones((4,))
+    with pytest.raises(DecodeStepUnsupported, match=r"model\.layers\.2\.self_attn\.extra_scale"):
+        graph_spec(model)
+
+
+@pytest.mark.parametrize("name,error", [
+    ("layers.1.router.correction_bias", r"missing weight 'layers\.1\.router\.correction_bias'"),
+    ("layers.2.kv_a_norm.weight", r"missing weight 'layers\.2\.kv_a_norm\.weight'"),
+    ("layers.0.unembed_out.weight", r"missing weight 'layers\.0\.unembed_out\.weight'"),
+    ("layers.1.shared.up.weight", r"missing weight 'layers\.1\.shared\.up\.weight'"),
+])
+def test_deepseek_missing_weight_is_an_error(name, error):
+    cfg, weights, quant = graph_spec(_deepseek())
+    del weights[name]
+    with pytest.raises(ValueError, match=error):
+        _fast.DecodeStep(cfg, weights, quant)
+
+
+def test_deepseek_weight_or_switch_the_step_does_not_read_is_an_error():
+    cfg, weights, quant = graph_spec(_deepseek())
+    _fast.DecodeStep(cfg, weights, quant)  # as translated: every weight read
+    typo = dict(weights, **{"layers.1.kv_a_norm_typo.weight": mx.ones((32,))})
+    with pytest.raises(ValueError, match=r"does not use: 'layers\.1\.kv_a_norm_typo\.weight'"):
+        _fast.DecodeStep(cfg, typo, quant)
+    cfg.moe_noaux_tc = False  # softmax routing would leave the correction bias unread
+    with pytest.raises(ValueError, match=r"does not use: 'layers\.1\.router\.correction_bias'"):
+        _fast.DecodeStep(cfg, weights, quant)

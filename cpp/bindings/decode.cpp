@@ -143,7 +143,22 @@ buffer it reads (KV sharing: gemma4). Empty = every layer owns one.)")
       .def_rw("moe_beside_mlp", &DecodeConfig::moe_beside_mlp,
               R"(The experts run beside the dense MLP, with their own norms, the router
 on rms(h) * router_scale and per-expert scales (gemma4); else instead of it
-(qwen3_moe, gpt_oss).)");
+(qwen3_moe, gpt_oss).)")
+      .def_rw("moe_noaux_tc", &DecodeConfig::moe_noaux_tc,
+              R"(noaux_tc routing (deepseek_v3): sigmoid scores plus the selection-only
+``layers.{i}.router.correction_bias``, the top k within the best moe_topk_groups
+of moe_groups groups, weights from the uncorrected scores times routed_scaling_factor.)")
+      .def_rw("moe_groups", &DecodeConfig::moe_groups, "noaux_tc: expert groups (n_group).")
+      .def_rw("moe_topk_groups", &DecodeConfig::moe_topk_groups, "noaux_tc: groups kept per token (topk_group).")
+      .def_rw("routed_scaling_factor", &DecodeConfig::routed_scaling_factor,
+              "noaux_tc: the routing weights' multiplier.")
+      .def_rw("kv_lora_rank", &DecodeConfig::kv_lora_rank,
+              R"(Multi-head latent attention (deepseek_v3) when > 0: each layer caches one
+KV head, K the normed latent (this wide; head_dim must equal it) and V the
+RoPE key (qk_rope_head_dim wide). 0 = grouped-query attention.)")
+      .def_rw("qk_nope_head_dim", &DecodeConfig::qk_nope_head_dim, "MLA: the queries' non-rotated width per head.")
+      .def_rw("qk_rope_head_dim", &DecodeConfig::qk_rope_head_dim, "MLA: the rotated width (queries and the key).")
+      .def_rw("v_head_dim", &DecodeConfig::v_head_dim, "MLA: the output width per head.");
 
   nb::class_<DecodeStep>(
       m, "DecodeStep",

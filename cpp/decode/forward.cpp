@@ -3,7 +3,9 @@
 // within rounding of the eager graph's. What a family adds is a switch of DecodeConfig or a weight it has
 // (graph.h lists them): pre- or post-norms, sandwich norms, q/k norms per head or over the projection,
 // fused q|k|v and gate|up, NoPE layers, sinks, soft caps, routed experts instead of (or beside) the MLP,
-// per-layer KV geometry and KV sharing, per-layer inputs, layer scalars, granite's multipliers.
+// per-layer KV geometry and KV sharing, per-layer inputs, layer scalars, granite's multipliers; DeepSeek V3's
+// multi-head latent attention instead of grouped-query attention (mla.cpp), its noaux_tc routing and shared
+// experts (moe.cpp).
 //
 // The K/V storage is a KVAccess: DecodeStep's buffers (graph.cpp) or a paged store's pages
 // (paged_step.cpp). KV-shared layers read what their donor's write_read returned earlier in the same step.
@@ -89,10 +91,13 @@ mx::array mlp_block(const DecodeStep::Graph& g, const LayerWeights& lw, const mx
   mx::array r(0);
   if (!lw.router.present()) {
     r = dense_mlp(g, lw, x);
-  } else if (!cfg.moe_beside_mlp) {  // qwen3_moe's SparseMoeBlock, gpt_oss's MLPBlock: the experts alone
+  } else if (!cfg.moe_beside_mlp) {  // qwen3_moe's SparseMoeBlock, gpt_oss's MLPBlock, deepseek_v3's MoE
     auto [idx, scores] = route_experts(cfg, lw, x, h);
     r = mx::astype(switch_glu(cfg, lw.expert_gate, lw.expert_up, lw.expert_down, x, idx, scores, false),
                    x.dtype());
+    if (lw.shared_gate.present()) {  // deepseek_v3: the shared experts' MLP added
+      r = mx::add(r, shared_experts(g, lw, x));
+    }
   } else {  // gemma4: the dense MLP and the experts side by side, each normed, then summed
     auto h1 = rms(dense_mlp(g, lw, x), lw.post_mlp_norm_1, eps);
     auto [idx, scores] = route_experts(cfg, lw, x, h);
@@ -108,6 +113,71 @@ mx::array mlp_block(const DecodeStep::Graph& g, const LayerWeights& lw, const mx
   return add_residual(cfg, h, r, lw.post_mlp_norm);
 }
 
+// Grouped-query attention of layer i (every family but MLA's): x (B, 1, E) the normed input -> (B, 1, H D),
+// before o. ``reads``: per buffer, what a KV-owning layer's write_read returned this step (KV-shared layers
+// attend over their donor's).
+mx::array gqa_attention(const DecodeStep::Graph& g, int i, const mx::array& x, const mx::array& positions,
+                        KVAccess& kv, std::vector<std::optional<AttentionInputs>>& reads) {
+  const auto& cfg = g.cfg;
+  const auto& lw = g.layers[i];
+  const int B = x.shape(0), H = cfg.num_heads, KVH = lw.kv_heads, D = lw.head_dim;
+  const float eps = cfg.rms_norm_eps;
+  mx::array q(0), k(0), v(0);
+  bool rotated = false;  // q and k already rotated (qkv_rope)
+  if (lw.qkv.present()) {
+    auto qkv = apply_linear(lw.qkv, x);  // (B, 1, (H + 2 KVH) D)
+    auto flat = mx::reshape(qkv, {B, (H + 2 * KVH) * D});
+    if (!lw.q_norm && kv.fused_qkv_rope() && qkv_rope_supported(flat, H, KVH, D, lw.rope)) {
+      auto [qr, kr, vr] = qkv_rope(flat, H, KVH, D, lw.rope, positions);  // contiguous (B, heads, D)
+      q = mx::reshape(qr, {B, H, 1, D});
+      k = mx::reshape(kr, {B, KVH, 1, D});
+      v = mx::reshape(vr, {B, KVH, 1, D});
+      rotated = true;
+    } else {
+      auto parts = mx::split(qkv, mx::Shape{H * D, (H + KVH) * D}, -1);
+      q = parts[0], k = parts[1], v = parts[2];
+    }
+  } else {
+    q = apply_linear(lw.q, x);
+    if (lw.owns_kv) {
+      k = apply_linear(lw.k, x);
+      v = lw.v.present() ? apply_linear(lw.v, x) : k;  // v_from_k: V is K's projection
+    }
+  }
+  if (!rotated) {
+    if (lw.q_norm && cfg.qk_norm_whole) {  // olmo2: over all heads at once, before they split
+      q = rms(q, lw.q_norm, eps);
+      if (lw.owns_kv) k = rms(k, lw.k_norm, eps);
+    }
+    q = mx::reshape(q, {B, 1, H, D});
+    if (lw.q_norm && !cfg.qk_norm_whole) q = rms(q, lw.q_norm, eps);
+    q = rope(mx::transpose(q, {0, 2, 1, 3}), lw.rope, positions);  // (B, H, 1, D)
+    if (lw.owns_kv) {
+      k = mx::reshape(k, {B, 1, KVH, D});
+      v = mx::reshape(v, {B, 1, KVH, D});
+      if (lw.k_norm && !cfg.qk_norm_whole) k = rms(k, lw.k_norm, eps);
+      if (cfg.v_norm) v = rms(v, std::nullopt, eps);
+      k = rope(mx::transpose(k, {0, 2, 1, 3}), lw.rope, positions);  // (B, KVH, 1, D)
+      v = mx::transpose(v, {0, 2, 1, 3});
+    }
+  }
+
+  std::optional<mx::array> attn;  // (B, H, 1, D)
+  if (lw.owns_kv && !lw.shared) {
+    attn = kv.write_attend(lw.buffer, q, k, v);  // an attention kernel over the storage, or none
+  }
+  if (!attn) {
+    if (lw.owns_kv) {
+      reads[lw.buffer] = kv.write_read(lw.buffer, k, v);
+    } else if (!reads[lw.buffer]) {
+      throw std::invalid_argument("[DecodeStep] layer " + std::to_string(i) +
+                                  " reads K/V no earlier layer wrote in this step.");
+    }
+    attn = attend(g, q, *reads[lw.buffer], lw.sinks);
+  }
+  return mx::reshape(mx::transpose(*attn, {0, 2, 1, 3}), {B, 1, H * D});  // (B, 1, H*D)
+}
+
 }  // namespace
 
 mx::array layers_forward(
@@ -119,7 +189,6 @@ mx::array layers_forward(
   const auto& cfg = g.cfg;
   const int L = cfg.num_layers;
   const int B = tokens.shape(0);
-  const int H = cfg.num_heads;
   const float eps = cfg.rms_norm_eps;
   if (static_cast<int>(g.layers.size()) != L) {
     throw std::invalid_argument("[DecodeStep] the forward has weights for " + std::to_string(g.layers.size()) +
@@ -139,63 +208,10 @@ mx::array layers_forward(
   std::vector<std::optional<AttentionInputs>> reads(num_buffers(g));  // a shared buffer's, after its write
   for (int i = 0; i < L; ++i) {
     const auto& lw = g.layers[i];
-    const int KVH = lw.kv_heads, D = lw.head_dim;
 
     auto x = lw.attn_norm ? rms(h, lw.attn_norm, eps) : h;  // olmo2: no pre-norm
-    mx::array q(0), k(0), v(0);
-    bool rotated = false;  // q and k already rotated (qkv_rope)
-    if (lw.qkv.present()) {
-      auto qkv = apply_linear(lw.qkv, x);  // (B, 1, (H + 2 KVH) D)
-      auto flat = mx::reshape(qkv, {B, (H + 2 * KVH) * D});
-      if (!lw.q_norm && kv.fused_qkv_rope() && qkv_rope_supported(flat, H, KVH, D, lw.rope)) {
-        auto [qr, kr, vr] = qkv_rope(flat, H, KVH, D, lw.rope, positions);  // contiguous (B, heads, D)
-        q = mx::reshape(qr, {B, H, 1, D});
-        k = mx::reshape(kr, {B, KVH, 1, D});
-        v = mx::reshape(vr, {B, KVH, 1, D});
-        rotated = true;
-      } else {
-        auto parts = mx::split(qkv, mx::Shape{H * D, (H + KVH) * D}, -1);
-        q = parts[0], k = parts[1], v = parts[2];
-      }
-    } else {
-      q = apply_linear(lw.q, x);
-      if (lw.owns_kv) {
-        k = apply_linear(lw.k, x);
-        v = lw.v.present() ? apply_linear(lw.v, x) : k;  // v_from_k: V is K's projection
-      }
-    }
-    if (!rotated) {
-      if (lw.q_norm && cfg.qk_norm_whole) {  // olmo2: over all heads at once, before they split
-        q = rms(q, lw.q_norm, eps);
-        if (lw.owns_kv) k = rms(k, lw.k_norm, eps);
-      }
-      q = mx::reshape(q, {B, 1, H, D});
-      if (lw.q_norm && !cfg.qk_norm_whole) q = rms(q, lw.q_norm, eps);
-      q = rope(mx::transpose(q, {0, 2, 1, 3}), lw.rope, positions);  // (B, H, 1, D)
-      if (lw.owns_kv) {
-        k = mx::reshape(k, {B, 1, KVH, D});
-        v = mx::reshape(v, {B, 1, KVH, D});
-        if (lw.k_norm && !cfg.qk_norm_whole) k = rms(k, lw.k_norm, eps);
-        if (cfg.v_norm) v = rms(v, std::nullopt, eps);
-        k = rope(mx::transpose(k, {0, 2, 1, 3}), lw.rope, positions);  // (B, KVH, 1, D)
-        v = mx::transpose(v, {0, 2, 1, 3});
-      }
-    }
-
-    std::optional<mx::array> attn;  // (B, H, 1, D)
-    if (lw.owns_kv && !lw.shared) {
-      attn = kv.write_attend(lw.buffer, q, k, v);  // an attention kernel over the storage, or none
-    }
-    if (!attn) {
-      if (lw.owns_kv) {
-        reads[lw.buffer] = kv.write_read(lw.buffer, k, v);
-      } else if (!reads[lw.buffer]) {
-        throw std::invalid_argument("[DecodeStep] layer " + std::to_string(i) +
-                                    " reads K/V no earlier layer wrote in this step.");
-      }
-      attn = attend(g, q, *reads[lw.buffer], lw.sinks);
-    }
-    auto o = mx::reshape(mx::transpose(*attn, {0, 2, 1, 3}), {B, 1, H * D});  // (B, 1, H*D)
+    auto o = cfg.kv_lora_rank > 0 ? mla_attention(g, lw, x, positions, kv)        // (B, 1, H v_head)
+                                  : gqa_attention(g, i, x, positions, kv, reads);  // (B, 1, H D)
     auto r = tp_sum(g, apply_linear(lw.o, o));  // (B, 1, E): all heads' sum under tensor parallel
     if (cfg.residual_scale != 1.0f) {
       r = mx::multiply(r, scalar(cfg.residual_scale, r.dtype()));

@@ -359,7 +359,7 @@ std::vector<BufferGeometry> buffer_geometry(const DecodeStep::Graph& g) {
   std::vector<BufferGeometry> out;
   for (int i : g.buffer_layer) {
     const auto& lw = g.layers[i];
-    out.push_back({lw.kv_heads, lw.head_dim, lw.window});
+    out.push_back({lw.kv_heads, lw.head_dim, lw.value_dim, lw.window});
   }
   return out;
 }

@@ -11,6 +11,13 @@
 //   layers.{i}.{router_scale,per_expert_scale},
 //   layers.{i}.{mlp_norm_2,post_mlp_norm_1,post_mlp_norm_2}.weight     moe_beside_mlp
 //   KV-shared layers (kv_donors) have no k, v, k_norm; v_from_k layers no v.
+//   layers.{i}.router.correction_bias          noaux_tc: the selection-only score bias (E,)
+//   layers.{i}.shared.{gate,up,down}.*         shared experts, added to the routed ones (deepseek_v3)
+//   Multi-head latent attention (kv_lora_rank > 0; mla.cpp), instead of q, k, v:
+//   layers.{i}.q.* (no q LoRA) or layers.{i}.q_a.*, q_a_norm.weight, q_b.*   the queries
+//   layers.{i}.kv_a.*, layers.{i}.kv_a_norm.weight   the latent | RoPE key projection and the latent's norm
+//   layers.{i}.embed_q.*, layers.{i}.unembed_out.*   per-head (H, R, nope) and (H, v_head, R) matrices
+//                                                    (plain, or affine-quantized as QuantizedMultiLinear)
 #pragma once
 
 #include <memory>
@@ -57,8 +64,15 @@ struct LayerWeights {
   std::optional<mx::array> layer_scalar;  // layer_scalars
   Linear pli_gate, pli_proj;              // per-layer inputs (per_layer_width > 0)
   std::optional<mx::array> pli_norm;
+  std::optional<mx::array> router_bias;         // noaux_tc: the correction bias (E,), for the selection only
+  Linear shared_gate, shared_up, shared_down;   // shared experts beside the routed ones (deepseek_v3)
+  // Multi-head latent attention (cfg.kv_lora_rank > 0): q (no q LoRA) or q_a -> q_a_norm -> q_b; kv_a -> the
+  // latent (normed by kv_a_norm) | the RoPE key; per-head embed_q (H, R, nope) and unembed_out (H, v_head, R).
+  Linear q_a, q_b, kv_a, embed_q, unembed_out;
+  std::optional<mx::array> q_a_norm, kv_a_norm;
   int kv_heads = 0;
   int head_dim = 0;
+  int value_dim = 0;  // V's width: head_dim, or MLA's RoPE key width
   int window = 0;
   bool owns_kv = true;  // false: a KV-shared layer, reading its donor's buffer
   bool shared = false;  // an owner whose buffer a later layer reads (its attention is the gather path's)
@@ -133,10 +147,11 @@ mx::array layers_forward(
     KVAccess& kv,
     const std::optional<mx::array>& logit_rows = std::nullopt);
 
-/// One K/V buffer (KV-owning layer): its heads, head dim and window (0 = global).
+/// One K/V buffer (KV-owning layer): its heads, K and V widths and window (0 = global).
 struct BufferGeometry {
   int kv_heads;
-  int head_dim;
+  int head_dim;   // K's width
+  int value_dim;  // V's width (head_dim, except under multi-head latent attention)
   int window;
 };
 
@@ -194,7 +209,7 @@ mx::array gated(const DecodeConfig& cfg, const mx::array& gate, const mx::array&
 /// SwitchLinear / QuantizedSwitchLinear over the rows' expert ids (moe.cpp).
 mx::array switch_linear(const Linear& l, const mx::array& x, const mx::array& idx, bool sorted);
 /// The router of layer ``lw``: each row's top-k expert ids and their weights, each (B, 1, k), from the
-/// pre-MLP input ``x`` (or, moe_beside_mlp, the residual stream ``h``) (moe.cpp).
+/// pre-MLP input ``x`` (or, moe_beside_mlp, the residual stream ``h``) (moe.cpp). noaux_tc's weights are float32.
 std::pair<mx::array, mx::array> route_experts(const DecodeConfig& cfg, const LayerWeights& lw, const mx::array& x,
                                               const mx::array& h);
 /// SwitchGLU over each row's top-k experts, then the routing-weighted sum: x (B, 1, D), indices and
@@ -208,6 +223,17 @@ mx::array switch_glu(const DecodeConfig& cfg, const Linear& gate, const Linear& 
 /// modules run there (g.fast_attention) and there are no sinks.
 mx::array attend(const DecodeStep::Graph& g, const mx::array& q, const AttentionInputs& in,
                  const std::optional<mx::array>& sinks = std::nullopt);
+/// Multi-head latent attention of layer ``lw`` (mla.cpp): x (B, 1, E) the normed input -> (B, 1, H v_head),
+/// before o. Writes the latent as K and the RoPE key as V through ``kv`` (write_read: the gather path on every
+/// backend) and attends in the absorbed form, as models/deepseek_v3.py's Attention does for one query.
+mx::array mla_attention(const DecodeStep::Graph& g, const LayerWeights& lw, const mx::array& x,
+                        const mx::array& positions, KVAccess& kv);
+/// MultiLinear / QuantizedMultiLinear (models/deepseek_v3.py): x (..., H, L, in) times each head's (out, in)
+/// matrix transposed -> (..., H, L, out).
+mx::array multi_linear(const Linear& l, const mx::array& x);
+/// The shared experts' SwiGLU MLP (deepseek_v3): down(silu(gate(x)) * up(x)).
+mx::array shared_experts(const DecodeStep::Graph& g, const LayerWeights& lw, const mx::array& x);
+
 /// Writes one token per row into a (B, KVH, S, D) buffer at slot[b] (or at static_slot).
 mx::array write_slot(const mx::array& buf, const mx::array& x, const mx::array& slot,
                      std::optional<int> static_slot);

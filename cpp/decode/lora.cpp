@@ -85,7 +85,8 @@ std::shared_ptr<const LoraLayout> make_lora_layout(const LoraInputs& in,
       auto it = outs.find(m);
       if (it == outs.end()) {
         fail("the step has no linear named '" + m + "' (it runs layers.i.{q,k,v,o,gate,up,down}, a q|k|v or "
-             "gate|up it fuses by its members' names, and layers.i.{qkv,gate_up} where the checkpoint fuses them).");
+             "gate|up it fuses by its members' names, layers.i.{qkv,gate_up} where the checkpoint fuses them, "
+             "and DeepSeek V3's layers.i.{q_a,q_b,kv_a,shared.gate,shared.up,shared.down}).");
       }
       out += it->second;
     }

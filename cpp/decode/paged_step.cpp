@@ -67,13 +67,17 @@ class PagedKV final : public KVAccess {
   bool fused_qkv_rope() const override { return qkv_rope_enabled(); }
 
   // The gather path (reference and fallback): write, gather (R, KVH, S, D), attend under the mask.
+  // Multi-head latent attention takes it on every backend (its latent K and RoPE-key V have widths and a
+  // score the paged kernels do not take): mla.cpp calls this alone, so it reports the path here.
   AttentionInputs write_read(int i, const mx::array& k, const mx::array& v) override {
+    if (g_.cfg.kv_lora_rank > 0 && backend_ != nullptr) {
+      *backend_ = "gather";
+    }
     const int gi = layer_groups_[i];
     auto [new_k, new_v] = write(i, k, v);
     const auto& r = rows(gi, i);
-    const int D = new_k.shape(3);
-    auto keys = mx::take(mx::reshape(new_k, {-1, D}), r.read, 0);  // (R, KVH, S, D)
-    auto values = mx::take(mx::reshape(new_v, {-1, D}), r.read, 0);
+    auto keys = mx::take(mx::reshape(new_k, {-1, new_k.shape(3)}), r.read, 0);  // (R, KVH, S, D)
+    auto values = mx::take(mx::reshape(new_v, {-1, new_v.shape(3)}), r.read, 0);  // (R, KVH, S, Dv)
     return {keys, values, r.mask};
   }
 
@@ -357,13 +361,16 @@ PagedStepOutput PagedDecodeStep::step(
              "KV storage has no compiled paged step (decode it eagerly).");
       }
       const auto& b = geometry[i];
-      if (a->ndim() != 4 || a->shape(1) != b.kv_heads || a->shape(3) != b.head_dim) {
-        fail("layer " + std::to_string(i) + ": storage must be (pages, " + std::to_string(b.kv_heads) +
-             ", page_size, " + std::to_string(b.head_dim) + "), got " + shape_text(a->shape()) + ".");
+      const int width = a == &keys[i] ? b.head_dim : b.value_dim;
+      if (a->ndim() != 4 || a->shape(1) != b.kv_heads || a->shape(3) != width) {
+        fail("layer " + std::to_string(i) + ": " + (a == &keys[i] ? "key" : "value") + " storage must be (pages, " +
+             std::to_string(b.kv_heads) + ", page_size, " + std::to_string(width) + "), got " +
+             shape_text(a->shape()) + ".");
       }
     }
-    if (keys[i].shape() != values[i].shape() || keys[i].dtype() != values[i].dtype()) {
-      fail("layer " + std::to_string(i) + ": keys and values storage differ in shape or dtype.");
+    if (keys[i].shape(0) != values[i].shape(0) || keys[i].shape(2) != values[i].shape(2) ||
+        keys[i].dtype() != values[i].dtype()) {
+      fail("layer " + std::to_string(i) + ": keys and values storage differ in pages, page size or dtype.");
     }
     signature.insert(signature.end(), {keys[i].shape(0), keys[i].shape(2),
                                        static_cast<int>(keys[i].dtype().val())});

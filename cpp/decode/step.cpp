@@ -50,6 +50,32 @@ void validate_decode_config(const DecodeConfig& c) {
   per_layer(c.kv_donors, "kv_donors");
   per_layer(c.v_from_k, "v_from_k");
   if (c.moe_beside_mlp && c.num_experts == 0) fail("moe_beside_mlp needs num_experts > 0.");
+  const bool mla = c.kv_lora_rank > 0;
+  if (c.kv_lora_rank < 0) fail("kv_lora_rank must be >= 0 (0 = no multi-head latent attention).");
+  if (mla) {
+    if (c.qk_nope_head_dim < 1 || c.qk_rope_head_dim < 2 || c.v_head_dim < 1) {
+      fail("multi-head latent attention needs qk_nope_head_dim >= 1, qk_rope_head_dim >= 2 and v_head_dim >= 1.");
+    }
+    if (c.num_kv_heads != 1 || c.head_dim != c.kv_lora_rank) {
+      fail("multi-head latent attention caches one KV head whose K is the latent: num_kv_heads must be 1 and "
+           "head_dim kv_lora_rank (" + std::to_string(c.kv_lora_rank) + ").");
+    }
+    if (!c.layer_kv_heads.empty() || !c.layer_head_dims.empty() || !c.kv_donors.empty() || !c.v_from_k.empty() ||
+        c.v_norm || c.per_layer_width > 0 || c.attn_softcap > 0.0f) {
+      fail("multi-head latent attention takes none of the per-layer KV geometry, KV sharing, v_from_k, v_norm, "
+           "per-layer inputs or attn_softcap.");
+    }
+  }
+  if (c.moe_noaux_tc) {
+    if (c.num_experts < 1 || c.moe_beside_mlp || c.moe_softmax_topk) {
+      fail("moe_noaux_tc needs num_experts > 0 and neither moe_beside_mlp nor moe_softmax_topk.");
+    }
+    if (c.moe_groups < 1 || c.num_experts % c.moe_groups != 0 || c.moe_topk_groups < 1 ||
+        c.moe_topk_groups > c.moe_groups || (c.moe_groups > 1 && c.num_experts / c.moe_groups < 2)) {
+      fail("moe_noaux_tc needs moe_groups dividing num_experts (at least 2 experts a group when > 1 group) and "
+           "1 <= moe_topk_groups <= moe_groups.");
+    }
+  }
   for (int i = 0; i < c.num_layers; ++i) {
     const int kvh = layer_kv_heads(c, i), hd = layer_head_dim(c, i);
     if (kvh < 1 || c.num_heads % kvh != 0) fail("num_heads must be a multiple of each layer's KV heads.");
@@ -60,6 +86,9 @@ void validate_decode_config(const DecodeConfig& c) {
     } else {
       if (r.base.has_value() == r.freqs.has_value()) fail("each RopeSpec needs exactly one of base and freqs.");
       if (r.dims < 2 || r.dims > hd) fail("RopeSpec.dims must be in [2, the layer's head_dim] (0: no RoPE).");
+    }
+    if (mla && r.dims != c.qk_rope_head_dim) {
+      fail("multi-head latent attention rotates the whole RoPE part: each RopeSpec.dims must be qk_rope_head_dim.");
     }
     const int d = c.kv_donors.empty() ? -1 : c.kv_donors[i];
     if (d == -1) continue;
@@ -93,6 +122,10 @@ int layer_kv_heads(const DecodeConfig& c, int layer) {
 
 int layer_head_dim(const DecodeConfig& c, int layer) {
   return c.layer_head_dims.empty() ? c.head_dim : c.layer_head_dims[layer];
+}
+
+int layer_value_dim(const DecodeConfig& c, int layer) {
+  return c.kv_lora_rank > 0 ? c.qk_rope_head_dim : layer_head_dim(c, layer);
 }
 
 std::vector<int> kv_layers(const DecodeConfig& c) {
@@ -219,10 +252,12 @@ DecodeStepOutput DecodeStep::step(const mx::array& tokens, const std::vector<int
   for (int i = 0; i < L; ++i) {
     const auto& geo = geometry[i];
     for (const auto* a : {&keys[i], &values[i]}) {
-      if (a->ndim() != 4 || a->shape(0) != B || a->shape(1) != geo.kv_heads || a->shape(3) != geo.head_dim ||
+      const int width = a == &keys[i] ? geo.head_dim : geo.value_dim;
+      if (a->ndim() != 4 || a->shape(0) != B || a->shape(1) != geo.kv_heads || a->shape(3) != width ||
           a->shape(2) != keys[i].shape(2)) {
         bad("buffer " + std::to_string(i) + ": expected (" + std::to_string(B) + ", " + std::to_string(geo.kv_heads) +
-            ", S, " + std::to_string(geo.head_dim) + ") keys and values of one S, got " +
+            ", S, " + std::to_string(geo.head_dim) + ") keys and (" + std::to_string(B) + ", " +
+            std::to_string(geo.kv_heads) + ", S, " + std::to_string(geo.value_dim) + ") values of one S, got " +
             shape_text(keys[i].shape()) + " and " + shape_text(values[i].shape()) + ".");
       }
     }

@@ -97,7 +97,10 @@ std::unordered_map<std::string, int> linear_outs(const DecodeStep::Graph& g) {
     if (l.present() && !l.name.empty()) out.emplace(l.name, l.w->shape(0));
   };
   for (const auto& lw : g.layers) {
-    for (const auto* l : {&lw.q, &lw.k, &lw.v, &lw.o, &lw.gate, &lw.up, &lw.down, &lw.pli_gate, &lw.pli_proj}) add(*l);
+    for (const auto* l : {&lw.q, &lw.k, &lw.v, &lw.o, &lw.gate, &lw.up, &lw.down, &lw.pli_gate, &lw.pli_proj,
+                          &lw.q_a, &lw.q_b, &lw.kv_a, &lw.shared_gate, &lw.shared_up, &lw.shared_down}) {
+      add(*l);
+    }
     for (const auto* l : {&lw.qkv, &lw.gate_up}) {  // a fused form: by its members, or (fused in the
       if (!l->present()) continue;                    // checkpoint: phi3, glm4) by its own name
       add(*l);
@@ -173,6 +176,7 @@ void load_graph_weights(
     LayerWeights lw;
     lw.kv_heads = layer_kv_heads(cfg, i);
     lw.head_dim = layer_head_dim(cfg, i);
+    lw.value_dim = layer_value_dim(cfg, i);
     lw.window = cfg.windows[i];
     lw.rope = cfg.ropes[i];
     const int donor = cfg.kv_donors.empty() ? -1 : cfg.kv_donors[i];
@@ -232,6 +236,42 @@ void load_graph_weights(
         }
       }
     }
+    if (lw.router.present() && cfg.moe_noaux_tc) {  // deepseek_v3's MoEGate: x @ weight.T, its own matmul
+      if (lw.router.quantized() || lw.router.bias || lw.router.fast) {
+        throw std::invalid_argument("[DecodeStep] " + p + "router of noaux_tc routing must be a dense weight "
+                                    "without a bias (MoEGate's).");
+      }
+      lw.router_bias = need(p + "router.correction_bias");
+    }
+    // Shared experts (deepseek_v3): beside the routed ones, always on.
+    lw.shared_gate = linear(p + "shared.gate", /*required=*/false);
+    if (lw.shared_gate.present()) {
+      if (!lw.router.present() || cfg.moe_beside_mlp) {
+        throw std::invalid_argument("[DecodeStep] " + p + "shared.* (shared experts) needs routed experts "
+                                    "instead of the MLP.");
+      }
+      lw.shared_up = linear(p + "shared.up");
+      lw.shared_down = linear(p + "shared.down");
+    }
+    const bool mla = cfg.kv_lora_rank > 0;
+    if (mla) {  // multi-head latent attention: queries through a LoRA (q_a, q_b) or q, the latent, per-head maps
+      lw.q_a = linear(p + "q_a", /*required=*/false);
+      if (lw.q_a.present()) {
+        lw.q_a_norm = need(p + "q_a_norm.weight");
+        lw.q_b = linear(p + "q_b");
+      }
+      lw.kv_a = linear(p + "kv_a");
+      lw.kv_a_norm = need(p + "kv_a_norm.weight");
+      // MultiLinear: MLX's own products (never the CPU kernels or tuned ones), as the model runs them.
+      lw.embed_q = read_linear(weights, quantization, {}, p + "embed_q");
+      lw.unembed_out = read_linear(weights, quantization, {}, p + "unembed_out");
+      for (const auto* m : {&lw.embed_q, &lw.unembed_out}) {
+        if (m->w->ndim() != 3 || m->w->shape(0) != cfg.num_heads || m->bias) {
+          throw std::invalid_argument("[DecodeStep] " + m->name + " must be (num_heads, out, in) per-head matrices "
+                                      "without a bias, got " + std::to_string(m->w->ndim()) + " dims.");
+        }
+      }
+    }
     const bool experts_only = lw.router.present() && !cfg.moe_beside_mlp;
     for (auto [field, name] : {std::pair{&LayerWeights::q, "q"}, {&LayerWeights::k, "k"},
                                {&LayerWeights::v, "v"}, {&LayerWeights::o, "o"},
@@ -241,8 +281,9 @@ void load_graph_weights(
       if ((lw.qkv.present() && (n == "q" || n == "k" || n == "v")) ||
           (lw.gate_up.present() && (n == "gate" || n == "up")) ||
           (experts_only && (n == "gate" || n == "up" || n == "down")) ||
-          (!lw.owns_kv && (n == "k" || n == "v")) || (v_from_k && n == "v")) {
-        continue;
+          (!lw.owns_kv && (n == "k" || n == "v")) || (v_from_k && n == "v") ||
+          (mla && (n == "k" || n == "v" || (n == "q" && lw.q_a.present())))) {
+        continue;  // MLA: the latent instead of k and v; q from q_a / q_b where the queries have a LoRA
       }
       lw.*field = linear(p + name);
     }

@@ -10,7 +10,9 @@
 //   per KV-owning layer, K and V buffers (B, kv_heads_i, S_i, head_dim_i)
 //     (every layer owns one, except KV-shared layers (kv_donors: gemma4's),
 //     which read their donor's buffers after the donor's write; kv_heads_i /
-//     head_dim_i are the layer's own where DecodeConfig::layer_* say so)
+//     head_dim_i are the layer's own where DecodeConfig::layer_* say so;
+//     multi-head latent attention (kv_lora_rank > 0): K (B, 1, S, kv_lora_rank)
+//     the latent, V (B, 1, S, qk_rope_head_dim) the RoPE key)
 //
 //   Buffers are grouped by window (window_groups(): the distinct windows of
 //   the KV-owning layers, ascending; 0 = global). Per group g and row b the
@@ -126,11 +128,30 @@ struct DecodeConfig {
   bool moe_beside_mlp = false;       // gemma4: the experts run beside the dense MLP, with their own norms,
                                      // the router on rms(h) * router_scale and per-expert scales (else
                                      // instead of the MLP: qwen3_moe, gpt_oss)
+  // noaux_tc routing (deepseek_v3; cpp/decode/moe.cpp): sigmoid scores in float32 plus a selection-only
+  // correction bias (layers.{i}.router.correction_bias), the top k within the best moe_topk_groups of
+  // moe_groups expert groups, weights from the uncorrected scores (renormalized with norm_topk_prob when
+  // k > 1) times routed_scaling_factor.
+  bool moe_noaux_tc = false;
+  int moe_groups = 1;                // n_group
+  int moe_topk_groups = 1;           // topk_group
+  float routed_scaling_factor = 1.0f;
+
+  // Multi-head latent attention (deepseek_v3; cpp/decode/mla.cpp) when kv_lora_rank > 0, in mlx-lm's
+  // absorbed form. Each layer's buffers hold one KV head: K the normed latent (kv_lora_rank wide: head_dim
+  // must equal it, num_kv_heads 1) and V the rotated RoPE key (qk_rope_head_dim wide); queries are
+  // qk_nope_head_dim + qk_rope_head_dim wide per head, outputs v_head_dim. attn_scale includes YaRN's mscale.
+  int kv_lora_rank = 0;
+  int qk_nope_head_dim = 0;
+  int qk_rope_head_dim = 0;
+  int v_head_dim = 0;
 };
 
 /// KV layout helpers (the per-layer geometry of DecodeConfig).
 int layer_kv_heads(const DecodeConfig& c, int layer);
 int layer_head_dim(const DecodeConfig& c, int layer);
+/// V's width in a layer's buffer: its head_dim, or MLA's qk_rope_head_dim (its K holds the latent).
+int layer_value_dim(const DecodeConfig& c, int layer);
 /// The layers that own a KV buffer, in order: buffer pair j belongs to layer ``kv_layers(c)[j]``.
 std::vector<int> kv_layers(const DecodeConfig& c);
 
@@ -143,7 +164,7 @@ struct LoraLayout;  // cpp/decode/lora.h
 struct DecodeStepOutput {
   mx::array logits;               // (B, vocab)
   std::vector<mx::array> keys;    // per KV-owning layer (B, kv_heads, S, head_dim)
-  std::vector<mx::array> values;  // likewise
+  std::vector<mx::array> values;  // likewise (MLA: qk_rope_head_dim wide)
 };
 
 /// A one-token decode step over K/V the caller owns (see the file comment). Not thread-safe.
@@ -171,7 +192,8 @@ class DecodeStep {
   ///   positions: B ints, each row's new token's position (the tokens it already holds).
   ///   slots: per window group (window_groups()) B ints, the slot the new token goes to.
   ///   reads: per window group B ints, the leading slots attention reads after the write.
-  ///   keys, values: per KV-owning layer (kv_layers) ``(B, kv_heads, S, head_dim)``.
+  ///   keys, values: per KV-owning layer (kv_layers) ``(B, kv_heads, S, head_dim)`` (MLA's values:
+  ///     ``(B, 1, S, qk_rope_head_dim)``).
   ///   adapter_slots: (B,) each row's bank slot (with adapters set); none: no row has one.
   /// Throws std::invalid_argument on bad input, std::runtime_error past max_capacity.
   DecodeStepOutput step(const mx::array& tokens, const std::vector<int>& positions,

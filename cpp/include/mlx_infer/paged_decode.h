@@ -43,7 +43,9 @@
 //   gather   the reference and fallback: the (R, KVH, S, D) copy is gathered
 //            from the updated storage with indices built on the device from
 //            tables and lengths (S = T P, or the window when smaller), then
-//            MLX SDPA under a (R, 1, 1, S) mask.
+//            MLX SDPA under a (R, 1, 1, S) mask. Multi-head latent attention
+//            (deepseek_v3: K the latent, V the RoPE key, widths of their own)
+//            takes this path on every backend, whatever ``attention`` says.
 //
 // Compiled (PagedDecodeConfig::compile): the whole step is one mx::compile'd
 // function of its array inputs, so per-step integers never retrace it; only

@@ -32,6 +32,10 @@ _SHORT = {
     "per_layer_input_gate": "pli_gate", "per_layer_projection": "pli_proj",
     # fused in the checkpoint (phi3's qkv_proj and gate_up_proj, glm4's gate_up_proj): one linear each
     "self_attn.qkv_proj": "qkv", "mlp.gate_up_proj": "gate_up",
+    # DeepSeek V3's latent attention projections and shared experts (generation/bindings/mla_spec.py)
+    "self_attn.q_a_proj": "q_a", "self_attn.q_b_proj": "q_b", "self_attn.kv_a_proj_with_mqa": "kv_a",
+    "mlp.shared_experts.gate_proj": "shared.gate", "mlp.shared_experts.up_proj": "shared.up",
+    "mlp.shared_experts.down_proj": "shared.down",
 }
 _PATH = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _PATHS = {short: path for path, short in _SHORT.items()}
@@ -131,7 +135,7 @@ def runs_linear(name: str, weight_names: Any) -> bool:
 
 def _linear_out(bank: AdapterBank, name: str) -> int:
     """Output features of the model's linear ``name`` (``layers.3.k``)."""
-    _, i, short = name.split(".")
+    _, i, short = name.split(".", 2)  # short may hold a dot (shared.gate)
     module: Any = bank.model["model"]["layers"][int(i)]
     for part in _PATHS[short].split("."):
         module = module[part]

@@ -287,11 +287,12 @@ def _dense(weights: dict[str, mx.array], base: str, in_dims: int) -> mx.array:
 
 
 class Model(CausalLM):
-    """DeepSeek V3 causal LM: ``inputs (B, L) -> logits (B, L, vocab)``; eager decode only."""
+    """DeepSeek V3 causal LM: ``inputs (B, L) -> logits (B, L, vocab)``; its compiled decode step is the C++
+    forward's MLA and noaux_tc switches (``generation/bindings/mla_spec.py``, ``cpp/decode/mla.cpp``)."""
 
     #: The family this graph belongs to (its module here; see :func:`mlx_infer.models.graph_family`).
     family = "deepseek_v3"
-    declaration = GraphDeclaration(method="autoregressive", compiled_decode=False)
+    declaration = GraphDeclaration(method="autoregressive", compiled_decode=True)
     #: Checkpoint modules this graph does not keep (adapters on them are refused, adapters/formats.py).
     adapter_absorbed = {"kv_b_proj": "DeepSeek's multi-head latent attention splits kv_b_proj into embed_q / "
                                      "unembed_out at load and multiplies by their weights directly (the "

@@ -83,6 +83,8 @@ class CompiledDecodeStep:
         self._windows = [cfg.windows[i] for i in owners]
         self._kv_heads = [cfg.layer_kv_heads[i] if cfg.layer_kv_heads else cfg.num_kv_heads for i in owners]
         self._head_dims = [cfg.layer_head_dims[i] if cfg.layer_head_dims else cfg.head_dim for i in owners]
+        # V's width: K's, except under multi-head latent attention (K the latent, V the RoPE key)
+        self._value_dims = [cfg.qk_rope_head_dim if cfg.kv_lora_rank else d for d in self._head_dims]
         self._step: Any = _fast.DecodeStep(cfg, weights, quant)
         groups = list(self._step.window_groups)
         self._group_of = [groups.index(w) for w in self._windows]  # per buffer, its window group
@@ -177,7 +179,7 @@ class CompiledDecodeStep:
                     + ("a KVCache" if window == 0 else f"a RotatingKVCache of max_size {window}"))
             if c.keys is not None and c.keys.dtype != self._dtype:  # kv_scheme: the caches hold its dtype
                 c.keys, c.values = c.keys.astype(self._dtype), c.values.astype(self._dtype)
-            at = c.reserve_one(rows, self._kv_heads[layer], self._head_dims[layer], self._head_dims[layer],
+            at = c.reserve_one(rows, self._kv_heads[layer], self._head_dims[layer], self._value_dims[layer],
                                self._dtype)
             g = self._group_of[layer]
             if slots[g] is None:

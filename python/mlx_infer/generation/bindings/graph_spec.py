@@ -1,6 +1,6 @@
 """A model's graph read into what the compiled C++ decode step takes (``mlx_infer._fast.DecodeStep``).
 
-:func:`graph_spec` reads a llama-, gemma2/gemma3- or gemma4-family graph into a :class:`~mlx_infer._fast.DecodeConfig`,
+:func:`graph_spec` reads a llama-, gemma2/gemma3-, gemma4- or deepseek_v3-family graph into a :class:`~mlx_infer._fast.DecodeConfig`,
 the weights under canonical names (no copy: the same arrays the model holds) and the quantization of each
 quantized linear. :class:`DecodePolicy` is the binding's choice of how the step runs;
 :class:`DecodeStepUnsupported` says why a graph has no step.
@@ -25,6 +25,12 @@ one C++ forward that only it uses so far: per-layer KV geometry, KV sharing
 inputs, layer scalars and the experts beside the MLP; their canonical names are
 listed in ``cpp/decode/graph.h``. The step's buffers then exist for the KV-owning
 layers only, in the order of ``model.make_cache()``.
+
+DeepSeek V3 (:mod:`.mla_spec`) sets the multi-head latent attention switches (``kv_lora_rank`` and the
+head widths: its buffers hold the latent as K and the RoPE key as V, one head) and ``noaux_tc`` routing
+with shared experts; its names (``layers.{i}.{q_a,q_a_norm,q_b,kv_a,kv_a_norm,embed_q,unembed_out}``,
+``layers.{i}.router.correction_bias``, ``layers.{i}.shared.{gate,up,down}``) are listed there and in
+``cpp/decode/graph.h``.
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ from .fused import fuse_in_place
 
 #: Families with a C++ step (module name of the graph's family file).
 SUPPORTED_FAMILIES = ("llama", "gemma2", "gemma3", "gemma4", "smollm3", "granite", "glm4", "phi3", "olmo2",
-                      "qwen3_moe", "gpt_oss")
+                      "qwen3_moe", "gpt_oss", "deepseek_v3")
 #: Families the llama forward of the C++ step runs, with the switches their spec sets (NoPE layers: a RoPE
 #: of no dims; granite's multipliers: embed_scale, attn_scale, residual_scale, logits_divisor; glm4's
 #: sandwich norms under its own names, decode_norms, and its fused gate_up_proj; phi3's fused qkv_proj and
@@ -203,6 +209,10 @@ def graph_spec(model: Any, *, kv_scheme: str | None = None,
     materialize_graph_constants(model)  # the RoPE tables the specs hand over; the step may run on another thread
     if family == "gemma4":
         return _gemma4_spec(model, kv_scheme, policy)
+    if family == "deepseek_v3":
+        from .mla_spec import deepseek_v3_spec  # it builds on this module's helpers
+
+        return deepseek_v3_spec(model, kv_scheme, policy)
     args = model.args
     inner = model.model
     gemma = family in GEMMA_FORWARD
