@@ -571,6 +571,8 @@ case "${1:-a}" in
     # llama-1B 1-stream row with 4x longer decodes (s19a's 1-second trials spread 208-409 tok/s) against
     # generate_step, and its kernels (host- or GPU-bound?); gpt-oss-20b's layer (12 of 24 layers) against mlx-lm,
     # batch 1 and 32 (issue 20).
+    run 45 deepseek-tests python -m pytest -q -p no:cacheprovider -rf --tb=short -x tests/test_deepseek_decode_step.py
+    tail -n 3 "$out/deepseek-tests.log"
     run 80 served-gemma3-http python benchmarks/served.py -p 512 -g 128 -r 2 -n 2 --no-ids --http --http-beside \
       --streams 32 --shape gemma3-270m --json "$out/h200-served-gemma3-270m-http.json"
     run 120 served-llama-1b-1 python benchmarks/served.py -p 512 -g 512 -r 2 -n 3 --no-text --mlx-lm-step \
