@@ -585,6 +585,15 @@ case "${1:-a}" in
       -n 2 -g 64 --json "$out/h200-decode-gpt-oss.json"
     grep -h "gpt-oss" "$out/gpt-oss.log" | tail -8
     ;;
-  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e|s19a|s19b" >&2
+  s19c)
+    # Session 19's last device minutes: DeepSeek V3's step tests on CUDA (s19b failed one on a name the GPU's
+    # fused gate|up changes), the gemma3-270m HTTP A/B with the time s19b's 80 s lacked.
+    run 45 deepseek-tests python -m pytest -q -p no:cacheprovider -rf --tb=short -x tests/test_deepseek_decode_step.py
+    tail -n 3 "$out/deepseek-tests.log"
+    run 150 served-gemma3-http python benchmarks/served.py -p 512 -g 128 -r 2 -n 2 --no-ids --http --http-beside \
+      --streams 32 --shape gemma3-270m --json "$out/h200-served-gemma3-270m-http.json"
+    grep -h '^| \|^==' "$out"/served-*.log
+    ;;
+  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e|s19a|s19b|s19c" >&2
      exit 2 ;;
 esac

@@ -138,9 +138,10 @@ def assert_paged_matches(model, label: str) -> None:
 
 
 def test_spec_carries_the_latent_attention_and_the_routing():
+    unfused = DecodePolicy(fuse_projections=False)  # the names below; a GPU fuses gate|up by default
     model = model_of("deepseek_v3")
     args, attn = model.args, model.layers[0].self_attn
-    cfg, weights, _ = graph_spec(model)
+    cfg, weights, _ = graph_spec(model, policy=unfused)
     assert (cfg.family, cfg.num_kv_heads, cfg.head_dim) == ("deepseek_v3", 1, args.kv_lora_rank)
     assert (cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim) == (32, 16, 8, 16)
     assert cfg.attn_scale == pytest.approx(attn.scale) and cfg.ropes[0].traditional  # interleaved RoPE
@@ -151,11 +152,11 @@ def test_spec_carries_the_latent_attention_and_the_routing():
     assert weights["layers.1.router.correction_bias"] is model.layers[1].mlp.gate.e_score_correction_bias
     for name in ("q_a", "q_b", "kv_a", "embed_q", "unembed_out", "shared.gate", "experts.down"):
         assert f"layers.1.{name}.weight" in weights
-    cfg, weights, _ = graph_spec(model_of("deepseek_v3_yarn"))
+    cfg, weights, _ = graph_spec(model_of("deepseek_v3_yarn"), policy=unfused)
     assert cfg.ropes[0].base is None and cfg.ropes[0].mscale == 1.0  # YaRN's table (mscale == mscale_all_dim)
     mscale = 0.1 * 1.0 * np.log(4.0) + 1.0  # mscale_all_dim 1, factor 4: the softmax scale takes its square
     assert cfg.attn_scale == pytest.approx((16 + 8) ** -0.5 * mscale**2, rel=1e-6)
-    cfg, weights, _ = graph_spec(model_of("deepseek_v3_no_q_lora_tied"))
+    cfg, weights, _ = graph_spec(model_of("deepseek_v3_no_q_lora_tied"), policy=unfused)
     assert "layers.0.q.weight" in weights and "layers.0.q_a.weight" not in weights and "lm_head.weight" not in weights
     assert (cfg.moe_groups, cfg.norm_topk_prob) == (1, False)
 
@@ -252,7 +253,7 @@ def test_every_parameter_is_handed_over():
     from mlx_infer import _fast
 
     for model in [model_of(n) for n in NAMES] + [quantized_own_model()]:
-        cfg, weights, quant = graph_spec(model)
+        cfg, weights, quant = graph_spec(model, policy=DecodePolicy(fuse_projections=False))  # no fused views
         used = {id(a) for a in weights.values()}
         assert all(id(a) in used for _, a in tree_flatten(model.parameters()))
         _fast.DecodeStep(cfg, weights, quant)
