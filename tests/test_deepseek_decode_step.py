@@ -33,14 +33,13 @@ from mlx.utils import tree_flatten, tree_map
 
 from families import hf_setup
 from mlx_infer.artifacts.loader import load_model
-from mlx_infer.engine.batch import DecodeBatch
 from mlx_infer.generation.bindings.decode_step import CompiledDecodeStep
 from mlx_infer.generation.bindings.graph_spec import DecodePolicy, DecodeStepUnsupported, graph_spec
-from mlx_infer.generation.bindings.paged_decode_step import CompiledPagedDecodeStep, PagedDecodePolicy
 from mlx_infer.models import get_model_classes
 from mlx_infer.models.deepseek_v3 import QuantizedMultiLinear
 from mlx_infer.state.paged import PagedKVStore
-from test_gemma2_decode_step import KERNELS, STEPS, max_diff, prompts, run_plain
+from test_gemma2_decode_step import KERNELS, STEPS, max_diff, run_plain
+from test_gemma2_decode_step import paged_run as gemma2_paged_run
 
 # Float32, logits up to ~5. Measured on CPU (mlx 0.32.4) max |step - eager| over 24 steps: 0.0 (bit-identical)
 # on stock kernels, plain and paged, dense and 4-bit; <= 3.5e-6 with the CPU kernels (deepseek_v3_no_q_lora_tied,
@@ -94,32 +93,9 @@ def assert_plain_matches(model, compile_: bool, label: str) -> None:
 
 
 def paged_run(model, mode: str) -> tuple[list[mx.array], PagedKVStore]:
-    """Teacher-forced logits of 6 rows through ``mode`` ("eager", or the paged step's "kernel" / "gather")
-    and the store after."""
-    ps = prompts(6)
-    store = PagedKVStore.for_model(model, num_pages=200, page_size=4)
-    seqs = []
-    for p in ps:
-        seq = store.add_sequence()
-        model.model(mx.array([p[:-1]], mx.uint32), cache=store.make_cache(seq))
-        seqs.append(seq)
-    batch = DecodeBatch(store, seqs)
-    step = None if mode == "eager" else CompiledPagedDecodeStep(
-        model, store, batch.group_windows(), policy=PagedDecodePolicy(attention=mode))
-    rng = np.random.default_rng(0)
-    tokens = mx.array([p[-1] for p in ps], mx.uint32)
-    out = []
-    for _ in range(STEPS):
-        assert batch.reserve()
-        logits = model(tokens[:, None], cache=batch.caches)[:, -1, :] if step is None else step.step(tokens, batch)
-        batch.commit()
-        mx.eval(logits)
-        out.append(logits)
-        tokens = mx.array(rng.integers(5, 300, size=len(ps)), mx.uint32)
-    if step is not None:
-        assert step.eager_steps == 0 and step.failures == 0
-        assert step.attention_backend == "gather"  # MLA's attention: the gather path whatever the policy says
-    return out, store
+    """Teacher-forced logits of 6 rows through ``mode`` and the store after; MLA's attention is the
+    gather path whatever the policy says."""
+    return gemma2_paged_run(model, mode, backend="gather")
 
 
 def assert_paged_matches(model, label: str) -> None:

@@ -120,8 +120,9 @@ def prompts(n: int) -> list[list[int]]:
     return [[(13 * i + 7 * j + i * j) % 290 + 5 for j in range(9 + (i * 5) % 13)] for i in range(n)]
 
 
-def paged_logits(model, mode: str) -> list[mx.array]:
-    """Teacher-forced logits of 6 rows through ``mode``: "eager", or the paged step's "kernel" / "gather"."""
+def paged_run(model, mode: str, backend: str | None = None) -> tuple[list[mx.array], PagedKVStore]:
+    """Teacher-forced logits of 6 rows through ``mode`` ("eager", or the paged step's "kernel" / "gather")
+    and the store after; ``backend``: the attention the step must report (default: the mode's own)."""
     ps = prompts(6)
     store = PagedKVStore.for_model(model, num_pages=200, page_size=4)
     seqs = []
@@ -144,8 +145,14 @@ def paged_logits(model, mode: str) -> list[mx.array]:
         tokens = mx.array(rng.integers(5, 300, size=len(ps)), mx.uint32)
     if step is not None:
         assert step.eager_steps == 0 and step.failures == 0
-        assert step.attention_backend == (KERNEL_BACKEND if mode == "kernel" else "gather")  # no silent fallback
-    return out
+        want = backend or (KERNEL_BACKEND if mode == "kernel" else "gather")
+        assert step.attention_backend == want  # no silent fallback
+    return out, store
+
+
+def paged_logits(model, mode: str) -> list[mx.array]:
+    """:func:`paged_run`'s logits."""
+    return paged_run(model, mode)[0]
 
 
 @pytest.mark.parametrize("name", NAMES)
