@@ -38,7 +38,7 @@ from mlx_infer.generation.bindings.graph_spec import DecodePolicy, DecodeStepUns
 from mlx_infer.models import get_model_classes
 from mlx_infer.models.deepseek_v3 import QuantizedMultiLinear
 from mlx_infer.state.paged import PagedKVStore
-from test_gemma2_decode_step import KERNELS, STEPS, max_diff, run_plain
+from test_gemma2_decode_step import KERNELS, STEPS, max_diff, model_of, run_plain
 from test_gemma2_decode_step import paged_run as gemma2_paged_run
 
 # Float32, logits up to ~5. Measured on CPU (mlx 0.32.4) max |step - eager| over 24 steps: 0.0 (bit-identical)
@@ -55,16 +55,6 @@ OWN = dict(model_type="deepseek_v3", vocab_size=320, hidden_size=64, intermediat
            routed_scaling_factor=2.5, kv_lora_rank=32, q_lora_rank=64, qk_rope_head_dim=8, qk_nope_head_dim=32,
            v_head_dim=16, n_group=2, topk_group=1, num_experts_per_tok=2, first_k_dense_replace=1,
            rms_norm_eps=1e-5, max_position_embeddings=256, tie_word_embeddings=False)
-
-_LOADED: dict[tuple[str, bool], object] = {}
-
-
-def model_of(name: str, cpu_kernels: bool = False):
-    key = (name, cpu_kernels)
-    if key not in _LOADED:
-        _LOADED[key] = load_model(hf_setup(name)[0], cpu_kernels=cpu_kernels).model
-    return _LOADED[key]
-
 
 def quantized_own_model():
     """OWN with random weights (every parameter plus N(0, 0.1): the router's start at zero), quantized to 4 bits."""
