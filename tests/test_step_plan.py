@@ -153,3 +153,12 @@ def test_prefetch_to_gpu_is_a_hint_that_keeps_the_values(monkeypatch):
     plan = g.append_batch([1], [3], table_bucket=2)
     assert ints(plan.positions) == [0, 1, 2] and ints(plan.write_slots[0]) == [4, 5, 6]
     assert _fast.prefetch_error() == ""
+
+
+def test_host_array_is_mx_array_of_the_values():
+    """engine/host_arrays.py: the engine's host-made step inputs, prefetched on CUDA, equal mx.array's."""
+    from mlx_infer.engine.host_arrays import host_array
+
+    for values, dtype in (([[1, 2, 3], [4, 5, 6]], mx.uint32), ([7], mx.int32), (list(range(100)), mx.int32)):
+        a = host_array(values, dtype)
+        assert a.dtype == dtype and a.tolist() == values
