@@ -7,7 +7,8 @@ tokens) on:
 - ``eager``   ``generate_tokens`` on the eager graph (the reference);
 - ``compiled`` for the families the C++ step runs (:data:`COMPILED`: SmolLM 3's NoPE layers,
   Granite's multipliers, Gemma 2's soft-capped attention, gpt-oss's sinks, DeepSeek V3's latent attention
-  and noaux_tc experts), ``generate_tokens`` through the compiled decode step;
+  and noaux_tc experts, Phi-3's LongRoPE: both prompts decode across its original 16 positions, so rows switch
+  from the short table to the long one mid-stream), ``generate_tokens`` through the compiled decode step;
   the others have none, so the binding must refuse it with a reason;
 - ``engine``  ``Engine`` over paged KV, two requests batched: the compiled paged step for
   :data:`COMPILED`, else refused likewise and the engine decodes on the eager graph over the pages;
@@ -44,7 +45,7 @@ ALL = list(SPECS)
 #: Families with a compiled decode step (their specs' names start with the family)...
 COMPILED = ("granite", "smollm3", "glm4", "phi3", "olmo2", "qwen3_moe", "gemma2", "gpt_oss", "deepseek_v3")
 #: ... and the specs whose step is refused all the same (the reason names what).
-STEP_REFUSES = {"phi3_longrope_partial": "LongRoPE"}
+STEP_REFUSES: dict[str, str] = {}
 
 
 def compiled(name: str) -> bool:

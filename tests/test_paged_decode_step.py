@@ -178,13 +178,13 @@ class _Failing:
     def __init__(self, native, at: int, after_build: bool):
         self.native, self.at, self.after_build, self.calls = native, at, after_build, 0
 
-    def step(self, *args):
+    def step(self, *args, **kwargs):
         self.calls += 1
         if self.calls == self.at:
             if self.after_build:
-                self.native.step(*args)
+                self.native.step(*args, **kwargs)
             raise RuntimeError("forced failure")
-        return self.native.step(*args)
+        return self.native.step(*args, **kwargs)
 
     def __getattr__(self, name):
         return getattr(self.native, name)

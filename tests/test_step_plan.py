@@ -28,6 +28,7 @@ def test_append_batch_returns_the_plan_of_every_row():
     plan = g.append_batch([4, 9], [1, 2], table_bucket=4)
     assert plan.rows == 3 and (plan.min_length, plan.max_length) == (1, 6)
     assert ints(plan.positions) == [5, 0, 1] and ints(plan.lengths) == [6, 1, 2]
+    assert ints(plan.call_ends) == [6, 2, 2]  # start + count: seq 9's chunk rows share its end
     # seq 9's first page is page 3 of each pool; rows of one sequence share its table.
     assert ints(plan.block_tables[0]) == [[1, 2, 0, 0], [3, 0, 0, 0], [3, 0, 0, 0]]
     assert ints(plan.write_slots[0]) == [2 * 4 + 1, 3 * 4, 3 * 4 + 1]
@@ -122,6 +123,7 @@ def test_row_bucket_pads_with_null_page_rows_after_the_real_ones():
     plan = g.append_batch([1], [3], row_bucket=8)
     assert (plan.rows, plan.real_rows) == (8, 3)
     assert ints(plan.positions) == [0, 1, 2] + [0] * 5 and ints(plan.lengths) == [1, 2, 3] + [1] * 5
+    assert ints(plan.call_ends) == [3, 3, 3] + [1] * 5
     assert ints(plan.write_slots[0])[3:] == [0] * 5 and ints(plan.block_tables[0])[3:] == [[0]] * 5
     assert g.length(1) == 3  # padding grows no sequence
     g.check()

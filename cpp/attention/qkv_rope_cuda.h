@@ -13,7 +13,8 @@ namespace mlx_infer {
 namespace mx = mlx::core;
 
 /// Whether qkv_rope takes these: the CUDA backend, ``qkv`` (R, (H + 2 KVH) D) of a float dtype, an even
-/// head_dim and rotated dims, RoPE by base or freqs without a YaRN magnitude correction.
+/// head_dim and rotated dims, RoPE by base or freqs without a YaRN magnitude correction or LongRoPE's
+/// second (long) table.
 bool qkv_rope_supported(const mx::array& qkv, int H, int KVH, int D, const RopeSpec& rope);
 
 /// Whether the paged step uses qkv_rope where supported: MLX_INFER_QKV_ROPE=0 turns it off (MLX's split and

@@ -50,16 +50,21 @@ void bind_decode(nb::module_& m) {
       .def(
           "__init__",
           [](RopeSpec* r, int dims, bool traditional, std::optional<float> base, float scale,
-             std::optional<mx::array> freqs, float mscale) {
-            new (r) RopeSpec{dims, traditional, base, scale, std::move(freqs), mscale};
+             std::optional<mx::array> freqs, float mscale, std::optional<mx::array> long_freqs, int original) {
+            new (r) RopeSpec{dims, traditional, base, scale, std::move(freqs), mscale, std::move(long_freqs),
+                             original};
           },
           nb::kw_only(), "dims"_a, "traditional"_a = false, "base"_a = nb::none(),
-          "scale"_a = 1.0f, "freqs"_a = nb::none(), "mscale"_a = 1.0f)
+          "scale"_a = 1.0f, "freqs"_a = nb::none(), "mscale"_a = 1.0f, "long_freqs"_a = nb::none(),
+          "original"_a = 0,
+          "LongRoPE (Phi-3): ``freqs`` the short table, ``long_freqs`` the long one, ``mscale`` its "
+          "attention_factor; a row whose call ends past ``original`` rotates with the long table.")
       .def_ro("dims", &RopeSpec::dims)
       .def_ro("traditional", &RopeSpec::traditional)
       .def_ro("base", &RopeSpec::base)
       .def_ro("scale", &RopeSpec::scale)
-      .def_ro("mscale", &RopeSpec::mscale);
+      .def_ro("mscale", &RopeSpec::mscale)
+      .def_ro("original", &RopeSpec::original);
 
   nb::class_<DecodeConfig>(m, "DecodeConfig",
                            R"(The graph a DecodeStep runs (shapes and family switches).
@@ -251,7 +256,7 @@ thread-safe.)")
           [](PagedDecodeStep& self, const mx::array& tokens, const mx::array& positions, const mx::array& logit_rows,
              const std::vector<std::tuple<mx::array, mx::array, mx::array>>& groups,
              const std::vector<mx::array>& keys, const std::vector<mx::array>& values,
-             const std::optional<mx::array>& adapter_slots) {
+             const std::optional<mx::array>& adapter_slots, const std::optional<mx::array>& call_ends) {
             std::vector<PagedGroupInputs> gs;
             gs.reserve(groups.size());
             for (const auto& [tables, lengths, slots] : groups) {
@@ -263,12 +268,12 @@ thread-safe.)")
             // H200, session 16: 19 of its 55 samples of the GIL holder were in this call).
             auto out = [&] {
               nb::gil_scoped_release nogil;
-              return self.step(tokens, positions, logit_rows, gs, keys, values, adapter_slots);
+              return self.step(tokens, positions, logit_rows, gs, keys, values, adapter_slots, call_ends);
             }();
             return std::make_tuple(out.logits, std::move(out.keys), std::move(out.values));
           },
           "tokens"_a, "positions"_a, "logit_rows"_a, "groups"_a, "keys"_a, "values"_a,
-          "adapter_slots"_a = nb::none(),
+          "adapter_slots"_a = nb::none(), nb::kw_only(), "call_ends"_a = nb::none(),
           R"(One query token per row; returns ``(logits (M, vocab), keys, values)``, lazily.
 
 Args:
@@ -280,6 +285,8 @@ Args:
         ``page * page_size + offset`` where its new K/V goes.
     keys, values: per layer the storage ``(pages, kv_heads, page_size, head_dim)``.
     adapter_slots: ``(R,)`` each row's bank slot (with adapters set; None = slot 0, no adapter).
+    call_ends: ``(R,)`` the end of each row's call (``StepPlan.call_ends``: a prefill chunk's rows
+        share start + n), which picks a LongRoPE layer's table; None = ``positions + 1``.
 
 Returns:
     The logits and each layer's updated key and value storage.

@@ -178,6 +178,9 @@ layer of the group (copy-on-write), then write row r's K/V at
 ``write_slots[g][r]`` (``page * page_size + offset``).)")
       .def_ro("positions", &StepPlan::positions, "(R,) position of each row's token.")
       .def_ro("lengths", &StepPlan::lengths, "(R,) positions + 1: keys each row may read.")
+      .def_ro("call_ends", &StepPlan::call_ends,
+              "(R,) start + count of each row's sequence: the end of the row's call, the same for every row "
+              "of a chunk (LongRoPE's table; padding rows 1).")
       .def_ro("block_tables", &StepPlan::block_tables,
               "Per group, (R, T) page ids (0 = null page padding; T a multiple of table_bucket).")
       .def_ro("write_slots", &StepPlan::write_slots, "Per group, (R,) flat slot of each row's new K/V.")

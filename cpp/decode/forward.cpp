@@ -115,9 +115,11 @@ mx::array mlp_block(const DecodeStep::Graph& g, const LayerWeights& lw, const mx
 
 // Grouped-query attention of layer i (every family but MLA's): x (B, 1, E) the normed input -> (B, 1, H D),
 // before o. ``reads``: per buffer, what a KV-owning layer's write_read returned this step (KV-shared layers
-// attend over their donor's).
+// attend over their donor's). ``call_ends`` (B,): each row's call end (LongRoPE's table), set when some layer
+// has LongRoPE.
 mx::array gqa_attention(const DecodeStep::Graph& g, int i, const mx::array& x, const mx::array& positions,
-                        KVAccess& kv, std::vector<std::optional<AttentionInputs>>& reads) {
+                        const std::optional<mx::array>& call_ends, KVAccess& kv,
+                        std::vector<std::optional<AttentionInputs>>& reads) {
   const auto& cfg = g.cfg;
   const auto& lw = g.layers[i];
   const int B = x.shape(0), H = cfg.num_heads, KVH = lw.kv_heads, D = lw.head_dim;
@@ -151,13 +153,13 @@ mx::array gqa_attention(const DecodeStep::Graph& g, int i, const mx::array& x, c
     }
     q = mx::reshape(q, {B, 1, H, D});
     if (lw.q_norm && !cfg.qk_norm_whole) q = rms(q, lw.q_norm, eps);
-    q = rope(mx::transpose(q, {0, 2, 1, 3}), lw.rope, positions);  // (B, H, 1, D)
+    q = rope(mx::transpose(q, {0, 2, 1, 3}), lw.rope, positions, call_ends);  // (B, H, 1, D)
     if (lw.owns_kv) {
       k = mx::reshape(k, {B, 1, KVH, D});
       v = mx::reshape(v, {B, 1, KVH, D});
       if (lw.k_norm && !cfg.qk_norm_whole) k = rms(k, lw.k_norm, eps);
       if (cfg.v_norm) v = rms(v, std::nullopt, eps);
-      k = rope(mx::transpose(k, {0, 2, 1, 3}), lw.rope, positions);  // (B, KVH, 1, D)
+      k = rope(mx::transpose(k, {0, 2, 1, 3}), lw.rope, positions, call_ends);  // (B, KVH, 1, D)
       v = mx::transpose(v, {0, 2, 1, 3});
     }
   }
@@ -185,7 +187,8 @@ mx::array layers_forward(
     const mx::array& tokens,
     const mx::array& positions,  // (B,) int32
     KVAccess& kv,
-    const std::optional<mx::array>& logit_rows) {
+    const std::optional<mx::array>& logit_rows,
+    const std::optional<mx::array>& call_ends) {
   const auto& cfg = g.cfg;
   const int L = cfg.num_layers;
   const int B = tokens.shape(0);
@@ -193,6 +196,16 @@ mx::array layers_forward(
   if (static_cast<int>(g.layers.size()) != L) {
     throw std::invalid_argument("[DecodeStep] the forward has weights for " + std::to_string(g.layers.size()) +
                                 " of " + std::to_string(L) + " layers.");
+  }
+
+  // LongRoPE picks each row's table by its call's end: the caller's (a prefill chunk's rows share their
+  // chunk's), else positions + 1 (every row a one-token call).
+  std::optional<mx::array> ends;  // (B,) int32
+  for (const auto& lw : g.layers) {
+    if (lw.rope.long_freqs) {
+      ends = call_ends ? *call_ends : mx::add(positions, mx::array(1, positions.dtype()));
+      break;
+    }
   }
 
   auto ids = mx::reshape(tokens, {B, 1});
@@ -211,7 +224,7 @@ mx::array layers_forward(
 
     auto x = lw.attn_norm ? rms(h, lw.attn_norm, eps) : h;  // olmo2: no pre-norm
     auto o = cfg.kv_lora_rank > 0 ? mla_attention(g, lw, x, positions, kv)        // (B, 1, H v_head)
-                                  : gqa_attention(g, i, x, positions, kv, reads);  // (B, 1, H D)
+                                  : gqa_attention(g, i, x, positions, ends, kv, reads);  // (B, 1, H D)
     auto r = tp_sum(g, apply_linear(lw.o, o));  // (B, 1, E): all heads' sum under tensor parallel
     if (cfg.residual_scale != 1.0f) {
       r = mx::multiply(r, scalar(cfg.residual_scale, r.dtype()));

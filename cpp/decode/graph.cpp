@@ -130,12 +130,41 @@ mx::array rms(const mx::array& x, const std::optional<mx::array>& w, float eps) 
   return mx::fast::rms_norm(x, w, eps);
 }
 
-mx::array rope(const mx::array& x, const RopeSpec& r, const mx::array& offset) {
+namespace {
+
+// mx::fast::rope of y (B, N, T, D) at offset (B,) or a scalar with one table (``freqs``, or r.base when none).
+// Splits the rows where MLX's CUDA kernel cannot take them at once.
+mx::array rope_table(const mx::array& y, const RopeSpec& r, const std::optional<mx::array>& freqs,
+                     const mx::array& offset) {
+  const auto base = freqs ? std::nullopt : r.base;
+  const int B = y.shape(0);
+  const int rows = rope_rows_per_call(B, y.shape(1), y.shape(2), r.dims);
+  if (rows >= B) {
+    return mx::fast::rope(y, r.dims, r.traditional, base, r.scale, offset, freqs);
+  }
+  std::vector<mx::array> parts;
+  for (int b = 0; b < B; b += rows) {
+    const int e = std::min(B, b + rows);
+    auto shape = y.shape();
+    shape[0] = e;
+    std::vector<int> lo(y.ndim(), 0);
+    lo[0] = b;
+    auto part = mx::slice(y, mx::Shape(lo.begin(), lo.end()), shape);
+    auto off = offset.ndim() == 0 ? offset : mx::slice(offset, {b}, {e});
+    parts.push_back(mx::fast::rope(part, r.dims, r.traditional, base, r.scale, off, freqs));
+  }
+  return mx::concatenate(parts, 0);
+}
+
+}  // namespace
+
+mx::array rope(const mx::array& x, const RopeSpec& r, const mx::array& offset,
+               const std::optional<mx::array>& call_ends) {
   if (r.dims == 0) {
     return x;  // a layer without RoPE
   }
   auto y = x;
-  if (r.mscale != 1.0f) {  // YarnRoPE: x.at[..., :dims].multiply(mscale)
+  if (r.mscale != 1.0f) {  // YarnRoPE / LongRoPE: x.at[..., :dims].multiply(mscale)
     int D = x.shape(-1);
     auto m = scalar(r.mscale, x.dtype());
     if (r.dims == D) {
@@ -147,24 +176,17 @@ mx::array rope(const mx::array& x, const RopeSpec& r, const mx::array& offset) {
       y = mx::concatenate({mx::multiply(head, m), tail}, -1);
     }
   }
-  // x: (B, N, T, D), offset: (B,) or a scalar. Split the rows where MLX's CUDA kernel cannot take them at once.
-  const int B = y.shape(0);
-  const int rows = rope_rows_per_call(B, y.shape(1), y.shape(2), r.dims);
-  if (rows >= B) {
-    return mx::fast::rope(y, r.dims, r.traditional, r.base, r.scale, offset, r.freqs);
+  // x: (B, N, T, D), offset: (B,) or a scalar.
+  if (!r.long_freqs) {
+    return rope_table(y, r, r.freqs, offset);
   }
-  std::vector<mx::array> parts;
-  for (int b = 0; b < B; b += rows) {
-    const int e = std::min(B, b + rows);
-    auto shape = y.shape();
-    shape[0] = e;
-    std::vector<int> lo(y.ndim(), 0);
-    lo[0] = b;
-    auto part = mx::slice(y, mx::Shape(lo.begin(), lo.end()), shape);
-    auto off = offset.ndim() == 0 ? offset : mx::slice(offset, {b}, {e});
-    parts.push_back(mx::fast::rope(part, r.dims, r.traditional, r.base, r.scale, off, r.freqs));
+  // LongRoPE: mx.where((end > original).reshape(-1, 1, 1, 1), rope(long), rope(short)), end each row's call end.
+  if (!call_ends) {
+    throw std::invalid_argument("[DecodeStep] a LongRoPE layer needs each row's call end.");
   }
-  return mx::concatenate(parts, 0);
+  auto is_long = mx::reshape(mx::greater(*call_ends, mx::array(r.original, call_ends->dtype())),
+                             {-1, 1, 1, 1});  // (B, 1, 1, 1)
+  return mx::where(is_long, rope_table(y, r, r.long_freqs, offset), rope_table(y, r, r.freqs, offset));
 }
 
 namespace {

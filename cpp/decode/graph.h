@@ -139,13 +139,15 @@ class KVAccess {
 /// The one-token forward over any KV storage (forward.cpp): logits (B, vocab), lazily. ``kv`` is indexed
 /// by buffer (KV-owning layer, in order); a KV-shared layer attends over what its donor's ``write_read``
 /// returned in the same forward. With ``logit_rows`` (M,) int32 only those rows' logits (M, vocab), the
-/// head run on them alone.
+/// head run on them alone. ``call_ends`` (B,) int32: each row's call end, which picks a LongRoPE layer's
+/// table (a prefill chunk's rows share their chunk's end); none: ``positions + 1``, every row a call of its own.
 mx::array layers_forward(
     const DecodeStep::Graph& g,
     const mx::array& tokens,
     const mx::array& positions,
     KVAccess& kv,
-    const std::optional<mx::array>& logit_rows = std::nullopt);
+    const std::optional<mx::array>& logit_rows = std::nullopt,
+    const std::optional<mx::array>& call_ends = std::nullopt);
 
 /// One K/V buffer (KV-owning layer): its heads, K and V widths and window (0 = global).
 struct BufferGeometry {
@@ -202,8 +204,10 @@ mx::array tp_gather_logits(const DecodeStep::Graph& g, const mx::array& logits);
 /// Joins cfg.tp_backend's group (already initialised by Python) into g.tp.
 void init_tensor_parallel(DecodeStep::Graph& g);
 mx::array rms(const mx::array& x, const std::optional<mx::array>& w, float eps);
-/// mx::fast::rope at per-row offsets (B,).
-mx::array rope(const mx::array& x, const RopeSpec& r, const mx::array& offset);
+/// mx::fast::rope at per-row offsets (B,). A LongRoPE spec (long_freqs) needs ``call_ends`` (B,): each row's
+/// call end (one past the last position of the call its token belongs to), which picks its table.
+mx::array rope(const mx::array& x, const RopeSpec& r, const mx::array& offset,
+               const std::optional<mx::array>& call_ends = std::nullopt);
 /// act(gate) * up, shapeless-compiled as mlx-lm compiles its activations.
 mx::array gated(const DecodeConfig& cfg, const mx::array& gate, const mx::array& up);
 /// SwitchLinear / QuantizedSwitchLinear over the rows' expert ids (moe.cpp).

@@ -19,7 +19,7 @@ namespace mlx_infer {
 namespace {
 
 constexpr int kGroupInputs = 3;  // block_tables, lengths, write_slots
-constexpr int kStepInputs = 3;   // tokens, positions, logit_rows
+constexpr int kStepInputs = 4;   // tokens, positions, logit_rows, call_ends
 
 // Scatter ``x`` (R, KVH, 1, D) at ``write`` rows of ``part`` viewed as
 // (pages * KVH * page_size, D): the storage with the new rows written.
@@ -32,7 +32,7 @@ mx::array write_part(const mx::array& part, const mx::array& x, const mx::array&
   return mx::reshape(flat, shape);
 }
 
-// The pages of a store. Inputs: tokens, positions, logit_rows, G groups of
+// The pages of a store. Inputs: tokens, positions, logit_rows, call_ends, G groups of
 // kGroupInputs, then k_0, v_0, ..., k_{L-1}, v_{L-1}; each layer's updated
 // storage is appended to ``outputs`` in that order.
 class PagedKV final : public KVAccess {
@@ -149,7 +149,7 @@ std::vector<mx::array> paged_forward(const DecodeStep::Graph& g, const std::vect
   outputs.reserve(1 + 2 * num_buffers(g));
   outputs.push_back(mx::array(0));  // logits, set below
   PagedKV kv(g, layer_groups, num_groups, kernel, inputs, outputs, backend);
-  outputs[0] = layers_forward(g, inputs[0], inputs[1], kv, inputs[2]);
+  outputs[0] = layers_forward(g, inputs[0], inputs[1], kv, inputs[2], inputs[3]);
   return outputs;
 }
 
@@ -301,7 +301,8 @@ PagedStepOutput PagedDecodeStep::step(
     const std::vector<PagedGroupInputs>& groups,
     const std::vector<mx::array>& keys,
     const std::vector<mx::array>& values,
-    const std::optional<mx::array>& adapter_slots) {
+    const std::optional<mx::array>& adapter_slots,
+    const std::optional<mx::array>& call_ends) {
   const auto geometry = buffer_geometry(*graph_);  // per KV-owning layer
   const int L = static_cast<int>(geometry.size());
   if (tokens.ndim() > 2 || tokens.size() < 1 || !mx::issubdtype(tokens.dtype(), mx::integer)) {
@@ -331,6 +332,9 @@ PagedStepOutput PagedDecodeStep::step(
   inputs.push_back(pad_rows(row_ints(positions, R, "positions"), R_run - R, 0));
   inputs.push_back(pad_rows(logit_rows.dtype() == mx::int32 ? logit_rows : mx::astype(logit_rows, mx::int32),
                             M_run - M, 0));
+  // Each row's call end (LongRoPE's table); without the plan's, every row is a call of its own.
+  inputs.push_back(call_ends ? pad_rows(row_ints(*call_ends, R, "call_ends"), R_run - R, 1)
+                            : mx::add(inputs[1], mx::array(1, mx::int32)));  // (R_run,)
   std::vector<int> signature{R_run, M_run};
   for (int g = 0; g < num_groups_; ++g) {
     const auto& in = groups[g];

@@ -87,6 +87,15 @@ void validate_decode_config(const DecodeConfig& c) {
       if (r.base.has_value() == r.freqs.has_value()) fail("each RopeSpec needs exactly one of base and freqs.");
       if (r.dims < 2 || r.dims > hd) fail("RopeSpec.dims must be in [2, the layer's head_dim] (0: no RoPE).");
     }
+    if (r.long_freqs) {  // LongRoPE: freqs the short table, long_freqs the long one, both (dims / 2,)
+      const auto half = static_cast<size_t>(r.dims / 2);
+      if (!r.freqs || r.freqs->ndim() != 1 || r.freqs->size() != half || r.long_freqs->ndim() != 1 ||
+          r.long_freqs->size() != half) {
+        fail("a LongRoPE RopeSpec needs freqs (the short table) and long_freqs, each of shape (dims / 2,).");
+      }
+      if (r.original < 1) fail("a LongRoPE RopeSpec needs original (original_max_position_embeddings) >= 1.");
+      if (mla) fail("multi-head latent attention takes no LongRoPE (long_freqs).");
+    }
     if (mla && r.dims != c.qk_rope_head_dim) {
       fail("multi-head latent attention rotates the whole RoPE part: each RopeSpec.dims must be qk_rope_head_dim.");
     }

@@ -101,7 +101,7 @@ std::optional<StepPlan> PageGroups::append_batch(
   // table, written at slot 0 of the null page; they read only that slot.
   const int64_t real_rows = R;
   R = (R + row_bucket - 1) / row_bucket * row_bucket;
-  std::vector<int32_t> positions(R, 0), lengths(R, 1);
+  std::vector<int32_t> positions(R, 0), lengths(R, 1), call_ends(R, 1);
   std::vector<std::vector<int32_t>> slots(G, std::vector<int32_t>(R, 0));
   std::vector<std::vector<int32_t>> src(G), dst(G);
   std::vector<std::vector<std::vector<int32_t>>> tables(G, std::vector<std::vector<int32_t>>(seq_ids.size()));
@@ -124,6 +124,7 @@ std::optional<StepPlan> PageGroups::append_batch(
     for (int64_t j = 0; j < n; ++j) {
       positions[row + j] = static_cast<int32_t>(start + j);
       lengths[row + j] = static_cast<int32_t>(start + j + 1);
+      call_ends[row + j] = static_cast<int32_t>(start + n);
     }
     row += n;
   }
@@ -131,6 +132,7 @@ std::optional<StepPlan> PageGroups::append_batch(
   Packed packed;
   const int i_pos = packed.add(positions, {static_cast<int>(R)});
   const int i_len = packed.add(lengths, {static_cast<int>(R)});
+  const int i_end = packed.add(call_ends, {static_cast<int>(R)});
   std::vector<std::vector<int32_t>> host_tables(G);
   std::vector<int> i_tab(G), i_slot(G), i_src(G), i_dst(G);
   for (int g = 0; g < G; ++g) {
@@ -150,7 +152,8 @@ std::optional<StepPlan> PageGroups::append_batch(
     i_dst[g] = packed.add(dst[g], {c});
   }
   packed.seal();
-  StepPlan plan{packed.view(i_pos), packed.view(i_len), {}, {}, {}, {}, {}, static_cast<int>(R), 0, 0};
+  StepPlan plan{packed.view(i_pos), packed.view(i_len), packed.view(i_end), {}, {}, {}, {}, {},
+                static_cast<int>(R), 0, 0};
   plan.real_rows = static_cast<int>(real_rows);
   plan.min_length = *std::min_element(lengths.begin(), lengths.end());
   plan.max_length = *std::max_element(lengths.begin(), lengths.end());

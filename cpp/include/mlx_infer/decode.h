@@ -60,8 +60,12 @@ struct RopeSpec {
   std::optional<float> base;
   float scale = 1.0f;
   std::optional<mx::array> freqs;
-  /// YaRN magnitude correction applied to the first ``dims`` features first.
+  /// YaRN magnitude correction (LongRoPE: its attention_factor) applied to the first ``dims`` features first.
   float mscale = 1.0f;
+  /// LongRoPE (Phi-3): with a long table, ``freqs`` is the short one and each row rotates with the long table
+  /// when its call ends past ``original`` (the row's call end > original), else with the short one.
+  std::optional<mx::array> long_freqs;
+  int original = 0;
 };
 
 /// The graph a step runs. Weights are handed over separately (see DecodeStep).

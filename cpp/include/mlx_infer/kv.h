@@ -113,11 +113,14 @@ std::string prefetch_error();
 ///
 ///   seqs 4 (len 37 -> +1), 9 (len 3 -> +2), page_size 16
 ///
-///   row  seq  position  length  block_tables[g] (T = 3)  write_slots[g]
-///   0    4    37        38      [ 7  2  5 ]             5*16 + 5
-///   1    9    3         4       [ 8  0  0 ]             8*16 + 3
-///   2    9    4         5       [ 8  0  0 ]             8*16 + 4
+///   row  seq  position  length  call_end  block_tables[g] (T = 3)  write_slots[g]
+///   0    4    37        38      38        [ 7  2  5 ]             5*16 + 5
+///   1    9    3         4       5         [ 8  0  0 ]             8*16 + 3
+///   2    9    4         5       5         [ 8  0  0 ]             8*16 + 4
 ///
+/// call_ends is one past the last position of each row's call, the same for
+/// every row of a chunk: what the eager graph would see running the chunk as
+/// one call (LongRoPE picks its table by it).
 /// A row attends keys [max(0, length - window), length) of its group: its
 /// own new key included, so every row's K/V is written before attention and
 /// the rows of a chunk see each other causally. Padding entries are 0, the
@@ -126,6 +129,7 @@ std::string prefetch_error();
 struct StepPlan {
   mx::array positions;                  // (R,) int32
   mx::array lengths;                    // (R,) int32, position + 1
+  mx::array call_ends;                  // (R,) int32, the row's sequence's start + count (padding: 1)
   std::vector<mx::array> block_tables;  // per group (R, T) int32, T a multiple of table_bucket
   std::vector<mx::array> write_slots;   // per group (R,) int32, page * page_size + offset
   std::vector<mx::array> copy_src;      // per group (c_g,) int32 (c_g may be 0)

@@ -124,6 +124,8 @@ class PagedDecodeStep {
   ///   groups: one PagedGroupInputs per layer group.
   ///   keys, values: per layer, the storage (pages, kv_heads, page_size, head_dim),
   ///     float16 / bfloat16 / float32 (quantized storage is refused).
+  ///   call_ends: (R,) integer end of each row's call (StepPlan::call_ends: a prefill chunk's rows
+  ///     share start + n), which picks a LongRoPE layer's table; none: positions + 1.
   PagedStepOutput step(
       const mx::array& tokens,
       const mx::array& positions,
@@ -131,7 +133,8 @@ class PagedDecodeStep {
       const std::vector<PagedGroupInputs>& groups,
       const std::vector<mx::array>& keys,
       const std::vector<mx::array>& values,
-      const std::optional<mx::array>& adapter_slots = std::nullopt);
+      const std::optional<mx::array>& adapter_slots = std::nullopt,
+      const std::optional<mx::array>& call_ends = std::nullopt);
 
   /// The adapter bank's stacked tensors as inputs of every later step (see DecodeStep::set_adapters);
   /// ``adapter_slots`` (R,) of step() then picks each row's bank slot (none: no row has an

@@ -7,7 +7,7 @@ copies come back as int32 arrays. No per-row Python runs here::
 
     reserve()   pages.append_batch(ids, counts)     (C++, all rows or none; short of materialized
                                                  pages, the store grows its storage and retries)
-                -> positions (R,), lengths (R,), per layer group g:
+                -> positions (R,), lengths (R,), call_ends (R,), per layer group g:
                    block_tables (R, T), write_slots (R,), copies (c_g,)
     forward     the compiled C++ paged step reads the plan's arrays as they are
                 (``paged_inputs()``: block tables, lengths, write slots per group;
@@ -67,6 +67,7 @@ class DecodeBatch:
         self.caches = [_DecodeLayerCache(self, i) for i in range(store.num_layers)]
         self.plan: Any = None  # the last reserve()'s _fast.StepPlan
         self.offset: mx.array | None = None  # (R,) int32 positions of the new tokens
+        self.call_ends: mx.array | None = None  # (R,) int32 start + count of each row's sequence
         self.copies: list[tuple[mx.array, mx.array] | None] = [None] * len(store.groups)
         self._windows = self.windows_of(store)
         self._group_of = {w: store.group_of_window(w) for w in self._windows}
@@ -92,6 +93,7 @@ class DecodeBatch:
             return False
         self.plan = plan
         self.offset = plan.positions
+        self.call_ends = plan.call_ends
         self.copies = [None if n == 0 else (s, d) for n, s, d in zip(plan.num_copies, plan.copy_src, plan.copy_dst)]
         self._gather = {}
         self._rows = {}

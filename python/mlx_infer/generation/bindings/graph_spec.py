@@ -44,7 +44,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ... import _fast
-from ...layers.rope import Llama3RoPE, NoPE, YarnRoPE
+from ...layers.rope import Llama3RoPE, LongRoPE, NoPE, YarnRoPE
 from ...models import graph_family, materialize_graph_constants
 from ...layers.switch import QuantizedSwitchLinear, SwitchLinear
 from ...models.gemma4 import FULL, SLIDING, ProportionalRoPE
@@ -56,7 +56,7 @@ SUPPORTED_FAMILIES = ("llama", "gemma2", "gemma3", "gemma4", "smollm3", "granite
 #: Families the llama forward of the C++ step runs, with the switches their spec sets (NoPE layers: a RoPE
 #: of no dims; granite's multipliers: embed_scale, attn_scale, residual_scale, logits_divisor; glm4's
 #: sandwich norms under its own names, decode_norms, and its fused gate_up_proj; phi3's fused qkv_proj and
-#: gate_up_proj — not its LongRoPE, whose table depends on the sequence's length: refused, decoded eagerly;
+#: gate_up_proj, and its LongRoPE (a RopeSpec with long_freqs: each row's table picked by its call's end);
 #: olmo2's post-norms and whole-projection q/k norms: pre_norms, qk_norm_whole; qwen3_moe's routed experts,
 #: read from its SparseMoeBlock: num_experts, top_k_experts, norm_topk_prob; gpt_oss's attention sinks
 #: (``layers.{i}.sinks``), biased experts and their clamped activation, the softmax over the chosen router
@@ -160,6 +160,9 @@ def _rope_spec(rope: nn.Module) -> Any:
         return _fast.RopeSpec(dims=rope.dims, traditional=False, freqs=rope._freqs)
     if isinstance(rope, Llama3RoPE):
         return _fast.RopeSpec(dims=rope.dims, traditional=rope.traditional, freqs=rope._freqs)
+    if isinstance(rope, LongRoPE):  # freqs the short table; attention_factor scales the rotated dims first
+        return _fast.RopeSpec(dims=rope.dims, traditional=False, freqs=rope._short_freqs,
+                              long_freqs=rope._long_freqs, original=int(rope.original), mscale=float(rope.scale))
     if isinstance(rope, YarnRoPE):
         return _fast.RopeSpec(dims=rope.dims, traditional=rope.traditional, freqs=rope._freqs,
                               mscale=float(rope.mscale))

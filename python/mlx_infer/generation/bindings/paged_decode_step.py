@@ -6,7 +6,7 @@ page storage of each layer (:class:`~mlx_infer.state.paged.storage.LayerStorage`
 and the batch's gather index, and returns the updated storage::
 
     per step, from the batch (computed in numpy, once for all layers)
-      tokens (R,)  positions (R,)  logit_rows (M,)
+      tokens (R,)  positions (R,)  logit_rows (M,)  call_ends (R,) (LongRoPE's table: a chunk's end)
       per layer group (one window): block_tables (R, T), lengths (R,), write_slots (R,)
     C++ step (one mx.compile'd graph, or op by op; cpp/include/mlx_infer/paged_decode.h)
       per layer: scatter the R new K/V rows, attend through the tables
@@ -107,6 +107,7 @@ class PagedDecodeBatch(Protocol):
 
     store: Any
     offset: mx.array  # (B,) int32 positions of the new tokens
+    call_ends: mx.array  # (B,) int32 end of each row's call (a prefill chunk's rows: the chunk's end)
     copies: list[tuple[mx.array, mx.array] | None]  # per store layer group: copy-on-write pages (src, dst)
     caches: list[Any]  # the eager path's per-layer caches
 
@@ -227,7 +228,7 @@ class CompiledPagedDecodeStep:
             extra = () if slots is None else (slots,)  # each row's bank slot, with adapters
             logits, keys, values = self.native.step(
                 tokens, batch.offset, rows, groups, [s.keys[0] for s in storages], [s.values[0] for s in storages],
-                *extra)
+                *extra, call_ends=batch.call_ends)
         except Exception as exc:  # noqa: BLE001 - any failure falls back, reported once
             return self._fail(exc, tokens, batch)
         for s, k, v in zip(storages, keys, values):  # the commit
