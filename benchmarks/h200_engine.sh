@@ -594,6 +594,28 @@ case "${1:-a}" in
       --streams 32 --shape gemma3-270m --json "$out/h200-served-gemma3-270m-http.json"
     grep -h '^| \|^==' "$out"/served-*.log
     ;;
-  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e|s19a|s19b|s19c" >&2
+  s20a)
+    # The next device call (carry .gpu2 and .before: make .before as s18b says). Session 19's new steps on CUDA
+    # (DeepSeek V3's MLA, Phi-3's LongRoPE: tested on the CPU only), the gemma3-270m HTTP A/B that s19b's 80 s
+    # cut, then issue 20's before/after of the plain step (s18c: f67da1d against this tree, batch 1).
+    (rm -rf /tmp/before && cp -r .before /tmp/before && cd /tmp/before && CMAKE_BUILD_PARALLEL_LEVEL=4 \
+      python3 -m pip install -q --no-build-isolation --no-deps --no-compile -Ccmake.define.MLX_INFER_LTO=OFF \
+      --target /tmp/site-before . > "$out/build-before.log" 2>&1; echo "before build rc=$?" >> "$out/phase.log") &
+    BEFORE_BUILD=$!
+    run 75 new-step-tests python -m pytest -q -p no:cacheprovider -rf --tb=short tests/test_deepseek_decode_step.py \
+      tests/test_longrope_step.py
+    tail -n 3 "$out/new-step-tests.log"
+    wait "$BEFORE_BUILD"
+    run 150 served-gemma3-http python benchmarks/served.py -p 512 -g 128 -r 2 -n 2 --no-ids --http --http-beside \
+      --streams 32 --shape gemma3-270m --json "$out/h200-served-gemma3-270m-http.json"
+    grep -h '^| \|^==' "$out"/served-*.log
+    decode="python benchmarks/gpu_decode.py --models llama-8b,llama-1b,gemma3-270m --batches 1 --engines mlx-lm,step -n 2 -g 64"
+    if [ -d /tmp/site-before/mlx_infer ]; then
+      PYTHONPATH=/tmp/site-before:/tmp/site run 110 decode-before $decode --json "$out/h200-decode-before.json"
+      run 110 decode-after $decode --json "$out/h200-decode-after.json"
+    else echo "before build missing" | tee -a "$out/phase.log"; tail -20 "$out/build-before.log"; fi
+    grep -h "trial" "$out"/decode-*.log
+    ;;
+  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e|s19a|s19b|s19c|s20a" >&2
      exit 2 ;;
 esac
