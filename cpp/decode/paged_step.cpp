@@ -184,6 +184,14 @@ int row_bucket(int n) {
   return round_up(n, 16);
 }
 
+// Whether some layer's RoPE is LongRoPE, whose table each row's call end picks.
+bool uses_call_ends(const DecodeStep::Graph& g) {
+  for (const auto& lw : g.layers) {
+    if (lw.rope.long_freqs) return true;
+  }
+  return false;
+}
+
 // ``a`` (n, ...) with ``pad`` more rows of ``value`` at the end.
 mx::array pad_rows(const mx::array& a, int pad, int value) {
   if (pad == 0) return a;
@@ -332,9 +340,14 @@ PagedStepOutput PagedDecodeStep::step(
   inputs.push_back(pad_rows(row_ints(positions, R, "positions"), R_run - R, 0));
   inputs.push_back(pad_rows(logit_rows.dtype() == mx::int32 ? logit_rows : mx::astype(logit_rows, mx::int32),
                             M_run - M, 0));
-  // Each row's call end (LongRoPE's table); without the plan's, every row is a call of its own.
-  inputs.push_back(call_ends ? pad_rows(row_ints(*call_ends, R, "call_ends"), R_run - R, 1)
-                            : mx::add(inputs[1], mx::array(1, mx::int32)));  // (R_run,)
+  // Each row's call end (LongRoPE's table); without the plan's, every row is a call of its own. A graph
+  // without LongRoPE never reads it: positions stand in (no op, no padding a step).
+  if (!uses_call_ends(*graph_)) {
+    inputs.push_back(inputs[1]);
+  } else {
+    inputs.push_back(call_ends ? pad_rows(row_ints(*call_ends, R, "call_ends"), R_run - R, 1)
+                              : mx::add(inputs[1], mx::array(1, mx::int32)));  // (R_run,)
+  }
   std::vector<int> signature{R_run, M_run};
   for (int g = 0; g < num_groups_; ++g) {
     const auto& in = groups[g];
