@@ -87,9 +87,16 @@ def run_one(model_dir: str, mode: str, max_tokens: int) -> None:
                 results = engine.generate(reqs, timeout=60)
                 out[f"compiled={compiled}"] = [[r.token_ids, r.finish_reason, r.error] for r in results]
                 if mode == "die":  # the engine ends this process after its grace period
-                    print("RESULT " + json.dumps(out), flush=True)
+                    result_line(out)
             out[f"paged_decode={compiled}"] = engine.paged_decode is not None
-    print("RESULT " + json.dumps(out), flush=True)
+    result_line(out)
+
+
+def result_line(out: dict) -> None:
+    """``RESULT {...}`` and its newline in one write: the ranks share the launcher's stdout, and print's
+    separate writes of the text and the newline (unbuffered output) interleaved two ranks' lines once."""
+    sys.stdout.write("RESULT " + json.dumps(out) + "\n")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":
