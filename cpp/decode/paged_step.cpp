@@ -244,6 +244,7 @@ PagedDecodeStep::PagedDecodeStep(
   graph_ = std::make_shared<DecodeStep::Graph>();
   graph_->cfg = std::move(config);
   load_graph_weights(*graph_, weights, quantization);
+  call_ends_ = uses_call_ends(*graph_);
   compiled_ = compile_forward(nullptr);
 }
 
@@ -342,7 +343,7 @@ PagedStepOutput PagedDecodeStep::step(
                             M_run - M, 0));
   // Each row's call end (LongRoPE's table); without the plan's, every row is a call of its own. A graph
   // without LongRoPE never reads it: positions stand in (no op, no padding a step).
-  if (!uses_call_ends(*graph_)) {
+  if (!call_ends_) {
     inputs.push_back(inputs[1]);
   } else {
     inputs.push_back(call_ends ? pad_rows(row_ints(*call_ends, R, "call_ends"), R_run - R, 1)

@@ -160,6 +160,7 @@ class PagedDecodeStep {
   std::shared_ptr<std::string> backend_ = std::make_shared<std::string>();
   PagedDecodeConfig paged_;
   int num_groups_ = 0;
+  bool call_ends_ = false;  // some layer is LongRoPE: the step reads each row's call end
   std::function<std::vector<mx::array>(const std::vector<mx::array>&)> compiled_;
   std::shared_ptr<const LoraLayout> lora_;
   std::vector<mx::array> lora_arrays_;
