@@ -616,6 +616,20 @@ case "${1:-a}" in
     else echo "before build missing" | tee -a "$out/phase.log"; tail -20 "$out/build-before.log"; fi
     grep -h "trial" "$out"/decode-*.log
     ;;
-  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e|s19a|s19b|s19c|s20a" >&2
+  s20b)
+    # Session 20's second call: s20a's step tests again, in parallel (pytest-xdist in .gpu2: one case took ~35 s of
+    # NVRTC on one core), then where a 1-stream engine step's host time goes (host/submit/wait and the step graph's
+    # nodes by primitive), and qwen3-moe's 24-layer shape against mlx-lm (issue 20).
+    run 200 new-step-tests python -m pytest -q -p no:cacheprovider -rf --tb=short -n 12 tests/test_deepseek_decode_step.py \
+      tests/test_longrope_step.py
+    tail -n 3 "$out/new-step-tests.log"
+    run 90 host-step-1b python benchmarks/host_step.py --shape llama-1b --streams 1,8 --census
+    run 90 host-step-8b python benchmarks/host_step.py --shape llama-8b --streams 1 --census
+    grep -h "streams\|step graph" "$out"/host-step-*.log
+    run 170 qwen3-moe python benchmarks/gpu_decode.py --models qwen3-moe-a3b-24l --batches 1,32 --engines mlx-lm,step \
+      -n 2 -g 64 --json "$out/h200-decode-qwen3-moe.json"
+    grep -h "trial" "$out/qwen3-moe.log"
+    ;;
+  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e|s19a|s19b|s19c|s20a|s20b" >&2
      exit 2 ;;
 esac

@@ -11,7 +11,9 @@ the engine reads them, which is the wait for the device). Host time is the
 Python scheduling, the step plan (C++), building the step's graph and
 handing the tokens out; "submit" is the time inside ``mx.async_eval`` (MLX
 encoding the step's kernels: on CUDA its graph nodes and launches), "wait"
-the time inside ``mx.eval`` of the tokens. Medians are printed. On a real
+the time inside ``mx.eval`` of the tokens. Medians are printed. ``--census`` also prints the
+nodes of one decode step's graph by primitive (from ``mx.export_to_dot`` of what the engine hands
+``mx.async_eval``): what MLX encodes a step, kernel launches and views alike. On a real
 shape the wall time is the device's step when the host keeps up, and host +
 submit when it does not (the device then idles between steps). On a GPU with a tiny shape the
 device time is negligible and the wall time is the host time; on a shared
@@ -21,6 +23,8 @@ device time is negligible and the wall time is the host time; on a shared
 from __future__ import annotations
 
 import argparse
+import collections
+import re
 import statistics
 import sys
 import tempfile
@@ -41,14 +45,39 @@ IN_EVAL = [0.0, 0.0]  # seconds inside mx.async_eval (submit), inside mx.eval of
 _ASYNC = mx.async_eval
 
 
+CENSUS: dict = {"armed": False, "counts": None}
+
+
+def _arrays(x) -> list[mx.array]:
+    if isinstance(x, mx.array):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [a for y in x for a in _arrays(y)]
+    if isinstance(x, dict):
+        return [a for y in x.values() for a in _arrays(y)]
+    return []
+
+
+def step_census(outputs: list[mx.array]) -> collections.Counter:
+    """The primitives of the unevaluated graph behind ``outputs``, counted by name."""
+    with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
+        mx.export_to_dot(f.name, *outputs)
+        text = f.read()
+    return collections.Counter(re.findall(r'label ?="([A-Za-z_0-9]+)"', text))
+
+
 def _timed_async_eval(*args, **kwargs):
+    if CENSUS["armed"]:
+        CENSUS["armed"] = False
+        CENSUS["counts"] = step_census(_arrays(args))
     t = time.perf_counter()
     out = _ASYNC(*args, **kwargs)
     IN_EVAL[0] += time.perf_counter() - t
     return out
 
 
-def measure(loaded, B: int, steps: int = 100, vocab: int = 300, default_pool: bool = False) -> dict[str, float]:
+def measure(loaded, B: int, steps: int = 100, vocab: int = 300, default_pool: bool = False,
+            census: bool = False) -> dict[str, float]:
     config = EngineConfig(max_batch=B) if default_pool else EngineConfig(max_batch=B, num_pages=B * 16 + 1)
     engine = Engine(loaded, config)
     consume = engine._consume
@@ -67,6 +96,7 @@ def measure(loaded, B: int, steps: int = 100, vocab: int = 300, default_pool: bo
         while not (len(engine.scheduler.running) == B and all(r.state == DECODE for r in engine.scheduler.running)):
             engine.step()
         walls, hosts, submits, waits = [], [], [], []
+        CENSUS["armed"] = census
         for _ in range(steps):
             IN_EVAL[0] = IN_EVAL[1] = 0.0
             t = time.perf_counter()
@@ -88,6 +118,7 @@ def main() -> None:
     p.add_argument("--streams", default="32,64")
     p.add_argument("--family", default="llama", choices=["llama", "gemma3"])
     p.add_argument("--shape", default=None, help="random bf16 weights of this real shape (served.py's) instead")
+    p.add_argument("--census", action="store_true", help="print one decode step's graph nodes by primitive")
     args = p.parse_args()
     mx.async_eval = _timed_async_eval
     root = Path(tempfile.mkdtemp())
@@ -101,10 +132,14 @@ def main() -> None:
     vocab = loaded.model.args.vocab_size
     print(f"device {mx.default_device()}, {name}")
     for B in (int(s) for s in args.streams.split(",")):
-        r = measure(loaded, B, vocab=vocab, default_pool=bool(args.shape))
+        r = measure(loaded, B, vocab=vocab, default_pool=bool(args.shape), census=args.census)
         print(f"streams {B:>3}: step {r['wall_ms']:.3f} ms = host {r['host_ms']:.3f} ms + in MLX eval "
               f"{r['eval_ms']:.3f} ms (submit {r['submit_ms']:.3f}, wait {r['wait_ms']:.3f}; "
               f"compiled step: {r['compiled']})", flush=True)
+        if args.census and CENSUS["counts"] is not None:
+            c = CENSUS["counts"]
+            print(f"  step graph: {sum(c.values())} nodes: " + ", ".join(f"{k} {n}" for k, n in c.most_common()),
+                  flush=True)
 
 
 if __name__ == "__main__":
