@@ -630,6 +630,31 @@ case "${1:-a}" in
       -n 2 -g 64 --json "$out/h200-decode-qwen3-moe.json"
     grep -h "trial" "$out/qwen3-moe.log"
     ;;
-  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e|s19a|s19b|s19c|s20a|s20b" >&2
+  s20c)
+    # The lean step graph (session 20: the hidden state (B, E), weights' transposes made once at load, the paged
+    # path's K/V written by one Scatter each with no views): CUDA tests of the paths it touches, then before
+    # (.before = the tree without it, carried) and after in one call: host time and the step graph's nodes at 1
+    # and 8 streams, the plain step at batch 1; the 1-stream engine against generate_step.
+    (rm -rf /tmp/before && cp -r .before /tmp/before && cd /tmp/before && CMAKE_BUILD_PARALLEL_LEVEL=4 \
+      python3 -m pip install -q --no-build-isolation --no-deps --no-compile -Ccmake.define.MLX_INFER_LTO=OFF \
+      --target /tmp/site-before . > "$out/build-before.log" 2>&1; echo "before build rc=$?" >> "$out/phase.log") &
+    BEFORE_BUILD=$!
+    run 170 step-tests python -m pytest -q -p no:cacheprovider -rf --tb=short -n 12 tests/test_paged_decode_step.py \
+      tests/test_gpt_oss_decode_step.py tests/test_deepseek_decode_step.py
+    tail -n 3 "$out/step-tests.log"
+    wait "$BEFORE_BUILD"
+    hs="python benchmarks/host_step.py --shape llama-1b --streams 1,8 --census"
+    PYTHONPATH=/tmp/site-before:/tmp/site run 45 host-step-before $hs
+    run 45 host-step-after $hs
+    grep -h "streams\|step graph" "$out"/host-step-*.log
+    run 110 served-1b-1 python benchmarks/served.py -p 512 -g 512 -r 2 -n 3 --no-text --mlx-lm-step --streams 1 \
+      --shape llama-1b --json "$out/h200-served-llama-1b-1.json"
+    grep -h '^| ' "$out/served-1b-1.log"
+    decode="python benchmarks/gpu_decode.py --models llama-8b,llama-1b --batches 1 --engines mlx-lm,step -n 2 -g 64"
+    PYTHONPATH=/tmp/site-before:/tmp/site run 75 decode-before $decode --json "$out/h200-decode-before.json"
+    run 75 decode-after $decode --json "$out/h200-decode-after.json"
+    grep -h "trial" "$out"/decode-*.log
+    ;;
+  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e|s19a|s19b|s19c|s20a|s20b|s20c" >&2
      exit 2 ;;
 esac

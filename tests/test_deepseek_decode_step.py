@@ -49,10 +49,11 @@ BF16_ATOL = 0.1  # bfloat16 logits up to ~5 (an ulp there is 0.03); measured 0.0
 MOVED_MIN = 0.1  # the least the eager logits move when the correction bias is shifted (measured ~2)
 NAMES = ["deepseek_v3", "deepseek_v3_yarn", "deepseek_v3_no_q_lora_tied"]
 
-#: Our own graph with every width a multiple of 32, so 4-bit (group 32) quantizes embed_q / unembed_out too.
+#: Our own graph with every product's input width a multiple of 64, so 4-bit (group 32) quantizes embed_q /
+#: unembed_out too and MLX's CUDA quantized products take every one (K % 64: their reference on a GPU).
 OWN = dict(model_type="deepseek_v3", vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-           num_attention_heads=4, moe_intermediate_size=32, n_shared_experts=1, n_routed_experts=8,
-           routed_scaling_factor=2.5, kv_lora_rank=32, q_lora_rank=64, qk_rope_head_dim=8, qk_nope_head_dim=32,
+           num_attention_heads=4, moe_intermediate_size=64, n_shared_experts=1, n_routed_experts=8,
+           routed_scaling_factor=2.5, kv_lora_rank=64, q_lora_rank=64, qk_rope_head_dim=8, qk_nope_head_dim=64,
            v_head_dim=16, n_group=2, topk_group=1, num_experts_per_tok=2, first_k_dense_replace=1,
            rms_norm_eps=1e-5, max_position_embeddings=256, tie_word_embeddings=False)
 

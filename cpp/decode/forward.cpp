@@ -54,13 +54,14 @@ mx::array gelu_approx(const mx::array& x) {
   return fn({x})[0];
 }
 
-// The per-layer inputs (gemma4): (B, 1, L, P), the token-identity part plus a projection of the embeddings.
+// The per-layer inputs (gemma4): (B, 1, L, P), the token-identity part plus a projection of the embeddings
+// h (B, E).
 mx::array per_layer_inputs(const DecodeStep::Graph& g, const mx::array& ids, const mx::array& h) {
   const auto& cfg = g.cfg;
   const int B = ids.shape(0), L = cfg.num_layers, P = cfg.per_layer_width;
   auto t = tp_embed_lookup(g, g.embed_per_layer, ids, cfg.per_layer_vocab_start);  // (B, 1, L*P)
   t = mx::reshape(mx::multiply(t, scalar(std::sqrt(static_cast<double>(P)), t.dtype())), {B, 1, L, P});
-  auto proj = apply_linear(g.per_layer_proj, h);  // (B, 1, L*P)
+  auto proj = apply_linear(g.per_layer_proj, h);  // (B, L*P)
   proj = mx::multiply(proj, scalar(std::pow(static_cast<double>(cfg.hidden_size), -0.5), proj.dtype()));
   proj = rms(mx::reshape(proj, {B, 1, L, P}), g.per_layer_proj_norm, cfg.rms_norm_eps);
   auto sum = mx::add(proj, t);
@@ -83,29 +84,35 @@ mx::array dense_mlp(const DecodeStep::Graph& g, const LayerWeights& lw, const mx
   return tp_sum(g, apply_linear(lw.down, act));
 }
 
-// The block after attention: h -> h + mlp(h) (the dense MLP, the routed experts instead of it, or both).
+// The block after attention: h (B, E) -> h + mlp(h) (the dense MLP, the routed experts instead of it, or both).
+// The routed experts' code (moe.cpp) keeps the eager layer's (B, 1, E) shapes.
 mx::array mlp_block(const DecodeStep::Graph& g, const LayerWeights& lw, const mx::array& h) {
   const auto& cfg = g.cfg;
   const float eps = cfg.rms_norm_eps;
-  auto x = lw.mlp_norm ? rms(h, lw.mlp_norm, eps) : h;
+  const int B = h.shape(0), E = h.shape(-1);
+  auto x = lw.mlp_norm ? rms(h, lw.mlp_norm, eps) : h;  // (B, E)
   mx::array r(0);
   if (!lw.router.present()) {
     r = dense_mlp(g, lw, x);
   } else if (!cfg.moe_beside_mlp) {  // qwen3_moe's SparseMoeBlock, gpt_oss's MLPBlock, deepseek_v3's MoE
-    auto [idx, scores] = route_experts(cfg, lw, x, h);
-    r = mx::astype(switch_glu(cfg, lw.expert_gate, lw.expert_up, lw.expert_down, x, idx, scores, false),
-                   x.dtype());
+    auto x3 = mx::reshape(x, {B, 1, E});
+    auto [idx, scores] = route_experts(cfg, lw, x3, x3);
+    r = mx::reshape(mx::astype(switch_glu(cfg, lw.expert_gate, lw.expert_up, lw.expert_down, x3, idx, scores,
+                                          false),
+                               x.dtype()),
+                    {B, E});
     if (lw.shared_gate.present()) {  // deepseek_v3: the shared experts' MLP added
       r = mx::add(r, shared_experts(g, lw, x));
     }
   } else {  // gemma4: the dense MLP and the experts side by side, each normed, then summed
     auto h1 = rms(dense_mlp(g, lw, x), lw.post_mlp_norm_1, eps);
-    auto [idx, scores] = route_experts(cfg, lw, x, h);
+    auto h3 = mx::reshape(h, {B, 1, E});
+    auto [idx, scores] = route_experts(cfg, lw, mx::reshape(x, {B, 1, E}), h3);
     // Expert parallel: this rank holds some of the experts (cfg.expert_start on); the ranks' shares summed.
     const bool parallel = g.tp.has_value() && lw.expert_gate.w->shape(0) < cfg.num_experts;
-    auto h2 = tp_sum(g, switch_glu(cfg, lw.expert_gate, lw.expert_up, lw.expert_down, rms(h, lw.mlp_norm_2, eps),
+    auto h2 = tp_sum(g, switch_glu(cfg, lw.expert_gate, lw.expert_up, lw.expert_down, rms(h3, lw.mlp_norm_2, eps),
                                    idx, scores, parallel));
-    r = mx::add(h1, rms(h2, lw.post_mlp_norm_2, eps));
+    r = mx::add(h1, rms(mx::reshape(h2, {B, E}), lw.post_mlp_norm_2, eps));
   }
   if (cfg.residual_scale != 1.0f) {
     r = mx::multiply(r, scalar(cfg.residual_scale, r.dtype()));
@@ -113,10 +120,11 @@ mx::array mlp_block(const DecodeStep::Graph& g, const LayerWeights& lw, const mx
   return add_residual(cfg, h, r, lw.post_mlp_norm);
 }
 
-// Grouped-query attention of layer i (every family but MLA's): x (B, 1, E) the normed input -> (B, 1, H D),
-// before o. ``reads``: per buffer, what a KV-owning layer's write_read returned this step (KV-shared layers
-// attend over their donor's). ``call_ends`` (B,): each row's call end (LongRoPE's table), set when some layer
-// has LongRoPE.
+// Grouped-query attention of layer i (every family but MLA's): x (B, E) the normed input -> (B, H D), before
+// o. ``reads``: per buffer, what a KV-owning layer's write_read returned this step (KV-shared layers attend
+// over their donor's). ``call_ends`` (B,): each row's call end (LongRoPE's table), set when some layer has
+// LongRoPE. The fused path (qkv_rope, then an attention kernel over the storage) keeps every array in the
+// (rows, heads, D) form its kernels read: no view between them.
 mx::array gqa_attention(const DecodeStep::Graph& g, int i, const mx::array& x, const mx::array& positions,
                         const std::optional<mx::array>& call_ends, KVAccess& kv,
                         std::vector<std::optional<AttentionInputs>>& reads) {
@@ -124,13 +132,18 @@ mx::array gqa_attention(const DecodeStep::Graph& g, int i, const mx::array& x, c
   const auto& lw = g.layers[i];
   const int B = x.shape(0), H = cfg.num_heads, KVH = lw.kv_heads, D = lw.head_dim;
   const float eps = cfg.rms_norm_eps;
+  const bool attends_itself = lw.owns_kv && !lw.shared;  // may take write_attend's kernel
   mx::array q(0), k(0), v(0);
   bool rotated = false;  // q and k already rotated (qkv_rope)
   if (lw.qkv.present()) {
-    auto qkv = apply_linear(lw.qkv, x);  // (B, 1, (H + 2 KVH) D)
-    auto flat = mx::reshape(qkv, {B, (H + 2 * KVH) * D});
-    if (!lw.q_norm && kv.fused_qkv_rope() && qkv_rope_supported(flat, H, KVH, D, lw.rope)) {
-      auto [qr, kr, vr] = qkv_rope(flat, H, KVH, D, lw.rope, positions);  // contiguous (B, heads, D)
+    auto qkv = apply_linear(lw.qkv, x);  // (B, (H + 2 KVH) D)
+    if (!lw.q_norm && kv.fused_qkv_rope() && qkv_rope_supported(qkv, H, KVH, D, lw.rope)) {
+      auto [qr, kr, vr] = qkv_rope(qkv, H, KVH, D, lw.rope, positions);  // contiguous (B, heads, D)
+      if (attends_itself) {
+        if (auto out = kv.write_attend(lw.buffer, qr, kr, vr)) {
+          return mx::reshape(*out, {B, H * D});  // (B, H D)
+        }
+      }
       q = mx::reshape(qr, {B, H, 1, D});
       k = mx::reshape(kr, {B, KVH, 1, D});
       v = mx::reshape(vr, {B, KVH, 1, D});
@@ -140,7 +153,7 @@ mx::array gqa_attention(const DecodeStep::Graph& g, int i, const mx::array& x, c
       q = parts[0], k = parts[1], v = parts[2];
     }
   } else {
-    q = apply_linear(lw.q, x);
+    q = apply_linear(lw.q, x);  // (B, H D)
     if (lw.owns_kv) {
       k = apply_linear(lw.k, x);
       v = lw.v.present() ? apply_linear(lw.v, x) : k;  // v_from_k: V is K's projection
@@ -162,22 +175,21 @@ mx::array gqa_attention(const DecodeStep::Graph& g, int i, const mx::array& x, c
       k = rope(mx::transpose(k, {0, 2, 1, 3}), lw.rope, positions, call_ends);  // (B, KVH, 1, D)
       v = mx::transpose(v, {0, 2, 1, 3});
     }
+    if (attends_itself) {
+      if (auto out = kv.write_attend(lw.buffer, mx::reshape(q, {B, H, D}), k, v)) {
+        return mx::reshape(*out, {B, H * D});  // (B, H D)
+      }
+    }
   }
 
-  std::optional<mx::array> attn;  // (B, H, 1, D)
-  if (lw.owns_kv && !lw.shared) {
-    attn = kv.write_attend(lw.buffer, q, k, v);  // an attention kernel over the storage, or none
+  if (lw.owns_kv) {
+    reads[lw.buffer] = kv.write_read(lw.buffer, k, v);
+  } else if (!reads[lw.buffer]) {
+    throw std::invalid_argument("[DecodeStep] layer " + std::to_string(i) +
+                                " reads K/V no earlier layer wrote in this step.");
   }
-  if (!attn) {
-    if (lw.owns_kv) {
-      reads[lw.buffer] = kv.write_read(lw.buffer, k, v);
-    } else if (!reads[lw.buffer]) {
-      throw std::invalid_argument("[DecodeStep] layer " + std::to_string(i) +
-                                  " reads K/V no earlier layer wrote in this step.");
-    }
-    attn = attend(g, q, *reads[lw.buffer], lw.sinks);
-  }
-  return mx::reshape(mx::transpose(*attn, {0, 2, 1, 3}), {B, 1, H * D});  // (B, 1, H*D)
+  auto attn = attend(g, q, *reads[lw.buffer], lw.sinks);  // (B, H, 1, D)
+  return mx::reshape(mx::transpose(attn, {0, 2, 1, 3}), {B, H * D});  // (B, H D)
 }
 
 }  // namespace
@@ -208,14 +220,14 @@ mx::array layers_forward(
     }
   }
 
-  auto ids = mx::reshape(tokens, {B, 1});
-  auto h = tp_embed_lookup(g, g.embed, ids, cfg.vocab_start);  // (B, 1, E)
+  // The hidden state is (B, E) throughout: a product of 2-D rows needs no flatten / unflatten around it.
+  auto h = tp_embed_lookup(g, g.embed, mx::reshape(tokens, {B}), cfg.vocab_start);  // (B, E)
   if (cfg.embed_scale != 0.0f) {
     h = mx::multiply(h, scalar(cfg.embed_scale, h.dtype()));
   }
   std::optional<mx::array> pli;  // (B, 1, L, P)
   if (cfg.per_layer_width > 0) {
-    pli = per_layer_inputs(g, ids, h);
+    pli = per_layer_inputs(g, mx::reshape(tokens, {B, 1}), h);
   }
 
   std::vector<std::optional<AttentionInputs>> reads(num_buffers(g));  // a shared buffer's, after its write
@@ -223,9 +235,9 @@ mx::array layers_forward(
     const auto& lw = g.layers[i];
 
     auto x = lw.attn_norm ? rms(h, lw.attn_norm, eps) : h;  // olmo2: no pre-norm
-    auto o = cfg.kv_lora_rank > 0 ? mla_attention(g, lw, x, positions, kv)        // (B, 1, H v_head)
-                                  : gqa_attention(g, i, x, positions, ends, kv, reads);  // (B, 1, H D)
-    auto r = tp_sum(g, apply_linear(lw.o, o));  // (B, 1, E): all heads' sum under tensor parallel
+    auto o = cfg.kv_lora_rank > 0 ? mla_attention(g, lw, x, positions, kv)        // (B, H v_head)
+                                  : gqa_attention(g, i, x, positions, ends, kv, reads);  // (B, H D)
+    auto r = tp_sum(g, apply_linear(lw.o, o));  // (B, E): all heads' sum under tensor parallel
     if (cfg.residual_scale != 1.0f) {
       r = mx::multiply(r, scalar(cfg.residual_scale, r.dtype()));
     }
@@ -234,8 +246,8 @@ mx::array layers_forward(
 
     if (pli) {
       auto mine = mx::reshape(mx::slice(*pli, {0, 0, i, 0}, {B, 1, i + 1, cfg.per_layer_width}),
-                              {B, 1, cfg.per_layer_width});  // (B, 1, P)
-      auto gate = mx::multiply(gelu_approx(apply_linear(lw.pli_gate, h)), mine);  // (B, 1, P)
+                              {B, cfg.per_layer_width});  // (B, P)
+      auto gate = mx::multiply(gelu_approx(apply_linear(lw.pli_gate, h)), mine);  // (B, P)
       h = mx::add(h, rms(apply_linear(lw.pli_proj, gate), lw.pli_norm, eps));
     }
     if (lw.layer_scalar) {
@@ -244,11 +256,11 @@ mx::array layers_forward(
   }
 
   if (logit_rows) {
-    h = mx::take(h, *logit_rows, 0);  // (M, 1, E): the head runs on these rows only
+    h = mx::take(h, *logit_rows, 0);  // (M, E): the head runs on these rows only
   }
   h = rms(h, g.norm, eps);
   auto logits = g.lm_head.present() ? apply_linear(g.lm_head, h) : embed_as_linear(g.embed, h);
-  logits = tp_gather_logits(g, logits);  // (B, 1, vocab)
+  logits = tp_gather_logits(g, logits);  // (B or M, vocab)
   if (cfg.logits_divisor != 1.0f) {
     logits = mx::divide(logits, scalar(cfg.logits_divisor, logits.dtype()));
   }

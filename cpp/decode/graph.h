@@ -35,6 +35,9 @@ namespace mlx_infer {
 /// A dense or affine-quantized linear (``y = x W^T (+ bias)``).
 struct Linear {
   std::optional<mx::array> w;
+  // w's transpose (in, out), a view of w's buffer evaluated once at load (weights.cpp: pretranspose): a dense
+  // product then reads it as an input instead of adding a Transpose node to every step's graph.
+  std::optional<mx::array> wt;
   std::optional<mx::array> scales;  // set when quantized
   std::optional<mx::array> biases;  // quantization biases
   std::optional<mx::array> bias;    // the layer's additive bias
@@ -124,9 +127,10 @@ class KVAccess {
   /// Writes layer ``layer``'s new ``k``, ``v`` (B, KVH, 1, D), RoPE applied, and
   /// returns what its attention reads.
   virtual AttentionInputs write_read(int layer, const mx::array& k, const mx::array& v) = 0;
-  /// Writes layer ``layer``'s new ``k``, ``v`` and attends ``q`` (B, H, 1, D) in
-  /// one (an attention kernel that reads the storage itself): (B, H, 1, D), or
-  /// none, having written nothing, to have the layer call write_read and SDPA.
+  /// Writes layer ``layer``'s new ``k``, ``v`` (B, KVH, D) or (B, KVH, 1, D) and
+  /// attends ``q`` (B, H, D) in one (an attention kernel that reads the storage
+  /// itself): (B, H, D), or none, having written nothing, to have the layer call
+  /// write_read and SDPA.
   virtual std::optional<mx::array> write_attend(int layer, const mx::array& q, const mx::array& k,
                                                 const mx::array& v) {
     return std::nullopt;
@@ -191,7 +195,9 @@ mx::array scalar(double v, mx::Dtype dtype);
 mx::array apply_linear(const Linear& l, const mx::array& x);
 /// The layer's own product, no adapter.
 mx::array base_linear(const Linear& l, const mx::array& x);
-/// nn.Embedding / nn.QuantizedEmbedding lookup: ids (B, 1) -> (B, 1, width).
+/// x @ w.T (+ bias), dense: over ``l.wt`` where the load made it, else dense_linear (matmul.h).
+mx::array transposed_product(const Linear& l, const mx::array& x);
+/// nn.Embedding / nn.QuantizedEmbedding lookup: ids (...) -> (..., width).
 mx::array embed_lookup(const Linear& e, const mx::array& ids);
 /// Embedding.as_linear (the tied head).
 mx::array embed_as_linear(const Linear& e, const mx::array& x);
@@ -227,7 +233,7 @@ mx::array switch_glu(const DecodeConfig& cfg, const Linear& gate, const Linear& 
 /// modules run there (g.fast_attention) and there are no sinks.
 mx::array attend(const DecodeStep::Graph& g, const mx::array& q, const AttentionInputs& in,
                  const std::optional<mx::array>& sinks = std::nullopt);
-/// Multi-head latent attention of layer ``lw`` (mla.cpp): x (B, 1, E) the normed input -> (B, 1, H v_head),
+/// Multi-head latent attention of layer ``lw`` (mla.cpp): x (B, E) the normed input -> (B, H v_head),
 /// before o. Writes the latent as K and the RoPE key as V through ``kv`` (write_read: the gather path on every
 /// backend) and attends in the absorbed form, as models/deepseek_v3.py's Attention does for one query.
 mx::array mla_attention(const DecodeStep::Graph& g, const LayerWeights& lw, const mx::array& x,

@@ -42,15 +42,15 @@ mx::array mla_attention(const DecodeStep::Graph& g, const LayerWeights& lw, cons
   const int nope = cfg.qk_nope_head_dim, rope_dim = cfg.qk_rope_head_dim, R = cfg.kv_lora_rank;
 
   auto q = lw.q_a.present() ? apply_linear(lw.q_b, rms(apply_linear(lw.q_a, x), lw.q_a_norm, kMlaNormEps))
-                            : apply_linear(lw.q, x);  // (B, 1, H (nope + rope))
+                            : apply_linear(lw.q, x);  // (B, H (nope + rope))
   q = mx::transpose(mx::reshape(q, {B, 1, H, nope + rope_dim}), {0, 2, 1, 3});  // (B, H, 1, nope + rope)
   auto q_parts = mx::split(q, mx::Shape{nope}, -1);                           // q_nope, q_pe
-  auto kv_parts = mx::split(apply_linear(lw.kv_a, x), mx::Shape{R}, -1);     // (B, 1, R), (B, 1, rope)
+  auto kv_parts = mx::split(apply_linear(lw.kv_a, x), mx::Shape{R}, -1);     // (B, R), (B, rope)
   auto k_pe = mx::transpose(mx::reshape(kv_parts[1], {B, 1, 1, rope_dim}), {0, 2, 1, 3});  // (B, 1, 1, rope)
-  auto latent = rms(kv_parts[0], lw.kv_a_norm, kMlaNormEps);                 // (B, 1, R)
+  auto latent = rms(kv_parts[0], lw.kv_a_norm, kMlaNormEps);                 // (B, R)
   auto q_pe = rope(q_parts[1], lw.rope, positions);                          // (B, H, 1, rope)
   k_pe = rope(k_pe, lw.rope, positions);
-  latent = mx::expand_dims(latent, 1);  // (B, 1, 1, R)
+  latent = mx::reshape(latent, {B, 1, 1, R});  // (B, 1, 1, R)
 
   const auto in = kv.write_read(lw.buffer, latent, k_pe);  // keys (B, 1, S, R), values (B, 1, S, rope)
   auto pe = mx::matmul(mx::multiply(q_pe, scalar(cfg.attn_scale, q_pe.dtype())),
@@ -63,7 +63,7 @@ mx::array mla_attention(const DecodeStep::Graph& g, const LayerWeights& lw, cons
       ? fast_sdpa(q_nope, in.keys, in.keys, cfg.attn_scale, "array", pe)
       : mx::fast::scaled_dot_product_attention(q_nope, in.keys, in.keys, cfg.attn_scale, "array", pe);  // (B, H, 1, R)
   out = multi_linear(lw.unembed_out, out);  // (B, H, 1, v_head)
-  return mx::reshape(mx::transpose(out, {0, 2, 1, 3}), {B, 1, H * cfg.v_head_dim});  // (B, 1, H v_head)
+  return mx::reshape(mx::transpose(out, {0, 2, 1, 3}), {B, H * cfg.v_head_dim});  // (B, H v_head)
 }
 
 }  // namespace mlx_infer

@@ -71,7 +71,7 @@ const CompiledFn& group_select(const DecodeConfig& cfg) {
 std::pair<mx::array, mx::array> route_experts(const DecodeConfig& cfg, const LayerWeights& lw, const mx::array& x,
                                               const mx::array& h) {
   if (cfg.moe_noaux_tc) {  // deepseek_v3's MoEGate: x @ weight.T, then group_expert_select
-    auto gates = mx::matmul(x, mx::transpose(*lw.router.w));  // (B, 1, E)
+    auto gates = lw.router.wt ? mx::matmul(x, *lw.router.wt) : mx::matmul(x, mx::transpose(*lw.router.w));  // (B, 1, E)
     auto out = group_select(cfg)({gates, *lw.router_bias});
     return {out[0], out[1]};
   }

@@ -21,15 +21,12 @@ namespace {
 constexpr int kGroupInputs = 3;  // block_tables, lengths, write_slots
 constexpr int kStepInputs = 4;   // tokens, positions, logit_rows, call_ends
 
-// Scatter ``x`` (R, KVH, 1, D) at ``write`` rows of ``part`` viewed as
-// (pages * KVH * page_size, D): the storage with the new rows written.
-mx::array write_part(const mx::array& part, const mx::array& x, const mx::array& write) {
-  const auto shape = part.shape();  // (pages, KVH, P, D)
-  const int D = shape[3];
-  auto flat = mx::reshape(part, {-1, D});  // a view: the buffer MLX may update in place
-  auto upd = mx::reshape(mx::astype(x, part.dtype()), {-1, D});  // (R * KVH, D)
-  flat = mx::put_along_axis(flat, mx::broadcast_to(write, {write.shape(0), D}), upd, 0);
-  return mx::reshape(flat, shape);
+// Scatter ``x`` (R, KVH, [1,] D) into ``part`` (pages, KVH, P, D) at ``at`` = (page, head, offset) of each of
+// its R * KVH rows: the storage with the new rows written (in place where MLX may donate the buffer). One
+// Scatter over the 4-D storage and one view of x: no views of the storage around it.
+mx::array write_part(const mx::array& part, const mx::array& x, const std::vector<mx::array>& at) {
+  auto upd = mx::reshape(mx::astype(x, part.dtype()), {-1, 1, 1, 1, part.shape(3)});  // (R * KVH, 1, 1, 1, D)
+  return mx::scatter(part, at, upd, {0, 1, 2});
 }
 
 // The pages of a store. Inputs: tokens, positions, logit_rows, call_ends, G groups of
@@ -46,9 +43,7 @@ class PagedKV final : public KVAccess {
   std::optional<mx::array> write_attend(int i, const mx::array& q, const mx::array& k,
                                         const mx::array& v) override {
     const auto& kbuf = key_storage(i);
-    const int R = q.shape(0), H = q.shape(1), D = q.shape(3);
-    auto q3 = mx::reshape(q, {R, H, D});  // (R, H, 1, D) -> the op's (R, H, D)
-    const auto backend = kernel_ ? paged_attention_backend(q3, kbuf) : std::string("gather");
+    const auto backend = kernel_ ? paged_attention_backend(q, kbuf) : std::string("gather");
     if (backend_ != nullptr) {
       *backend_ = backend;
     }
@@ -58,9 +53,8 @@ class PagedKV final : public KVAccess {
     const auto* in = group_inputs(layer_groups_[i]);
     auto [new_k, new_v] = write(i, k, v);
     const auto& sinks = g_.layers[g_.buffer_layer[i]].sinks;
-    auto out = paged_attention(q3, new_k, new_v, in[0], in[1], windows_[i], g_.cfg.attn_scale,
-                               g_.cfg.attn_softcap, sinks);
-    return mx::reshape(out, {R, H, 1, D});  // (R, H, 1, D)
+    return paged_attention(q, new_k, new_v, in[0], in[1], windows_[i], g_.cfg.attn_scale, g_.cfg.attn_softcap,
+                           sinks);  // (R, H, D)
   }
 
   // Both paths: the kernel and the gather path rotate alike (one RoPE for both, on CUDA qkv_rope's).
@@ -98,16 +92,18 @@ class PagedKV final : public KVAccess {
     const int gi = layer_groups_[i];
     const auto& kbuf = key_storage(i);
     if (!writes_.count(gi)) {
-      // ((page * KVH + head) * P + offset) of each row's slot, for every KV head: (R * KVH, 1)
+      // (page, head, offset) of each row's slot, for every KV head: three (R * KVH,) indices, rows major
       const int kvh = kbuf.shape(1), P = kbuf.shape(2);
       const auto& slots = group_inputs(gi)[2];
       const int R = slots.shape(0);
       auto Pa = mx::array(P, mx::int32);
-      auto page = mx::reshape(mx::floor_divide(slots, Pa), {R, 1});
-      auto off = mx::reshape(mx::remainder(slots, Pa), {R, 1});
-      auto h = mx::reshape(mx::arange(0, kvh, 1, mx::int32), {1, kvh});
-      auto w = mx::add(mx::multiply(mx::add(mx::multiply(page, mx::array(kvh, mx::int32)), h), Pa), off);
-      writes_.emplace(gi, mx::reshape(w, {R * kvh, 1}));
+      auto per_head = [R, kvh](const mx::array& a) {  // (R,) or (1, KVH) -> (R * KVH,)
+        return mx::reshape(mx::broadcast_to(a, {R, kvh}), {R * kvh});
+      };
+      writes_.emplace(gi, std::vector<mx::array>{
+                              per_head(mx::reshape(mx::floor_divide(slots, Pa), {R, 1})),
+                              per_head(mx::reshape(mx::arange(0, kvh, 1, mx::int32), {1, kvh})),
+                              per_head(mx::reshape(mx::remainder(slots, Pa), {R, 1}))});
     }
     const auto& w = writes_.at(gi);
     auto new_k = write_part(kbuf, k, w);
@@ -137,7 +133,7 @@ class PagedKV final : public KVAccess {
   std::vector<mx::array>& outputs_;
   std::string* backend_;  // set to what the layers' attention ran on ("cpu", "cuda", "gather")
   std::vector<std::optional<Rows>> rows_;
-  std::map<int, mx::array> writes_;
+  std::map<int, std::vector<mx::array>> writes_;  // per group: write_part's (page, head, offset)
 };
 
 std::vector<mx::array> paged_forward(const DecodeStep::Graph& g, const std::vector<int>& layer_groups,
