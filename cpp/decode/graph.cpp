@@ -64,7 +64,7 @@ mx::array transposed_product(const Linear& l, const mx::array& x) {
   return l.bias ? mx::addmm(*l.bias, x, *l.wt, 1.0f, 1.0f) : mx::matmul(x, *l.wt);
 }
 
-// nn.Embedding / nn.QuantizedEmbedding lookup: ids (B, 1) -> (B, 1, hidden).
+// nn.Embedding / nn.QuantizedEmbedding lookup: ids (...) -> (..., hidden).
 mx::array embed_lookup(const Linear& e, const mx::array& ids) {
   if (e.quantized()) {
     std::optional<mx::array> biases;
@@ -112,10 +112,10 @@ mx::array tp_embed_lookup(const DecodeStep::Graph& g, const Linear& e, const mx:
     return embed_lookup(e, ids);
   }
   const int rows = e.w->shape(0);
-  auto local = mx::subtract(ids, mx::array(start, ids.dtype()));  // (B, 1)
+  auto local = mx::subtract(ids, mx::array(start, ids.dtype()));  // (B,)
   auto mine = mx::logical_and(mx::greater_equal(local, mx::array(0, ids.dtype())),
                               mx::less(local, mx::array(rows, ids.dtype())));
-  auto h = embed_lookup(e, mx::where(mine, local, mx::array(0, ids.dtype())));  // (B, 1, E)
+  auto h = embed_lookup(e, mx::where(mine, local, mx::array(0, ids.dtype())));  // (B, E)
   h = mx::multiply(h, mx::astype(mx::expand_dims(mine, -1), h.dtype()));  // other ranks' tokens: 0
   return mx::distributed::all_sum(h, *g.tp);
 }

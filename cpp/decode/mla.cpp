@@ -1,7 +1,7 @@
 // Multi-head latent attention (DeepSeek V3, DecodeConfig::kv_lora_rank > 0) of the decode forward: one query
 // per row, as models/deepseek_v3.py's Attention runs it for L == 1 (mlx-lm's absorbed form), op for op:
 //
-//   q             = q(x), or q_b(rms(q_a(x), q_a_norm))          (B, 1, H (nope + rope))
+//   q             = q(x), or q_b(rms(q_a(x), q_a_norm))          (B, H (nope + rope))
 //   q_nope | q_pe   its heads split                              (B, H, 1, nope), (B, H, 1, rope)
 //   latent | k_pe = kv_a(x); latent = rms(latent, kv_a_norm)     (B, 1, 1, R), (B, 1, 1, rope)
 //   q_pe, k_pe      rotated at each row's position
@@ -9,7 +9,7 @@
 //   pe            = (q_pe * scale) @ V^T                         (B, H, 1, S), the lowest float past each
 //                                                                row's length (the storage's mask)
 //   out           = sdpa(embed_q(q_nope), K, K, scale, + pe)     (B, H, 1, R): the latent space
-//   return          unembed_out(out)                             (B, 1, H v_head), before o
+//   return          unembed_out(out)                             (B, H v_head), before o
 //
 // The K/V go through KVAccess::write_read: on every backend the gather path (buffers read whole, or
 // the paged store's pages gathered into a contiguous copy), never a fused paged attention kernel, which

@@ -1,0 +1,105 @@
+"""The shape of a decode step's graph: what MLX must encode every step.
+
+MLX's host cost grows with a step's graph nodes, kernel launches and views alike (an H100 census of a
+1-stream llama-1B engine step, session 20: 685 nodes for ~215 kernels, 2.08 ms to submit; 314 nodes and
+-18 % step time once the views went). These tests pin what the lean step graph removed, on MLX's stock
+kernels (the graph a GPU builds, less the CUDA-only kernels): no Flatten / Unflatten around a product
+(the hidden state is (B, E)), no Transpose of a weight (made once at load), the paged K/V written by one
+Scatter per part with no view of the storage.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+import tempfile
+
+import mlx.core as mx
+import pytest
+
+from mlx_infer.artifacts.loader import load_model
+from mlx_infer.engine import Engine, EngineConfig, EngineRequest
+from mlx_infer.engine.scheduler import DECODE
+from mlx_infer.generation.bindings.graph_spec import DecodePolicy
+from mlx_infer.generation.bindings.decode_step import CompiledDecodeStep
+from tiny import make_tiny_model_dir
+
+
+def census(outputs: list[mx.array]) -> collections.Counter:
+    """The primitives of the unevaluated graph behind ``outputs``, counted by name."""
+    with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
+        mx.export_to_dot(f.name, *outputs)
+        text = f.read()
+    return collections.Counter(re.findall(r'label ?="([A-Za-z_0-9]+)"', text))
+
+
+def _arrays(x) -> list[mx.array]:
+    if isinstance(x, mx.array):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [a for y in x for a in _arrays(y)]
+    return []
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return load_model(make_tiny_model_dir(tmp_path_factory.mktemp("llama") / "llama", "llama"), cpu_kernels=False)
+
+
+def engine_step_census(loaded, rows: int, monkeypatch) -> collections.Counter:
+    """The graph of one decode step of the engine's compiled paged step, ``rows`` streams decoding."""
+    engine = Engine(loaded, EngineConfig(max_batch=rows, num_pages=rows * 16 + 1))
+    seen: list[collections.Counter] = []
+    armed = [False]
+    real = mx.async_eval
+
+    def spy(*args, **kwargs):
+        if armed[0]:
+            armed[0] = False
+            seen.append(census(_arrays(args)))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(mx, "async_eval", spy)
+    for i in range(rows):
+        engine.submit(EngineRequest(prompt_ids=[5 + i, 6, 7, 8, 9, 10], max_tokens=12, ignore_eos=True,
+                                    detokenize=False))
+    while not (len(engine.scheduler.running) == rows and all(r.state == DECODE for r in engine.scheduler.running)):
+        engine.step()
+    engine.step()
+    armed[0] = True
+    engine.step()
+    assert engine.paged_decode is not None, engine.paged_decode_reason
+    engine.run_until_idle()
+    engine.stop()
+    assert seen, "the engine's step handed MLX nothing to evaluate"
+    return seen[0]
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_paged_step_graph_has_no_product_views_and_one_scatter_per_part(llama, rows, monkeypatch):
+    c = engine_step_census(llama, rows, monkeypatch)
+    layers = len(llama.model.layers)
+    products = 7 * layers + 1  # q, k, v, o, gate, up, down a layer, and the head
+    assert c["Matmul"] == products, c
+    assert c["Flatten"] == 0 and c["Unflatten"] == 0, c  # the hidden state is (B, E)
+    # RoPE on the unfused q and k transposes them (B, 1, H, D) -> (B, H, 1, D), and v alike: 3 a layer, none of
+    # a weight (made once at load).
+    assert c["Transpose"] <= 3 * layers, c
+    assert c["Scatter"] == 2 * layers and c["ScatterAxis"] == 0, c  # K and V: one write each, no storage view
+
+
+def test_plain_step_graph_has_no_product_views(llama):
+    """The plain step's graph (op by op: its forward handed back unevaluated) is as lean."""
+    model = llama.model
+    cache = model.make_cache()
+    mx.eval(model.model(mx.array([[5, 6, 7, 8]], mx.uint32), cache=cache), [c.state for c in cache])
+    step = CompiledDecodeStep(model, policy=DecodePolicy(compile=False))
+    logits = step.step(mx.array([9], mx.uint32), cache)  # (1, vocab), lazily
+    c = census([logits])
+    layers = len(model.layers)
+    products = 7 * layers + 1
+    # On the CPU MLX's SDPA falls back to ops: two matmuls a layer, its GQA heads unflattened and flattened
+    # back, K transposed. Nothing else may flatten or transpose: no product of ours does.
+    assert c["Matmul"] == products + 2 * layers, c  # the forward is there to count
+    assert c["Flatten"] <= layers and c["Unflatten"] <= layers, c
+    assert c["Transpose"] <= 5 * layers, c  # q, k, v for RoPE, the output's, SDPA's K
