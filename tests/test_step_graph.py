@@ -5,7 +5,7 @@ MLX's host cost grows with a step's graph nodes, kernel launches and views alike
 -18 % step time once the views went). These tests pin what the lean step graph removed, on MLX's stock
 kernels (the graph a GPU builds, less the CUDA-only kernels): no Flatten / Unflatten around a product
 (the hidden state is (B, E)), no Transpose of a weight (made once at load), the paged K/V written by one
-Scatter per part with no view of the storage.
+scatter per part.
 """
 
 from __future__ import annotations
@@ -85,7 +85,10 @@ def test_paged_step_graph_has_no_product_views_and_one_scatter_per_part(llama, r
     # RoPE on the unfused q and k transposes them (B, 1, H, D) -> (B, H, 1, D), and v alike: 3 a layer, none of
     # a weight (made once at load).
     assert c["Transpose"] <= 3 * layers, c
-    assert c["Scatter"] == 2 * layers and c["ScatterAxis"] == 0, c  # K and V: one write each, no storage view
+    # K and V: one write each; a GPU's one Scatter into the 4-D storage, the CPU's one put_along_axis over its flat
+    # view (MLX's CPU Scatter is slower per element; cpp/decode/paged_step.cpp: write_part).
+    write, other = ("ScatterAxis", "Scatter") if mx.default_device() == mx.cpu else ("Scatter", "ScatterAxis")
+    assert c[write] == 2 * layers and c[other] == 0, c
 
 
 def test_plain_step_graph_has_no_product_views(llama):

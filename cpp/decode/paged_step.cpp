@@ -21,12 +21,32 @@ namespace {
 constexpr int kGroupInputs = 3;  // block_tables, lengths, write_slots
 constexpr int kStepInputs = 4;   // tokens, positions, logit_rows, call_ends
 
-// Scatter ``x`` (R, KVH, [1,] D) into ``part`` (pages, KVH, P, D) at ``at`` = (page, head, offset) of each of
-// its R * KVH rows: the storage with the new rows written (in place where MLX may donate the buffer). One
-// Scatter over the 4-D storage and one view of x: no views of the storage around it.
-mx::array write_part(const mx::array& part, const mx::array& x, const std::vector<mx::array>& at) {
-  auto upd = mx::reshape(mx::astype(x, part.dtype()), {-1, 1, 1, 1, part.shape(3)});  // (R * KVH, 1, 1, 1, D)
-  return mx::scatter(part, at, upd, {0, 1, 2});
+// Where a write's R * KVH rows go (row r's KV head h at r * KVH + h): their (page, head, offset) on a GPU,
+// one flat row index (page * KVH + head) * P + offset (R * KVH, 1) on the CPU (write_part says why).
+struct WriteIndex {
+  std::vector<mx::array> at;   // GPU: page, head, offset, each (R * KVH,)
+  std::optional<mx::array> flat;  // CPU
+};
+
+bool on_cpu() {
+  return mx::default_device() == mx::Device::cpu;
+}
+
+// ``x`` (R, KVH, [1,] D) written into ``part`` (pages, KVH, P, D) at ``w``: the storage with the new rows (in
+// place where MLX may donate the buffer). On a GPU one Scatter over the 4-D storage and one view of x (each
+// graph node costs MLX host time every step: views of the storage around a ScatterAxis were 4 of a layer's
+// ~42 nodes). MLX's CPU Scatter indexes every element through the three index arrays, slower than
+// put_along_axis over the flat view (64 rows x 8 heads x 64 features: 382 against 223 us), so the CPU,
+// which runs views for free, keeps the flat form.
+mx::array write_part(const mx::array& part, const mx::array& x, const WriteIndex& w) {
+  const int D = part.shape(3);
+  auto upd = mx::astype(x, part.dtype());
+  if (w.flat) {
+    auto flat = mx::reshape(part, {-1, D});  // a view: the buffer MLX may update in place
+    flat = mx::put_along_axis(flat, mx::broadcast_to(*w.flat, {w.flat->shape(0), D}), mx::reshape(upd, {-1, D}), 0);
+    return mx::reshape(flat, part.shape());
+  }
+  return mx::scatter(part, w.at, mx::reshape(upd, {-1, 1, 1, 1, D}), {0, 1, 2});  // updates (R * KVH, 1, 1, 1, D)
 }
 
 // The pages of a store. Inputs: tokens, positions, logit_rows, call_ends, G groups of
@@ -92,18 +112,24 @@ class PagedKV final : public KVAccess {
     const int gi = layer_groups_[i];
     const auto& kbuf = key_storage(i);
     if (!writes_.count(gi)) {
-      // (page, head, offset) of each row's slot, for every KV head: three (R * KVH,) indices, rows major
       const int kvh = kbuf.shape(1), P = kbuf.shape(2);
       const auto& slots = group_inputs(gi)[2];
       const int R = slots.shape(0);
       auto Pa = mx::array(P, mx::int32);
-      auto per_head = [R, kvh](const mx::array& a) {  // (R,) or (1, KVH) -> (R * KVH,)
-        return mx::reshape(mx::broadcast_to(a, {R, kvh}), {R * kvh});
-      };
-      writes_.emplace(gi, std::vector<mx::array>{
-                              per_head(mx::reshape(mx::floor_divide(slots, Pa), {R, 1})),
-                              per_head(mx::reshape(mx::arange(0, kvh, 1, mx::int32), {1, kvh})),
-                              per_head(mx::reshape(mx::remainder(slots, Pa), {R, 1}))});
+      auto page = mx::reshape(mx::floor_divide(slots, Pa), {R, 1});
+      auto off = mx::reshape(mx::remainder(slots, Pa), {R, 1});
+      auto h = mx::reshape(mx::arange(0, kvh, 1, mx::int32), {1, kvh});
+      WriteIndex w;
+      if (on_cpu()) {
+        auto flat = mx::add(mx::multiply(mx::add(mx::multiply(page, mx::array(kvh, mx::int32)), h), Pa), off);
+        w.flat = mx::reshape(flat, {R * kvh, 1});
+      } else {
+        auto per_head = [R, kvh](const mx::array& a) {  // (R, 1) or (1, KVH) -> (R * KVH,)
+          return mx::reshape(mx::broadcast_to(a, {R, kvh}), {R * kvh});
+        };
+        w.at = {per_head(page), per_head(h), per_head(off)};
+      }
+      writes_.emplace(gi, std::move(w));
     }
     const auto& w = writes_.at(gi);
     auto new_k = write_part(kbuf, k, w);
@@ -133,7 +159,7 @@ class PagedKV final : public KVAccess {
   std::vector<mx::array>& outputs_;
   std::string* backend_;  // set to what the layers' attention ran on ("cpu", "cuda", "gather")
   std::vector<std::optional<Rows>> rows_;
-  std::map<int, std::vector<mx::array>> writes_;  // per group: write_part's (page, head, offset)
+  std::map<int, WriteIndex> writes_;  // per group: where write_part writes
 };
 
 std::vector<mx::array> paged_forward(const DecodeStep::Graph& g, const std::vector<int>& layer_groups,
