@@ -656,23 +656,40 @@ case "${1:-a}" in
     grep -h "trial" "$out"/decode-*.log
     ;;
   s21a)
-    # Next call (carry .gpu2 and .before = 534e78e, the tree before the lean step graph): s20c's last run, whose 4
-    # failures went unidentified (its limit cut pytest's summary), on both trees with the summary kept; then the
-    # 1-stream engine against generate_step with more trials (s20c's spread 0.89-2.17x). At most 8 files come back.
+    # Next session's first call (carry .gpu2 and .before = 534e78e, the tree before the lean step graph): s20c's
+    # last test run, whose 4 failures went unidentified (its limit cut pytest's summary), with the summary kept —
+    # on the tree before too if any fail; then the fused residual add + RMS norm (MLX_INFER_ADD_NORM=1) under the
+    # step tests and its own device test. At most 8 files come back.
     (rm -rf /tmp/before && cp -r .before /tmp/before && cd /tmp/before && CMAKE_BUILD_PARALLEL_LEVEL=4 \
       python3 -m pip install -q --no-build-isolation --no-deps --no-compile -Ccmake.define.MLX_INFER_LTO=OFF \
       --target /tmp/site-before . > /tmp/build-before.log 2>&1; echo "before build rc=$?" >> "$out/phase.log") &
     BEFORE_BUILD=$!
     t="python -m pytest -q -p no:cacheprovider -rfE --tb=line -n 12 tests/test_gemma2_decode_step.py \
       tests/test_gemma4_decode_step.py tests/test_step_coverage.py"
-    run 240 tests-after $t
+    run 200 tests-after $t
     wait "$BEFORE_BUILD"
-    PYTHONPATH=/tmp/site-before:/tmp/site run 200 tests-before $t
+    if grep -q "FAILED" "$out/tests-after.log"; then PYTHONPATH=/tmp/site-before:/tmp/site run 150 tests-before $t; fi
     grep -h "FAILED\|ERROR\|passed\|failed" "$out"/tests-*.log | tail -30
-    run 200 served-1b-1 python benchmarks/served.py -p 512 -g 512 -r 2 -n 5 --no-text --mlx-lm-step --streams 1 \
-      --shape llama-1b --json "$out/h200-served-llama-1b-1.json"
-    grep -h '^| ' "$out/served-1b-1.log"
+    MLX_INFER_ADD_NORM=1 run 200 tests-addnorm python -m pytest -q -p no:cacheprovider -rfE --tb=short -n 12 \
+      tests/test_add_rms_norm_cuda_text.py tests/test_paged_decode_step.py tests/test_mixed_steps.py \
+      tests/test_decode_step.py
+    grep -h "FAILED\|ERROR\|passed\|failed" "$out/tests-addnorm.log" | tail -20
     ;;
-  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e|s19a|s19b|s19c|s20a|s20b|s20c|s21a" >&2
+  s21b)
+    # The fused residual add + RMS norm's A/B (off by default until this shows it faster): host time and graph
+    # nodes, then the served engine with it as its own column, engines alternating.
+    hs="python benchmarks/host_step.py --shape llama-1b --streams 1,8,64 --census"
+    run 60 host-step-off $hs
+    MLX_INFER_ADD_NORM=1 run 60 host-step-on $hs
+    grep -h "streams\|step graph" "$out"/host-step-*.log
+    run 150 served-1b-1 python benchmarks/served.py -p 512 -g 512 -r 2 -n 3 --no-text --mlx-lm-step --add-norm \
+      --streams 1 --shape llama-1b --json "$out/h200-served-llama-1b-1.json"
+    run 150 served-1b-32 python benchmarks/served.py -p 512 -g 128 -r 2 -n 3 --no-text --add-norm --streams 32 \
+      --shape llama-1b --json "$out/h200-served-llama-1b-32.json"
+    run 120 served-g3-32 python benchmarks/served.py -p 512 -g 128 -r 2 -n 3 --no-text --add-norm --streams 32 \
+      --shape gemma3-270m --json "$out/h200-served-gemma3-32.json"
+    grep -h '^| ' "$out"/served-*.log
+    ;;
+  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e|s19a|s19b|s19c|s20a|s20b|s20c|s21a|s21b" >&2
      exit 2 ;;
 esac

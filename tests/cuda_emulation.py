@@ -344,3 +344,44 @@ def run_gemv(workdir: Path, x: np.ndarray, w: np.ndarray, bias: np.ndarray | Non
     (np.zeros(1, np.float32) if bias is None else bias.astype(np.float32)).tofile(workdir / "b.bin")
     build_and_run(workdir, source)
     return np.fromfile(workdir / "o.bin", np.float32).reshape(M, N)
+
+
+NORM_FILE = Path(__file__).resolve().parents[1] / "cpp" / "norm" / "add_rms_norm_cuda.cpp"
+
+_NORM_MAIN = r"""
+int main() {
+  auto hb = slurp("h.bin"), rb = slurp("r.bin"), wb = slurp("w.bin");
+  std::vector<float> s((size_t)R * kE_, -12345.0f), n((size_t)R * kE_, -12345.0f);
+  gridDim = {R, 1, 1};
+  blockDim = {THREADS, 1, 1};
+  for (int x = 0; x < R; ++x) {
+    blockIdx = {x, 0, 0};
+    run_block(THREADS, [&] { add_rms_norm((const float*)hb.data(), (const float*)rb.data(), (const float*)wb.data(),
+                                          s.data(), n.data()); });
+  }
+  FILE* f = fopen("o.bin", "wb");
+  fwrite(s.data(), 4, s.size(), f);
+  fwrite(n.data(), 4, n.size(), f);
+  fclose(f);
+}
+"""
+
+
+def run_add_rms_norm(workdir: Path, h: np.ndarray, r: np.ndarray, w: np.ndarray, *, eps: float, threads: int
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """add_rms_norm_cuda.cpp's kernel on the CPU: float32 ``h, r (R, E)``, ``w (E,)`` -> (h + r, its RMS norm)."""
+    text = NORM_FILE.read_text()
+    m = re.search(r'constexpr const char\* kAddRmsNorm = R"\((.*?)\)";', text, re.S)
+    assert m is not None, f"kAddRmsNorm not found in {NORM_FILE}"
+    R, E = h.shape
+    consts = dict(T=float, kE=E, kThreads=threads, kEpsBits=float_bits(eps))
+    args = "const float* h, const float* r, const float* w, float* s_out, float* n_out"
+    source = (_MOCK + "inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }\n"
+              + f"constexpr int R = {R}, kE_ = {E}, THREADS = {threads};\n"
+              + _function("add_rms_norm", args, consts, m.group(1)) + _MAIN.split("int main()")[0] + _NORM_MAIN)
+    workdir.mkdir(parents=True, exist_ok=True)
+    for name, a in (("h", h), ("r", r), ("w", w)):
+        np.ascontiguousarray(a, np.float32).tofile(workdir / f"{name}.bin")
+    build_and_run(workdir, source)
+    out = np.fromfile(workdir / "o.bin", np.float32)
+    return out[:R * E].reshape(R, E), out[R * E:].reshape(R, E)
