@@ -690,6 +690,16 @@ case "${1:-a}" in
       --shape gemma3-270m --json "$out/h200-served-gemma3-32.json"
     grep -h '^| ' "$out"/served-*.log
     ;;
-  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e|s19a|s19b|s19c|s20a|s20b|s20c|s21a|s21b" >&2
+  s21c)
+    # Where the gemma3-270m HTTP column's time goes (s20a: the server 0.74x the in-process engine at 32 streams,
+    # llama-1B's 0.98x): py-spy (in .gpu2) over the whole process tree, folded per process.
+    run 200 http-profile py-spy record -r 100 -f raw --subprocesses -o /tmp/http-gemma3.txt -- python \
+      benchmarks/served.py -p 512 -g 256 -r 1 -n 2 --no-ids --http --http-beside --streams 32 --shape gemma3-270m \
+      --json "$out/h200-served-gemma3-http-profiled.json"
+    grep -h '^| ' "$out/http-profile.log"
+    python benchmarks/profile_tree.py /tmp/http-gemma3.txt --top 20 --processes 6 > "$out/http-profile-tree.txt"
+    head -150 "$out/http-profile-tree.txt"
+    ;;
+  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e|s19a|s19b|s19c|s20a|s20b|s20c|s21a|s21b|s21c" >&2
      exit 2 ;;
 esac

@@ -206,3 +206,25 @@ def test_gpu_decode_benchmark_runs_the_moe_shapes_at_toy_sizes(tmp_path):
     assert got == sorted((m + "-tiny", b, e) for m in ("gpt-oss-20b-12l", "qwen3-moe-a3b-24l") for b in (1, 2)
                          for e in ("mlx-lm", "step"))
     assert all(row["decode_tps"] > 0 for row in rows), rows
+
+
+def test_profile_tree_folds_py_spy_stacks_per_process(tmp_path):
+    """benchmarks/profile_tree.py: a child's stacks (nested under its parent's by py-spy) count for the child."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "profile_tree.py"
+    spec = importlib.util.spec_from_file_location("profile_tree", path)
+    profile_tree = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(profile_tree)
+
+    raw = tmp_path / "raw.txt"
+    raw.write_text(
+        'process 1:"python served.py";<module> (served.py:9);run (served.py:5) 7\n'
+        'process 1:"python served.py";process 2:"python -m mlx_infer serve";loop (app.py:3);send (http.py:8) 4\n'
+        'process 1:"python served.py";process 2:"python -m mlx_infer serve";loop (app.py:3) 2\n')
+    procs = profile_tree.fold(raw)
+    parent, child = procs['process 1:"python served.py"'], procs['process 2:"python -m mlx_infer serve"']
+    assert parent["samples"]["all"] == 7 and child["samples"]["all"] == 6
+    assert child["self"]["send (http.py:8)"] == 4 and child["self"]["loop (app.py:3)"] == 2
+    assert child["inclusive"]["loop (app.py:3)"] == 6 and "loop (app.py:3)" not in parent["inclusive"]
