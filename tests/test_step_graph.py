@@ -11,8 +11,8 @@ scatter per part.
 from __future__ import annotations
 
 import collections
-import re
-import tempfile
+import importlib.util
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -25,20 +25,17 @@ from mlx_infer.generation.bindings.decode_step import CompiledDecodeStep
 from tiny import make_tiny_model_dir
 
 
-def census(outputs: list[mx.array]) -> collections.Counter:
-    """The primitives of the unevaluated graph behind ``outputs``, counted by name."""
-    with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
-        mx.export_to_dot(f.name, *outputs)
-        text = f.read()
-    return collections.Counter(re.findall(r'label ?="([A-Za-z_0-9]+)"', text))
+def _host_step():
+    """benchmarks/host_step.py (its ``step_census`` and ``_arrays``: one census for the benchmark and the tests)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "host_step.py"
+    spec = importlib.util.spec_from_file_location("host_step", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def _arrays(x) -> list[mx.array]:
-    if isinstance(x, mx.array):
-        return [x]
-    if isinstance(x, (list, tuple)):
-        return [a for y in x for a in _arrays(y)]
-    return []
+_HS = _host_step()
+census, _arrays = _HS.step_census, _HS._arrays
 
 
 @pytest.fixture(scope="module")
