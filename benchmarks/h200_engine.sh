@@ -668,9 +668,9 @@ case "${1:-a}" in
       tests/test_gemma4_decode_step.py tests/test_step_coverage.py"
     run 200 tests-after $t
     wait "$BEFORE_BUILD"
-    if grep -q "FAILED" "$out/tests-after.log"; then PYTHONPATH=/tmp/site-before:/tmp/site run 150 tests-before $t; fi
+    if grep -q "FAILED" "$out/tests-after.log"; then PYTHONPATH=/tmp/site-before:/tmp/site run 120 tests-before $t; fi
     grep -h "FAILED\|ERROR\|passed\|failed" "$out"/tests-*.log | tail -30
-    MLX_INFER_ADD_NORM=1 run 200 tests-addnorm python -m pytest -q -p no:cacheprovider -rfE --tb=short -n 12 \
+    MLX_INFER_ADD_NORM=1 run 150 tests-addnorm python -m pytest -q -p no:cacheprovider -rfE --tb=short -n 12 \
       tests/test_add_rms_norm_cuda_text.py tests/test_paged_decode_step.py tests/test_mixed_steps.py \
       tests/test_decode_step.py
     grep -h "FAILED\|ERROR\|passed\|failed" "$out/tests-addnorm.log" | tail -20

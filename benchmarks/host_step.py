@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import re
 import statistics
 import sys
@@ -113,12 +114,38 @@ def measure(loaded, B: int, steps: int = 100, vocab: int = 300, default_pool: bo
             "submit_ms": med(submits), "wait_ms": med(waits), "compiled": engine.paged_decode is not None}
 
 
+def ab_rounds(loaded, streams: list[int], switch: str, rounds: int, vocab: int, default_pool: bool) -> None:
+    """Unset / set ``switch`` (VAR=VALUE) in turn, ``rounds`` times per stream count, one engine each."""
+    var, value = switch.split("=", 1)
+    for B in streams:
+        runs: dict[str, list[dict[str, float]]] = {"unset": [], switch: []}
+        for i in range(rounds):
+            for label in runs:
+                os.environ.pop(var, None)
+                if label != "unset":
+                    os.environ[var] = value
+                r = measure(loaded, B, vocab=vocab, default_pool=default_pool)
+                runs[label].append(r)
+                print(f"streams {B:>3} round {i} {label:>24}: step {r['wall_ms']:.3f} ms (host {r['host_ms']:.3f}, "
+                      f"submit {r['submit_ms']:.3f}, wait {r['wait_ms']:.3f})", flush=True)
+        os.environ.pop(var, None)
+        for label, rs in runs.items():
+            print(f"streams {B:>3} median {label:>24}: step "
+                  f"{statistics.median(r['wall_ms'] for r in rs):.3f} ms (host "
+                  f"{statistics.median(r['host_ms'] for r in rs):.3f}, submit "
+                  f"{statistics.median(r['submit_ms'] for r in rs):.3f})", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--streams", default="32,64")
     p.add_argument("--family", default="llama", choices=["llama", "gemma3"])
     p.add_argument("--shape", default=None, help="random bf16 weights of this real shape (served.py's) instead")
     p.add_argument("--census", action="store_true", help="print one decode step's graph nodes by primitive")
+    p.add_argument("--ab", default=None, metavar="VAR=VALUE",
+                   help="an A/B of an environment switch read at each graph build (MLX_INFER_ADD_NORM=1): "
+                        "per stream count, --rounds measurements unset and set, alternating, and their medians")
+    p.add_argument("--rounds", type=int, default=4)
     args = p.parse_args()
     mx.async_eval = _timed_async_eval
     root = Path(tempfile.mkdtemp())
@@ -131,6 +158,9 @@ def main() -> None:
         loaded, name = load_model(make_tiny_model_dir(root / args.family, args.family)), f"tiny {args.family}"
     vocab = loaded.model.args.vocab_size
     print(f"device {mx.default_device()}, {name}")
+    if args.ab:
+        ab_rounds(loaded, [int(s) for s in args.streams.split(",")], args.ab, args.rounds, vocab, bool(args.shape))
+        return
     for B in (int(s) for s in args.streams.split(",")):
         r = measure(loaded, B, vocab=vocab, default_pool=bool(args.shape), census=args.census)
         print(f"streams {B:>3}: step {r['wall_ms']:.3f} ms = host {r['host_ms']:.3f} ms + in MLX eval "

@@ -131,6 +131,28 @@ def max_diff(a: list[mx.array], b: list[mx.array]) -> float:
     return max(mx.abs(x.astype(mx.float32) - y.astype(mx.float32)).max().item() for x, y in zip(a, b))
 
 
+ON_CPU = mx.default_device().type == mx.DeviceType.cpu
+
+
+def agreeing_steps(got: list[int], want: list[int], want_logits: list[mx.array], atol: float) -> int:
+    """How many greedy steps to compare: all of them on the CPU, where the step must pick eager's tokens
+    exactly (bfloat16 measured bit-identical there); on a GPU, where ``mx.compile`` fuses the elementwise
+    chains into kernels of their own rounding, the streams may part only at a near tie: the step's pick
+    scores within ``atol`` of eager's pick in eager's own logits. Returns the steps up to and including
+    the first divergence (past it the two runs feed different tokens)."""
+    if ON_CPU:
+        assert got == want
+        return len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        if g != w:
+            row = want_logits[i].reshape(-1).astype(mx.float32)
+            gap = (row[w] - row[g]).item()
+            assert gap <= atol, f"step {i}: picked {g} over eager's {w}, {gap} below it in eager's logits"
+            return i + 1
+    assert len(got) == len(want)
+    return len(want)
+
+
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("compile_", [True, False], ids=["compiled", "graph"])
 def test_greedy_and_forced_logits_match_eager(variant, compile_):
@@ -139,9 +161,9 @@ def test_greedy_and_forced_logits_match_eager(variant, compile_):
     want, want_logits = eager_run(model)
     got, got_logits, step = compiled_run(model, policy=policy)
     assert step.failures == 0, step.last_error
-    assert got == want
+    n = agreeing_steps(got, want, want_logits, atol_of(variant))
     assert len(set(want)) > 3, "the greedy stream should not collapse onto one token"
-    diff = max_diff(got_logits, want_logits)
+    diff = max_diff(got_logits[:n], want_logits[:n])
     assert diff <= atol_of(variant), diff
     assert step.traces == (1 if compile_ else 0)
 
@@ -149,7 +171,8 @@ def test_greedy_and_forced_logits_match_eager(variant, compile_):
     want_f, want_fl = eager_run(model, forced=forced)
     got_f, got_fl, step = compiled_run(model, forced=forced, policy=policy)
     assert step.failures == 0, step.last_error
-    assert got_f == want_f
+    for i, (g, w) in enumerate(zip(got_f, want_f)):  # same inputs at every step: each pick on its own
+        assert agreeing_steps([g], [w], want_fl[i:i + 1], atol_of(variant)) == 1, i
     diff = max_diff(got_fl, want_fl)
     assert diff <= atol_of(variant), diff
 
@@ -241,7 +264,8 @@ def test_binding_and_generation_loop_use_the_compiled_step():
     assert isinstance(decode, CompiledDecodeStep)
     native = decode.native  # the loop closes the step at the end; keep a handle to read its counters
     got = [t.token for t in generate_tokens(model, PROMPT, max_tokens=STEPS, decode=decode)]
-    assert decode.failures == 0 and native.traces == 1
+    compiled_at_one_row = DecodePolicy().resolved_compile_min_batch() <= 1  # the CPU's default; a GPU's is 2
+    assert decode.failures == 0 and native.traces == (1 if compiled_at_one_row else 0)
     want = [t.token for t in generate_tokens(model, PROMPT, max_tokens=STEPS)]
     assert got == want
 
