@@ -700,6 +700,26 @@ case "${1:-a}" in
     python benchmarks/profile_tree.py /tmp/http-gemma3.txt --top 20 --processes 6 > "$out/http-profile-tree.txt"
     head -150 "$out/http-profile-tree.txt"
     ;;
-  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e|s19a|s19b|s19c|s20a|s20b|s20c|s21a|s21b|s21c" >&2
+  s21d)
+    # Session 21, first call after s21a-c: what one graph node costs MLX's host by kind (is a CustomKernel dearer
+    # than a built-in op?), the fused add + norm's A/B alternating in one process, the CUDA-only test fixes, then
+    # llama-1B's served table (HTTP column beside) at this code state.
+    run 60 submit-cost python benchmarks/submit_cost.py --rows 1,32 --nodes 64 --rounds 3 --json "$out/submit-cost.json"
+    run 120 host-ab python benchmarks/host_step.py --shape llama-1b --streams 1,8 --ab MLX_INFER_ADD_NORM=1 --rounds 4
+    grep -h "median\|us/node" "$out"/submit-cost.log "$out"/host-ab.log
+    run 120 tests python -m pytest -q -p no:cacheprovider -rfE --tb=short -n 12 tests/test_gemma4_decode_step.py \
+      tests/test_gemma2_decode_step.py tests/test_step_coverage.py
+    MLX_INFER_ADD_NORM=1 run 60 tests-addnorm python -m pytest -q -p no:cacheprovider -rfE --tb=short -n 8 \
+      tests/test_decode_step.py -k caches_hold
+    grep -h "FAILED\|ERROR\|passed\|failed" "$out"/tests*.log | tail -12
+    ;;
+  s21e)
+    # Session 21, on the warm s21d machine: llama-1B's and gemma3-270m's served tables (HTTP column beside) at
+    # this code state.
+    run 280 llama-1b $served --shape llama-1b --http --http-beside --json "$out/h200-served-llama-1b.json"
+    run 250 gemma3-270m $served --shape gemma3-270m --http --http-beside --json "$out/h200-served-gemma3-270m.json"
+    grep -h '^| ' "$out"/llama-1b.log "$out"/gemma3-270m.log
+    ;;
+  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e|s19a|s19b|s19c|s20a|s20b|s20c|s21a|s21b|s21c|s21d|s21e" >&2
      exit 2 ;;
 esac
