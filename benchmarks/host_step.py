@@ -143,7 +143,7 @@ def main() -> None:
     p.add_argument("--shape", default=None, help="random bf16 weights of this real shape (served.py's) instead")
     p.add_argument("--census", action="store_true", help="print one decode step's graph nodes by primitive")
     p.add_argument("--ab", default=None, metavar="VAR=VALUE",
-                   help="an A/B of an environment switch read at each graph build (MLX_INFER_ADD_NORM=1): "
+                   help="an A/B of an environment switch read at each graph build (MLX_INFER_GEMV_ROWS=0): "
                         "per stream count, --rounds measurements unset and set, alternating, and their medians")
     p.add_argument("--rounds", type=int, default=4)
     args = p.parse_args()

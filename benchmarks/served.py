@@ -272,14 +272,6 @@ class OursIdsNoPrefetch(_EnvColumn):
     env = {"MLX_INFER_PREFETCH_PLAN": "0"}
 
 
-class OursIdsAddNorm(_EnvColumn):
-    """Token ids, each residual add fused with the RMS norm after it (``MLX_INFER_ADD_NORM=1``: one CUDA kernel
-    instead of two a pair, cpp/norm/add_rms_norm_cuda.cpp): the A/B of that kernel, off by default."""
-
-    name = "mlx-infer-ids-addnorm"
-    env = {"MLX_INFER_ADD_NORM": "1"}
-
-
 class MlxLm:
     """mlx-lm's ``BatchGenerator`` (continuous batching), refilled as requests finish."""
 
@@ -429,8 +421,6 @@ def main() -> None:
                    help="also a token-ids column with MLX's products instead of the GEMV kernel (CUDA A/B)")
     p.add_argument("--no-prefetch", action="store_true",
                    help="also a token-ids column whose step plan is not prefetched to the GPU (CUDA A/B)")
-    p.add_argument("--add-norm", action="store_true",
-                   help="also a token-ids column with each residual add fused into the next RMS norm (CUDA A/B)")
     p.add_argument("--no-text", action="store_true",
                    help="skip the detokenizing mlx-infer column (random-weight models: --shape)")
     p.add_argument("--stock-kernels", action="store_true",
@@ -456,8 +446,7 @@ def main() -> None:
                               + ([OursIdsGather] if args.gather else [])
                                   + ([OursIdsUnbounded] if args.unbounded else [])
                               + ([OursIdsNoGemv] if args.no_gemv else [])
-                              + ([OursIdsNoPrefetch] if args.no_prefetch else [])
-                              + ([OursIdsAddNorm] if args.add_norm else []))
+                              + ([OursIdsNoPrefetch] if args.no_prefetch else []))
     vocab = int(json.loads((path / "config.json").read_text()).get("vocab_size", 320))
     max_batch = max(streams)
     by_streams: dict[int, list[dict[str, Any]]] = {s: [] for s in streams}

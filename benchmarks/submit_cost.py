@@ -8,10 +8,11 @@ wait for the device, and prints medians per node. Kinds:
 - ``add``: MLX's binary add (one kernel);
 - ``rms_norm``: ``mx.fast.rms_norm`` (one kernel);
 - ``add+rms_norm``: the two, as a decode layer's residual add and the norm after it (two kernels);
-- ``fused``: ``mlx_infer._fast.add_rms_norm`` of the two (one ``CustomKernel``, CUDA only);
 - ``custom``: a trivial ``mx.fast.cuda_kernel`` copy (one ``CustomKernel``, CUDA only);
 - ``reshape``: a view (no kernel);
-- ``matmul``: ``x @ W`` with W (E, E) (one GEMM/GEMV).
+- ``matmul``: ``x @ W`` with W (E, E) (cuBLASLt: MLX's gemv takes only a transposed W);
+- ``matmul_wt``: ``x @ W.T``, a Linear layer's product (MLX's gemv at one row, cuBLASLt above);
+- ``skinny``: ``mlx_infer._fast.skinny_linear(x, W)``, the decode graphs' GEMV kernel (CUDA only).
 
     python benchmarks/submit_cost.py --rows 1,32 --nodes 64 --json /tmp/submit.json
 """
@@ -28,8 +29,7 @@ from typing import Callable
 
 import mlx.core as mx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
-from mlx_infer import _fast  # noqa: E402
+from mlx_infer import _fast
 
 ON_CUDA = mx.default_device().type == mx.DeviceType.gpu and mx.cuda.is_available()
 _COPY = None
@@ -40,12 +40,12 @@ def _copy_kernel():
     if _COPY is None:
         _COPY = mx.fast.cuda_kernel(name="probe_copy", input_names=["a"], output_names=["out"],
                                     source="size_t i = blockIdx.x * blockDim.x + threadIdx.x;\n"
-                                           "if (i < a_size) { out[i] = a[i]; }")
+                                           "if (i < N) { out[i] = a[i]; }")
     return _COPY
 
 
 def node(kind: str, w: mx.array, m: mx.array) -> Callable[[mx.array, mx.array], tuple[mx.array, mx.array]]:
-    """One step of the chain: (h, r) -> (h', r'); ``add+rms_norm`` and ``fused`` carry the sum as r."""
+    """One step of the chain: (h, r) -> (h', r'); ``add+rms_norm`` carries the sum as r."""
     if kind == "add":
         return lambda h, r: (h + r, r)
     if kind == "rms_norm":
@@ -55,21 +55,21 @@ def node(kind: str, w: mx.array, m: mx.array) -> Callable[[mx.array, mx.array], 
             s = h + r
             return mx.fast.rms_norm(s, w, 1e-5), s
         return pair
-    if kind == "fused":
-        def fused(h, r):
-            s, n = _fast.add_rms_norm(h, r, w, 1e-5)
-            return n, s
-        return fused
     if kind == "custom":
         def custom(h, r):
             out = _copy_kernel()(inputs=[h], output_shapes=[h.shape], output_dtypes=[h.dtype],
-                                 grid=(h.size, 1, 1), threadgroup=(256, 1, 1))[0]
+                                 grid=(h.size, 1, 1), threadgroup=(256, 1, 1),
+                                 template=[("N", h.size)])[0]
             return out, r
         return custom
     if kind == "reshape":
         return lambda h, r: (h.reshape(-1).reshape(h.shape), r)
     if kind == "matmul":
         return lambda h, r: (h @ m, r)
+    if kind == "matmul_wt":  # a Linear's x @ W.T: MLX's gemv at one row, cuBLASLt above
+        return lambda h, r: (h @ m.T, r)
+    if kind == "skinny":  # the decode graphs' CUDA GEMV kernel (a CustomKernel), 1-64 rows
+        return lambda h, r: (_fast.skinny_linear(h, m), r)
     raise SystemExit(f"unknown kind {kind!r}")
 
 
@@ -107,11 +107,11 @@ def main() -> None:
     p.add_argument("--nodes", type=int, default=64)
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--kinds", default="reshape,add,rms_norm,add+rms_norm,fused,custom,matmul")
+    p.add_argument("--kinds", default="reshape,add,rms_norm,add+rms_norm,custom,matmul,matmul_wt,skinny")
     p.add_argument("--rounds", type=int, default=3, help="passes over the kinds, alternating (medians printed)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    kinds = [k for k in args.kinds.split(",") if ON_CUDA or k not in ("fused", "custom")]
+    kinds = [k for k in args.kinds.split(",") if ON_CUDA or k not in ("custom", "skinny")]
     print(f"device {mx.default_device()}, mlx {mx.__version__}, hidden {args.hidden}, {args.nodes} nodes a step")
     results = []
     for rows in (int(s) for s in args.rows.split(",")):

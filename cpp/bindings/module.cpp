@@ -15,7 +15,6 @@ void bind_attention(nb::module_& m);
 void bind_decode(nb::module_& m);
 void bind_matmul(nb::module_& m);
 void bind_paged_attention(nb::module_& m);
-void bind_norm(nb::module_& m);
 void bind_diagnostics(nb::module_& m);
 
 NB_MODULE(_fast, m) {
@@ -45,6 +44,5 @@ Returns:
   bind_decode(m);
   bind_matmul(m);
   bind_paged_attention(m);
-  bind_norm(m);
   bind_diagnostics(m);
 }

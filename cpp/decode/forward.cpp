@@ -12,7 +12,6 @@
 #include "graph.h"
 
 #include "../attention/qkv_rope_cuda.h"
-#include "../norm/add_rms_norm_cuda.h"
 #include "mlx_infer/matmul.h"
 
 #include <cmath>
@@ -38,21 +37,6 @@ mx::array residual(const DecodeConfig& cfg, const mx::array& x, const mx::array&
 mx::array add_residual(const DecodeConfig& cfg, const mx::array& h, const mx::array& r,
                        const std::optional<mx::array>& post_norm) {
   return post_norm ? residual(cfg, h, rms(r, post_norm, cfg.rms_norm_eps)) : mx::add(h, r);
-}
-
-// h + r (add_residual's: r through the layer's sandwich norm where it has one), and the RMS norm of that sum by
-// ``w`` where set: (the new h, the next block's input). One CUDA kernel for both where add_rms_norm applies
-// (MLX_INFER_ADD_NORM=1), else MLX's add and rms_norm.
-std::pair<mx::array, mx::array> add_then_norm(const DecodeConfig& cfg, const mx::array& h, const mx::array& r,
-                                              const std::optional<mx::array>& post_norm,
-                                              const std::optional<mx::array>& w) {
-  const float eps = cfg.rms_norm_eps;
-  if (w && !(cfg.clip_f16_residual && h.dtype() == mx::float16) && add_rms_norm_enabled() &&
-      add_rms_norm_supported(h, r, *w, eps)) {
-    return add_rms_norm(h, post_norm ? rms(r, post_norm, eps) : r, *w, eps);
-  }
-  auto sum = add_residual(cfg, h, r, post_norm);
-  return {sum, w ? rms(sum, w, eps) : sum};
 }
 
 // nn.gelu_approx(x) alone (shapeless-compiled as MLX compiles it): the per-layer-input gate
@@ -100,13 +84,13 @@ mx::array dense_mlp(const DecodeStep::Graph& g, const LayerWeights& lw, const mx
   return tp_sum(g, apply_linear(lw.down, act));
 }
 
-// The block after attention, before its residual add: h (B, E) and its norm x (the block's input) -> mlp(x) (the
-// dense MLP, the routed experts instead of it, or both), scaled. The routed experts' code (moe.cpp) keeps the
-// eager layer's (B, 1, E) shapes.
-mx::array mlp_residual(const DecodeStep::Graph& g, const LayerWeights& lw, const mx::array& h, const mx::array& x) {
+// The block after attention: h (B, E) -> h + mlp(h) (the dense MLP, the routed experts instead of it, or both).
+// The routed experts' code (moe.cpp) keeps the eager layer's (B, 1, E) shapes.
+mx::array mlp_block(const DecodeStep::Graph& g, const LayerWeights& lw, const mx::array& h) {
   const auto& cfg = g.cfg;
   const float eps = cfg.rms_norm_eps;
   const int B = h.shape(0), E = h.shape(-1);
+  auto x = lw.mlp_norm ? rms(h, lw.mlp_norm, eps) : h;  // (B, E)
   mx::array r(0);
   if (!lw.router.present()) {
     r = dense_mlp(g, lw, x);
@@ -133,7 +117,7 @@ mx::array mlp_residual(const DecodeStep::Graph& g, const LayerWeights& lw, const
   if (cfg.residual_scale != 1.0f) {
     r = mx::multiply(r, scalar(cfg.residual_scale, r.dtype()));
   }
-  return r;
+  return add_residual(cfg, h, r, lw.post_mlp_norm);
 }
 
 // Grouped-query attention of layer i (every family but MLA's): x (B, E) the normed input -> (B, H D), before
@@ -247,31 +231,19 @@ mx::array layers_forward(
   }
 
   std::vector<std::optional<AttentionInputs>> reads(num_buffers(g));  // a shared buffer's, after its write
-  // Each residual add carries the norm that follows it (add_then_norm): the MLP's, then the next layer's
-  // attention's (or, after the last layer with every row's logits wanted, the final norm), unless per-layer
-  // inputs or a layer scalar change h in between.
-  const auto& first = g.layers[0];
-  auto x = first.attn_norm ? rms(h, first.attn_norm, eps) : h;  // (B, E): layer 0's attention input (olmo2: h)
-  bool normed = false;  // h's final norm already in x
   for (int i = 0; i < L; ++i) {
     const auto& lw = g.layers[i];
+
+    auto x = lw.attn_norm ? rms(h, lw.attn_norm, eps) : h;  // olmo2: no pre-norm
     auto o = cfg.kv_lora_rank > 0 ? mla_attention(g, lw, x, positions, kv)        // (B, H v_head)
                                   : gqa_attention(g, i, x, positions, ends, kv, reads);  // (B, H D)
     auto r = tp_sum(g, apply_linear(lw.o, o));  // (B, E): all heads' sum under tensor parallel
     if (cfg.residual_scale != 1.0f) {
       r = mx::multiply(r, scalar(cfg.residual_scale, r.dtype()));
     }
-    auto [ha, xm] = add_then_norm(cfg, h, r, lw.post_attn_norm, lw.mlp_norm);  // xm: the MLP's input
-    h = ha;
-    r = mlp_residual(g, lw, h, xm);
+    h = add_residual(cfg, h, r, lw.post_attn_norm);
+    h = mlp_block(g, lw, h);
 
-    const bool last = i + 1 == L;
-    std::optional<mx::array> next_norm;  // what the next block normalizes h by, when nothing comes between
-    if (!pli && !lw.layer_scalar) {
-      next_norm = last ? (logit_rows ? std::nullopt : g.norm) : g.layers[i + 1].attn_norm;
-    }
-    auto [hb, xn] = add_then_norm(cfg, h, r, lw.post_mlp_norm, next_norm);
-    h = hb;
     if (pli) {
       auto mine = mx::reshape(mx::slice(*pli, {0, 0, i, 0}, {B, 1, i + 1, cfg.per_layer_width}),
                               {B, cfg.per_layer_width});  // (B, P)
@@ -281,23 +253,12 @@ mx::array layers_forward(
     if (lw.layer_scalar) {
       h = mx::multiply(h, *lw.layer_scalar);
     }
-    if (next_norm) {
-      x = xn;
-      normed = last;
-    } else if (!last) {
-      const auto& an = g.layers[i + 1].attn_norm;
-      x = an ? rms(h, an, eps) : h;
-    }
   }
 
-  if (normed) {
-    h = x;  // (B, E): rms(h, norm), made with the last residual add
-  } else {
-    if (logit_rows) {
-      h = mx::take(h, *logit_rows, 0);  // (M, E): the head runs on these rows only
-    }
-    h = rms(h, g.norm, eps);
+  if (logit_rows) {
+    h = mx::take(h, *logit_rows, 0);  // (M, E): the head runs on these rows only
   }
+  h = rms(h, g.norm, eps);
   auto logits = g.lm_head.present() ? apply_linear(g.lm_head, h) : embed_as_linear(g.embed, h);
   logits = tp_gather_logits(g, logits);  // (B or M, vocab)
   if (cfg.logits_divisor != 1.0f) {
