@@ -3,7 +3,8 @@
 from 1 to 16, K with and without a whole last iteration, N not a multiple of the rows per warp or of a block's
 rows (the warps past N, the repeated last row), with and without a bias. Float32 in, float32 sums: ``max |y -
 ref| / max |ref|`` <= :data:`TOL`. The device run (benchmarks/products.py --gemv-sweep) checks the kernel under
-NVRTC in bfloat16; the routing (``skinny_linear_applies``, MLX_INFER_GEMV_ROWS) is tested on the CPU too.
+NVRTC in bfloat16; the routing (``gemv_takes``, ``skinny_linear_applies``, MLX_INFER_GEMV_ROWS and
+MLX_INFER_GEMV_MAX_MIB) is tested on the CPU too.
 """
 
 from __future__ import annotations
@@ -66,20 +67,50 @@ def test_gemv_kernel_text_matches_float64(tmp_path, M, N, K, with_bias, tiling):
     assert rel <= TOL
 
 
-def test_routing_and_knob(monkeypatch):
-    """Off CUDA no product is routed to the kernel; the knob is read at each call and refused when bad."""
-    x, w = mx.zeros((1, 64), mx.bfloat16), mx.zeros((32, 64), mx.bfloat16)
+MIB = 1 << 20
+
+
+def test_routing_rule_defaults(monkeypatch):
+    """The default rule (gemv_cuda.cpp says why): 2 to 8 rows over weights of at most 64 MiB; one row stays on
+    MLX's own GEMV, and the large products (llama-8B's gate|up and down, every LM head) on cuBLAS."""
     monkeypatch.delenv("MLX_INFER_GEMV_ROWS", raising=False)
-    assert _fast.gemv_max_rows() == 0  # off by default (gemv_cuda.cpp: kDefaultMaxRows, the H200 A/B)
-    monkeypatch.setenv("MLX_INFER_GEMV_ROWS", "8")
-    assert _fast.gemv_max_rows() == 8
+    monkeypatch.delenv("MLX_INFER_GEMV_MAX_MIB", raising=False)
+    assert _fast.gemv_max_rows() == 8 and _fast.gemv_max_weight_mib() == 64
+    assert not _fast.gemv_takes(1, MIB)
+    assert _fast.gemv_takes(2, MIB) and _fast.gemv_takes(8, 64 * MIB)
+    assert not _fast.gemv_takes(8, 64 * MIB + 1) and not _fast.gemv_takes(9, MIB)
+    bf16 = 2
+    llama_8b = {"q|k|v": (6144, 4096), "o": (4096, 4096), "gate|up": (28672, 4096), "down": (4096, 14336),
+                "head": (128256, 4096)}
+    assert [name for name, (n, k) in llama_8b.items() if _fast.gemv_takes(8, n * k * bf16)] == ["q|k|v", "o"]
+    llama_1b = {"q|k|v": (3072, 2048), "o": (2048, 2048), "gate|up": (16384, 2048), "down": (2048, 8192),
+                "head": (128256, 2048)}
+    assert [name for name, (n, k) in llama_1b.items() if not _fast.gemv_takes(4, n * k * bf16)] == ["head"]
+
+
+def test_routing_and_knobs(monkeypatch):
+    """Off CUDA no product is routed to the kernel; the knobs are read at each call and refused when bad."""
+    x, w = mx.zeros((2, 64), mx.bfloat16), mx.zeros((32, 64), mx.bfloat16)
+    monkeypatch.setenv("MLX_INFER_GEMV_ROWS", "16")
+    assert _fast.gemv_max_rows() == 16 and _fast.gemv_takes(16, MIB) and not _fast.gemv_takes(17, MIB)
     monkeypatch.setenv("MLX_INFER_GEMV_ROWS", "0")
-    assert _fast.gemv_max_rows() == 0
+    assert _fast.gemv_max_rows() == 0 and not _fast.gemv_takes(2, MIB)
     assert not _fast.skinny_linear_applies(x, w)
+    monkeypatch.setenv("MLX_INFER_GEMV_ROWS", "8")
+    monkeypatch.setenv("MLX_INFER_GEMV_MAX_MIB", "0")  # no cap
+    assert _fast.gemv_takes(8, 1 << 40)
+    monkeypatch.setenv("MLX_INFER_GEMV_MAX_MIB", "1")
+    assert _fast.gemv_takes(8, MIB) and not _fast.gemv_takes(8, MIB + 1)
     for bad in ("65", "-1", "four"):
         monkeypatch.setenv("MLX_INFER_GEMV_ROWS", bad)
         with pytest.raises(ValueError, match=f"MLX_INFER_GEMV_ROWS='{bad}' is not an integer in"):
             _fast.gemv_max_rows()
+    monkeypatch.setenv("MLX_INFER_GEMV_ROWS", "8")
+    for bad in ("-3", "2.5", "lots"):
+        monkeypatch.setenv("MLX_INFER_GEMV_MAX_MIB", bad)
+        with pytest.raises(ValueError, match=f"MLX_INFER_GEMV_MAX_MIB='{bad}' is not an integer in"):
+            _fast.gemv_takes(2, MIB)
+    monkeypatch.delenv("MLX_INFER_GEMV_MAX_MIB")
     monkeypatch.setenv("MLX_INFER_GEMV_ROWS", "8")
     if mx.default_device() == mx.cpu:
         assert not _fast.skinny_linear_applies(x, w, stream=mx.cpu)

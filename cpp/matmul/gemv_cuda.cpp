@@ -15,6 +15,7 @@
 
 #include <mlx/fast.h>
 
+#include <cstdint>
 #include <cstdlib>
 #include <mutex>
 #include <stdexcept>
@@ -25,12 +26,25 @@ namespace mlx_infer {
 
 namespace {
 
-// Rows of x (products of the leading axes) up to which a dense CUDA product runs here, where
-// MLX_INFER_GEMV_ROWS is unset (0: never). Off: in the H200's served A/B (session 15, s15a, engines
-// alternating, the GEMV column at MLX_INFER_GEMV_ROWS=32 against 0) it lost on llama-8B at 1 / 8 / 32 streams
-// (158 / 765 / 2,448 against 173 / 934 / 3,582 tok/s) and on llama-1B at 32 (8,296 against 10,309); it won only
-// llama-1B at 1 stream (379 against 349). benchmarks/RESULTS.md, "H200, session 15".
-constexpr int kDefaultMaxRows = 0;
+// Which dense CUDA products of the decode graphs run here (gemv_takes): 2 to kDefaultMaxRows rows of x
+// (products of the leading axes) and a weight of at most kDefaultMaxWeightMiB, where MLX_INFER_GEMV_ROWS and
+// MLX_INFER_GEMV_MAX_MIB are unset. Why (benchmarks/RESULTS.md, "Session 21"):
+// - the host: from 2 rows MLX's CUDA product is cuBLASLt, whose descriptors, heuristic and graph capture
+//   cost ~16-20 us of host time per product (benchmarks/submit_cost.py, H100: 17.8-20.2 us at 8-32 rows)
+//   against ~12 us for this kernel (build + submit), and a few-row step is host-bound: llama-1B at 8 streams
+//   took 3.92 ms a step through MLX's products and 2.84 ms with this kernel for every product (H100,
+//   host_step.py --ab, same process); one row stays on MLX's own GEMV (4.7 us to submit, as fast: same A/B,
+//   1 stream 1.78 vs 1.87 ms);
+// - the device: at 8 rows this kernel is faster than cuBLAS on weights up to 32 MiB (H200, session 15's
+//   gpu_gemv_probe.py: 1.16-1.98x on llama's q/o/kv/gate/down shapes) and slower on the large ones (8B
+//   gate/down 0.70-0.72x at 112 MiB, the LM heads 0.50-0.63x), which is why every product through it lost
+//   on llama-8B (8 streams 10.13 against 7.15 ms a step, H100; session 15's served A/B at 1-32 rows) while
+//   llama-1B, host-bound, won. The cap keeps the large products (and every LM head) on cuBLAS; above 8 rows
+//   cuBLAS keeps them all (session 15: 32 rows lost on llama-1B too).
+constexpr int kDefaultMaxRows = 8;
+constexpr int kMinRows = 2;
+constexpr long kDefaultMaxWeightMiB = 64;
+constexpr long kMaxWeightMiBLimit = 1L << 20;
 constexpr int kMaxRows = 64;         // the tensor-core form's kMT m-tiles of 16 rows
 constexpr int kCoreRowsDefault = 1;  // above this many rows the default tiling is the tensor-core form
 
@@ -243,20 +257,42 @@ constexpr int kMaxCoreRows = 16;
 
 }  // namespace
 
-// Read at each call (a graph's trace), so a process can compare both paths.
-int gemv_max_rows() {
-  const char* v = std::getenv("MLX_INFER_GEMV_ROWS");
+namespace {
+
+// A non-negative integer environment value up to ``hi``, else ``fallback`` where unset or empty; a bad value
+// is an error naming the variable and its range.
+long env_count(const char* name, long hi, long fallback, const char* what) {
+  const char* v = std::getenv(name);
   if (v == nullptr || *v == '\0') {
-    return kDefaultMaxRows;
+    return fallback;
   }
   char* end = nullptr;
   const long x = std::strtol(v, &end, 10);
-  if (*end != '\0' || x < 0 || x > kMaxRows) {
-    throw std::invalid_argument(std::string("MLX_INFER_GEMV_ROWS='") + v + "' is not an integer in [0, " +
-                                std::to_string(kMaxRows) + "] (0: never use the GEMV kernel); unset it for " +
-                                "the default " + std::to_string(kDefaultMaxRows) + ".");
+  if (*end != '\0' || x < 0 || x > hi) {
+    throw std::invalid_argument(std::string(name) + "='" + v + "' is not an integer in [0, " + std::to_string(hi) +
+                                "] (" + what + "); unset it for the default " + std::to_string(fallback) + ".");
   }
-  return static_cast<int>(x);
+  return x;
+}
+
+}  // namespace
+
+// Read at each call (a graph's trace), so a process can compare both paths.
+long gemv_max_weight_mib() {
+  return env_count("MLX_INFER_GEMV_MAX_MIB", kMaxWeightMiBLimit, kDefaultMaxWeightMiB, "0: no cap");
+}
+
+bool gemv_takes(int rows, std::int64_t weight_bytes) {
+  if (rows < kMinRows || rows > gemv_max_rows()) {
+    return false;
+  }
+  const long cap = gemv_max_weight_mib();
+  return cap == 0 || weight_bytes <= static_cast<std::int64_t>(cap) * (1 << 20);
+}
+
+// Read at each call (a graph's trace), so a process can compare both paths.
+int gemv_max_rows() {
+  return static_cast<int>(env_count("MLX_INFER_GEMV_ROWS", kMaxRows, kDefaultMaxRows, "0: never use the GEMV kernel"));
 }
 
 GemvTiling default_gemv_tiling(int rows, int n, int k, mx::Dtype dtype) {
@@ -280,7 +316,7 @@ GemvTiling default_gemv_tiling(int rows, int n, int k, mx::Dtype dtype) {
 bool skinny_linear_applies(const mx::array& x, const mx::array& w, const std::optional<mx::array>& bias,
                            mx::StreamOrDevice s) {
   const int rows = rows_of(x);
-  if (!cuda_backend() || mx::to_stream(s).device != mx::Device::gpu || rows < 1 || rows > gemv_max_rows()) {
+  if (!cuda_backend() || mx::to_stream(s).device != mx::Device::gpu || !gemv_takes(rows, w.nbytes())) {
     return false;
   }
   if (w.ndim() != 2 || x.shape(-1) != w.shape(1) || x.dtype() != w.dtype() || !gemv_dtype(w.dtype()) ||

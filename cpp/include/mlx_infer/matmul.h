@@ -15,6 +15,7 @@
 // takes part, so MLX's own CPU work and ours never exceed that count).
 #pragma once
 
+#include <cstdint>
 #include <optional>
 #include <string>
 
@@ -162,11 +163,20 @@ struct GemvTiling {
 GemvTiling default_gemv_tiling(int rows, int n, int k, mx::Dtype dtype);
 
 /// The most rows of x a dense CUDA product of the decode graphs sends to skinny_linear: MLX_INFER_GEMV_ROWS
-/// (0..64, 0: never), read at each call, else the default; a bad value is a std::invalid_argument naming it.
+/// (0..64, 0: never), read at each call, else the default (8); a bad value is a std::invalid_argument naming it.
 int gemv_max_rows();
 
-/// Whether dense_linear takes skinny_linear for these operands: MLX's CUDA backend, a GPU stream, 1 to
-/// gemv_max_rows() rows (x.size / K), x, w (N, K) and bias (N,) of one float dtype, K a multiple of 16 bytes
+/// The largest weight (MiB) a dense CUDA product of the decode graphs sends to skinny_linear:
+/// MLX_INFER_GEMV_MAX_MIB (0: no cap), read at each call, else the default (64); a bad value throws as above.
+long gemv_max_weight_mib();
+
+/// The routing rule alone (any device): a product of ``rows`` rows of x over a weight of ``weight_bytes`` goes
+/// to skinny_linear when 2 <= rows <= gemv_max_rows() and the weight is within gemv_max_weight_mib() (one row
+/// stays on MLX's own GEMV). gemv_cuda.cpp says why.
+bool gemv_takes(int rows, std::int64_t weight_bytes);
+
+/// Whether dense_linear takes skinny_linear for these operands: MLX's CUDA backend, a GPU stream, gemv_takes
+/// for rows = x.size / K and w's bytes, x, w (N, K) and bias (N,) of one float dtype, K a multiple of 16 bytes
 /// (above 16 rows: 16-bit with K a multiple of 32, the tensor-core form).
 bool skinny_linear_applies(
     const mx::array& x,
