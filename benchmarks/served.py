@@ -18,7 +18,10 @@ request, over every trial) and the peak memory: ``peak_gb`` is MLX's peak of thi
 process (every column's weights, our resident pool), ``own_peak_gb`` the column's own: its
 weights + what it held resident when the trial began (our KV storage) + the trial's growth
 above the process's active memory at its start (mlx-lm's cache, our pool's growth,
-activations); the server's own from its /metrics for ``mlx-infer-http``.
+activations); the server's own from its /metrics for ``mlx-infer-http``. Our columns' trials and rows also
+carry ``engine_ttft_mean_ms``, the engine's own mean time to first token over the trial's requests (its
+``time_to_first_token_seconds`` histogram: submit to the engine -> first token read out), beside the client's
+``ttft_mean_ms``: for the HTTP column the difference is the server's and the loopback's share.
 
 Warm-up: at every stream count each engine first runs one uncounted trial of the same
 shape (compile/trace paths and buffers for that batch size); the rows are medians of the
@@ -372,6 +375,18 @@ def timed(run: Callable[[], int]) -> tuple[float, int, float, float]:
     return time.perf_counter() - t, n, peak / 1e9, (peak - start) / 1e9
 
 
+def engine_ttft(e: Any) -> tuple[float, int] | None:
+    """(sum of seconds, count) of our engine's own time-to-first-token histogram (submit to the engine -> first
+    token read out), in process or from the server's /metrics; None for mlx-lm's columns."""
+    if isinstance(e, OursHTTP):
+        return e.engine_ttft()
+    engine = getattr(e, "engine", None) if isinstance(e, Ours) else None
+    if engine is None:
+        return None
+    h = engine.metrics.time_to_first_token
+    return h.sum, h.count
+
+
 def own_resident_gb(e: Any) -> float:
     """GB a column holds between trials: its weights, and our engine's allocated KV storage."""
     from mlx_infer.engine.config import weight_bytes
@@ -553,16 +568,24 @@ def measure(engines: list[Any], s: int, args: argparse.Namespace, vocab: int) ->
         prompts = prompts_for(n, args.prompt_tokens, vocab, start=(i + 1) * n)
         for e in engines:
             resident = own_resident_gb(e)
+            before = engine_ttft(e)
             wall, tokens, peak, growth = timed(lambda: e.run(s, prompts, args.generation_tokens))
             own = resident + growth
             if isinstance(e, OursHTTP):
                 peak = own = e.peak_gb()
+            after = engine_ttft(e)
+            # the engine's own mean TTFT over this trial's requests, beside the client's (the difference: the
+            # HTTP server's and the loopback's share for the server column, the callback's for in-process)
+            inside = ((after[0] - before[0]) / (after[1] - before[1]) * 1e3
+                      if before is not None and after is not None and after[1] > before[1] else None)
             window = decode_window(getattr(e, "events", []), s)
+            client = statistics.fmean(e.ttfts) * 1e3 if e.ttfts else None
             trials[e.name].append({"tps": tokens / wall, "decode_only_tps": window, "wall_s": wall,
                                    "tokens": tokens, "peak_gb": peak, "own_peak_gb": own,
-                                   "ttft_s": list(e.ttfts)})
+                                   "ttft_s": list(e.ttfts), "ttft_mean_ms": client, "engine_ttft_mean_ms": inside})
             print(f"streams {s:>3} {e.name:>15}: {tokens / wall:9.1f} tok/s end to end, decode only "
-                  f"{window or 0:9.1f} tok/s ({tokens} tokens, {wall:.2f} s)", file=sys.stderr)
+                  f"{window or 0:9.1f} tok/s ({tokens} tokens, {wall:.2f} s), TTFT mean {client or 0:.1f} ms"
+                  + (f" (in the engine {inside:.1f})" if inside is not None else ""), file=sys.stderr)
     rows = []
     for e in engines:
         t = trials[e.name]
@@ -577,6 +600,8 @@ def measure(engines: list[Any], s: int, args: argparse.Namespace, vocab: int) ->
                      "peak_gb": max((x["peak_gb"] for x in t if x["peak_gb"] is not None), default=None),
                      "own_peak_gb": max((x["own_peak_gb"] for x in t if x["own_peak_gb"] is not None),
                                         default=None),
+                     "engine_ttft_mean_ms": (statistics.median(x["engine_ttft_mean_ms"] for x in t)
+                                             if all(x["engine_ttft_mean_ms"] is not None for x in t) else None),
                      **memory_of(e), "trials": t})
     return rows
 

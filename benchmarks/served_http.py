@@ -156,14 +156,26 @@ class OursHTTP:
         self.events.sort()
         return total
 
-    def peak_gb(self) -> float | None:
-        """The server process's MLX peak memory (its /metrics), GB."""
+    def _metric(self, name: str) -> float | None:
+        """One sample of the server's /metrics (``mlx_infer_`` + ``name``), or None where absent."""
         import httpx
 
         for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
-            if "memory_peak_bytes" in line and not line.startswith("#"):
-                return float(line.split()[-1]) / 1e9
+            if line.startswith(f"mlx_infer_{name} "):
+                return float(line.split()[-1])
         return None
+
+    def peak_gb(self) -> float | None:
+        """The server process's MLX peak memory (its /metrics), GB."""
+        peak = self._metric("memory_peak_bytes")
+        return None if peak is None else peak / 1e9
+
+    def engine_ttft(self) -> tuple[float, int] | None:
+        """(sum of seconds, count) of the engine's own time to first token (its /metrics histogram): what the
+        client's TTFT is, less the server's and the loopback's share."""
+        total = self._metric("time_to_first_token_seconds_sum")
+        count = self._metric("time_to_first_token_seconds_count")
+        return None if total is None or count is None else (total, int(count))
 
     def close(self) -> None:
         if self.pyspy_proc is not None:

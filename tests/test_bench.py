@@ -96,8 +96,12 @@ def test_served_benchmark_on_a_toy_shape_writes_ttft_memory_json_and_plot(tmp_pa
             # its own peak: at least its weights and storage, at most the process's
             assert row["weights_gb"] + row["kv_pool_gb"] <= row["own_peak_gb"] + 1e-9 <= row["peak_gb"] + 1e-6
             assert row["kv_sizing"] == "--memory-budget 0.25 each"
+        trial = row["trials"][0]
         if row["engine"] == "mlx-lm":
             assert 0 < row["own_peak_gb"] <= row["peak_gb"] + 1e-6
+            assert row["engine_ttft_mean_ms"] is None and trial["ttft_mean_ms"] > 0
+        else:  # the engine's own TTFT (its /metrics histogram for the server) lies inside the client's
+            assert 0 < row["engine_ttft_mean_ms"] == trial["engine_ttft_mean_ms"] <= trial["ttft_mean_ms"]
         if row["engine"] == "mlx-infer-http":  # its own phase, its pool from its startup line
             assert row["gpu_sharing"].startswith("own phase") and "KV pages of" in row["kv_pool"]
     assert "| TTFT p50 ms | TTFT p95 ms | peak GB (process / own) |" in r.stdout

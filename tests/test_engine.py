@@ -11,6 +11,7 @@ order: measured < 1e-5).
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from dataclasses import replace
 
@@ -27,6 +28,7 @@ from mlx_infer.engine import (
     pool_pages,
     prometheus_text,
 )
+from mlx_infer.engine.metrics import Histogram
 from mlx_infer.engine.scheduler import DECODE, WAITING, LiveRequest, Scheduler
 from mlx_infer.errors import MlxInferError, PromptTooLongError
 from mlx_infer.generation.autoregressive import generate, generate_tokens, newline_ids
@@ -213,6 +215,30 @@ def test_metrics_in_prometheus_text(tiny):
         assert f"\nmlx_infer_{name} " in text or text.startswith(f"# HELP mlx_infer_{name}")
     assert 'mlx_infer_requests_total{finish_reason="length"} 3' in text
     assert prometheus_text({"x": {"a": 1}}).endswith('mlx_infer_x{finish_reason="a"} 1\n')
+    # the latency histograms (vLLM's buckets): one first token and one end per request, cumulative buckets
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds"):
+        full = f"mlx_infer_{name}"
+        assert f"# TYPE {full} histogram" in text
+        samples = {ln.split()[0]: float(ln.split()[1]) for ln in text.splitlines() if ln.startswith(full + "_")}
+        buckets = [v for k, v in samples.items() if k.startswith(full + "_bucket")]
+        assert buckets == sorted(buckets) and buckets[-1] == 3 == samples[full + "_count"]
+        assert f'{full}_bucket{{le="+Inf"}} 3' in text and samples[full + "_sum"] > 0
+    ttft = engine.metrics.time_to_first_token
+    assert ttft.sum <= engine.metrics.e2e_request_latency.sum  # each request's first token came before its end
+
+
+def test_histogram_buckets_are_cumulative_and_inclusive():
+    h = Histogram((0.1, 1.0))
+    for v in (0.05, 0.1, 0.5, 1.0, 3.0):
+        h.observe(v)
+    snap = h.snapshot()
+    assert snap["buckets"] == [(0.1, 2), (1.0, 4), (math.inf, 5)]  # a value on a bound counts in its bucket (le)
+    assert snap["count"] == 5 and snap["sum"] == pytest.approx(4.65)
+    text = prometheus_text({"time_to_first_token_seconds": snap})
+    assert 'mlx_infer_time_to_first_token_seconds_bucket{le="0.1"} 2\n' in text
+    assert 'mlx_infer_time_to_first_token_seconds_bucket{le="+Inf"} 5\n' in text
+    assert text.endswith("mlx_infer_time_to_first_token_seconds_sum 4.65\n"
+                         "mlx_infer_time_to_first_token_seconds_count 5\n")
 
 
 # -- the scheduler alone (no model) ------------------------------------------------

@@ -159,6 +159,12 @@ def test_models_health_metrics(server, client):
                  "generation_tokens_per_second", "memory_active_bytes"):
         assert name in m
     assert m["kv_pages_total"] > 0
+    before = m["time_to_first_token_seconds_count"]
+    client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, temperature=0)
+    after = metrics(server.url)  # the engine's latency histograms count the request (vLLM's two)
+    assert after["time_to_first_token_seconds_count"] == before + 1
+    assert after["e2e_request_latency_seconds_count"] >= before + 1
+    assert 0 < after["time_to_first_token_seconds_sum"] <= after["e2e_request_latency_seconds_sum"]
 
 
 # -- errors ----------------------------------------------------------------------

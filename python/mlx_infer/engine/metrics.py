@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import bisect
+import itertools
+import math
 import threading
 import time
 from collections import deque
@@ -10,6 +13,36 @@ from typing import Any
 
 #: Seconds of history behind the tokens/s gauges.
 RATE_WINDOW_S = 10.0
+
+#: Upper bounds (seconds) of the latency histograms' buckets: vLLM's for time to first token and end-to-end
+#: request latency, so dashboards built for one read the other.
+TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                  20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+E2E_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                 480.0, 960.0, 1920.0, 7680.0)
+
+
+@dataclass
+class Histogram:
+    """Observations counted into cumulative buckets (Prometheus's histogram), with their sum and count."""
+
+    bounds: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)  # per bucket (not cumulative); the last is +Inf
+    sum: float = 0.0
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def snapshot(self) -> dict[str, Any]:
+        """``{"buckets": [(upper bound, cumulative count), ..., (inf, count)], "sum": s, "count": n}``."""
+        cumulative = list(itertools.accumulate(self.counts))
+        return {"buckets": list(zip([*self.bounds, math.inf], cumulative)), "sum": self.sum, "count": self.count}
 
 
 @dataclass
@@ -27,13 +60,24 @@ class EngineMetrics:
     forwards_total: int = 0
     forced_tokens_total: int = 0
     grammar_jump_forwards_saved_total: int = 0
+    time_to_first_token: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS_S))
+    e2e_request_latency: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS_S))
     _gen: deque = field(default_factory=deque)  # (time, tokens) of recent decode steps
     _pre: deque = field(default_factory=deque)  # (time, tokens) of recent prefill chunks
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def finished(self, reason: str) -> None:
+    def finished(self, reason: str, latency_s: float | None = None) -> None:
+        """A request ended with ``reason``, ``latency_s`` after the engine took it (its submit)."""
         with self._lock:
             self.requests_total[reason] = self.requests_total.get(reason, 0) + 1
+            if latency_s is not None:
+                self.e2e_request_latency.observe(latency_s)
+
+    def first_token(self, seconds: float) -> None:
+        """A request's first token was read out, ``seconds`` after the engine took it: the engine's own
+        time to first token (queueing, prefill and the step included; the HTTP server's hops not)."""
+        with self._lock:
+            self.time_to_first_token.observe(seconds)
 
     def admitted(self, prompt_tokens: int, cached_tokens: int) -> None:
         with self._lock:
@@ -105,6 +149,8 @@ class EngineMetrics:
                 "generation_tokens_per_second": self._rate(self._gen),
                 "prompt_tokens_per_second": self._rate(self._pre),
                 "prefix_hit_rate": self.prefix_hit_rate,
+                "time_to_first_token_seconds": self.time_to_first_token.snapshot(),
+                "e2e_request_latency_seconds": self.e2e_request_latency.snapshot(),
             }
 
 
@@ -134,6 +180,9 @@ _HELP = {
     "kv_page_usage": ("gauge", "kv_pages_used / kv_pages_total."),
     "memory_active_bytes": ("gauge", "MLX active memory."),
     "memory_peak_bytes": ("gauge", "MLX peak memory."),
+    "time_to_first_token_seconds": ("histogram", "Seconds from a request's submit to the engine to its first "
+                                                 "token read out (the HTTP server's hops not included)."),
+    "e2e_request_latency_seconds": ("histogram", "Seconds from a request's submit to the engine to its end."),
 }
 
 
@@ -145,7 +194,13 @@ def prometheus_text(values: dict[str, Any], prefix: str = "mlx_infer_") -> str:
         full = prefix + name
         lines.append(f"# HELP {full} {help_text}")
         lines.append(f"# TYPE {full} {kind}")
-        if isinstance(value, dict):
+        if kind == "histogram":
+            for bound, n in value["buckets"]:
+                le = "+Inf" if math.isinf(bound) else f"{bound:g}"
+                lines.append(f'{full}_bucket{{le="{le}"}} {n}')
+            lines.append(f"{full}_sum {float(value['sum']):.6g}")
+            lines.append(f"{full}_count {value['count']}")
+        elif isinstance(value, dict):
             for label, v in sorted(value.items()):
                 lines.append(f'{full}{{finish_reason="{label}"}} {v}')
         else:
@@ -160,7 +215,7 @@ PROMETHEUS_ORDER = ("queue_depth", "running", "requests_total", "prompt_tokens_t
                     "grammar_jump_forwards_saved_total", "generation_tokens_per_second", "prompt_tokens_per_second",
                     "prefix_hit_rate", "kv_pages_total", "kv_pages_used", "kv_pages_free", "kv_pages_cached",
                     "kv_page_usage", "kv_pages_materialized", "kv_pool_growths_total", "memory_active_bytes",
-                    "memory_peak_bytes")
+                    "memory_peak_bytes", "time_to_first_token_seconds", "e2e_request_latency_seconds")
 
 
 def pool_gauges(store: Any) -> dict[str, Any]:

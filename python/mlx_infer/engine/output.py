@@ -43,6 +43,7 @@ def consume(engine: "Engine", step: "Step") -> None:
                 continue  # cancelled (or finished) while the step ran
             if r.t_first is None:
                 r.t_first = now
+                engine.metrics.first_token(now - r.t_submit)
             n += 1
             try:
                 lp = top = None
@@ -111,9 +112,9 @@ def finish(engine: "Engine", r: LiveRequest, reason: str, *, event: TokenEvent |
     with engine._lock:
         engine._live.pop(r.request.request_id, None)
         engine._cancels.discard(r.request.request_id)
-    engine.metrics.finished(reason)
-    engine._update_gauges()  # before the caller hears of it: /metrics then shows the pages back
     now = time.perf_counter()
+    engine.metrics.finished(reason, now - r.t_submit)
+    engine._update_gauges()  # before the caller hears of it: /metrics then shows the pages back
     p = r.request.sampling
     result = RequestResult(
         request_id=r.request.request_id, prompt_tokens=r.prompt_len, cached_tokens=r.cached_tokens or 0,
