@@ -30,6 +30,7 @@
 #include <tuple>
 
 #include "kernel_args.h"
+#include "mlx_infer/backend.h"
 #include "mlx_infer/paged_attention.h"
 
 namespace mlx_infer {
@@ -282,15 +283,16 @@ bool kernel_dtype(mx::Dtype t) {
   return t == mx::float32 || t == mx::bfloat16 || t == mx::float16;
 }
 
-const mx::fast::CustomKernelFunction& kernel(int which) {
+const ReusedKernel& kernel(int which) {
   static std::once_flag once;
-  static mx::fast::CustomKernelFunction fns[3];
+  static ReusedKernel fns[3];
   std::call_once(once, [] {
     const std::vector<std::string> in{"q", "k", "v", "block_tables", "lengths", "sinks"};
-    fns[0] = mx::fast::cuda_kernel("mlxi_paged_attn", in, {"out"}, pass1(kStoreOut), kHeader);
-    fns[1] = mx::fast::cuda_kernel("mlxi_paged_attn_split", in, {"o_part", "ml"}, pass1(kStorePart), kHeader);
-    fns[2] = mx::fast::cuda_kernel("mlxi_paged_attn_merge", {"o_part", "ml", "sinks"}, {"out"},
-                                   with_sink(kPass2), kHeader);
+    fns[0] = ReusedKernel(mx::fast::cuda_kernel("mlxi_paged_attn", in, {"out"}, pass1(kStoreOut), kHeader));
+    fns[1] = ReusedKernel(
+        mx::fast::cuda_kernel("mlxi_paged_attn_split", in, {"o_part", "ml"}, pass1(kStorePart), kHeader));
+    fns[2] = ReusedKernel(mx::fast::cuda_kernel("mlxi_paged_attn_merge", {"o_part", "ml", "sinks"}, {"out"},
+                                                with_sink(kPass2), kHeader));
   });
   return fns[which];
 }

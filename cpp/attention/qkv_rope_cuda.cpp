@@ -73,12 +73,12 @@ constexpr const char* kQkvRope = R"(
   dst[i2] = static_cast<T>(rx2);
 )";
 
-const mx::fast::CustomKernelFunction& kernel() {
+const ReusedKernel& kernel() {
   static std::once_flag once;
-  static mx::fast::CustomKernelFunction fn;
+  static ReusedKernel fn;
   std::call_once(once, [] {
-    fn = mx::fast::cuda_kernel("mlxi_qkv_rope", {"qkv", "positions", "freqs"},
-                               {"q_out", "k_out", "v_out"}, kQkvRope, "");
+    fn = ReusedKernel(mx::fast::cuda_kernel("mlxi_qkv_rope", {"qkv", "positions", "freqs"},
+                                            {"q_out", "k_out", "v_out"}, kQkvRope, ""));
   });
   return fn;
 }

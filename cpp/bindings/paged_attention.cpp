@@ -3,7 +3,9 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/variant.h>
+#include <nanobind/stl/vector.h>
 
 #include <string>
 
@@ -109,4 +111,29 @@ Returns:
         nb::kw_only(), "cuda"_a = mlx_infer::cuda_backend(),
         "Rows per mx.fast.rope call in the compiled steps: all of them, except where MLX's CUDA RoPE kernel would "
         "get a thread block deeper than CUDA's 64 in z (rotary dims < 32 with 128+ groups of 4 heads).");
+  m.def("reuse_kernels_enabled", &mlx_infer::reuse_kernels_enabled,
+        "Whether the custom CUDA kernels' launches reuse their primitive per signature (MLX_INFER_REUSE_KERNELS, "
+        "read at each launch; '0' turns it off).");
+  m.def(
+      "reused_kernel_probe",
+      [](const std::vector<std::pair<mx::array, mx::array>>& pairs) {
+        // ReusedKernel over a function any backend runs (MLX's add): the cache and the reuse, off CUDA.
+        mlx_infer::ReusedKernel k([](const std::vector<mx::array>& in, const std::vector<mx::Shape>&,
+                                     const std::vector<mx::Dtype>&, std::tuple<int, int, int>,
+                                     std::tuple<int, int, int>,
+                                     std::vector<std::pair<std::string, mx::fast::TemplateArg>>,
+                                     std::optional<float>, bool, mx::StreamOrDevice s) {
+          return std::vector<mx::array>{mx::add(in[0], in[1], s)};
+        });
+        std::vector<mx::array> outs;
+        for (const auto& [a, b] : pairs) {
+          const auto dtype = mx::promote_types(a.dtype(), b.dtype());
+          outs.push_back(k({a, b}, {mx::broadcast_shapes(a.shape(), b.shape())}, {dtype}, {1, 1, 1}, {1, 1, 1},
+                           {{"T", dtype}}, std::nullopt, false, {})[0]);
+        }
+        return std::make_pair(outs, k.signatures());
+      },
+      "pairs"_a,
+      "Tests: ``a + b`` for each pair through a ReusedKernel wrapping MLX's add (its template argument the "
+      "result's dtype); returns the sums and how many primitives it made.");
 }

@@ -231,12 +231,12 @@ constexpr const char* kMmaSource = R"(
   }
 )";
 
-const mx::fast::CustomKernelFunction& kernel(bool mma) {
+const ReusedKernel& kernel(bool mma) {
   static std::once_flag once;
-  static mx::fast::CustomKernelFunction fns[2];
+  static ReusedKernel fns[2];
   std::call_once(once, [] {
-    fns[0] = mx::fast::cuda_kernel("mlxi_gemv", {"x", "w", "bias"}, {"y"}, kSource, "");
-    fns[1] = mx::fast::cuda_kernel("mlxi_gemv_mma", {"x", "w", "bias"}, {"y"}, kMmaSource, kMmaHeader);
+    fns[0] = ReusedKernel(mx::fast::cuda_kernel("mlxi_gemv", {"x", "w", "bias"}, {"y"}, kSource, ""));
+    fns[1] = ReusedKernel(mx::fast::cuda_kernel("mlxi_gemv_mma", {"x", "w", "bias"}, {"y"}, kMmaSource, kMmaHeader));
   });
   return fns[mma ? 1 : 0];
 }
