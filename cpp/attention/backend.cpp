@@ -66,6 +66,11 @@ int rope_rows_per_call(int B, int heads, int T, int dims, bool cuda) {
   return std::max(1, (2 * kMaxBlockZ - 1) / groups);
 }
 
+// Primitives one ReusedKernel keeps at most (each holds its kernel's source, ~2-10 KB): a decode step's
+// signatures come first and stay; a prompt chunk's grid follows its row count, so a long-running server would
+// otherwise keep one per count it has seen. Past the cap a new signature calls MLX's function, as before.
+constexpr std::size_t kMaxSignatures = 512;
+
 struct ReusedKernel::Cache {
   std::mutex mu;
   std::unordered_map<std::string, std::shared_ptr<mx::Primitive>> made;
@@ -138,7 +143,9 @@ std::vector<mx::array> ReusedKernel::operator()(const std::vector<mx::array>& in
   auto outs = fn_(inputs, output_shapes, output_dtypes, grid, threadgroup, template_args, init_value, verbose, s);
   if (!outs.empty() && outs[0].has_primitive()) {
     std::lock_guard<std::mutex> lock(cache_->mu);
-    cache_->made.emplace(std::move(key), outs[0].primitive_ptr());
+    if (cache_->made.size() < kMaxSignatures) {
+      cache_->made.emplace(std::move(key), outs[0].primitive_ptr());
+    }
   }
   return outs;
 }

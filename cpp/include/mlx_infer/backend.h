@@ -35,7 +35,8 @@ int rope_rows_per_call(int B, int heads, int T, int dims, bool cuda = cuda_backe
 /// has dimensions, the outputs' dtypes, the grid, the threadgroup, the initial value and the stream; the output
 /// shapes and the inputs are the new node's own. A primitive is immutable (its evaluation reads the inputs it is
 /// handed), and mx::compile's replays reuse theirs the same way. ``MLX_INFER_REUSE_KERNELS=0`` (read at each
-/// call) calls MLX's function every time; so does ``verbose``. Copies share the cache.
+/// call) calls MLX's function every time; so does ``verbose``, and so does a new signature once 512 are kept
+/// (a prompt chunk's grid follows its row count). Copies share the cache.
 class ReusedKernel {
  public:
   using Grid = std::tuple<int, int, int>;
