@@ -720,6 +720,31 @@ case "${1:-a}" in
     run 250 gemma3-270m $served --shape gemma3-270m --http --http-beside --json "$out/h200-served-gemma3-270m.json"
     grep -h '^| ' "$out"/llama-1b.log "$out"/gemma3-270m.log
     ;;
-  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e|s19a|s19b|s19c|s20a|s20b|s20c|s21a|s21b|s21c|s21d|s21e" >&2
+  s22a)
+    # Next session's first call (the tree after session 21): this session's changes on CUDA — the step and kernel
+    # tests with the reused primitives and the GEMV rule; the reused primitives' A/B (host_step --ab, set = off);
+    # the capped GEMV rule against MLX's products (set = MLX_INFER_GEMV_ROWS=0) where it counts: llama-1B at 1/8
+    # streams, llama-8B at 8 (the rule keeps its MLP and head on cuBLAS).
+    run 170 tests python -m pytest -q -p no:cacheprovider -rfE --tb=short -n 14 tests/test_reused_kernel.py \
+      tests/test_gemv_cuda_text.py tests/test_qkv_rope.py tests/test_paged_decode_step.py tests/test_mixed_steps.py \
+      tests/test_decode_step.py tests/test_gemma4_decode_step.py
+    grep -h "FAILED\|ERROR\|passed\|failed" "$out/tests.log" | tail -14
+    run 90 reuse-ab python benchmarks/host_step.py --shape llama-1b --streams 1,8 --ab MLX_INFER_REUSE_KERNELS=0 \
+      --rounds 3
+    run 90 gemv-ab-1b python benchmarks/host_step.py --shape llama-1b --streams 1,8 --ab MLX_INFER_GEMV_ROWS=0 \
+      --rounds 3
+    run 120 gemv-ab-8b python benchmarks/host_step.py --shape llama-8b --streams 8 --ab MLX_INFER_GEMV_ROWS=0 \
+      --rounds 2
+    grep -h "median" "$out"/reuse-ab.log "$out"/gemv-ab-*.log
+    ;;
+  s22b)
+    # The served tables at the new code state, the GEMV rule as its own column (--no-gemv: MLX's products), and the
+    # HTTP column's TTFT split (served.py's JSON: engine_ttft_mean_ms beside ttft_mean_ms).
+    run 280 llama-8b $served --shape llama-8b --streams 1,8,32,64 --no-gemv --json "$out/h200-served-llama-8b.json"
+    run 270 llama-1b python benchmarks/served.py -p 512 -g 128 -r 2 -n 2 --no-text --streams 1,8,32 --no-gemv \
+      --http --http-beside --shape llama-1b --json "$out/h200-served-llama-1b.json"
+    grep -h '^| \|TTFT mean' "$out"/llama-8b.log "$out"/llama-1b.log | tail -40
+    ;;
+  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e|s19a|s19b|s19c|s20a|s20b|s20c|s21a|s21b|s21c|s21d|s21e|s22a|s22b" >&2
      exit 2 ;;
 esac
