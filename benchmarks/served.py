@@ -21,7 +21,9 @@ above the process's active memory at its start (mlx-lm's cache, our pool's growt
 activations); the server's own from its /metrics for ``mlx-infer-http``. Our columns' trials and rows also
 carry ``engine_ttft_mean_ms``, the engine's own mean time to first token over the trial's requests (its
 ``time_to_first_token_seconds`` histogram: submit to the engine -> first token read out), beside the client's
-``ttft_mean_ms``: for the HTTP column the difference is the server's and the loopback's share.
+``ttft_mean_ms``: for the HTTP column the difference is the server's and the loopback's share, which its
+``server_first_chunk_mean_ms`` (the server's ``http_time_to_first_chunk_seconds``: endpoint to first chunk)
+splits again.
 
 Warm-up: at every stream count each engine first runs one uncounted trial of the same
 shape (compile/trace paths and buffers for that batch size); the rows are medians of the
@@ -379,12 +381,19 @@ def engine_ttft(e: Any) -> tuple[float, int] | None:
     """(sum of seconds, count) of our engine's own time-to-first-token histogram (submit to the engine -> first
     token read out), in process or from the server's /metrics; None for mlx-lm's columns."""
     if isinstance(e, OursHTTP):
-        return e.engine_ttft()
+        return e.histogram("time_to_first_token_seconds")
     engine = getattr(e, "engine", None) if isinstance(e, Ours) else None
     if engine is None:
         return None
     h = engine.metrics.time_to_first_token
     return h.sum, h.count
+
+
+def mean_ms(before: tuple[float, int] | None, after: tuple[float, int] | None) -> float | None:
+    """The mean (ms) of a histogram's observations between two (sum, count) readings; None where none."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1]) * 1e3
 
 
 def own_resident_gb(e: Any) -> float:
@@ -569,23 +578,26 @@ def measure(engines: list[Any], s: int, args: argparse.Namespace, vocab: int) ->
         for e in engines:
             resident = own_resident_gb(e)
             before = engine_ttft(e)
+            chunk_before = e.histogram("http_time_to_first_chunk_seconds") if isinstance(e, OursHTTP) else None
             wall, tokens, peak, growth = timed(lambda: e.run(s, prompts, args.generation_tokens))
             own = resident + growth
             if isinstance(e, OursHTTP):
                 peak = own = e.peak_gb()
-            after = engine_ttft(e)
             # the engine's own mean TTFT over this trial's requests, beside the client's (the difference: the
-            # HTTP server's and the loopback's share for the server column, the callback's for in-process)
-            inside = ((after[0] - before[0]) / (after[1] - before[1]) * 1e3
-                      if before is not None and after is not None and after[1] > before[1] else None)
+            # HTTP server's and the loopback's share for the server column, the callback's for in-process), and
+            # the server's own to its first chunk (the HTTP column)
+            inside = mean_ms(before, engine_ttft(e))
+            server = mean_ms(chunk_before, e.histogram("http_time_to_first_chunk_seconds")) if chunk_before else None
             window = decode_window(getattr(e, "events", []), s)
             client = statistics.fmean(e.ttfts) * 1e3 if e.ttfts else None
             trials[e.name].append({"tps": tokens / wall, "decode_only_tps": window, "wall_s": wall,
                                    "tokens": tokens, "peak_gb": peak, "own_peak_gb": own,
-                                   "ttft_s": list(e.ttfts), "ttft_mean_ms": client, "engine_ttft_mean_ms": inside})
+                                   "ttft_s": list(e.ttfts), "ttft_mean_ms": client, "engine_ttft_mean_ms": inside,
+                                   **({"server_first_chunk_mean_ms": server} if isinstance(e, OursHTTP) else {})})
             print(f"streams {s:>3} {e.name:>15}: {tokens / wall:9.1f} tok/s end to end, decode only "
                   f"{window or 0:9.1f} tok/s ({tokens} tokens, {wall:.2f} s), TTFT mean {client or 0:.1f} ms"
-                  + (f" (in the engine {inside:.1f})" if inside is not None else ""), file=sys.stderr)
+                  + (f" (in the engine {inside:.1f})" if inside is not None else "")
+                  + (f" (to the server's first chunk {server:.1f})" if server is not None else ""), file=sys.stderr)
     rows = []
     for e in engines:
         t = trials[e.name]

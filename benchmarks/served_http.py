@@ -170,11 +170,11 @@ class OursHTTP:
         peak = self._metric("memory_peak_bytes")
         return None if peak is None else peak / 1e9
 
-    def engine_ttft(self) -> tuple[float, int] | None:
-        """(sum of seconds, count) of the engine's own time to first token (its /metrics histogram): what the
-        client's TTFT is, less the server's and the loopback's share."""
-        total = self._metric("time_to_first_token_seconds_sum")
-        count = self._metric("time_to_first_token_seconds_count")
+    def histogram(self, name: str) -> tuple[float, int] | None:
+        """(sum of seconds, count) of one of the server's /metrics histograms: the engine's
+        ``time_to_first_token_seconds`` (the client's TTFT less the server's and the loopback's share) or the
+        server's ``http_time_to_first_chunk_seconds`` (less the loopback's and the client's)."""
+        total, count = self._metric(name + "_sum"), self._metric(name + "_count")
         return None if total is None or count is None else (total, int(count))
 
     def close(self) -> None:

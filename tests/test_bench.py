@@ -102,6 +102,8 @@ def test_served_benchmark_on_a_toy_shape_writes_ttft_memory_json_and_plot(tmp_pa
             assert row["engine_ttft_mean_ms"] is None and trial["ttft_mean_ms"] > 0
         else:  # the engine's own TTFT (its /metrics histogram for the server) lies inside the client's
             assert 0 < row["engine_ttft_mean_ms"] == trial["engine_ttft_mean_ms"] <= trial["ttft_mean_ms"]
+        if row["engine"] == "mlx-infer-http":  # the server's own first-chunk time lies between the two
+            assert trial["engine_ttft_mean_ms"] <= trial["server_first_chunk_mean_ms"] <= trial["ttft_mean_ms"]
         if row["engine"] == "mlx-infer-http":  # its own phase, its pool from its startup line
             assert row["gpu_sharing"].startswith("own phase") and "KV pages of" in row["kv_pool"]
     assert "| TTFT p50 ms | TTFT p95 ms | peak GB (process / own) |" in r.stdout

@@ -159,12 +159,19 @@ def test_models_health_metrics(server, client):
                  "generation_tokens_per_second", "memory_active_bytes"):
         assert name in m
     assert m["kv_pages_total"] > 0
-    before = m["time_to_first_token_seconds_count"]
+    before, before_chunks = m["time_to_first_token_seconds_count"], m["http_time_to_first_chunk_seconds_count"]
     client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, temperature=0)
     after = metrics(server.url)  # the engine's latency histograms count the request (vLLM's two)
     assert after["time_to_first_token_seconds_count"] == before + 1
     assert after["e2e_request_latency_seconds_count"] >= before + 1
     assert 0 < after["time_to_first_token_seconds_sum"] <= after["e2e_request_latency_seconds_sum"]
+    # the server's own: endpoint to first SSE chunk, streamed requests only
+    assert after["http_time_to_first_chunk_seconds_count"] == before_chunks
+    for _ in client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, temperature=0, stream=True):
+        pass
+    streamed = metrics(server.url)
+    assert streamed["http_time_to_first_chunk_seconds_count"] == before_chunks + 1
+    assert streamed["http_time_to_first_chunk_seconds_sum"] > after["http_time_to_first_chunk_seconds_sum"]
 
 
 # -- errors ----------------------------------------------------------------------

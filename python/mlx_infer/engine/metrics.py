@@ -183,6 +183,9 @@ _HELP = {
     "time_to_first_token_seconds": ("histogram", "Seconds from a request's submit to the engine to its first "
                                                  "token read out (the HTTP server's hops not included)."),
     "e2e_request_latency_seconds": ("histogram", "Seconds from a request's submit to the engine to its end."),
+    "http_time_to_first_chunk_seconds": ("histogram", "Seconds from a streamed request's arrival at the server's "
+                                                      "endpoint to its first SSE chunk (a chat stream's: its role "
+                                                      "chunk)."),
 }
 
 

@@ -38,6 +38,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import time
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
@@ -54,7 +55,7 @@ from ..engine import RequestResult
 from ..engine.process import EngineProcess
 from ..engine.prompt_scores import PromptLogprobs
 from .prompt_logprobs import check_scorable, echo_logprobs, vllm_prompt_logprobs
-from .streaming import merge
+from .streaming import FirstChunkTimer, merge
 from .structured import constraint_of
 from .adapters import adapter_models, adapter_names, adapter_of, add_adapter_routes, served_name
 from .extras import add_cors, add_token_routes, template_kwargs
@@ -170,6 +171,7 @@ def create_app(engine: "Engine | EngineProcess", *, model_id: str, api_key: str 
     if cap < 1 or default_max_tokens < 1:
         raise MlxInferError(f"max tokens must be >= 1, got default {default_max_tokens}, cap {cap}.")
     app = FastAPI(title="mlx-infer", version="1", description="OpenAI-compatible API over mlx-infer's engine.")
+    first_chunk = FirstChunkTimer()
     app.state.drain = drain
     app.add_middleware(Guard, config=guard, drain=drain)
     add_cors(app, tuple(allowed_origins))  # outermost: preflights are answered before the key check
@@ -304,15 +306,19 @@ def create_app(engine: "Engine | EngineProcess", *, model_id: str, api_key: str 
             release(h)
 
     def sse(handles: list[RequestHandle], chunks: AsyncIterator[dict[str, Any]],
-            last: Callable[[str, list[int]], dict[str, Any]]) -> StreamingResponse:
+            last: Callable[[str, list[int]], dict[str, Any]], t0: float) -> StreamingResponse:
         """The SSE response of choices ``0..len(handles)-1``; ``last(reason, indices)`` builds a final
-        chunk for the choices a shutdown cut before their end."""
+        chunk for the choices a shutdown cut before their end; ``t0``: the request's arrival (FirstChunkTimer)."""
         async def body() -> AsyncIterator[str]:
+            waiting = True  # for the stream's first chunk with a choice (FirstChunkTimer)
             try:
                 finished: set[int] = set()
                 async for chunk in chunks:  # a shutdown's abort ends it (Drain.abort_all interrupts the handles)
                     if drain.abort_event.is_set():
                         break
+                    if waiting and chunk.get("choices"):
+                        first_chunk.observe_since(t0)
+                        waiting = False
                     finished.update(c["index"] for c in chunk.get("choices", ()) if c.get("finish_reason"))
                     yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
                 err = None
@@ -347,7 +353,8 @@ def create_app(engine: "Engine | EngineProcess", *, model_id: str, api_key: str 
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(engine.prometheus(), media_type="text/plain; version=0.0.4")
+        text = engine.prometheus() + first_chunk.prometheus()  # the engine's metrics, then the server's own
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -370,6 +377,7 @@ def create_app(engine: "Engine | EngineProcess", *, model_id: str, api_key: str 
 
     @app.post("/v1/completions")
     async def completions(req: P.CompletionRequest, request: Request) -> Any:
+        t0 = time.perf_counter()
         P.check_common(req)  # first: it also rejects unencodable text, the model name's included
         check_model(req.model)
         served = served_name(engine, req, names, model_id)  # an adapter's name when it serves (vLLM)
@@ -483,7 +491,7 @@ def create_app(engine: "Engine | EngineProcess", *, model_id: str, api_key: str 
                     results = [shown(h.result()) for h in handles] or [
                         RequestResult(request_id=rid, prompt_tokens=len(ids)) for ids in all_ids for _ in range(n)]
                     yield {**wrap([]), "usage": total_usage(results, req.n)}
-            return sse(handles, chunks(), lambda reason, left: wrap([choice("", reason, None, i) for i in left]))
+            return sse(handles, chunks(), lambda reason, left: wrap([choice("", reason, None, i) for i in left]), t0)
 
         if jobs:
             results = [shown(r) for r in await wait_all(jobs, request)]
@@ -497,6 +505,7 @@ def create_app(engine: "Engine | EngineProcess", *, model_id: str, api_key: str 
 
     @app.post("/v1/chat/completions")
     async def chat(req: P.ChatCompletionRequest, request: Request) -> Any:
+        t0 = time.perf_counter()
         P.check_common(req)  # first: it also rejects unencodable text, the model name's included
         check_model(req.model)
         served = served_name(engine, req, names, model_id)  # an adapter's name when it serves (vLLM)
@@ -600,7 +609,7 @@ def create_app(engine: "Engine | EngineProcess", *, model_id: str, api_key: str 
                     yield running_usage(chunk([c]), continuous, prompt_total, streamed)
                 if include_usage:
                     yield {**chunk([]), "usage": total_usage([h.result() for h in handles], req.n)}
-            return sse(handles, chunks(), lambda reason, left: chunk([delta(i, {}, reason) for i in left]))
+            return sse(handles, chunks(), lambda reason, left: chunk([delta(i, {}, reason) for i in left]), t0)
 
         if (req.n or 1) > 1:
             results = await wait_all(jobs, request)

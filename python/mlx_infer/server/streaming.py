@@ -1,4 +1,5 @@
-"""Several choices in one SSE stream (``n > 1``, prompt arrays): their chunk streams merged.
+"""Several choices in one SSE stream (``n > 1``, prompt arrays): their chunk streams merged; and the
+server's own latency to a stream's first chunk.
 
 Each choice's chunks keep their order and carry their ``index``; choices interleave as
 their tokens arrive, as OpenAI's and vLLM's streams do.
@@ -7,7 +8,10 @@ their tokens arrive, as OpenAI's and vLLM's streams do.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import AsyncIterator, TypeVar
+
+from ..engine.metrics import TTFT_BUCKETS_S, Histogram, prometheus_text
 
 T = TypeVar("T")
 _END = object()
@@ -52,3 +56,20 @@ async def merge(sources: list[AsyncIterator[T]]) -> AsyncIterator[T]:
     finally:
         for t in tasks:
             t.cancel()
+
+
+class FirstChunkTimer:
+    """``http_time_to_first_chunk_seconds``: a streamed request's arrival at its endpoint (its body parsed) to its
+    first SSE data chunk handed to the server, in the server's process. For a completion that chunk carries the
+    first token; a chat stream's first chunk is its role chunk, sent once the request is submitted. Beside the
+    engine's ``time_to_first_token_seconds`` (the engine's own share) and a client's TTFT (the loopback's and the
+    client's on top), it locates where a first token's time goes. Used on the event loop's thread only."""
+
+    def __init__(self) -> None:
+        self.histogram = Histogram(TTFT_BUCKETS_S)
+
+    def observe_since(self, t0: float) -> None:
+        self.histogram.observe(time.perf_counter() - t0)
+
+    def prometheus(self) -> str:
+        return prometheus_text({"http_time_to_first_chunk_seconds": self.histogram.snapshot()})
