@@ -740,7 +740,7 @@ case "${1:-a}" in
   s22b)
     # The served tables at the new code state, the GEMV rule as its own column (--no-gemv: MLX's products), and the
     # HTTP column's TTFT split (served.py's JSON: engine_ttft_mean_ms beside ttft_mean_ms).
-    run 280 llama-8b $served --shape llama-8b --streams 1,8,32,64 --no-gemv --json "$out/h200-served-llama-8b.json"
+    run 280 llama-8b $served --shape llama-8b --streams 1,8,32 --no-gemv --json "$out/h200-served-llama-8b.json"
     run 270 llama-1b python benchmarks/served.py -p 512 -g 128 -r 2 -n 2 --no-text --streams 1,8,32 --no-gemv \
       --http --http-beside --shape llama-1b --json "$out/h200-served-llama-1b.json"
     grep -h '^| \|TTFT mean' "$out"/llama-8b.log "$out"/llama-1b.log | tail -40
