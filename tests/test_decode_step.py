@@ -33,7 +33,6 @@ import numpy as np
 import pytest
 from mlx.utils import tree_map_with_path
 
-from mlx_infer import _fast
 from mlx_infer.artifacts.loader import load_model
 from mlx_infer.contracts import GraphDescriptor
 from mlx_infer.errors import MlxInferError
@@ -465,6 +464,7 @@ def test_poisoned_step_continues_eagerly_from_unchanged_kv():
 
 def _native_inputs(model, B: int = 1, S: int = 16):
     """A native step and valid inputs for it: B rows, buffers of S slots, 5 tokens held."""
+    from mlx_infer import _fast
 
     cfg, weights, quant = graph_spec(model, policy=DecodePolicy(max_capacity=12))
     native = _fast.DecodeStep(cfg, weights, quant)

@@ -10,6 +10,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <stdexcept>
+#include <string>
 #include <unordered_map>
 
 namespace mlx_infer {
@@ -78,6 +80,21 @@ struct ReusedKernel::Cache {
 
 ReusedKernel::ReusedKernel(mx::fast::CustomKernelFunction fn)
     : fn_(std::move(fn)), cache_(std::make_shared<Cache>()) {}
+
+long env_int(const char* name, long lo, long hi, long fallback, const char* meaning) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') {
+    return fallback;
+  }
+  char* end = nullptr;
+  const long x = std::strtol(v, &end, 10);
+  if (*end != '\0' || x < lo || x > hi) {
+    throw std::invalid_argument(std::string(name) + "='" + v + "' is not an integer in [" + std::to_string(lo) +
+                                ", " + std::to_string(hi) + "]" + (*meaning ? std::string(" (") + meaning + ")" : "") +
+                                "; unset it for the default " + std::to_string(fallback) + ".");
+  }
+  return x;
+}
 
 bool reuse_kernels_enabled() {
   const char* v = std::getenv("MLX_INFER_REUSE_KERNELS");

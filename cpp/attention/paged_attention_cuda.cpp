@@ -297,25 +297,11 @@ const ReusedKernel& kernel(int which) {
   return fns[which];
 }
 
-// An integer environment knob in [lo, hi], or ``fallback`` where unset; anything else is a clear error.
-int env_int(const char* name, int lo, int hi, int fallback) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') {
-    return fallback;
-  }
-  char* end = nullptr;
-  const long x = std::strtol(v, &end, 10);
-  if (*end != '\0' || x < lo || x > hi) {
-    throw std::invalid_argument(std::string(name) + "='" + v + "' is not an integer in [" + std::to_string(lo) +
-                                ", " + std::to_string(hi) + "]; unset it for the default.");
-  }
-  return static_cast<int>(x);
-}
 
 }  // namespace
 
 PagedKeyPipeline paged_key_pipeline() {
-  return {env_int("MLX_INFER_PAGED_ATTN_UNROLL", 1, 8, kDefaultUnroll),
+  return {static_cast<int>(env_int("MLX_INFER_PAGED_ATTN_UNROLL", 1, 8, kDefaultUnroll)),
           env_int("MLX_INFER_PAGED_ATTN_PREFETCH", 0, 1, kDefaultPrefetch ? 1 : 0) == 1};
 }
 

@@ -257,29 +257,9 @@ constexpr int kMaxCoreRows = 16;
 
 }  // namespace
 
-namespace {
-
-// A non-negative integer environment value up to ``hi``, else ``fallback`` where unset or empty; a bad value
-// is an error naming the variable and its range.
-long env_count(const char* name, long hi, long fallback, const char* what) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') {
-    return fallback;
-  }
-  char* end = nullptr;
-  const long x = std::strtol(v, &end, 10);
-  if (*end != '\0' || x < 0 || x > hi) {
-    throw std::invalid_argument(std::string(name) + "='" + v + "' is not an integer in [0, " + std::to_string(hi) +
-                                "] (" + what + "); unset it for the default " + std::to_string(fallback) + ".");
-  }
-  return x;
-}
-
-}  // namespace
-
 // Read at each call (a graph's trace), so a process can compare both paths.
 long gemv_max_weight_mib() {
-  return env_count("MLX_INFER_GEMV_MAX_MIB", kMaxWeightMiBLimit, kDefaultMaxWeightMiB, "0: no cap");
+  return env_int("MLX_INFER_GEMV_MAX_MIB", 0, kMaxWeightMiBLimit, kDefaultMaxWeightMiB, "0: no cap");
 }
 
 bool gemv_takes(int rows, std::int64_t weight_bytes) {
@@ -292,7 +272,8 @@ bool gemv_takes(int rows, std::int64_t weight_bytes) {
 
 // Read at each call (a graph's trace), so a process can compare both paths.
 int gemv_max_rows() {
-  return static_cast<int>(env_count("MLX_INFER_GEMV_ROWS", kMaxRows, kDefaultMaxRows, "0: never use the GEMV kernel"));
+  return static_cast<int>(
+      env_int("MLX_INFER_GEMV_ROWS", 0, kMaxRows, kDefaultMaxRows, "0: never use the GEMV kernel"));
 }
 
 GemvTiling default_gemv_tiling(int rows, int n, int k, mx::Dtype dtype) {

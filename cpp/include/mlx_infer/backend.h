@@ -27,6 +27,11 @@ bool cuda_backend();
 /// is fine (and on every other backend: ``cuda`` false), else the most rows a call can take.
 int rope_rows_per_call(int B, int heads, int T, int dims, bool cuda = cuda_backend());
 
+/// An integer environment knob in [lo, hi], ``fallback`` where unset or empty; anything else throws
+/// std::invalid_argument naming the variable, its range, ``meaning`` (what a value means, if anything) and the
+/// default. Read at each call, so a process can compare both settings.
+long env_int(const char* name, long lo, long hi, long fallback, const char* meaning = "");
+
 /// An ``mx::fast::cuda_kernel`` function (same call) whose ``CustomKernel`` primitive is made once per launch
 /// signature and reused by every later call with it. MLX's function rebuilds the kernel's whole source text at
 /// each call (~3 us of host time a launch: benchmarks/submit_cost.py, benchmarks/RESULTS.md "Session 21"), and a
