@@ -3,7 +3,8 @@ clients in several processes.
 
 One Python process parsing every SSE event of 64-128 streams (httpx, one asyncio loop) can be
 the bottleneck of the measurement rather than the server: the streams are spread over client
-processes (``clients``, default one per 16 streams), started once with the column and reused by
+processes (``clients``, default one per 16 streams of the largest count; a trial of fewer streams uses as
+few of them as keep each at ``max_batch / clients`` streams or fewer), started once with the column and reused by
 every trial. Each process runs its share of the streams as a closed loop over its share of the
 prompts and hands back its tokens, TTFTs and event times (``time.perf_counter``: CLOCK_MONOTONIC,
 comparable across processes on Linux and macOS), from which ``served.py`` takes the decode window.
@@ -85,6 +86,12 @@ def _ready() -> bool:
     return httpx.AsyncClient is not None
 
 
+def client_parts(streams: int, clients: int, per_client: int) -> int:
+    """How many of the ``clients`` processes a trial of ``streams`` uses: as few as keep each at ``per_client``
+    streams or fewer."""
+    return max(1, min(clients, math.ceil(streams / per_client)))
+
+
 def split(streams: int, prompts: list[list[int]], parts: int) -> list[tuple[int, list[tuple[int, list[int]]]]]:
     """``(streams, work)`` of each client process: streams dealt evenly, the prompts (numbered) in
     proportion, so every process keeps its streams busy for the same number of requests each."""
@@ -122,6 +129,7 @@ class OursHTTP:
         self.pyspy, self.pyspy_proc = pyspy, None  # --http-pyspy: one GIL profile, of the first trial of 16+ streams
         self.sizing = f"--memory-budget {budget_gb:g}" if budget_gb else "default device sizing (own phase)"
         self.clients = clients or max(1, math.ceil(max_batch / STREAMS_PER_CLIENT))
+        self.streams_per_client = math.ceil(max_batch / self.clients)  # a trial's streams spread over the clients
         self.pool_executor = ProcessPoolExecutor(self.clients, mp_context=multiprocessing.get_context("spawn"))
         for f in [self.pool_executor.submit(_ready) for _ in range(self.clients)]:
             f.result(timeout=120)
@@ -144,7 +152,7 @@ class OursHTTP:
         """One trial: ``streams`` closed-loop streams over ``prompts``; sets ``ttfts`` and ``events``."""
         if self.pyspy and streams >= STREAMS_PER_CLIENT:
             self.pyspy_proc, self.pyspy = profile_gil(self.proc.pid, self.pyspy), None  # once
-        parts = split(streams, prompts, math.ceil(streams / STREAMS_PER_CLIENT) if self.clients > 1 else 1)
+        parts = split(streams, prompts, client_parts(streams, self.clients, self.streams_per_client))
         futures = [self.pool_executor.submit(client_share, self.url, self.model, n, work, gen) for n, work in parts]
         self.ttfts, self.events = [], []
         total = 0
@@ -210,4 +218,4 @@ def profile_gil(pid: int, out: str, seconds: int = 6) -> subprocess.Popen | None
 
 def describe(e: Any) -> dict[str, Any]:
     """What the JSON row records about the column's clients."""
-    return {"http_clients": e.clients, "streams_per_client": STREAMS_PER_CLIENT}
+    return {"http_clients": e.clients, "streams_per_client": e.streams_per_client}
