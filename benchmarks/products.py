@@ -15,7 +15,9 @@ the device's bandwidth (``--bandwidth``, default the H200's 4.8 TB/s).
 Engines: ``mlx`` (``x @ W.T``, bf16), ``mlx-fused`` (the same, with q|k|v and gate|up as one
 product: what the compiled steps run on a GPU), ``cublas`` (``torch.nn.functional.linear`` on
 CUDA; absent without a CUDA torch), ``tuned`` (``_fast.tuned_linear``, cuBLASLt's fastest algorithm per
-shape, fused q|k|v and gate|up as the compiled steps run them; where ``_fast.tuned_products_available()``). The timing queues ``--iters`` products and waits once (MLX:
+shape, fused q|k|v and gate|up as the compiled steps run them; where ``_fast.tuned_products_available()``), ``ours`` (what the decode graphs run on this
+device: the GEMV kernel, ``_fast.skinny_linear``, where ``_fast.skinny_linear_applies`` (2-8 rows, weights up to
+64 MiB, CUDA), else MLX's product; fused q|k|v and gate|up). The timing queues ``--iters`` products and waits once (MLX:
 one ``mx.eval``; torch: one ``cuda.synchronize``), so launch overhead counts as it does in a step.
 """
 
@@ -49,10 +51,18 @@ def layer_products(cfg: dict[str, Any]) -> dict[str, tuple[int, int]]:
 
 #: Which products make a step for each engine (per layer; the head once).
 STEP = {"mlx": ("q", "k", "v", "o", "gate", "up", "down"), "mlx-fused": ("qkv", "o", "gate_up", "down"),
-        "cublas": ("q", "k", "v", "o", "gate", "up", "down"), "tuned": ("qkv", "o", "gate_up", "down")}
+        "cublas": ("q", "k", "v", "o", "gate", "up", "down"), "tuned": ("qkv", "o", "gate_up", "down"),
+        "ours": ("qkv", "o", "gate_up", "down")}
+
+
+def ours(x: mx.array, w: mx.array) -> mx.array:
+    """The decode graphs' dense product (cpp/matmul/gemv_cuda.cpp, dense_linear): the GEMV kernel where its rule
+    takes the operands, else MLX's ``x @ W.T``."""
+    return _fast.skinny_linear(x, w) if _fast.skinny_linear_applies(x, w) else x @ w.T
 
 
 def _copies(out: int, inp: int) -> int:
+    """Weight copies a timing cycles through: enough to overflow the L2 (one on a --tiny smoke run)."""
     return max(1, -(-L2_BYTES // (out * inp * 2)))
 
 
@@ -94,7 +104,8 @@ def time_cublas(out: int, inp: int, m: int, iters: int) -> float | None:
 def measure(shape: str, cfg: dict[str, Any], ms: list[int], iters: int, bandwidth: float) -> list[dict[str, Any]]:
     rows = []
     prods = layer_products(cfg)
-    timers: dict[str, Callable[..., float | None]] = {"mlx": time_mlx, "cublas": time_cublas}
+    timers: dict[str, Callable[..., float | None]] = {"mlx": time_mlx, "cublas": time_cublas,
+                                                      "ours": lambda o, i, m, n: time_mlx(o, i, m, n, ours)}
     if _fast.tuned_products_available():  # the compiled steps' products on CUDA (_fast.tuned_linear)
         timers["tuned"] = lambda o, i, m, n: time_mlx(o, i, m, n, _fast.tuned_linear)
     for m in ms:
@@ -133,6 +144,9 @@ def main() -> None:
     p.add_argument("--json")
     p.add_argument("--plot")
     args = p.parse_args()
+    if args.tiny:  # toy weights: no L2 to overflow, one copy each
+        global L2_BYTES
+        L2_BYTES = 0
     ms = [int(v) for v in args.ms.split(",")]
     rows: list[dict[str, Any]] = []
     for shape in args.shapes.split(","):
@@ -145,12 +159,11 @@ def main() -> None:
             print(f"{r['shape']:>12} M={r['m']:>3} {r['engine']:>9}: step products {r['step_ms']:.3f} ms "
                   f"(weights alone at the bandwidth {r['weights_at_bandwidth_ms']:.3f} ms, "
                   f"{r['fraction_of_bandwidth']:.0%})")
-    worst = [(r["shape"], r["m"], r["product"], c["ms"] / r["ms"]) for r in rows if r["suite"] == "products"
-             and r["engine"] == "cublas" for c in rows if c["suite"] == "products" and c["engine"] == "mlx"
-             and (c["shape"], c["m"], c["product"]) == (r["shape"], r["m"], r["product"])]
-    if worst:
-        s, m, n, ratio = max(worst, key=lambda w: w[3])
-        print(f"worst MLX / cuBLAS time: {ratio:.2f}x ({s}, M={m}, {n})")
+    for engine in ("mlx", "ours"):
+        worst = worst_ratio(rows, engine)
+        if worst:
+            s, m, n, ratio = worst
+            print(f"worst {engine} / cuBLAS time: {ratio:.2f}x ({s}, M={m}, {n})")
     doc = {"machine": platform.processor() or platform.machine(), "device": str(mx.default_device()),
            "mlx": mx.__version__, "command": " ".join(sys.argv), "rows": rows}
     if args.json:
@@ -159,8 +172,19 @@ def main() -> None:
         plot(doc, Path(args.plot))
 
 
+def worst_ratio(rows: list[dict[str, Any]], engine: str) -> tuple[str, int, str, float] | None:
+    """``(shape, M, product, engine's time / cuBLAS's)`` of the product where ``engine`` is furthest behind
+    cuBLAS (issue 17's "report the worst ratio"); None without cuBLAS rows."""
+    base = {(r["shape"], r["m"], r["product"]): r["ms"] for r in rows
+            if r["suite"] == "products" and r["engine"] == "cublas"}
+    ratios = [(r["shape"], r["m"], r["product"], r["ms"] / base[key]) for r in rows
+              if r["suite"] == "products" and r["engine"] == engine
+              and (key := (r["shape"], r["m"], r["product"])) in base]
+    return max(ratios, key=lambda w: w[3]) if ratios else None
+
+
 def plot(doc: dict[str, Any], path: Path) -> None:
-    """TB/s per product against M, one panel per shape, MLX solid and cuBLAS dashed."""
+    """TB/s per product against M, one panel per shape, MLX solid, cuBLAS dashed, ours dotted."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -171,7 +195,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4), squeeze=False)
     for ax, shape in zip(axes[0], shapes):
         for product in sorted({r["product"] for r in rows if r["shape"] == shape}):
-            for engine, style in (("mlx", "-"), ("cublas", "--")):
+            for engine, style in (("mlx", "-"), ("cublas", "--"), ("ours", ":")):
                 pts = sorted((r["m"], r["tb_s"]) for r in rows
                              if (r["shape"], r["product"], r["engine"]) == (shape, product, engine))
                 if pts:
