@@ -1,6 +1,7 @@
 """The bench machinery on a tiny random model: fields, alternation, files (not speed)."""
 
 import json
+import pathlib
 import subprocess
 import sys
 
@@ -119,7 +120,7 @@ def test_served_benchmark_http_beside_shares_the_phase_and_the_sizing(tmp_path):
     out = tmp_path / "served.json"
     r = subprocess.run([sys.executable, str(script), "--shape", "gemma3-270m", "--toy", "--streams", "2",
                         "-p", "8", "-g", "2", "-r", "1", "-n", "1", "--http", "--http-beside", "--no-ids",
-                        "--json", str(out)], capture_output=True, text=True, timeout=600)
+                        "--http-clients", "2", "--json", str(out)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = {row["engine"]: row for row in json.loads(out.read_text())["rows"]}
     assert sorted(rows) == ["mlx-infer", "mlx-infer-http", "mlx-lm"]
@@ -127,6 +128,17 @@ def test_served_benchmark_http_beside_shares_the_phase_and_the_sizing(tmp_path):
     http = rows["mlx-infer-http"]
     assert http["kv_sizing"] == rows["mlx-infer"]["kv_sizing"] and "beside them" in http["gpu_sharing"]
     assert "KV pages of" in http["kv_pool"] and http["trials"][0]["tokens"] == 4
+    assert http["http_clients"] == 2 and http["streams_per_client"] == 1  # --http-clients: one stream each
+
+
+def test_http_clients_spread_a_trial():
+    """A trial's streams go to as few client processes as keep each within its share (--http-clients)."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+    from served_http import client_parts
+
+    assert client_parts(32, 2, 16) == 2 and client_parts(8, 2, 16) == 1  # the default: 16 streams a client
+    assert client_parts(32, 8, 4) == 8 and client_parts(8, 8, 4) == 2 and client_parts(1, 8, 4) == 1
+    assert client_parts(128, 8, 16) == 8
 
 
 def test_served_benchmark_http_thread_and_generate_step_columns(tmp_path):
@@ -234,3 +246,29 @@ def test_profile_tree_folds_py_spy_stacks_per_process(tmp_path):
     assert parent["samples"]["all"] == 7 and child["samples"]["all"] == 6
     assert child["self"]["send (http.py:8)"] == 4 and child["self"]["loop (app.py:3)"] == 2
     assert child["inclusive"]["loop (app.py:3)"] == 6 and "loop (app.py:3)" not in parent["inclusive"]
+
+
+def test_products_probe_times_ours_beside_mlx_and_reports_the_worst_ratio(tmp_path):
+    """benchmarks/products.py (issue 17's probe): per-product rows for MLX and ours (the decode graphs' product: on
+    the CPU, MLX's own, so the two time the same work), step totals for each, and the worst-ratio report."""
+    script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "products.py"
+    out = tmp_path / "products.json"
+    r = subprocess.run([sys.executable, str(script), "--tiny", "--ms", "1,8", "--shapes", "llama-1b", "--iters", "2",
+                        "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    per = {(x["engine"], x["m"], x["product"]) for x in rows if x["suite"] == "products"}
+    for m in (1, 8):
+        for product in ("q", "qkv", "o", "gate_up", "down", "head"):
+            assert ("mlx", m, product) in per and ("ours", m, product) in per
+    steps = {(x["engine"], x["m"]) for x in rows if x["suite"] == "products-step"}
+    assert {("mlx", 1), ("mlx-fused", 8), ("ours", 1), ("ours", 8)} <= steps
+
+    sys.path.insert(0, str(script.parent))
+    from products import worst_ratio
+
+    fake = [{"suite": "products", "shape": "s", "m": m, "product": p, "engine": e, "ms": ms}
+            for m, p, e, ms in [(1, "q", "cublas", 1.0), (1, "q", "ours", 1.5), (8, "o", "cublas", 2.0),
+                                (8, "o", "ours", 5.0), (8, "o", "mlx", 3.0)]]
+    assert worst_ratio(fake, "ours") == ("s", 8, "o", 2.5) and worst_ratio(fake, "mlx") == ("s", 8, "o", 1.5)
+    assert worst_ratio([x for x in fake if x["engine"] != "cublas"], "ours") is None
