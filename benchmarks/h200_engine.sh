@@ -745,6 +745,53 @@ case "${1:-a}" in
       --http --http-beside --shape llama-1b --json "$out/h200-served-llama-1b.json"
     grep -h '^| \|TTFT mean' "$out"/llama-8b.log "$out"/llama-1b.log | tail -40
     ;;
-  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e|s19a|s19b|s19c|s20a|s20b|s20c|s21a|s21b|s21c|s21d|s21e|s22a|s22b" >&2
+  s22c)
+    # s22a's tests ran past their limit (156 tests in 170 s, two errors and a failure unnamed): the same files in
+    # three runs that each finish; then the GEMV rule's A/B at 16 and 32 streams (s22b's served llama-1B at 32
+    # streams decoded 1.77x with it against 2.28x without, though 32 rows never take the kernel).
+    pt="python -m pytest -q -p no:cacheprovider -rfE --tb=short -n 14"
+    run 100 tests-kernels $pt tests/test_reused_kernel.py tests/test_gemv_cuda_text.py tests/test_qkv_rope.py \
+      tests/test_mixed_steps.py
+    run 130 tests-steps $pt tests/test_paged_decode_step.py tests/test_decode_step.py
+    run 130 tests-gemma4 $pt tests/test_gemma4_decode_step.py
+    grep -h "^FAILED\|^ERROR\|passed\|failed" "$out"/tests-*.log | tail -20
+    run 100 gemv-ab-32 python benchmarks/host_step.py --shape llama-1b --streams 16,32 --ab MLX_INFER_GEMV_ROWS=0 \
+      --rounds 3
+    grep -h "median" "$out"/gemv-ab-32.log
+    ;;
+  s23a)
+    # (Session 22's last phase, not run: its device time went to machines that did not start.) gemma4's compiled
+    # bfloat16 cases on CUDA: MLX's own mx.compile drift beside the step's (compile_drift.py) and the test, whose GPU
+    # bound is twice that drift; the HTTP column at 32 streams with 8 client processes (4 streams each: s22b's split
+    # put 11-19 ms between the server's first chunk and the client's read) and 256 tokens a request (s22b's decode
+    # window was ~1 s); the GEMV kernel for 9-64 rows (MLX_INFER_GEMV_ROWS=64 against the default 8) on llama-1B,
+    # whose weights all fit the 64 MiB cap but the LM head.
+    run 45 drift python benchmarks/compile_drift.py
+    run 90 tests-gemma4 python -m pytest -q -p no:cacheprovider -rfE --tb=short -n 14 \
+      tests/test_gemma4_decode_step.py -k "bf16"
+    grep -h "mx.compile\|^FAILED\|passed\|failed" "$out"/drift.log "$out"/tests-gemma4.log
+    run 150 http-1b python benchmarks/served.py -p 512 -g 256 -r 2 -n 3 --no-text --streams 32 --http \
+      --http-beside --http-clients 8 --shape llama-1b --json "$out/h200-served-llama-1b-http.json"
+    grep -h '^| \|TTFT mean' "$out"/http-1b.log | tail -16
+    run 90 gemv64-1b python benchmarks/host_step.py --shape llama-1b --streams 16,32,64 --ab MLX_INFER_GEMV_ROWS=64 \
+      --rounds 2
+    grep -h "median" "$out"/gemv64-*.log
+    ;;
+  s23b)
+    # llama-8B's rows at 64 and 128 streams (s22b ran 1/8/32), and gemma3-270m's table at the current tree.
+    run 300 llama-8b $served --shape llama-8b --streams 64,128 --json "$out/h200-served-llama-8b-64-128.json" \
+      --plot "$out/h200-served-llama-8b-64-128.png"
+    run 200 gemma3-270m $served --shape gemma3-270m --json "$out/h200-served-gemma3-270m.json" \
+      --plot "$out/h200-served-gemma3-270m.png"
+    grep -h '^| ' "$out"/llama-8b.log "$out"/gemma3-270m.log
+    ;;
+  s23c)
+    # Issue 17's per-product table with our decode graphs' product beside MLX's and cuBLAS's (products.py "ours":
+    # the GEMV kernel where its rule takes the operands), its worst ratio against cuBLAS, JSON + plot.
+    run 300 products python benchmarks/products.py --ms 1,2,4,8,16,32,64,128,256 --json "$out/products.json" \
+      --plot "$out/products.png"
+    grep -h "step products\|worst" "$out"/products.log
+    ;;
+  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e|s19a|s19b|s19c|s20a|s20b|s20c|s21a|s21b|s21c|s21d|s21e|s22a|s22b|s22c|s23a|s23b|s23c" >&2
      exit 2 ;;
 esac

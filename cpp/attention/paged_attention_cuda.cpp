@@ -297,7 +297,6 @@ const ReusedKernel& kernel(int which) {
   return fns[which];
 }
 
-
 }  // namespace
 
 PagedKeyPipeline paged_key_pipeline() {
