@@ -16,7 +16,7 @@ is also given as the median of per-trial ratios (the two runs of a trial are adj
 Reported per model: both throughputs, their ratio, the step time of each (B / tok/s) and
 their difference: the per-step cost of the low-rank products (on the CPU kernels, one
 ``fast_lora_linear`` per targeted linear in place of its plain product: the layer's product,
-each row's own slot's two low-rank products and the add in one op, cpp/matmul/lora_update.cpp),
+each row's own slot's two low-rank products and the add in one op, cpp/cpu_kernels/lora_update.cpp),
 beside their arithmetic (multiply-adds per step).
 """
 

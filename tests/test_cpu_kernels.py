@@ -1,4 +1,4 @@
-"""mlx-infer's CPU kernels (cpp/matmul/, layers/linear.py) against numpy float64 and MLX's stock ops.
+"""mlx-infer's CPU kernels (cpp/cpu_kernels/, layers/linear.py) against numpy float64 and MLX's stock ops.
 
 Tolerances (the ones the kernels promise; see layers/linear.py):
 

@@ -1,4 +1,4 @@
-"""The fused per-row LoRA update primitive (``_fast.fast_lora_update``, cpp/matmul/lora_update.cpp).
+"""The fused per-row LoRA update primitive (``_fast.fast_lora_update``, cpp/cpu_kernels/lora_update.cpp).
 
 Checked against a float64 numpy reference of ``base + sum_j (x . a[j]) b[row0 + n, j]`` over each
 row's slot columns (slot 0 and out-of-range slots: base unchanged), for bank layouts with padded

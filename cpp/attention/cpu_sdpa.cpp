@@ -10,8 +10,8 @@
 #include <utility>
 #include <vector>
 
-#include "../matmul/array_util.h"
-#include "../matmul/kernels.h"
+#include "../cpu_kernels/array_util.h"
+#include "../cpu_kernels/kernels.h"
 #include "mlx_infer/cpu_attention.h"
 
 namespace mlx_infer {

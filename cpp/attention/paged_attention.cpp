@@ -16,9 +16,9 @@
 
 #include "mlx_infer/backend.h"
 
-#include "../matmul/array_util.h"
-#include "../matmul/elem.h"
-#include "../matmul/threadpool.h"
+#include "../cpu_kernels/array_util.h"
+#include "../cpu_kernels/elem.h"
+#include "../cpu_kernels/threadpool.h"
 #include "mlx_infer/softcap_attention.h"
 #include "paged_attention_cuda.h"
 

@@ -1,4 +1,4 @@
-// nanobind only: the CPU matmul ops (cpp/matmul/).
+// nanobind only: the CPU kernels' ops (cpp/cpu_kernels/: products, SDPA, gated activation, LoRA update) and the CUDA products (cpp/matmul/).
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>

@@ -1,6 +1,6 @@
 // CPU attention: our SDPA primitive (cpp/attention/cpu_sdpa.cpp), the op MLX's CPU backend runs otherwise.
 //
-// It runs on the CPU kernels' thread pool and vector code (cpp/matmul/); on a GPU stream the call is MLX's own
+// It runs on the CPU kernels' thread pool and vector code (cpp/cpu_kernels/); on a GPU stream the call is MLX's own
 // `mx::fast::scaled_dot_product_attention`, so a model can call it unconditionally.
 #pragma once
 

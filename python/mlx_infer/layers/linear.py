@@ -2,7 +2,7 @@
 
 MLX's Linux CPU wheel runs ``x @ W.T`` through the reference BLAS and its
 bfloat16/quantized matmuls as scalar loops; these layers call our kernels
-instead (AVX-512 / AVX2 / portable, multi-threaded; see ``cpp/matmul/``). On a
+instead (AVX-512 / AVX2 / portable, multi-threaded; see ``cpp/cpu_kernels/``). On a
 GPU stream the same calls build MLX's own ops, so a swapped model still runs
 anywhere.
 

@@ -1,5 +1,5 @@
 // The CPU kernels behind the matmul primitives: problem descriptions and the
-// run-time dispatch by instruction set. Internal to cpp/matmul/.
+// run-time dispatch by instruction set. Internal to cpp/cpu_kernels/ (and the CPU attention in cpp/attention/).
 #pragma once
 
 #include <cstdint>
