@@ -792,6 +792,28 @@ case "${1:-a}" in
       --plot "$out/products.png"
     grep -h "step products\|worst" "$out"/products.log
     ;;
-  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e|s19a|s19b|s19c|s20a|s20b|s20c|s21a|s21b|s21c|s21d|s21e|s22a|s22b|s22c|s23a|s23b|s23c" >&2
+  s23d)
+    # A 16-64-row llama-1B step is host-bound (s22c: wait ~0, MLX's submit 1.7-1.8 ms of 2.3-2.5), and each of its
+    # 65 products past the GEMV rule costs MLX's host ~19-23 us (cuBLASLt descriptors and heuristic every call,
+    # s21). Our tuned cuBLASLt primitive caches its plan per shape: what does a product cost the host through it,
+    # and the step? A second build with it (MLX_INFER_CUBLAS=ON), then the submit probe (MLX's x @ W.T, the GEMV
+    # kernel, ours) and the step's A/B (tuned on by default in that build; MLX_INFER_TUNED_PRODUCTS=0 off).
+    t=$(date +%s)
+    (cd /tmp/proj && CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install -q --no-build-isolation --no-deps \
+      --no-compile -Ccmake.define.MLX_INFER_LTO=OFF -Ccmake.define.MLX_INFER_CUBLAS=ON --target /tmp/site-cublas . \
+      > "$out/build-cublas.log" 2>&1) && echo "built the cuBLAS copy in $(( $(date +%s) - t )) s" | tee -a "$out/phase.log"
+    export PYTHONPATH=/tmp/site-cublas:/tmp/site
+    python -c "from mlx_infer import _fast; print('tuned products available:', _fast.tuned_products_available())" \
+      | tee -a "$out/phase.log"
+    run 90 tuned-check python benchmarks/gpu_tuned_products.py --shapes llama-1b --ms 16,32 --iters 5 --rounds 1
+    tail -3 "$out/tuned-check.log"
+    run 90 submit-tuned python benchmarks/submit_cost.py --rows 2,16,32,64 --nodes 32 --kinds matmul_wt,skinny,tuned \
+      --json "$out/submit-tuned.json"
+    grep -h "rows" "$out"/submit-tuned.log
+    run 120 tuned-ab-1b python benchmarks/host_step.py --shape llama-1b --streams 16,32,64 \
+      --ab MLX_INFER_TUNED_PRODUCTS=0 --rounds 2
+    grep -h "median" "$out"/tuned-ab-1b.log
+    ;;
+  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e|s19a|s19b|s19c|s20a|s20b|s20c|s21a|s21b|s21c|s21d|s21e|s22a|s22b|s22c|s23a|s23b|s23c|s23d" >&2
      exit 2 ;;
 esac

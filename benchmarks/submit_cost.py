@@ -12,7 +12,11 @@ wait for the device, and prints medians per node. Kinds:
 - ``reshape``: a view (no kernel);
 - ``matmul``: ``x @ W`` with W (E, E) (cuBLASLt: MLX's gemv takes only a transposed W);
 - ``matmul_wt``: ``x @ W.T``, a Linear layer's product (MLX's gemv at one row, cuBLASLt above);
-- ``skinny``: ``mlx_infer._fast.skinny_linear(x, W)``, the decode graphs' GEMV kernel (CUDA only).
+- ``skinny``: ``mlx_infer._fast.skinny_linear(x, W)``, the decode graphs' GEMV kernel (CUDA only);
+- ``tuned``: ``mlx_infer._fast.tuned_linear(x, W)``, our cuBLASLt primitive with its plan (descriptors and
+  algorithm) cached per shape (cpp/matmul/cublas_product.cpp; only in a build with ``MLX_INFER_CUBLAS=ON``,
+  ``_fast.tuned_products_available()``): what a product costs MLX's host without MLX's per-call descriptors
+  and heuristic. Its first call of a shape tunes (the warm-up steps absorb it).
 
     python benchmarks/submit_cost.py --rows 1,32 --nodes 64 --json /tmp/submit.json
 """
@@ -70,6 +74,8 @@ def node(kind: str, w: mx.array, m: mx.array) -> Callable[[mx.array, mx.array], 
         return lambda h, r: (h @ m.T, r)
     if kind == "skinny":  # the decode graphs' CUDA GEMV kernel (a CustomKernel), 1-64 rows
         return lambda h, r: (_fast.skinny_linear(h, m), r)
+    if kind == "tuned":  # our cuBLASLt primitive, its plan cached per shape (mx.matmul where it is not built)
+        return lambda h, r: (_fast.tuned_linear(h, m), r)
     raise SystemExit(f"unknown kind {kind!r}")
 
 
@@ -107,11 +113,14 @@ def main() -> None:
     p.add_argument("--nodes", type=int, default=64)
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--kinds", default="reshape,add,rms_norm,add+rms_norm,custom,matmul,matmul_wt,skinny")
+    p.add_argument("--kinds", default="reshape,add,rms_norm,add+rms_norm,custom,matmul,matmul_wt,skinny,tuned")
     p.add_argument("--rounds", type=int, default=3, help="passes over the kinds, alternating (medians printed)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     kinds = [k for k in args.kinds.split(",") if ON_CUDA or k not in ("custom", "skinny")]
+    if "tuned" in kinds and not _fast.tuned_products_available():
+        print("tuned: this build has no tuned cuBLASLt products (MLX_INFER_CUBLAS=ON builds them); left out")
+        kinds.remove("tuned")
     print(f"device {mx.default_device()}, mlx {mx.__version__}, hidden {args.hidden}, {args.nodes} nodes a step")
     results = []
     for rows in (int(s) for s in args.rows.split(",")):
