@@ -26,7 +26,7 @@ PROMPT = [5, 17, 42, 99, 7, 3, 250, 12]
 
 
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32], ids=str)
-@pytest.mark.parametrize("x_shape", [(24,), (5, 24), (2, 3, 24)], ids=["1d", "2d", "3d"])
+@pytest.mark.parametrize("x_shape", [(24,), (5, 24), (2, 3, 24), (300, 24)], ids=["1d", "2d", "3d", "past-max-rows"])
 def test_equals_matmul_exactly_off_cuda(dtype, x_shape):
     x = mx.random.normal(x_shape, key=mx.random.key(1)).astype(dtype)
     w = mx.random.normal((40, 24), key=mx.random.key(2)).astype(dtype)

@@ -576,6 +576,7 @@ mx::array tuned_linear(const mx::array& x, const mx::array& w, const std::option
   const int64_t K = w.shape(1);
   const int64_t rows = K > 0 ? static_cast<int64_t>(x.size()) / K : 0;
   const bool ours = tuned_products_available() && stream.device == mx::Device::gpu && rows > 1 &&
+                    rows <= kTunedMaxRows &&
                     w.shape(0) > 0 && K > 0 && tuned_dtype(x.dtype()) && x.dtype() == w.dtype() &&
                     (!bias || bias->dtype() == x.dtype());
 #ifdef MLXI_CUBLAS

@@ -129,14 +129,20 @@ mx::array fast_lora_quantized_matmul(
 
 /// `x @ w.T` on CUDA through cuBLASLt with the fastest algorithm per shape (cpp/matmul/cublas_product.cpp).
 ///
-/// x (..., K) and w (N, K), both bfloat16 or both float16, more than one row (x.size / K > 1) on a GPU
-/// stream of MLX's CUDA backend: a TunedProduct primitive. The first product of each (M, N, K, dtype)
+/// x (..., K) and w (N, K), both bfloat16 or both float16, 2 to kTunedMaxRows rows (M = x.size / K) on a
+/// GPU stream of MLX's CUDA backend: a TunedProduct primitive. The first product of each (M, N, K, dtype)
 /// times up to 16 cuBLASLt heuristic candidates and their split-K variants and keeps the fastest
 /// (MLX takes the first heuristic; MLX_INFER_TUNED_PRODUCTS_LOG=1 prints each choice to stderr).
+/// Past kTunedMaxRows a product is compute-bound, where MLX's first pick does well, and an engine's
+/// mixed steps (decode rows + prompt chunks) bring a new M at almost every step: tuning each would stall
+/// the step it first appears in, so those stay MLX's.
 /// With bias (N,) of x's dtype, `+ bias` in cuBLASLt's epilogue (as MLX's addmm on CUDA).
 /// Everything else (the CPU, Metal, one row, other dtypes, a build without the CUDA toolkit) gets
 /// `mx::matmul(x, mx::transpose(w))` (`mx::addmm(bias, ...)` with a bias), unchanged.
 /// Throws std::invalid_argument when x's last axis is not w's K, or bias is not (N,).
+/// The most rows tuned_linear tunes a product for (the compiled decode step's row buckets reach 256).
+constexpr int64_t kTunedMaxRows = 256;
+
 mx::array tuned_linear(
     const mx::array& x,
     const mx::array& w,
