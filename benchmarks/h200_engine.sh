@@ -791,6 +791,11 @@ case "${1:-a}" in
     run 300 products python benchmarks/products.py --ms 1,2,4,8,16,32,64,128,256 --json "$out/products.json" \
       --plot "$out/products.png"
     grep -h "step products\|worst" "$out"/products.log
+    # Issue 16's two goals last measured in session 9 (H200), re-run at this tree: a request joining 31 decoding
+    # streams gets its first token within 2x its TTFT alone; the host time of a 64-stream step (tiny shape) <= 1 ms.
+    run 110 join-ttft python benchmarks/join_ttft.py --shape llama-1b -p 512 -n 3
+    run 60 host-step python benchmarks/host_step.py --streams 32,64
+    tail -4 "$out"/join-ttft.log; grep -h "streams" "$out"/host-step.log
     ;;
   s23d)
     # A 16-64-row llama-1B step is host-bound (s22c: wait ~0, MLX's submit 1.7-1.8 ms of 2.3-2.5), and each of its
