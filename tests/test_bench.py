@@ -272,3 +272,18 @@ def test_products_probe_times_ours_beside_mlx_and_reports_the_worst_ratio(tmp_pa
                                 (8, "o", "ours", 5.0), (8, "o", "mlx", 3.0)]]
     assert worst_ratio(fake, "ours") == ("s", 8, "o", 2.5) and worst_ratio(fake, "mlx") == ("s", 8, "o", 1.5)
     assert worst_ratio([x for x in fake if x["engine"] != "cublas"], "ours") is None
+
+
+def test_detokenizer_benchmark_reports_per_token_and_per_step_costs(tmp_path):
+    """benchmarks/detokenizer.py: the detokenizer's microseconds a token on served.py's word tokenizer (and the
+    real one where cached), and the engine's step with text against ids."""
+    script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "detokenizer.py"
+    out = tmp_path / "detok.json"
+    r = subprocess.run([sys.executable, str(script), "--streams", "2", "--rounds", "1", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    word = next(x for x in doc["per_token"] if x["tokenizer"] == "word-128k")
+    assert word["random_us_per_token"] > 0 and word["readme_tokens"] > 1000
+    (step,) = doc["engine_step"]
+    assert step["streams"] == 2 and step["ids_step_ms"] > 0 and step["text_step_ms"] > 0
