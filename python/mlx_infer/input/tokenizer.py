@@ -107,8 +107,8 @@ class StreamingDetokenizer:
 
     Each token goes through ``tokenizers``' own incremental decoder (:class:`tokenizers.decoders.DecodeStream`:
     TGI's and vLLM's prefix / read offsets, in Rust): it decodes only a window of the last few tokens, so a
-    token costs the same at the start of a generation and 4,000 tokens into it (benchmarks/RESULTS.md, "The
-    detokenizer": 2-3 us a token on the Gemma 3 tokenizer against 15-52 us for decoding the text since the last
+    token costs the same at the start of a generation and 4,000 tokens into it (benchmarks/RESULTS.md, "Session 23:
+    the detokenizer": 2-3 us a token on the Gemma 3 tokenizer against 15-52 us for decoding the text since the last
     newline, which grew with the line). The pieces joined are the text of the whole sequence. Should the library
     refuse a step (its ``InvalidPrefix``: a decoder whose text of a window is not a prefix of the next, seen with
     some cleanup rules), this sequence goes on by decoding all of its tokens each time and returning what was
