@@ -819,6 +819,16 @@ case "${1:-a}" in
       --ab MLX_INFER_TUNED_PRODUCTS=0 --rounds 2
     grep -h "median" "$out"/tuned-ab-1b.log
     ;;
-  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e|s19a|s19b|s19c|s20a|s20b|s20c|s21a|s21b|s21c|s21d|s21e|s22a|s22b|s22c|s23a|s23b|s23c|s23d" >&2
+  s24b)
+    # Session 24's second call: s23d (the tuned cuBLASLt build, its host cost per product and the llama-1B step's
+    # A/B), then s23c's two issue-16 goals last measured in session 9 (join TTFT, 64-stream host step), on the
+    # default build.
+    bash "$0" s23d
+    export PYTHONPATH=/tmp/site-proj:/tmp/site
+    run 110 join-ttft python benchmarks/join_ttft.py --shape llama-1b -p 512 -n 3
+    run 60 host-step python benchmarks/host_step.py --streams 32,64
+    tail -4 "$out"/join-ttft.log; grep -h "streams" "$out"/host-step.log
+    ;;
+  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e|s19a|s19b|s19c|s20a|s20b|s20c|s21a|s21b|s21c|s21d|s21e|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b" >&2
      exit 2 ;;
 esac
