@@ -340,3 +340,23 @@ def test_asubmit_awaits_the_engine_without_blocking_the_loop(remote):
     while remote.stats()["running"] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert remote.stats()["running"] == 0  # the request the caller left was cancelled in the engine
+
+
+def test_events_cross_the_pipe_as_tuples_with_every_field():
+    """pack_event / unpack_event carry every TokenEvent field (a field added to the class fails here until the
+    wire format carries it), and the packed form is plain data."""
+    import dataclasses
+    import pickle
+
+    from mlx_infer.engine import TokenEvent
+    from mlx_infer.engine.process import pack_event, unpack_event
+
+    event = TokenEvent(request_id="r-7", token=42, index=3, text=" caf\u00e9", finish_reason="stop", logprob=-0.25,
+                       top_logprobs=[(42, -0.25), (7, -1.5)], forced=True)
+    values = {f.name: getattr(event, f.name) for f in dataclasses.fields(TokenEvent)}
+    assert len(set(map(repr, values.values()))) == len(values)  # distinct values: a swapped field shows
+    packed = pack_event(event)
+    assert type(packed) is tuple and "r-7" not in packed
+    assert unpack_event("r-7", pickle.loads(pickle.dumps(packed))) == event
+    bare = TokenEvent(request_id="r-8", token=None, index=0)
+    assert unpack_event("r-8", pack_event(bare)) == bare
