@@ -23,7 +23,9 @@ carry ``engine_ttft_mean_ms``, the engine's own mean time to first token over th
 ``time_to_first_token_seconds`` histogram: submit to the engine -> first token read out), beside the client's
 ``ttft_mean_ms``: for the HTTP column the difference is the server's and the loopback's share, which its
 ``server_first_chunk_mean_ms`` (the server's ``http_time_to_first_chunk_seconds``: endpoint to first chunk)
-splits again.
+splits again; and ``engine_itl_mean_ms``, the engine's mean inter-token latency (its
+``inter_token_latency_seconds``): where two columns' engines decode alike, a gap between their tokens/s lies
+outside the engine.
 
 Warm-up: at every stream count each engine first runs one uncounted trial of the same
 shape (compile/trace paths and buffers for that batch size); the rows are medians of the
@@ -377,15 +379,16 @@ def timed(run: Callable[[], int]) -> tuple[float, int, float, float]:
     return time.perf_counter() - t, n, peak / 1e9, (peak - start) / 1e9
 
 
-def engine_ttft(e: Any) -> tuple[float, int] | None:
-    """(sum of seconds, count) of our engine's own time-to-first-token histogram (submit to the engine -> first
-    token read out), in process or from the server's /metrics; None for mlx-lm's columns."""
+def engine_histogram(e: Any, name: str) -> tuple[float, int] | None:
+    """(sum of seconds, count) of one of our engine's own latency histograms, in process or from the server's
+    /metrics: ``time_to_first_token`` (submit to the engine -> first token read out) or ``inter_token_latency``
+    (between a sequence's consecutive tokens read out of the steps); None for mlx-lm's columns."""
     if isinstance(e, OursHTTP):
-        return e.histogram("time_to_first_token_seconds")
+        return e.histogram(name + "_seconds")
     engine = getattr(e, "engine", None) if isinstance(e, Ours) else None
     if engine is None:
         return None
-    h = engine.metrics.time_to_first_token
+    h = getattr(engine.metrics, name)
     return h.sum, h.count
 
 
@@ -577,7 +580,8 @@ def measure(engines: list[Any], s: int, args: argparse.Namespace, vocab: int) ->
         prompts = prompts_for(n, args.prompt_tokens, vocab, start=(i + 1) * n)
         for e in engines:
             resident = own_resident_gb(e)
-            before = engine_ttft(e)
+            before = engine_histogram(e, "time_to_first_token")
+            gaps_before = engine_histogram(e, "inter_token_latency")
             chunk_before = e.histogram("http_time_to_first_chunk_seconds") if isinstance(e, OursHTTP) else None
             wall, tokens, peak, growth = timed(lambda: e.run(s, prompts, args.generation_tokens))
             own = resident + growth
@@ -586,17 +590,22 @@ def measure(engines: list[Any], s: int, args: argparse.Namespace, vocab: int) ->
             # the engine's own mean TTFT over this trial's requests, beside the client's (the difference: the
             # HTTP server's and the loopback's share for the server column, the callback's for in-process), and
             # the server's own to its first chunk (the HTTP column)
-            inside = mean_ms(before, engine_ttft(e))
+            inside = mean_ms(before, engine_histogram(e, "time_to_first_token"))
+            # the engine's mean inter-token latency: equal in two columns, their engines decoded as fast (a gap
+            # between their tokens/s is then outside the engine: the server, the loopback, the clients)
+            itl = mean_ms(gaps_before, engine_histogram(e, "inter_token_latency"))
             server = mean_ms(chunk_before, e.histogram("http_time_to_first_chunk_seconds")) if chunk_before else None
             window = decode_window(getattr(e, "events", []), s)
             client = statistics.fmean(e.ttfts) * 1e3 if e.ttfts else None
             trials[e.name].append({"tps": tokens / wall, "decode_only_tps": window, "wall_s": wall,
                                    "tokens": tokens, "peak_gb": peak, "own_peak_gb": own,
                                    "ttft_s": list(e.ttfts), "ttft_mean_ms": client, "engine_ttft_mean_ms": inside,
+                                   "engine_itl_mean_ms": itl,
                                    **({"server_first_chunk_mean_ms": server} if isinstance(e, OursHTTP) else {})})
             print(f"streams {s:>3} {e.name:>15}: {tokens / wall:9.1f} tok/s end to end, decode only "
                   f"{window or 0:9.1f} tok/s ({tokens} tokens, {wall:.2f} s), TTFT mean {client or 0:.1f} ms"
                   + (f" (in the engine {inside:.1f})" if inside is not None else "")
+                  + (f", engine inter-token {itl:.2f} ms" if itl is not None else "")
                   + (f" (to the server's first chunk {server:.1f})" if server is not None else ""), file=sys.stderr)
     rows = []
     for e in engines:
@@ -612,8 +621,8 @@ def measure(engines: list[Any], s: int, args: argparse.Namespace, vocab: int) ->
                      "peak_gb": max((x["peak_gb"] for x in t if x["peak_gb"] is not None), default=None),
                      "own_peak_gb": max((x["own_peak_gb"] for x in t if x["own_peak_gb"] is not None),
                                         default=None),
-                     "engine_ttft_mean_ms": (statistics.median(x["engine_ttft_mean_ms"] for x in t)
-                                             if all(x["engine_ttft_mean_ms"] is not None for x in t) else None),
+                     **{k: (statistics.median(x[k] for x in t) if all(x[k] is not None for x in t) else None)
+                        for k in ("engine_ttft_mean_ms", "engine_itl_mean_ms")},
                      **memory_of(e), "trials": t})
     return rows
 

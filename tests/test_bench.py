@@ -101,8 +101,11 @@ def test_served_benchmark_on_a_toy_shape_writes_ttft_memory_json_and_plot(tmp_pa
         if row["engine"] == "mlx-lm":
             assert 0 < row["own_peak_gb"] <= row["peak_gb"] + 1e-6
             assert row["engine_ttft_mean_ms"] is None and trial["ttft_mean_ms"] > 0
+            assert row["engine_itl_mean_ms"] is None
         else:  # the engine's own TTFT (its /metrics histogram for the server) lies inside the client's
             assert 0 < row["engine_ttft_mean_ms"] == trial["engine_ttft_mean_ms"] <= trial["ttft_mean_ms"]
+            # and its mean inter-token latency (4 tokens a request: 3 gaps each), shorter than a request's decode
+            assert 0 < row["engine_itl_mean_ms"] == trial["engine_itl_mean_ms"] < trial["wall_s"] * 1e3
         if row["engine"] == "mlx-infer-http":  # the server's own first-chunk time lies between the two
             assert trial["engine_ttft_mean_ms"] <= trial["server_first_chunk_mean_ms"] <= trial["ttft_mean_ms"]
         if row["engine"] == "mlx-infer-http":  # its own phase, its pool from its startup line

@@ -225,6 +225,20 @@ def test_metrics_in_prometheus_text(tiny):
         assert f'{full}_bucket{{le="+Inf"}} 3' in text and samples[full + "_sum"] > 0
     ttft = engine.metrics.time_to_first_token
     assert ttft.sum <= engine.metrics.e2e_request_latency.sum  # each request's first token came before its end
+    # inter-token latency: one observation per token after a sequence's first (4 tokens each: 3 gaps), each
+    # gap shorter than its request's whole latency
+    itl = engine.metrics.inter_token_latency
+    assert itl.count == 3 * 3 and sum(itl.counts) == itl.count
+    assert 0 < itl.sum < engine.metrics.e2e_request_latency.sum
+    assert "# TYPE mlx_infer_inter_token_latency_seconds histogram" in text
+    assert 'mlx_infer_inter_token_latency_seconds_bucket{le="+Inf"} 9\n' in text
+
+
+def test_histogram_counts_a_value_many_times():
+    h = Histogram((0.1, 1.0))
+    h.observe(0.5, 3)
+    h.observe(0.05)
+    assert h.snapshot() == {"buckets": [(0.1, 1), (1.0, 4), (math.inf, 4)], "sum": pytest.approx(1.55), "count": 4}
 
 
 def test_histogram_buckets_are_cumulative_and_inclusive():

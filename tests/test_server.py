@@ -160,9 +160,11 @@ def test_models_health_metrics(server, client):
         assert name in m
     assert m["kv_pages_total"] > 0
     before, before_chunks = m["time_to_first_token_seconds_count"], m["http_time_to_first_chunk_seconds_count"]
-    client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, temperature=0)
-    after = metrics(server.url)  # the engine's latency histograms count the request (vLLM's two)
+    before_gaps = m["inter_token_latency_seconds_count"]
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, temperature=0)
+    after = metrics(server.url)  # the engine's latency histograms count the request (vLLM's three)
     assert after["time_to_first_token_seconds_count"] == before + 1
+    assert after["inter_token_latency_seconds_count"] == before_gaps + out.usage.completion_tokens - 1
     assert after["e2e_request_latency_seconds_count"] >= before + 1
     assert 0 < after["time_to_first_token_seconds_sum"] <= after["e2e_request_latency_seconds_sum"]
     # the server's own: endpoint to first SSE chunk, streamed requests only

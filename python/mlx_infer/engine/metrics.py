@@ -18,6 +18,10 @@ RATE_WINDOW_S = 10.0
 #: request latency, so dashboards built for one read the other.
 TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                   20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+#: Upper bounds (seconds) of the inter-token latency histogram's buckets: from 1 ms (a decode step of a small
+#: model on a GPU) to vLLM's 80 s.
+ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                  480.0, 960.0, 1920.0, 7680.0)
 
@@ -34,10 +38,11 @@ class Histogram:
     def __post_init__(self) -> None:
         self.counts = [0] * (len(self.bounds) + 1)
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.sum += value
-        self.count += 1
+    def observe(self, value: float, n: int = 1) -> None:
+        """Count ``value`` ``n`` times."""
+        self.counts[bisect.bisect_left(self.bounds, value)] += n
+        self.sum += value * n
+        self.count += n
 
     def snapshot(self) -> dict[str, Any]:
         """``{"buckets": [(upper bound, cumulative count), ..., (inf, count)], "sum": s, "count": n}``."""
@@ -62,6 +67,7 @@ class EngineMetrics:
     grammar_jump_forwards_saved_total: int = 0
     time_to_first_token: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS_S))
     e2e_request_latency: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS_S))
+    inter_token_latency: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS_S))
     _gen: deque = field(default_factory=deque)  # (time, tokens) of recent decode steps
     _pre: deque = field(default_factory=deque)  # (time, tokens) of recent prefill chunks
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -78,6 +84,14 @@ class EngineMetrics:
         time to first token (queueing, prefill and the step included; the HTTP server's hops not)."""
         with self._lock:
             self.time_to_first_token.observe(seconds)
+
+    def inter_token(self, gaps: dict[float, int], now: float) -> None:
+        """Tokens read out at ``now``, after their sequences' previous tokens: ``gaps`` maps a previous token's
+        time to how many rows had it (a step's rows mostly share one), so a step costs one observation per
+        distinct gap, not one per row."""
+        with self._lock:
+            for prev, n in gaps.items():
+                self.inter_token_latency.observe(now - prev, n)
 
     def admitted(self, prompt_tokens: int, cached_tokens: int) -> None:
         with self._lock:
@@ -151,6 +165,7 @@ class EngineMetrics:
                 "prefix_hit_rate": self.prefix_hit_rate,
                 "time_to_first_token_seconds": self.time_to_first_token.snapshot(),
                 "e2e_request_latency_seconds": self.e2e_request_latency.snapshot(),
+                "inter_token_latency_seconds": self.inter_token_latency.snapshot(),
             }
 
 
@@ -183,6 +198,9 @@ _HELP = {
     "time_to_first_token_seconds": ("histogram", "Seconds from a request's submit to the engine to its first "
                                                  "token read out (the HTTP server's hops not included)."),
     "e2e_request_latency_seconds": ("histogram", "Seconds from a request's submit to the engine to its end."),
+    "inter_token_latency_seconds": ("histogram", "Seconds between a sequence's consecutive tokens read out of the "
+                                                 "engine's steps (its first token's wait is in time to first "
+                                                 "token)."),
     "http_time_to_first_chunk_seconds": ("histogram", "Seconds from a streamed request's arrival at the server's "
                                                       "endpoint to its first SSE chunk (a chat stream's: its role "
                                                       "chunk)."),
@@ -218,7 +236,8 @@ PROMETHEUS_ORDER = ("queue_depth", "running", "requests_total", "prompt_tokens_t
                     "grammar_jump_forwards_saved_total", "generation_tokens_per_second", "prompt_tokens_per_second",
                     "prefix_hit_rate", "kv_pages_total", "kv_pages_used", "kv_pages_free", "kv_pages_cached",
                     "kv_page_usage", "kv_pages_materialized", "kv_pool_growths_total", "memory_active_bytes",
-                    "memory_peak_bytes", "time_to_first_token_seconds", "e2e_request_latency_seconds")
+                    "memory_peak_bytes", "time_to_first_token_seconds", "e2e_request_latency_seconds",
+                    "inter_token_latency_seconds")
 
 
 def pool_gauges(store: Any) -> dict[str, Any]:

@@ -36,6 +36,7 @@ def consume(engine: "Engine", step: "Step") -> None:
     tokens = step.tokens.tolist()
     now = time.perf_counter()
     n = 0
+    gaps: dict[float, int] = {}  # previous token's time -> rows (inter-token latency; a step's rows share few)
     engine._wakeups = {}  # one wake-up per event loop for the whole step
     try:
         for i, r in enumerate(step.rows):
@@ -44,6 +45,9 @@ def consume(engine: "Engine", step: "Step") -> None:
             if r.t_first is None:
                 r.t_first = now
                 engine.metrics.first_token(now - r.t_submit)
+            else:
+                gaps[r.t_last] = gaps.get(r.t_last, 0) + 1
+            r.t_last = now
             n += 1
             try:
                 lp = top = None
@@ -63,6 +67,8 @@ def consume(engine: "Engine", step: "Step") -> None:
             wake(wakeups)
         if n:
             engine.metrics.generated(n)
+        if gaps:
+            engine.metrics.inter_token(gaps, now)
 
 
 def emit(engine: "Engine", r: LiveRequest, token: int, logprob: float | None,

@@ -79,6 +79,7 @@ class LiveRequest:
         self.top_logprobs: list[list[tuple[int, float]]] = []
         self.t_submit = 0.0
         self.t_first: float | None = None
+        self.t_last: float | None = None  # when its last token was read out of a step (inter-token latency)
 
     @property
     def generated(self) -> int:
