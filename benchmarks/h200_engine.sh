@@ -829,6 +829,15 @@ case "${1:-a}" in
     run 60 host-step python benchmarks/host_step.py --streams 32,64
     tail -4 "$out"/join-ttft.log; grep -h "streams" "$out"/host-step.log
     ;;
-  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e|s19a|s19b|s19c|s20a|s20b|s20c|s21a|s21b|s21c|s21d|s21e|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b" >&2
+  s25a)
+    # The HTTP goal's split (session 24's s24a: HTTP 0.81x e2e / 0.76x decode of the in-process engine at 32
+    # streams, trials 0.65-0.95x): the same run with each column's engine mean inter-token latency (served.py's
+    # engine_itl_mean_ms, from the engine's new inter_token_latency_seconds) and the events' compact pipe format.
+    # Equal inter-token latency in both columns puts the gap outside the engine (server, loopback, clients).
+    run 150 http-1b python benchmarks/served.py -p 512 -g 256 -r 2 -n 3 --no-text --streams 32 --http \
+      --http-beside --http-clients 8 --shape llama-1b --json "$out/h200-served-llama-1b-http.json"
+    grep -h '^| \|TTFT mean' "$out"/http-1b.log | tail -16
+    ;;
+  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e|s19a|s19b|s19c|s20a|s20b|s20c|s21a|s21b|s21c|s21d|s21e|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s25a" >&2
      exit 2 ;;
 esac
