@@ -840,6 +840,22 @@ case "${1:-a}" in
       --http-beside --http-clients 8 --shape llama-1b --json "$out/h200-served-llama-1b-http.json"
     grep -h '^| \|TTFT mean' "$out"/http-1b.log | tail -16
     ;;
-  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e|s19a|s19b|s19c|s20a|s20b|s20c|s21a|s21b|s21c|s21d|s21e|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s25a" >&2
+  s25b)
+    # Session 24's step A/Bs were host-noise-bound (one arm per measurement: round-to-round swings of 40-50 %).
+    # Again with both arms' engines live and stepped in alternating 10-step blocks (host_step.py --interleave):
+    # the tuned cuBLASLt products (the cuBLAS build) and the GEMV kernel for 9-64 rows, llama-1B and llama-8B.
+    t=$(date +%s)
+    (cd /tmp/proj && CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install -q --no-build-isolation --no-deps \
+      --no-compile -Ccmake.define.MLX_INFER_LTO=OFF -Ccmake.define.MLX_INFER_CUBLAS=ON --target /tmp/site-cublas . \
+      > "$out/build-cublas.log" 2>&1) && echo "built the cuBLAS copy in $(( $(date +%s) - t )) s" | tee -a "$out/phase.log"
+    for shape in llama-1b llama-8b; do
+      PYTHONPATH=/tmp/site-cublas:/tmp/site run 120 tuned-$shape python benchmarks/host_step.py --shape $shape \
+        --streams 16,32,64 --ab MLX_INFER_TUNED_PRODUCTS=0 --interleave 10 --rounds 20
+      run 120 gemv64-$shape python benchmarks/host_step.py --shape $shape --streams 16,32,64 \
+        --ab MLX_INFER_GEMV_ROWS=64 --interleave 10 --rounds 20
+    done
+    grep -h "interleaved" "$out"/tuned-*.log "$out"/gemv64-*.log
+    ;;
+  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e|s19a|s19b|s19c|s20a|s20b|s20c|s21a|s21b|s21c|s21d|s21e|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s25a|s25b" >&2
      exit 2 ;;
 esac

@@ -2,6 +2,8 @@
 
     python benchmarks/host_step.py --streams 32,64          # tiny llama (tests/tiny.py), CPU or GPU
     python benchmarks/host_step.py --shape llama-1b --streams 8,32   # random weights of a real shape (GPU)
+    python benchmarks/host_step.py --shape llama-1b --streams 32 --ab MLX_INFER_GEMV_ROWS=64 --interleave 10 \
+        --rounds 20   # an A/B: both arms' engines live, 20 pairs of 10-step blocks alternating
 
 B greedy requests (16-token prompts, ids only, EOS ignored) decode together;
 after they all decode, 100 engine iterations are timed one by one. Per step:
@@ -136,6 +138,84 @@ def ab_rounds(loaded, streams: list[int], switch: str, rounds: int, vocab: int, 
                   f"{statistics.median(r['submit_ms'] for r in rs):.3f})", flush=True)
 
 
+class Steady:
+    """An engine with B requests all decoding, stepped from this thread: :meth:`block` times K steps."""
+
+    def __init__(self, loaded, B: int, steps: int, vocab: int, default_pool: bool):
+        config = EngineConfig(max_batch=B) if default_pool else EngineConfig(max_batch=B, num_pages=B * 16 + 1)
+        self.engine = engine = Engine(loaded, config)
+        consume = engine._consume
+
+        def timed_consume(step):  # as measure()'s: the wait for the device is the eval of the tokens
+            t = time.perf_counter()
+            mx.eval(step.tokens)
+            IN_EVAL[1] += time.perf_counter() - t
+            consume(step)
+
+        engine._consume = timed_consume
+        for i in range(B):
+            prompt = [(7 * i + j) % (vocab - 10) + 5 for j in range(16)]
+            engine.submit(EngineRequest(prompt_ids=prompt, max_tokens=steps + 40, ignore_eos=True, detokenize=False))
+        while not (len(engine.scheduler.running) == B and all(r.state == DECODE for r in engine.scheduler.running)):
+            engine.step()
+        self.block(8)  # the steady step's shapes traced
+
+    def block(self, k: int) -> list[tuple[float, float, float]]:
+        """(wall, host, submit) seconds of each of ``k`` steps; the last step's tokens read before returning
+        (untimed), so the next block -- maybe another engine's -- starts on an idle device."""
+        out = []
+        for _ in range(k):
+            IN_EVAL[0] = IN_EVAL[1] = 0.0
+            t = time.perf_counter()
+            self.engine.step()
+            w = time.perf_counter() - t
+            out.append((w, w - IN_EVAL[0] - IN_EVAL[1], IN_EVAL[0]))
+        self.engine._sync()
+        return out
+
+    def close(self) -> None:
+        self.engine.run_until_idle()
+        self.engine.stop()
+
+
+def ab_interleaved(loaded, streams: list[int], switch: str, blocks: int, k: int, vocab: int,
+                   default_pool: bool) -> None:
+    """Both arms' engines live at once (each built and traced with ``switch`` unset / set), stepped in blocks
+    of ``k`` steps, A B B A ..., ``blocks`` pairs: a slow spell of the host lands on both arms alike, where
+    ab_rounds' one arm per measurement can catch it alone."""
+    var, value = switch.split("=", 1)
+
+    def env(on: bool) -> None:
+        os.environ.pop(var, None)
+        if on:
+            os.environ[var] = value
+
+    for B in streams:
+        arms = {}
+        for on in (False, True):
+            env(on)
+            arms[on] = Steady(loaded, B, blocks * k + 16, vocab, default_pool)
+        times: dict[bool, list] = {False: [], True: []}
+        ratios = []
+        for i in range(blocks):
+            block = {}
+            for on in ((False, True) if i % 2 == 0 else (True, False)):
+                env(on)
+                block[on] = arms[on].block(k)
+                times[on] += block[on]
+            ratios.append(statistics.median(w for w, _, _ in block[True])
+                          / statistics.median(w for w, _, _ in block[False]))
+        env(False)
+        for on in (False, True):
+            arms[on].close()
+            med = [statistics.median(t[j] for t in times[on]) * 1e3 for j in range(3)]
+            print(f"streams {B:>3} interleaved {switch if on else 'unset':>24}: step {med[0]:.3f} ms (host "
+                  f"{med[1]:.3f}, submit {med[2]:.3f}; {len(times[on])} steps)", flush=True)
+        q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+        print(f"streams {B:>3} interleaved set/unset step ratio per block: median {statistics.median(ratios):.3f} "
+              f"(quartiles {q[0]:.3f}-{q[2]:.3f}, {blocks} blocks of {k} steps)", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--streams", default="32,64")
@@ -146,6 +226,9 @@ def main() -> None:
                    help="an A/B of an environment switch read at each graph build (MLX_INFER_GEMV_ROWS=0): "
                         "per stream count, --rounds measurements unset and set, alternating, and their medians")
     p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--interleave", type=int, default=0, metavar="K",
+                   help="with --ab: both arms' engines live at once, stepped in alternating blocks of K steps "
+                        "(--rounds block pairs): the A/B that a slow spell of the host cannot bias")
     args = p.parse_args()
     mx.async_eval = _timed_async_eval
     root = Path(tempfile.mkdtemp())
@@ -158,6 +241,10 @@ def main() -> None:
         loaded, name = load_model(make_tiny_model_dir(root / args.family, args.family)), f"tiny {args.family}"
     vocab = loaded.model.args.vocab_size
     print(f"device {mx.default_device()}, {name}")
+    if args.ab and args.interleave:
+        ab_interleaved(loaded, [int(s) for s in args.streams.split(",")], args.ab, args.rounds, args.interleave,
+                       vocab, bool(args.shape))
+        return
     if args.ab:
         ab_rounds(loaded, [int(s) for s in args.streams.split(",")], args.ab, args.rounds, vocab, bool(args.shape))
         return

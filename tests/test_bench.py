@@ -290,3 +290,17 @@ def test_detokenizer_benchmark_reports_per_token_and_per_step_costs(tmp_path):
     assert word["random_us_per_token"] > 0 and word["readme_tokens"] > 1000
     (step,) = doc["engine_step"]
     assert step["streams"] == 2 and step["ids_step_ms"] > 0 and step["text_step_ms"] > 0
+
+
+def test_host_step_interleaved_ab_steps_both_arms_alike(tmp_path):
+    """benchmarks/host_step.py --ab --interleave: both arms' engines stepped in alternating blocks, each arm's
+    median over every step of its blocks, and the per-block ratio."""
+    script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "host_step.py"
+    r = subprocess.run([sys.executable, str(script), "--streams", "2", "--ab", "MLX_INFER_PREFETCH_PLAN=0",
+                        "--interleave", "3", "--rounds", "4"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [ln for ln in r.stdout.splitlines() if "interleaved" in ln]
+    assert len(lines) == 3, r.stdout
+    for ln, arm in zip(lines, ("unset", "MLX_INFER_PREFETCH_PLAN=0")):
+        assert arm in ln and "(host" in ln and ln.endswith("; 12 steps)")  # 4 blocks of 3 steps each
+    assert "ratio per block: median" in lines[2] and "4 blocks of 3 steps" in lines[2]
