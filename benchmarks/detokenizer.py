@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from served import write_word_tokenizer  # noqa: E402
+from served_models import write_word_tokenizer  # noqa: E402
 from tiny import make_tiny_model_dir  # noqa: E402
 
 from mlx_infer.artifacts.loader import load_model  # noqa: E402

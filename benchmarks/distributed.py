@@ -58,7 +58,7 @@ def model_dir(args: argparse.Namespace, pg: Any) -> Path:
     if args.model:
         return Path(args.model).expanduser()
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from served import shape_dir
+    from served_models import shape_dir
 
     path = Path(args.work_dir) / (args.shape + ("-toy" if args.toy else ""))
     if pg.is_leader and not (path / "config.json").is_file():

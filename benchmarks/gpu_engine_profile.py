@@ -90,10 +90,10 @@ def profile(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import mlx.core as mx
 
-    from served import prompts_for, shape_dir
+    from served_models import shape_dir
 
     from mlx_infer.artifacts.loader import load_model
-    from mlx_infer.engine import Engine, EngineConfig, EngineRequest
+    from mlx_infer.engine import Engine, EngineConfig
 
     cudart = None
     for pattern in ("libcudart.so*", "/usr/local/cuda/lib64/libcudart.so*"):
@@ -131,7 +131,7 @@ def profile_engine(args: argparse.Namespace, engine: Any, vocab: int, weights: i
     """Two rounds of ``args.streams`` requests on ``engine``; the second's ``args.steps`` steps profiled."""
     import mlx.core as mx
 
-    from served import prompts_for
+    from served_models import prompts_for
 
     from mlx_infer.engine import EngineRequest
     for warm in range(2):  # the first round traces; the second is what is profiled

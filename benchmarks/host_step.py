@@ -234,7 +234,7 @@ def main() -> None:
     root = Path(tempfile.mkdtemp())
     if args.shape:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from served import shape_dir
+        from served_models import shape_dir
 
         loaded, name = load_model(shape_dir(args.shape, False, root)), args.shape
     else:

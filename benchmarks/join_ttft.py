@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from served import shape_dir  # noqa: E402
+from served_models import shape_dir  # noqa: E402
 
 from mlx_infer.artifacts.loader import load_model  # noqa: E402
 from mlx_infer.engine import Engine, EngineConfig, EngineRequest  # noqa: E402

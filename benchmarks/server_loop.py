@@ -37,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from served import shape_dir  # noqa: E402
+from served_models import shape_dir  # noqa: E402
 from served_http import _ready, client_share  # noqa: E402
 
 #: Per request (by its x-rid): [app entry, first body bytes sent] (perf_counter).
