@@ -839,6 +839,14 @@ case "${1:-a}" in
     run 200 http-1b python benchmarks/served.py -p 512 -g 256 -r 2 -n 3 --streams 32 --http \
       --http-beside --http-clients 8 --shape llama-1b --json "$out/h200-served-llama-1b-http.json"
     grep -h '^| \|TTFT mean' "$out"/http-1b.log | tail -16
+    # Where the engine process's and the server's Python time goes at 32 streams (py-spy over the whole tree, one
+    # HTTP trial; the image's py-spy), folded per process and thread-free (profile_tree.py).
+    spy=$(command -v py-spy || ls /opt/*/.venv/bin/py-spy 2>/dev/null | head -1)
+    run 150 http-spy "${spy:-py-spy}" record -r 200 -f raw --subprocesses -o "$out/http-spy.txt" -- python \
+      benchmarks/served.py -p 512 -g 256 -r 1 -n 1 --no-text --no-ids --streams 32 --http --http-clients 8 \
+      --shape llama-1b
+    python benchmarks/profile_tree.py "$out/http-spy.txt" --top 15 --processes 4 > "$out/http-spy-tree.txt" 2>&1
+    head -40 "$out/http-spy-tree.txt"
     ;;
   s25b)
     # Session 24's step A/Bs were host-noise-bound (one arm per measurement: round-to-round swings of 40-50 %).
