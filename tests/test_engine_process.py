@@ -360,3 +360,55 @@ def test_events_cross_the_pipe_as_tuples_with_every_field():
     assert unpack_event("r-7", pickle.loads(pickle.dumps(packed))) == event
     bare = TokenEvent(request_id="r-8", token=None, index=0)
     assert unpack_event("r-8", pack_event(bare)) == bare
+
+
+def _text_cases(stop: str | None = None) -> list[EngineRequest]:
+    """Requests whose text takes every path of the output state machine: an EOS ending (its text dropped), added
+    tokens kept with and without spaces between them, skipped, and (given ``stop``) a stop string."""
+    greedy = SamplingParams(temperature=0.0)
+    added = SamplingParams(temperature=0.0, logit_bias={3: 4.0, 4: 4.0})  # <|user|>, <|assistant|> (added tokens)
+    cases = [
+        EngineRequest(prompt_ids=[5, 9, 11], max_tokens=8, sampling=SamplingParams(temperature=0.0,
+                                                                                  logit_bias={1: 100.0})),
+        EngineRequest(prompt_ids=[5, 9, 12], max_tokens=12, sampling=added, ignore_eos=True),
+        EngineRequest(prompt_ids=[5, 9, 12], max_tokens=12, sampling=added, ignore_eos=True,
+                      spaces_between_special_tokens=False),
+        EngineRequest(prompt_ids=[5, 9, 12], max_tokens=12, sampling=added, ignore_eos=True,
+                      skip_special_tokens=True),
+        EngineRequest(prompt_ids=[6, 10, 14, 15], max_tokens=16, sampling=greedy, ignore_eos=True),
+    ]
+    if stop is not None:
+        cases.append(EngineRequest(prompt_ids=[6, 10, 14, 15], max_tokens=16, sampling=greedy, ignore_eos=True,
+                                   stop=[stop]))
+    return cases
+
+
+def test_text_made_in_the_server_process_equals_the_engines(remote, options):
+    """Requests without stop strings reach the engine process without their text (ServerText makes it here);
+    with stop strings they keep it there. Either way every event's text, the result's text and its finish equal
+    the engine's in this process, on every path: EOS, added tokens (spaced, joined, skipped), a stop string."""
+    local = make_engine(options, load_for_serving(options)).start()
+    try:
+        plain = local.generate(_text_cases(), timeout=TIMEOUT)
+        assert plain[0].finish_reason == "stop" and plain[0].token_ids == [1] and plain[0].text == ""  # EOS
+        assert any(t in (3, 4) for t in plain[1].token_ids)  # the added tokens are generated
+        assert plain[1].text != plain[3].text and "<|user|>" not in plain[3].text  # ... and skipped
+        words = plain[4].text
+        stop = words[len(words) // 2:len(words) // 2 + 3]
+        assert len(stop) == 3
+        want = []
+        for r in _text_cases(stop):
+            h = local.submit(r)
+            want.append(([e.text for e in h], h.result(TIMEOUT).text, h.result().finish_reason))
+    finally:
+        local.stop()
+    assert want[-1][2] == "stop" and stop not in want[-1][1] and len(want[-1][1]) < len(words)  # the stop string
+    got = []
+    for r in _text_cases(stop):
+        _, wire = remote._register(EngineRequest(prompt_ids=r.prompt_ids, stop=r.stop), None)
+        remote._unregister(wire.request_id)
+        assert wire.detokenize is bool(r.stop)  # the engine process makes the text of stop-string requests only
+        h = remote.submit(r)
+        got.append(([e.text for e in h], h.result(TIMEOUT).text, h.result().finish_reason))
+    assert got == want
+    assert not remote._texts  # every request's text state is dropped with its result

@@ -14,6 +14,12 @@ in a child process instead; the server keeps the HTTP work and the tokenizer (ch
     handle.cancel() ------------------- cancel ------>  Engine.cancel
     EngineProcess.call(fn, *args) ------ call ------->  fn(engine, *args) (adapters, metrics, the pool)
 
+A request without stop strings is sent to the engine process without its text (``detokenize=False``): the
+reader thread makes the text from the token ids, as vLLM's frontend does for its engine core, so the engine's
+thread -- which a decode step waits on -- spends nothing on it (:class:`ServerText`;
+``MLX_INFER_SERVER_TEXT=0`` leaves every request's text to the engine process). Stop strings decide when a
+request ends, so a request with them keeps its text in the engine process.
+
 Messages are pickled tuples over one ``multiprocessing`` pipe. The engine process ignores SIGINT (the server
 decides when to stop: drain, then :meth:`EngineProcess.stop`) and ends when the pipe closes, so it never
 outlives the server. If it dies, every live request ends with ``"error"`` and later submits raise
@@ -25,13 +31,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import os
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from ..errors import MlxInferError
+from ..generation.text_output import ENDINGS, TextOutput
 from .engine import EngineClosedError
 from .request import EngineRequest, RequestHandle, RequestResult, TokenEvent, wake
 
@@ -54,6 +62,33 @@ def unpack_event(request_id: str, packed: tuple) -> TokenEvent:
     token, index, text, finish_reason, logprob, top_logprobs, forced = packed
     return TokenEvent(request_id=request_id, token=token, index=index, text=text, finish_reason=finish_reason,
                       logprob=logprob, top_logprobs=top_logprobs, forced=forced)
+
+
+class ServerText:
+    """The text of a request the engine process runs without it (no stop strings): the same output state machine
+    the engine would run (:class:`~mlx_infer.generation.text_output.TextOutput`), fed each event's token with the
+    engine's finish reason, which stop strings cannot change here. Used by the reader thread alone."""
+
+    def __init__(self, tokenizer: Any, request: EngineRequest, eos: frozenset[int]):
+        self.out = TextOutput(tokenizer.detokenizer(
+            skip_special_tokens=request.skip_special_tokens,
+            spaces_between_special_tokens=request.spaces_between_special_tokens))
+        self.eos = frozenset() if request.ignore_eos else eos  # as the engine's emit decides an EOS token
+        self.pieces: list[str] = []
+
+    def fill(self, packed: tuple) -> tuple:
+        """A :func:`pack_event` tuple with the text its token completes (without a token: unchanged, nothing
+        fed)."""
+        token, index, _, finish_reason = packed[:4]
+        if token is None:
+            return packed
+        text, _ = self.out.feed(token, finish_reason if finish_reason in ENDINGS else None, eos=token in self.eos)
+        self.pieces.append(text)
+        return (token, index, text, *packed[3:])
+
+    def result(self, result: RequestResult) -> RequestResult:
+        """``result`` with the whole text (the pieces the events carried)."""
+        return replace(result, text="".join(self.pieces))
 
 
 @dataclass(frozen=True)
@@ -104,6 +139,8 @@ class EngineProcess:
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
         self._handles: dict[str, RequestHandle] = {}
+        self._texts: dict[str, ServerText] = {}  # requests whose text this process makes
+        self._server_text = os.environ.get("MLX_INFER_SERVER_TEXT", "1") != "0"
         self._replies: dict[int, list] = {}  # call id -> [threading.Event, ok, value]
         self._next_call = 0
         self._closed = False
@@ -138,12 +175,11 @@ class EngineProcess:
     def submit(self, request: EngineRequest, *, on_token: Callable[[TokenEvent], None] | None = None) -> RequestHandle:
         """Queue ``request`` in the engine process; returns its :class:`RequestHandle` once the engine
         accepted it. Raises what :meth:`Engine.submit <mlx_infer.engine.Engine.submit>` raises."""
-        handle = self._register(request, on_token)
+        handle, wire = self._register(request, on_token)
         try:
-            self._request("submit", request)
+            self._request("submit", wire)
         except BaseException:
-            with self._lock:
-                self._handles.pop(request.request_id, None)
+            self._unregister(request.request_id)
             raise
         return handle
 
@@ -151,27 +187,39 @@ class EngineProcess:
                       on_token: Callable[[TokenEvent], None] | None = None) -> RequestHandle:
         """:meth:`submit` for an event loop: the loop serves other requests while the engine process answers
         (the server's routes submit this way)."""
-        handle = self._register(request, on_token)
+        handle, wire = self._register(request, on_token)
         loop = asyncio.get_running_loop()
         answer = loop.create_future()
         try:
-            await self._arequest(loop, answer, "submit", request)
+            await self._arequest(loop, answer, "submit", wire)
         except BaseException as e:
-            with self._lock:
-                self._handles.pop(request.request_id, None)
+            self._unregister(request.request_id)
             if isinstance(e, asyncio.CancelledError):  # the caller left: the engine may have taken it already
                 self.cancel(request.request_id)
             raise
         return handle
 
-    def _register(self, request: EngineRequest, on_token: Callable[[TokenEvent], None] | None) -> RequestHandle:
-        """The request's handle, where the reader thread finds it (its events may come before the reply)."""
+    def _register(self, request: EngineRequest,
+                  on_token: Callable[[TokenEvent], None] | None) -> tuple[RequestHandle, EngineRequest]:
+        """The request's handle, where the reader thread finds it (its events may come before the reply), and the
+        request as the engine process gets it (without its text where this process makes it)."""
         handle = RequestHandle(request, self.cancel, on_token)
+        text = wire = None
+        if self._server_text and request.detokenize and not request.stop:
+            text = ServerText(self.tokenizer, request, self.eos)
+            wire = replace(request, detokenize=False)
         with self._lock:
             if request.request_id in self._handles:
                 raise MlxInferError(f"request id {request.request_id!r} is already running.")
             self._handles[request.request_id] = handle
-        return handle
+            if text is not None:
+                self._texts[request.request_id] = text
+        return handle, wire or request
+
+    def _unregister(self, request_id: str) -> None:
+        with self._lock:
+            self._handles.pop(request_id, None)
+            self._texts.pop(request_id, None)
 
     def cancel(self, request_id: str) -> None:
         """Cancel a request (a no-op once it finished)."""
@@ -325,12 +373,18 @@ class EngineProcess:
         for rid, packed, result, scores in batch:
             with self._lock:
                 handle = self._handles.get(rid)
+                text = self._texts.get(rid)
                 if result is not None:
                     self._handles.pop(rid, None)
+                    self._texts.pop(rid, None)
             if handle is None:
                 continue
             if scores is not None:
                 handle.prompt_logprobs = scores
+            if text is not None:
+                packed = text.fill(packed)
+                if result is not None:
+                    result = text.result(result)
             handle._deliver(unpack_event(rid, packed), result, wakeups=wakeups)
         if wakeups:
             wake(wakeups)
@@ -339,12 +393,15 @@ class EngineProcess:
         """End every request the engine process will not answer any more."""
         with self._lock:
             left, self._handles = list(self._handles.values()), {}
+            texts, self._texts = self._texts, {}
         for h in left:
             if h.done:
                 continue
             n = len(h.request.prompt_ids)
+            text = texts.get(h.request_id)
             h._deliver(TokenEvent(request_id=h.request_id, token=None, index=0, finish_reason=reason),
-                       RequestResult(request_id=h.request_id, prompt_tokens=n, finish_reason=reason, error=error))
+                       RequestResult(request_id=h.request_id, prompt_tokens=n, finish_reason=reason, error=error,
+                                     text="".join(text.pieces) if text is not None else ""))
 
 
 class _LoopReply:
