@@ -831,16 +831,23 @@ case "${1:-a}" in
     ;;
   s25a)
     # The HTTP goal's split (session 24's s24a: HTTP 0.81x e2e / 0.76x decode of the in-process engine at 32
-    # streams, trials 0.65-0.95x): the same run with each column's engine mean inter-token latency (served.py's
-    # engine_itl_mean_ms, from the engine's new inter_token_latency_seconds) and the events' compact pipe format.
-    # Equal inter-token latency in both columns puts the gap outside the engine (server, loopback, clients).
-    # With the text column too (no --no-text): the server detokenizes, so the in-process engine that does the
-    # same is the like-for-like anchor of the goal; the ids column stays beside it.
-    run 200 http-1b python benchmarks/served.py -p 512 -g 256 -r 2 -n 3 --streams 32 --http \
+    # streams, trials 0.65-0.95x), at a tree where the events cross the pipe as tuples and the server process makes
+    # the text (ServerText): each column's engine mean inter-token latency (engine_itl_mean_ms) says whether the
+    # engine process decodes slower than the engine in process (equal: the gap is the server's, the loopback's, the
+    # clients'); the in-process text column beside the ids one (the server must detokenize: the like-for-like
+    # anchor); then the same run with the text back in the engine process (MLX_INFER_SERVER_TEXT=0, the server
+    # inherits it), the A/B of ServerText.
+    run 220 http-1b python benchmarks/served.py -p 512 -g 256 -r 2 -n 3 --streams 32 --http \
       --http-beside --http-clients 8 --shape llama-1b --json "$out/h200-served-llama-1b-http.json"
     grep -h '^| \|TTFT mean' "$out"/http-1b.log | tail -16
+    MLX_INFER_SERVER_TEXT=0 run 200 http-1b-engine-text python benchmarks/served.py -p 512 -g 256 -r 2 -n 3 \
+      --no-ids --streams 32 --http --http-beside --http-clients 8 --shape llama-1b \
+      --json "$out/h200-served-llama-1b-http-engine-text.json"
+    grep -h '^| \|TTFT mean' "$out"/http-1b-engine-text.log | tail -12
+    ;;
+  s25c)
     # Where the engine process's and the server's Python time goes at 32 streams (py-spy over the whole tree, one
-    # HTTP trial; the image's py-spy), folded per process and thread-free (profile_tree.py).
+    # HTTP trial; the image's py-spy), folded per process (profile_tree.py).
     spy=$(command -v py-spy || ls /opt/*/.venv/bin/py-spy 2>/dev/null | head -1)
     run 150 http-spy "${spy:-py-spy}" record -r 200 -f raw --subprocesses -o "$out/http-spy.txt" -- python \
       benchmarks/served.py -p 512 -g 256 -r 1 -n 1 --no-text --no-ids --streams 32 --http --http-clients 8 \
@@ -864,6 +871,6 @@ case "${1:-a}" in
     done
     grep -h "interleaved" "$out"/tuned-*.log "$out"/gemv64-*.log
     ;;
-  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e|s19a|s19b|s19c|s20a|s20b|s20c|s21a|s21b|s21c|s21d|s21e|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s25a|s25b" >&2
+  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e|s19a|s19b|s19c|s20a|s20b|s20c|s21a|s21b|s21c|s21d|s21e|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s25a|s25b|s25c" >&2
      exit 2 ;;
 esac
