@@ -51,7 +51,7 @@ from ..generation.bindings.autoregressive import Composition, bind_autoregressiv
 from ..generation.bindings.graph_spec import DecodeStepUnsupported
 from ..generation.bindings.paged_decode_step import (CompiledPagedDecodeStep, PagedDecodePolicy,
                                                      paged_unsupported_reason)
-from ..generation.text_output import TextOutput, token_limit
+from ..generation.text_output import token_limit
 from ..models import materialize_graph_constants
 from ..sampling import RequestRNG, make_sampler
 from ..state.paged import PagedKVStore
@@ -62,7 +62,7 @@ from .config import EngineConfig, initial_pages, kv_budget, pool_growth, pool_pa
 from .metrics import PROMETHEUS_ORDER, EngineMetrics, pool_gauges, prometheus_text
 from .request import EngineRequest, RequestHandle, RequestResult, TokenEvent
 from .mixed import advance, mixed_batch, mixed_inputs, pick_chunks
-from .output import consume, emit, finish
+from .output import consume, emit, finish, text_output
 from .prefill import allocate_storage, prefill
 from .prompt_scores import wants_scores
 from .rows import Step, queue_outputs, sample_rows, step_inputs
@@ -426,9 +426,7 @@ class Engine:
             except Exception as e:  # this request's parameters, not the engine: fail it alone
                 self._finish(live, "error", error=f"{type(e).__name__}: {e}")
                 continue
-            live.text_out = TextOutput(self.tokenizer.detokenizer(
-                skip_special_tokens=live.request.skip_special_tokens,
-                spaces_between_special_tokens=live.request.spaces_between_special_tokens), live.request.stop)
+            live.text_out = text_output(self.tokenizer, live.request) if live.request.detokenize else None
             live.needs_history = bool(live.sampler.processors)
             live.simple = p.greedy and not live.needs_history and not p.logprobs and live.constraint is None
             self.scheduler.enqueue(live)

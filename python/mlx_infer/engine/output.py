@@ -11,20 +11,28 @@ strings ``generate`` uses) gives the text and the final reason, and the request'
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
 from ..errors import MlxInferError
-from ..generation.text_output import token_finish
+from ..generation.text_output import TextOutput, token_finish
 from .adapters import release_adapter
 from .grammar_jump import commit_span
-from .request import RequestResult, TokenEvent, wake
+from .request import EngineRequest, RequestResult, TokenEvent, wake
 from .scheduler import DECODE, DONE, LiveRequest
 
 if TYPE_CHECKING:
     from .engine import Engine
     from .rows import Step
+
+
+def text_output(tokenizer: Any, request: EngineRequest) -> TextOutput:
+    """The output state machine of ``request``'s text: its detokenizer options and stop strings (the engine's,
+    and the server process's for the requests whose text it makes, engine/process.py)."""
+    return TextOutput(tokenizer.detokenizer(skip_special_tokens=request.skip_special_tokens,
+                                            spaces_between_special_tokens=request.spaces_between_special_tokens),
+                      request.stop)
 
 
 def consume(engine: "Engine", step: "Step") -> None:

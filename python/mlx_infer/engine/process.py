@@ -39,8 +39,9 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from ..errors import MlxInferError
-from ..generation.text_output import ENDINGS, TextOutput
+from ..generation.text_output import ENDINGS
 from .engine import EngineClosedError
+from .output import text_output
 from .request import EngineRequest, RequestHandle, RequestResult, TokenEvent, wake
 
 log = logging.getLogger("mlx_infer.engine")
@@ -70,9 +71,7 @@ class ServerText:
     engine's finish reason, which stop strings cannot change here. Used by the reader thread alone."""
 
     def __init__(self, tokenizer: Any, request: EngineRequest, eos: frozenset[int]):
-        self.out = TextOutput(tokenizer.detokenizer(
-            skip_special_tokens=request.skip_special_tokens,
-            spaces_between_special_tokens=request.spaces_between_special_tokens))
+        self.out = text_output(tokenizer, request)  # no stop strings: the engine's finish reasons are final
         self.eos = frozenset() if request.ignore_eos else eos  # as the engine's emit decides an EOS token
         self.pieces: list[str] = []
 
