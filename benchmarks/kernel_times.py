@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import csv
 import ctypes
+import gzip
 import re
 import sys
 import tempfile
@@ -30,14 +31,15 @@ KINDS = (
     ("gemv (ours)", r"skinny|gemv_tc|mlx_infer_gemv"),
     ("gemv (MLX)", r"gemv"),
     ("gemm (cuBLAS)", r"gemm|sm90_xmma|cutlass|cublas"),
-    ("attention", r"paged|sdpa|attention|flash"),
+    ("attention", r"paged|sdpa|attention|flash|lean_reduction"),
     ("rms norm", r"rms"),
     ("rope", r"rope"),
     ("scatter / kv write", r"scatter|kv_write|slot"),
     ("gather", r"gather"),
     ("copy", r"copy"),
-    ("reduce / argmax", r"reduce|arg_"),
-    ("fused elementwise", r"compiled|fused"),
+    ("reduce / argmax / logsumexp", r"reduce|arg_|logsumexp"),
+    ("fused silu * up (compiled)", r"sigmoid"),
+    ("index math (slots)", r"floordivide|remainder|arange"),
     ("elementwise", r"binary|unary|ternary"),
 )
 
@@ -54,7 +56,7 @@ def summarize(path: Path, steps: int, by_name: bool = False) -> dict[str, tuple[
     """{kind (or kernel name): (kernels per step, microseconds per step)} from an ncu --csv log."""
     count: dict[str, int] = defaultdict(int)
     micros: dict[str, float] = defaultdict(float)
-    with open(path, newline="") as f:
+    with (gzip.open(path, "rt", newline="") if path.suffix == ".gz" else open(path, newline="")) as f:
         lines = [line for line in f if line.startswith('"')]  # ncu's own ==PROF== lines are not CSV
     for row in csv.DictReader(lines):
         if row.get("Metric Name") != "gpu__time_duration.sum":
@@ -71,7 +73,7 @@ def summarize(path: Path, steps: int, by_name: bool = False) -> dict[str, tuple[
 def print_summaries(paths: list[Path], steps: int) -> None:
     tables = [summarize(p, steps) for p in paths]
     kinds = sorted({k for t in tables for k in t}, key=lambda k: -max(t.get(k, (0, 0))[1] for t in tables))
-    head = "".join(f" | {p.stem:>24}" for p in paths)
+    head = "".join(f" | {p.name.split('.')[0]:>24}" for p in paths)
     print(f"{'kind (per step: kernels, us)':<34}{head}")
     for k in kinds:
         cells = "".join(f" | {t.get(k, (0, 0))[0]:>7.1f} {t.get(k, (0, 0))[1]:>9.1f} us" for t in tables)
@@ -81,7 +83,7 @@ def print_summaries(paths: list[Path], steps: int) -> None:
     print(f"{'total':<34}{totals}")
     for path in paths:
         names = summarize(path, steps, by_name=True)
-        print(f"\n{path.stem}: the 15 dearest kernels (per step: count, us)")
+        print(f"\n{path.name.split('.')[0]}: the 15 dearest kernels (per step: count, us)")
         for name, (n, us) in sorted(names.items(), key=lambda kv: -kv[1][1])[:15]:
             print(f"  {n:>6.1f} {us:>9.1f}  {name}")
 
