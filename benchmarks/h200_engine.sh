@@ -855,6 +855,27 @@ case "${1:-a}" in
     python benchmarks/profile_tree.py "$out/http-spy.txt" --top 15 --processes 4 > "$out/http-spy-tree.txt" 2>&1
     head -40 "$out/http-spy-tree.txt"
     ;;
+  s26a)
+    # Session 25's 1-stream split (s25-host): llama-1B's step host-bound at ~5.4 us of MLX encoding a node (314
+    # nodes), so the step drops 4 views a layer (K/V arrive from qkv_rope in the Scatter's update layout, the
+    # attention kernel writes (R, H D)) and the split-K merge kernel (the last split merges inside pass 1). First
+    # the CUDA tests of the changed kernels and steps, then the node census and step split, then the served
+    # 1-stream rows against generate_step (and 32 streams), llama-1B and llama-8B.
+    run 170 cuda-tests python -m pytest -q -x -p no:cacheprovider tests/test_paged_step_kernel.py \
+      tests/test_paged_attention.py tests/test_qkv_rope.py tests/test_mixed_steps.py
+    tail -3 "$out"/cuda-tests.log
+    run 60 host-1b python benchmarks/host_step.py --shape llama-1b --streams 1,8,32 --census
+    run 60 host-8b python benchmarks/host_step.py --shape llama-8b --streams 1,8 --census
+    grep -h "streams\|graph" "$out"/host-1b.log "$out"/host-8b.log
+    ;;
+  s26b)
+    # s26a's second half, on the warm machine: the served 1-stream rows against generate_step, and 32 streams.
+    for shape in llama-1b llama-8b; do
+      run 110 served-$shape python benchmarks/served.py -p 512 -g 128 -r 1 -n 2 --no-text --streams 1,32 \
+        --mlx-lm-step --shape $shape --json "$out/h200-served-$shape-1-32.json"
+      grep -h '^| ' "$out/served-$shape.log"
+    done
+    ;;
   s25b)
     # Session 24's step A/Bs were host-noise-bound (one arm per measurement: round-to-round swings of 40-50 %).
     # Again with both arms' engines live and stepped in alternating 10-step blocks (host_step.py --interleave):

@@ -50,6 +50,10 @@ inline float __shfl_xor_sync(unsigned, float v, int o) {
   return g_shfl[w][l ^ o];
 }
 inline void __syncthreads() { g_block_bar->arrive_and_wait(); }
+// Blocks run one after another: a fence orders nothing more, an "atomic" add by one thread of a block is exact.
+inline void __threadfence() {}
+inline int atomicAdd(int* p, int v) { const int old = *p; *p = old + v; return old; }
+inline float __ldcg(const float* p) { return *p; }
 inline float __int_as_float(int bits) { float f; __builtin_memcpy(&f, &bits, sizeof f); return f; }
 template <typename T, int N> struct AlignedVector { T v[N]; T operator[](int i) const { return v[i]; } };
 struct Shape { int d[8]; int operator[](int i) const { return d[i]; } };
@@ -81,6 +85,7 @@ int main() {
   qs.d[0] = R, qs.d[1] = H, qs.d[2] = D;
   ts.d[0] = R, ts.d[1] = T;
   std::vector<float> out((size_t)R * H * D), part((size_t)SPLITS * R * H * D), ml((size_t)SPLITS * R * H * 2);
+  std::vector<int32_t> counts((size_t)R * KVH, 0);
   auto *Q = (const float*)q.data(), *K = (const float*)k.data(), *V = (const float*)v.data();
   auto *TB = (const int32_t*)tb.data(), *LN = (const int32_t*)ln.data();
   auto *SK = (const float*)sk.data();
@@ -89,9 +94,12 @@ int main() {
   for (int z = 0; z < R; ++z) for (int y = 0; y < KVH; ++y) for (int x = 0; x < SPLITS; ++x) {
     blockIdx = {x, y, z};
     if (SPLITS == 1) run_block(32 * NW, [&] { pass1_out(Q, qs, K, V, TB, ts, LN, SK, out.data()); });
+    else if (ONE_PASS) run_block(32 * NW, [&] {
+      pass1_one(Q, qs, K, V, TB, ts, LN, SK, counts.data(), out.data(), part.data(), ml.data());
+    });
     else run_block(32 * NW, [&] { pass1_part(Q, qs, K, V, TB, ts, LN, SK, part.data(), ml.data()); });
   }
-  if (SPLITS > 1) {
+  if (SPLITS > 1 && !ONE_PASS) {
     Shape ps{};
     ps.d[0] = SPLITS, ps.d[1] = R, ps.d[2] = H, ps.d[3] = D;
     const int bx = std::min(D, 128);
@@ -104,6 +112,7 @@ int main() {
   }
   FILE* f = fopen("o.bin", "wb");
   fwrite(out.data(), 4, out.size(), f);
+  fwrite(counts.data(), 4, counts.size(), f);  // the one-pass kernel leaves them zero
   fclose(f);
 }
 """
@@ -132,8 +141,9 @@ def _sources() -> dict[str, str]:
         assert m is not None, f"{name} not found in {KERNEL_FILE}"
         return m.group(1)
 
-    out = {n: raw(n) for n in ("kHeader", "kPass1", "kStoreOut", "kStorePart", "kPass2", "kSink")}
+    out = {n: raw(n) for n in ("kHeader", "kPass1", "kStoreOut", "kStorePart", "kPass2", "kSink", "kMergeTail")}
     assert out["kPass1"].count("MLXI_SINK") == 1 and out["kPass2"].count("MLXI_SINK") == 1
+    assert out["kPass1"].count("MLXI_TAIL") == 1 and out["kMergeTail"].count("MLXI_SINK") == 1
     return out
 
 
@@ -153,10 +163,12 @@ def float_bits(x: float) -> int:
 
 
 def program(R: int, H: int, KVH: int, D: int, P: int, T: int, window: int, splits: int, softcap: float,
-            sinks: bool, unroll: int = 2, prefetch: bool = False, scale: float = 1.0) -> str:
-    """The C++ program running pass 1 (and, split, pass 2) as paged_attention_cuda.cpp launches them."""
+            sinks: bool, unroll: int = 2, prefetch: bool = False, scale: float = 1.0, one_pass: bool = False) -> str:
+    """The C++ program running pass 1 (and, split, pass 2 or, ``one_pass``, the merge inside pass 1) as
+    paged_attention_cuda.cpp launches them."""
     s = _sources()
     pass1 = s["kPass1"].replace("MLXI_SINK", s["kSink"])
+    tail = s["kMergeTail"].replace("MLXI_SINK", s["kSink"])
     pass2 = s["kPass2"].replace("MLXI_SINK", s["kSink"])
     lpk = min(32, D // 8)
     consts = dict(QT=float, KT=float, OT=float, kD=D, kP=P, kG=H // KVH, kKVH=KVH, kWindow=max(window, 0),
@@ -164,12 +176,16 @@ def program(R: int, H: int, KVH: int, D: int, P: int, T: int, window: int, split
                   kScaleBits=float_bits(scale), kCapBits=float_bits(max(softcap, 0.0)))
     common = ("const float* q, const Shape q_shape, const float* k, const float* v, const int32_t* block_tables, "
               "const Shape block_tables_shape, const int32_t* lengths, const float* sinks, ")
-    sizes = f"constexpr int R = {R}, H = {H}, KVH = {KVH}, D = {D}, T = {T}, SPLITS = {splits}, NW = {NUM_WARPS};\n"
+    sizes = (f"constexpr int R = {R}, H = {H}, KVH = {KVH}, D = {D}, T = {T}, SPLITS = {splits}, NW = {NUM_WARPS};\n"
+             f"constexpr bool ONE_PASS = {'true' if one_pass else 'false'};\n")
     return (_MOCK + s["kHeader"] + sizes
             + _function("pass1_out", common + "float* out", {**consts, "kSinks": sinks and splits == 1},
-                        pass1.replace("MLXI_STORE", s["kStoreOut"]))
+                        pass1.replace("MLXI_STORE", s["kStoreOut"]).replace("MLXI_TAIL", ""))
             + _function("pass1_part", common + "float* o_part, float* ml", {**consts, "kSinks": False},
-                        pass1.replace("MLXI_STORE", s["kStorePart"]))
+                        pass1.replace("MLXI_STORE", s["kStorePart"]).replace("MLXI_TAIL", ""))
+            + _function("pass1_one", common + "const int32_t* counts, float* out, float* o_part, float* ml",
+                        {**consts, "kSinks": False, "kMergeSinks": sinks},
+                        pass1.replace("MLXI_STORE", s["kStorePart"]).replace("MLXI_TAIL", tail))
             + _function("pass2", "const float* o_part, const Shape o_part_shape, const float* ml, "
                         "const float* sinks, float* out", dict(OT=float, kD=D, kH=H, kSinks=sinks), pass2)
             + _MAIN)
@@ -177,8 +193,10 @@ def program(R: int, H: int, KVH: int, D: int, P: int, T: int, window: int, split
 
 def run(workdir: Path, q: np.ndarray, k: np.ndarray, v: np.ndarray, tables: np.ndarray, lengths: np.ndarray, *,
         window: int, scale: float, softcap: float, sinks: np.ndarray | None, splits: int, unroll: int = 2,
-        prefetch: bool = False) -> np.ndarray:
-    """The kernels' output ``(R, H, D)`` float32 for float32 ``q (R, H, D)``, storage ``(pages, KVH, P, D)``."""
+        prefetch: bool = False, one_pass: bool = False, counts_out: list | None = None) -> np.ndarray:
+    """The kernels' output ``(R, H, D)`` float32 for float32 ``q (R, H, D)``, storage ``(pages, KVH, P, D)``;
+    ``one_pass``: split-K with the merge inside pass 1 (the paged step's launch), whose split counters are
+    appended to ``counts_out`` as the kernel left them."""
     R, H, D = q.shape
     KVH, P = k.shape[1], k.shape[2]
     workdir.mkdir(parents=True, exist_ok=True)
@@ -186,8 +204,11 @@ def run(workdir: Path, q: np.ndarray, k: np.ndarray, v: np.ndarray, tables: np.n
         np.ascontiguousarray(a).tofile(workdir / f"{name}.bin")
     (np.zeros(1, np.float32) if sinks is None else sinks.astype(np.float32)).tofile(workdir / "sk.bin")
     build_and_run(workdir, program(R, H, KVH, D, P, tables.shape[1], window, splits, softcap,
-                                   sinks is not None, unroll, prefetch, scale))
-    return np.fromfile(workdir / "o.bin", np.float32).reshape(R, H, D)
+                                   sinks is not None, unroll, prefetch, scale, one_pass))
+    raw = np.fromfile(workdir / "o.bin", np.float32)
+    if counts_out is not None:
+        counts_out.append(raw[R * H * D:].view(np.int32).copy())
+    return raw[: R * H * D].reshape(R, H, D)
 
 
 ROPE_FILE = Path(__file__).resolve().parents[1] / "cpp" / "attention" / "qkv_rope_cuda.cpp"

@@ -64,6 +64,33 @@ def test_cuda_kernel_text_matches_float64_reference(tmp_path, R, H, KVH, D, P, m
     assert rel <= TOL
 
 
+@pytest.mark.parametrize("R,H,KVH,D,P,max_len,window,cap,with_sinks",
+                         [c for c in CASES if c[6] == 0])  # the split launches
+def test_one_pass_merge_matches_the_two_kernels(tmp_path, R, H, KVH, D, P, max_len, window, cap, with_sinks):
+    """The paged step's split launch, its merge inside pass 1 (the last split of each (row, KV head) merges),
+    gives the two-kernel launch's output exactly (the same float32 arithmetic in the same order) and leaves
+    every split counter zero for the next launch."""
+    assert compiler() is not None, "g++ (C++20, <barrier>) is needed to build the CUDA kernels' text for the CPU"
+    rng = np.random.default_rng(7 * R + D)
+    lengths = rng.integers(1, max_len + 1, size=R).astype(np.int32)
+    lengths[0], lengths[-1] = max_len, 0
+    T = int(-(-lengths.max() // P)) + 1
+    pages = 1 + R * T
+    tables = rng.permutation(np.arange(1, pages))[: R * T].reshape(R, T).astype(np.int32)
+    q = (rng.standard_normal((R, H, D)) * (3 if cap else 1)).astype(np.float32)
+    k = rng.standard_normal((pages, KVH, P, D)).astype(np.float32)
+    v = rng.standard_normal((pages, KVH, P, D)).astype(np.float32)
+    sinks = rng.normal(np.log(max_len) + 1, 1.0, size=H).astype(np.float32) if with_sinks else None
+    splits = _fast.paged_attention_splits(R, KVH, T * P)
+    assert splits > 1
+    kw = dict(window=window, scale=D ** -0.5, softcap=cap, sinks=sinks, splits=splits)
+    two = run(tmp_path / "two", q, k, v, tables, lengths, **kw)
+    counts: list = []
+    one = run(tmp_path / "one", q, k, v, tables, lengths, **kw, one_pass=True, counts_out=counts)
+    np.testing.assert_array_equal(one, two)
+    assert counts[0].shape == (R * KVH,) and not counts[0].any()
+
+
 def test_key_pipeline_knobs_read_with_clear_errors(monkeypatch):
     """The CUDA kernel's key pipeline as a trace reads it: the tuned default, each knob, bad values refused."""
     monkeypatch.delenv("MLX_INFER_PAGED_ATTN_UNROLL", raising=False)

@@ -287,24 +287,28 @@ std::string paged_attention_backend(const mx::array& q, const mx::array& k_stora
 
 mx::array paged_attention(const mx::array& q, const mx::array& k_storage, const mx::array& v_storage,
                           const mx::array& block_tables, const mx::array& lengths, int window, float scale,
-                          float softcap, const std::optional<mx::array>& sinks, mx::StreamOrDevice s) {
+                          float softcap, const std::optional<mx::array>& sinks, mx::StreamOrDevice s,
+                          bool flat_heads, const std::optional<mx::array>& split_counts) {
   validate(q, k_storage, v_storage, block_tables, lengths, softcap, sinks);
   const auto backend = paged_attention_backend(q, k_storage, s);
+  const int R = q.shape(0), HD = q.shape(1) * q.shape(2);
+  auto shaped = [&](mx::array out) { return flat_heads ? mx::reshape(out, {R, HD}, s) : out; };
   if (backend == "gather") {
-    return paged_attention_gather(q, k_storage, v_storage, block_tables, lengths, window, scale, softcap, sinks, s);
+    return shaped(
+        paged_attention_gather(q, k_storage, v_storage, block_tables, lengths, window, scale, softcap, sinks, s));
   }
   // The kernels read the sinks as float32 (exact from any float dtype).
   std::optional<mx::array> sinks32;
   if (sinks) sinks32 = mx::astype(*sinks, mx::float32, s);
   if (backend == "cuda") {
     return cuda_paged_attention(q, k_storage, v_storage, block_tables, lengths, window, scale, softcap, sinks32,
-                                mx::to_stream(s));
+                                mx::to_stream(s), flat_heads, split_counts);
   }
   std::vector<mx::array> inputs{q, k_storage, v_storage, block_tables, lengths};
   if (sinks32) inputs.push_back(*sinks32);
-  return mx::array(q.shape(), q.dtype(),
-                   std::make_shared<PagedAttentionCPU>(mx::to_stream(s), window, scale, softcap),
-                   std::move(inputs));
+  return shaped(mx::array(q.shape(), q.dtype(),
+                          std::make_shared<PagedAttentionCPU>(mx::to_stream(s), window, scale, softcap),
+                          std::move(inputs)));
 }
 
 }  // namespace mlx_infer

@@ -15,8 +15,11 @@
 //   warps through shared memory.
 //   A row's keys [max(0, length - window), length) are cut into gridDim.x
 //   contiguous splits (flash decoding); page = block_tables[r, j / P].
-// Pass 2 (only when split): per (row, head, d) the splits' (m, l, o) merge.
-// Sinks (kSinks) join the final (M, L, A) once: in pass 1 unsplit, else in pass 2.
+// Pass 2 (only when split): per (row, head, d) the splits' (m, l, o) merge. With a ``counts`` array (the
+// paged step's) the merge runs inside pass 1 instead: the split block that finishes its (row, KV head) last
+// merges them (kMergeTail), one kernel and one graph node a layer fewer (each node costs MLX's host ~8 us
+// for a CustomKernel, every step).
+// Sinks (kSinks) join the final (M, L, A) once: in pass 1 unsplit, else in the merge.
 #include "paged_attention_cuda.h"
 
 #include <mlx/fast.h>
@@ -211,6 +214,7 @@ constexpr const char* kPass1 = R"(
     const float o = den > 0.0f ? num / den : 0.0f;
     MLXI_STORE
   }
+MLXI_TAIL
 )";
 
 // How pass 1 stores: the final output, or the split's partial (o, m, l).
@@ -222,6 +226,41 @@ constexpr const char* kStorePart = R"(
       ml[(((size_t)split * R + r) * (kKVH * kG) + h) * 2 + 1] = L;
     })";
 
+// The single-pass merge at the end of a split's pass 1 (kernel 3): after the partials are stored, the block
+// that finishes its (row, KV head) last (``counts``, one int per (row, KV head), zero at launch: each block
+// adds one; the last sets it back to zero for the next launch) merges the kG heads' splits as pass 2 does,
+// reading the other blocks' partials from L2 (__ldcg) after the fences. Template constant kMergeSinks (bool).
+constexpr const char* kMergeTail = R"(
+  __threadfence();
+  __syncthreads();
+  __shared__ int mlxi_last;
+  if (threadIdx.x == 0) {
+    int* c = const_cast<int*>(counts) + (size_t)r * kKVH + kvh;
+    mlxi_last = atomicAdd(c, 1) == splits - 1;
+    if (mlxi_last) *c = 0;
+  }
+  __syncthreads();
+  if (!mlxi_last) return;
+  __threadfence();
+  for (int idx = threadIdx.x; idx < kG * kD; idx += kNW * 32) {
+    const int g = idx / kD, d = idx % kD, h = kvh * kG + g;
+    float M = -INFINITY;
+    for (int s = 0; s < splits; ++s) M = fmaxf(M, __ldcg(ml + (((size_t)s * R + r) * (kKVH * kG) + h) * 2));
+    float L = 0.0f, A = 0.0f;
+    for (int s = 0; s < splits; ++s) {
+      const size_t i = ((size_t)s * R + r) * (kKVH * kG) + h;
+      const float c = mlxi_scale_of(__ldcg(ml + i * 2), M) * __ldcg(ml + i * 2 + 1);
+      L += c;
+      A += c * __ldcg(o_part + i * kD + d);
+    }
+    float num = A, den = L;
+    if (kMergeSinks) {
+      MLXI_SINK
+    }
+    out[((size_t)r * (kKVH * kG) + h) * kD + d] = static_cast<OT>(den > 0.0f ? num / den : 0.0f);
+  }
+)";
+
 // The sink (``sinks[h]``, natural log domain) joins the softmax of (M, L, A) in the exp2 domain as one more
 // score with no value; every term finite, also with no keys (M = -inf: num = 0, den = 1).
 constexpr const char* kSink = R"(
@@ -232,13 +271,16 @@ constexpr const char* kSink = R"(
       den = L * c + exp2f(s2 - mx2);)";
 
 std::string with_sink(std::string src) {
-  src.replace(src.find("MLXI_SINK"), 9, kSink);
+  for (auto at = src.find("MLXI_SINK"); at != std::string::npos; at = src.find("MLXI_SINK")) {
+    src.replace(at, 9, kSink);
+  }
   return src;
 }
 
-std::string pass1(const char* store) {
+std::string pass1(const char* store, const char* tail = "") {
   std::string src = kPass1;
   src.replace(src.find("MLXI_STORE"), 10, store);
+  src.replace(src.find("MLXI_TAIL"), 9, tail);
   return with_sink(std::move(src));
 }
 
@@ -283,9 +325,10 @@ bool kernel_dtype(mx::Dtype t) {
   return t == mx::float32 || t == mx::bfloat16 || t == mx::float16;
 }
 
+// 0: unsplit; 1 and 2: split, then merge (two kernels); 3: split with the merge inside (one kernel).
 const ReusedKernel& kernel(int which) {
   static std::once_flag once;
-  static ReusedKernel fns[3];
+  static ReusedKernel fns[4];
   std::call_once(once, [] {
     const std::vector<std::string> in{"q", "k", "v", "block_tables", "lengths", "sinks"};
     fns[0] = ReusedKernel(mx::fast::cuda_kernel("mlxi_paged_attn", in, {"out"}, pass1(kStoreOut), kHeader));
@@ -293,6 +336,10 @@ const ReusedKernel& kernel(int which) {
         mx::fast::cuda_kernel("mlxi_paged_attn_split", in, {"o_part", "ml"}, pass1(kStorePart), kHeader));
     fns[2] = ReusedKernel(mx::fast::cuda_kernel("mlxi_paged_attn_merge", {"o_part", "ml", "sinks"}, {"out"},
                                                 with_sink(kPass2), kHeader));
+    auto counted = in;
+    counted.push_back("counts");
+    fns[3] = ReusedKernel(mx::fast::cuda_kernel("mlxi_paged_attn_one_pass", counted, {"out", "o_part", "ml"},
+                                                pass1(kStorePart, kMergeTail), kHeader));
   });
   return fns[which];
 }
@@ -320,8 +367,10 @@ bool cuda_paged_attention_supports(const mx::array& q, const mx::array& k_storag
 
 mx::array cuda_paged_attention(const mx::array& q, const mx::array& k_storage, const mx::array& v_storage,
                                const mx::array& block_tables, const mx::array& lengths, int window, float scale,
-                               float softcap, const std::optional<mx::array>& sinks, mx::Stream s) {
+                               float softcap, const std::optional<mx::array>& sinks, mx::Stream s,
+                               bool flat_heads, const std::optional<mx::array>& split_counts) {
   const int R = q.shape(0), H = q.shape(1), D = q.shape(2);
+  const mx::Shape out_shape = flat_heads ? mx::Shape{R, H * D} : q.shape();
   const int KVH = k_storage.shape(1), P = k_storage.shape(2), T = block_tables.shape(1);
   const int G = H / KVH;
   const auto t = layout(D);
@@ -342,12 +391,19 @@ mx::array cuda_paged_attention(const mx::array& q, const mx::array& k_storage, c
   std::vector<mx::array> in{q, k_storage, v_storage, block_tables, lengths, sk};
   const std::tuple<int, int, int> grid{32 * kWarps * splits, KVH, R}, block{32 * kWarps, 1, 1};
   if (!split) {
-    return kernel(0)(in, {q.shape()}, {q.dtype()}, grid, block, targs, std::nullopt, false, s)[0];
+    return kernel(0)(in, {out_shape}, {q.dtype()}, grid, block, targs, std::nullopt, false, s)[0];
+  }
+  if (split_counts && split_counts->dtype() == mx::int32 &&
+      split_counts->size() >= static_cast<size_t>(R) * static_cast<size_t>(KVH)) {
+    in.push_back(*split_counts);
+    targs.push_back({"kMergeSinks", sinks.has_value()});
+    return kernel(3)(in, {out_shape, {splits, R, H, D}, {splits, R, H, 2}}, {q.dtype(), mx::float32, mx::float32},
+                     grid, block, targs, std::nullopt, false, s)[0];
   }
   auto parts = kernel(1)(in, {{splits, R, H, D}, {splits, R, H, 2}}, {mx::float32, mx::float32}, grid, block,
                          targs, std::nullopt, false, s);
   const int bx = std::min(D, 128);
-  return kernel(2)({parts[0], parts[1], sk}, {q.shape()}, {q.dtype()}, {D, H, R}, {bx, 1, 1},
+  return kernel(2)({parts[0], parts[1], sk}, {out_shape}, {q.dtype()}, {D, H, R}, {bx, 1, 1},
                    {{"OT", q.dtype()}, {"kD", D}, {"kH", H}, {"kSinks", sinks.has_value()}}, std::nullopt, false,
                    s)[0];
 }

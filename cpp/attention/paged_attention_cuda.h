@@ -21,9 +21,11 @@ PagedKeyPipeline paged_key_pipeline();
 /// Whether the CUDA kernels take these inputs (head_dim, GQA group, dtypes); else the gather path.
 bool cuda_paged_attention_supports(const mx::array& q, const mx::array& k_storage);
 
-/// paged_attention on a CUDA stream (inputs validated by the caller).
+/// paged_attention on a CUDA stream (inputs validated by the caller); (R, H, D), or (R, H D) with
+/// ``flat_heads`` (the kernels write the same memory either way). ``split_counts``: see paged_attention.
 mx::array cuda_paged_attention(const mx::array& q, const mx::array& k_storage, const mx::array& v_storage,
                                const mx::array& block_tables, const mx::array& lengths, int window, float scale,
-                               float softcap, const std::optional<mx::array>& sinks, mx::Stream s);
+                               float softcap, const std::optional<mx::array>& sinks, mx::Stream s,
+                               bool flat_heads = false, const std::optional<mx::array>& split_counts = std::nullopt);
 
 }  // namespace mlx_infer

@@ -108,12 +108,14 @@ bool qkv_rope_supported(const mx::array& qkv, int H, int KVH, int D, const RopeS
 }
 
 std::array<mx::array, 3> qkv_rope(const mx::array& qkv, int H, int KVH, int D, const RopeSpec& rope,
-                                  const mx::array& positions) {
+                                  const mx::array& positions, bool kv_write_rows) {
   const int R = qkv.shape(0);
   const bool with_freqs = rope.freqs.has_value();
   auto pos = positions.dtype() == mx::int32 ? positions : mx::astype(positions, mx::int32);
-  // Without freqs the positions stand in, never read (no extra op).
-  auto freqs = with_freqs ? mx::astype(mx::reshape(*rope.freqs, {-1}), mx::float32) : mx::reshape(pos, {R});
+  // Without freqs the positions stand in, never read (no extra op). Explicit shapes: a reshape to the shape an
+  // array has adds no graph node (one with -1 would, in every layer of every step).
+  auto freqs = with_freqs ? mx::astype(mx::reshape(*rope.freqs, {static_cast<int>(rope.freqs->size())}), mx::float32)
+                          : mx::reshape(pos, {R});
   const int half = D / 2;
   const int bx = std::min(half, 128);
   std::vector<std::pair<std::string, mx::fast::TemplateArg>> targs{
@@ -122,7 +124,8 @@ std::array<mx::array, 3> qkv_rope(const mx::array& qkv, int H, int KVH, int D, c
       {"kScaleBits", float_bits(rope.scale, "the RoPE scale")},
       {"kLog2BaseBits", float_bits(with_freqs ? 0.0f : std::log2(*rope.base), "log2 of the RoPE base")}};
   const std::tuple<int, int, int> grid{((half + bx - 1) / bx) * bx, H + 2 * KVH, R}, block{bx, 1, 1};
-  auto out = kernel()({qkv, mx::reshape(pos, {R}), freqs}, {{R, H, D}, {R, KVH, D}, {R, KVH, D}},
+  const mx::Shape kv_shape = kv_write_rows ? mx::Shape{R * KVH, 1, 1, 1, D} : mx::Shape{R, KVH, D};
+  auto out = kernel()({qkv, mx::reshape(pos, {R}), freqs}, {{R, H, D}, kv_shape, kv_shape},
                       {qkv.dtype(), qkv.dtype(), qkv.dtype()}, grid, block, targs, std::nullopt, false, {});
   return {out[0], out[1], out[2]};
 }

@@ -22,8 +22,11 @@ bool qkv_rope_supported(const mx::array& qkv, int H, int KVH, int D, const RopeS
 bool qkv_rope_enabled();
 
 /// q (R, H, D), k (R, KVH, D), v (R, KVH, D), each contiguous, from ``qkv`` (R, (H + 2 KVH) D): q and k
-/// rotated at ``positions`` (R,) as ``mx::fast::rope`` rotates them. Call only where qkv_rope_supported.
+/// rotated at ``positions`` (R,) as ``mx::fast::rope`` rotates them. With ``kv_write_rows`` k and v come
+/// shaped (R KVH, 1, 1, 1, D), the same memory in the layout the paged step's K/V Scatter takes as its
+/// updates, so no view sits between this kernel and the write (each graph node costs MLX's host time every
+/// step). Call only where qkv_rope_supported.
 std::array<mx::array, 3> qkv_rope(const mx::array& qkv, int H, int KVH, int D, const RopeSpec& rope,
-                                  const mx::array& positions);
+                                  const mx::array& positions, bool kv_write_rows = false);
 
 }  // namespace mlx_infer

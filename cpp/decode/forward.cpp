@@ -138,7 +138,8 @@ mx::array gqa_attention(const DecodeStep::Graph& g, int i, const mx::array& x, c
   if (lw.qkv.present()) {
     auto qkv = apply_linear(lw.qkv, x);  // (B, (H + 2 KVH) D)
     if (!lw.q_norm && kv.fused_qkv_rope() && qkv_rope_supported(qkv, H, KVH, D, lw.rope)) {
-      auto [qr, kr, vr] = qkv_rope(qkv, H, KVH, D, lw.rope, positions);  // contiguous (B, heads, D)
+      // q (B, H, D); k, v contiguous, where this layer writes them itself in the Scatter's update layout
+      auto [qr, kr, vr] = qkv_rope(qkv, H, KVH, D, lw.rope, positions, attends_itself);
       if (attends_itself) {
         if (auto out = kv.write_attend(lw.buffer, qr, kr, vr)) {
           return mx::reshape(*out, {B, H * D});  // (B, H D)

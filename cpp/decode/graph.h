@@ -127,9 +127,9 @@ class KVAccess {
   /// Writes layer ``layer``'s new ``k``, ``v`` (B, KVH, 1, D), RoPE applied, and
   /// returns what its attention reads.
   virtual AttentionInputs write_read(int layer, const mx::array& k, const mx::array& v) = 0;
-  /// Writes layer ``layer``'s new ``k``, ``v`` (B, KVH, D) or (B, KVH, 1, D) and
+  /// Writes layer ``layer``'s new ``k``, ``v`` (B, KVH, D), (B, KVH, 1, D) or (B KVH, 1, 1, 1, D) and
   /// attends ``q`` (B, H, D) in one (an attention kernel that reads the storage
-  /// itself): (B, H, D), or none, having written nothing, to have the layer call
+  /// itself): (B, H D), or none, having written nothing, to have the layer call
   /// write_read and SDPA.
   virtual std::optional<mx::array> write_attend(int layer, const mx::array& q, const mx::array& k,
                                                 const mx::array& v) {

@@ -19,7 +19,7 @@ namespace mlx_infer {
 namespace {
 
 constexpr int kGroupInputs = 3;  // block_tables, lengths, write_slots
-constexpr int kStepInputs = 4;   // tokens, positions, logit_rows, call_ends
+constexpr int kStepInputs = 5;   // tokens, positions, logit_rows, call_ends, split_counts
 
 // Where a write's R * KVH rows go (row r's KV head h at r * KVH + h): their (page, head, offset) on a GPU,
 // one flat row index (page * KVH + head) * P + offset (R * KVH, 1) on the CPU (write_part says why).
@@ -46,10 +46,11 @@ mx::array write_part(const mx::array& part, const mx::array& x, const WriteIndex
     flat = mx::put_along_axis(flat, mx::broadcast_to(*w.flat, {w.flat->shape(0), D}), mx::reshape(upd, {-1, D}), 0);
     return mx::reshape(flat, part.shape());
   }
-  return mx::scatter(part, w.at, mx::reshape(upd, {-1, 1, 1, 1, D}), {0, 1, 2});  // updates (R * KVH, 1, 1, 1, D)
+  // updates (R * KVH, 1, 1, 1, D): qkv_rope's k and v come in this shape, and a reshape to it is then no node
+  return mx::scatter(part, w.at, mx::reshape(upd, {static_cast<int>(upd.size() / D), 1, 1, 1, D}), {0, 1, 2});
 }
 
-// The pages of a store. Inputs: tokens, positions, logit_rows, call_ends, G groups of
+// The pages of a store. Inputs: tokens, positions, logit_rows, call_ends, split_counts, G groups of
 // kGroupInputs, then k_0, v_0, ..., k_{L-1}, v_{L-1}; each layer's updated
 // storage is appended to ``outputs`` in that order.
 class PagedKV final : public KVAccess {
@@ -74,7 +75,7 @@ class PagedKV final : public KVAccess {
     auto [new_k, new_v] = write(i, k, v);
     const auto& sinks = g_.layers[g_.buffer_layer[i]].sinks;
     return paged_attention(q, new_k, new_v, in[0], in[1], windows_[i], g_.cfg.attn_scale, g_.cfg.attn_softcap,
-                           sinks);  // (R, H, D)
+                           sinks, {}, /*flat_heads=*/true, /*split_counts=*/inputs_[4]);  // (R, H D)
   }
 
   // Both paths: the kernel and the gather path rotate alike (one RoPE for both, on CUDA qkv_rope's).
@@ -371,7 +372,18 @@ PagedStepOutput PagedDecodeStep::step(
     inputs.push_back(call_ends ? pad_rows(row_ints(*call_ends, R, "call_ends"), R_run - R, 1)
                               : mx::add(inputs[1], mx::array(1, mx::int32)));  // (R_run,)
   }
-  std::vector<int> signature{R_run, M_run};
+  // The attention kernel's split counters: zeros, one per row and KV head (paged_attention's split_counts).
+  int kv_heads = 1;
+  for (const auto& b : geometry) kv_heads = std::max(kv_heads, b.kv_heads);
+  const size_t counters = static_cast<size_t>(R_run) * static_cast<size_t>(kv_heads);
+  if (!split_counts_ || split_counts_->size() < counters) {
+    size_t cap = 1024;
+    while (cap < counters) cap *= 2;
+    split_counts_ = mx::zeros({static_cast<int>(cap)}, mx::int32);
+    mx::eval(*split_counts_);  // a constant of the step: the kernels set every count back to zero
+  }
+  inputs.push_back(*split_counts_);
+  std::vector<int> signature{R_run, M_run, static_cast<int>(split_counts_->size())};
   for (int g = 0; g < num_groups_; ++g) {
     const auto& in = groups[g];
     const std::string where = "group " + std::to_string(g) + ": ";

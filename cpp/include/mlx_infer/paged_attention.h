@@ -38,12 +38,18 @@ namespace mlx_infer {
 
 namespace mx = mlx::core;
 
-/// Paged attention through the block tables (see the file comment).
+/// Paged attention through the block tables (see the file comment): (R, H, D), or (R, H D) with
+/// ``flat_heads`` (what the next product reads; on CUDA the kernel writes it so, with no view after it).
+/// ``split_counts``: int32, at least R x KVH elements, all zero, and not read or written by anything else
+/// on another stream meanwhile: with it a CUDA split-K launch merges its splits inside the one kernel (the
+/// last split of each (row, KV head) merges, then sets its count back to zero: the array is zero again
+/// after the kernel, ready for the next). The paged step keeps one per step object. Elsewhere ignored.
 /// Raises std::invalid_argument on shapes or dtypes that do not fit.
 mx::array paged_attention(const mx::array& q, const mx::array& k_storage, const mx::array& v_storage,
                           const mx::array& block_tables, const mx::array& lengths, int window, float scale,
                           float softcap = 0.0f, const std::optional<mx::array>& sinks = std::nullopt,
-                          mx::StreamOrDevice s = {});
+                          mx::StreamOrDevice s = {}, bool flat_heads = false,
+                          const std::optional<mx::array>& split_counts = std::nullopt);
 
 /// The same contract computed by gathering (R, KVH, S, D) and MLX SDPA (soft-capped: the composed
 /// softcapped_attention, mlx_infer/softcap_attention.h): the reference.

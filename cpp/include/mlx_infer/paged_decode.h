@@ -171,6 +171,9 @@ class PagedDecodeStep {
   std::set<std::vector<int>> seen_;
   int retraces_ = 0;
   int steps_ = 0;
+  // The CUDA attention kernel's split counters (paged_attention's split_counts): int32 zeros, at least rows x
+  // KV heads, grown by powers of two (a new size retraces once); the kernels leave them zero.
+  std::optional<mx::array> split_counts_;
 };
 
 }  // namespace mlx_infer
