@@ -393,7 +393,9 @@ mx::array cuda_paged_attention(const mx::array& q, const mx::array& k_storage, c
   if (!split) {
     return kernel(0)(in, {out_shape}, {q.dtype()}, grid, block, targs, std::nullopt, false, s)[0];
   }
-  if (split_counts && split_counts->dtype() == mx::int32 &&
+  // MLX_INFER_PAGED_ATTN_ONE_PASS=0: the two kernels even with counters (an A/B, read at each trace).
+  if (split_counts && env_int("MLX_INFER_PAGED_ATTN_ONE_PASS", 0, 1, 1, "0: merge in a second kernel") == 1 &&
+      split_counts->dtype() == mx::int32 &&
       split_counts->size() >= static_cast<size_t>(R) * static_cast<size_t>(KVH)) {
     in.push_back(*split_counts);
     targs.push_back({"kMergeSinks", sinks.has_value()});
