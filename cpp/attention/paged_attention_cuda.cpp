@@ -235,7 +235,7 @@ constexpr const char* kMergeTail = R"(
   __syncthreads();
   __shared__ int mlxi_last;
   if (threadIdx.x == 0) {
-    int* c = const_cast<int*>(counts) + (size_t)r * kKVH + kvh;
+    int* c = (int*)counts + (size_t)r * kKVH + kvh;  // an input MLX never writes: the step's counters
     mlxi_last = atomicAdd(c, 1) == splits - 1;
     if (mlxi_last) *c = 0;
   }
