@@ -858,13 +858,20 @@ case "${1:-a}" in
   s26a)
     # Session 25's 1-stream split (s25-host): llama-1B's step host-bound at ~5.4 us of MLX encoding a node (314
     # nodes), so the step drops 4 views a layer (K/V arrive from qkv_rope in the Scatter's update layout, the
-    # attention kernel writes (R, H D)) and the split-K merge kernel (the last split merges inside pass 1). First
-    # the CUDA tests of the changed kernels and steps, then the node census and step split, then the served
-    # 1-stream rows against generate_step (and 32 streams), llama-1B and llama-8B.
+    # attention kernel writes (R, H D)) and, with MLX_INFER_PAGED_ATTN_ONE_PASS=1 (off until this runs), the
+    # split-K merge kernel (the last split merges inside pass 1). First the CUDA tests of the changed kernels and
+    # steps (the one-pass merge on too), then the node census and step split and the one-pass A/B, then (s26b)
+    # the served 1-stream rows against generate_step (and 32 streams), llama-1B and llama-8B.
     run 170 cuda-tests python -m pytest -q -x -p no:cacheprovider tests/test_paged_step_kernel.py \
       tests/test_paged_attention.py tests/test_qkv_rope.py tests/test_mixed_steps.py
     tail -3 "$out"/cuda-tests.log
+    MLX_INFER_PAGED_ATTN_ONE_PASS=1 run 120 cuda-tests-one-pass python -m pytest -q -x -p no:cacheprovider \
+      tests/test_paged_step_kernel.py tests/test_mixed_steps.py
+    tail -3 "$out"/cuda-tests-one-pass.log
     run 60 host-1b python benchmarks/host_step.py --shape llama-1b --streams 1,8,32 --census
+    run 100 one-pass-ab python benchmarks/host_step.py --shape llama-1b --streams 1,32 \
+      --ab MLX_INFER_PAGED_ATTN_ONE_PASS=1 --interleave 10 --rounds 20
+    grep -h "interleaved" "$out"/one-pass-ab.log
     run 60 host-8b python benchmarks/host_step.py --shape llama-8b --streams 1,8 --census
     grep -h "streams\|graph" "$out"/host-1b.log "$out"/host-8b.log
     ;;

@@ -393,8 +393,10 @@ mx::array cuda_paged_attention(const mx::array& q, const mx::array& k_storage, c
   if (!split) {
     return kernel(0)(in, {out_shape}, {q.dtype()}, grid, block, targs, std::nullopt, false, s)[0];
   }
-  // MLX_INFER_PAGED_ATTN_ONE_PASS=0: the two kernels even with counters (an A/B, read at each trace).
-  if (split_counts && env_int("MLX_INFER_PAGED_ATTN_ONE_PASS", 0, 1, 1, "0: merge in a second kernel") == 1 &&
+  // MLX_INFER_PAGED_ATTN_ONE_PASS=1: the merge inside the split kernel where the step hands counters (read at
+  // each trace). Off by default until it has run on a GPU: its text passes the CPU emulation
+  // (tests/test_paged_attention_cuda_text.py), but no device was lent after it was written (session 25).
+  if (split_counts && env_int("MLX_INFER_PAGED_ATTN_ONE_PASS", 0, 1, 0, "1: merge inside the split kernel") == 1 &&
       split_counts->dtype() == mx::int32 &&
       split_counts->size() >= static_cast<size_t>(R) * static_cast<size_t>(KVH)) {
     in.push_back(*split_counts);
