@@ -251,6 +251,41 @@ def test_profile_tree_folds_py_spy_stacks_per_process(tmp_path):
     assert child["inclusive"]["loop (app.py:3)"] == 6 and "loop (app.py:3)" not in parent["inclusive"]
 
 
+def test_kernel_times_folds_nsight_compute_csv_per_kind_and_step(tmp_path, capsys):
+    """benchmarks/kernel_times.py's summarize mode: ncu's CSV (its ==PROF== lines skipped, gzipped or not, units
+    and thousands separators read) folded into kinds per step, files side by side, the dearest kernels named."""
+    import gzip
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "kernel_times.py"
+    spec = importlib.util.spec_from_file_location("kernel_times", path)
+    kernel_times = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kernel_times)
+
+    head = '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"\n'
+    rows = [("void gemv_single<__nv_bfloat16, 8, 4>(const T1 *)", "usecond", "12.5"),
+            ("void gemv_single<__nv_bfloat16, 8, 4>(const T1 *)", "nsecond", "7,500"),
+            ("custom_kernel_mlxi_paged_attn_split_bfloat16_t(const float *)", "usecond", "3"),
+            ("void scatter<__nv_bfloat16, int, ScatterAssign, 3, 1, int>(const T1 *)", "usecond", "2"),
+            ("void CV2ISigmoidADV2IMultiplyACEV2OMultiplyDB_VV_contiguous<unsigned int, 8>()", "usecond", "1"),
+            ("some_new_kernel(int)", "usecond", "4")]
+    text = "==PROF== Connected to process 1\n" + head + "".join(
+        f'"{i}","{n}","gpu__time_duration.sum","{u}","{v}"\n' for i, (n, u, v) in enumerate(rows))
+    plain, packed = tmp_path / "a.csv", tmp_path / "b.csv.gz"
+    plain.write_text(text)
+    with gzip.open(packed, "wt") as f:
+        f.write(text)
+    got = kernel_times.summarize(plain, steps=2)
+    assert got["gemv (MLX)"] == (1.0, 10.0) and got["attention"] == (0.5, 1.5)
+    assert got["scatter / kv write"] == (0.5, 1.0) and got["fused silu * up (compiled)"] == (0.5, 0.5)
+    assert got["other: some_new_kernel"] == (0.5, 2.0)
+    assert kernel_times.summarize(packed, steps=2) == got
+    kernel_times.print_summaries([plain, packed], steps=2)
+    out = capsys.readouterr().out
+    assert "total" in out and "the 15 dearest kernels" in out and "gemv_single" in out
+
+
 def test_products_probe_times_ours_beside_mlx_and_reports_the_worst_ratio(tmp_path):
     """benchmarks/products.py (issue 17's probe): per-product rows for MLX and ours (the decode graphs' product: on
     the CPU, MLX's own, so the two time the same work), step totals for each, and the worst-ratio report."""
