@@ -35,12 +35,12 @@ PIPELINES = [(2, False), (1, True), (4, False), (2, True), (8, False)]
 PARAMS = [c + p for c in CASES for p in PIPELINES if p == PIPELINES[0] or (c[7] == 0.0 and not c[8])]
 
 
-@pytest.mark.parametrize("R,H,KVH,D,P,max_len,window,cap,with_sinks,unroll,prefetch", PARAMS)
-def test_cuda_kernel_text_matches_float64_reference(tmp_path, R, H, KVH, D, P, max_len, window, cap, with_sinks,
-                                                    unroll, prefetch):
-    # The project builds with a C++ compiler (README); without g++ this test cannot check anything: fail, loudly.
+def inputs(seed: int, R: int, H: int, KVH: int, D: int, P: int, max_len: int, cap: float, with_sinks: bool):
+    """Float32 q (R, H, D), K/V storage (pages, KVH, P, D), shuffled tables (R, T), lengths with the longest row
+    first and an empty one last, and sinks (H,) or None. Asserts the emulation can be built: the project builds
+    with a C++ compiler (README); without g++ these tests cannot check anything, so they fail, loudly."""
     assert compiler() is not None, "g++ (C++20, <barrier>) is needed to build the CUDA kernels' text for the CPU"
-    rng = np.random.default_rng(R * 31 + D + window)
+    rng = np.random.default_rng(seed)
     lengths = rng.integers(1, max_len + 1, size=R).astype(np.int32)
     lengths[0], lengths[-1] = max_len, 0  # the longest row, and one that attends to nothing
     T = int(-(-lengths.max() // P)) + 1
@@ -50,6 +50,14 @@ def test_cuda_kernel_text_matches_float64_reference(tmp_path, R, H, KVH, D, P, m
     k = rng.standard_normal((pages, KVH, P, D)).astype(np.float32)
     v = rng.standard_normal((pages, KVH, P, D)).astype(np.float32)
     sinks = rng.normal(np.log(max_len) + 1, 1.0, size=H).astype(np.float32) if with_sinks else None
+    return q, k, v, tables, lengths, sinks
+
+
+@pytest.mark.parametrize("R,H,KVH,D,P,max_len,window,cap,with_sinks,unroll,prefetch", PARAMS)
+def test_cuda_kernel_text_matches_float64_reference(tmp_path, R, H, KVH, D, P, max_len, window, cap, with_sinks,
+                                                    unroll, prefetch):
+    q, k, v, tables, lengths, sinks = inputs(R * 31 + D + window, R, H, KVH, D, P, max_len, cap, with_sinks)
+    T = tables.shape[1]
     scale = D ** -0.5
     max_keys = min(window, T * P) if window > 0 else T * P
     splits = _fast.paged_attention_splits(R, KVH, max_keys)  # what cuda_paged_attention launches
@@ -70,18 +78,8 @@ def test_one_pass_merge_matches_the_two_kernels(tmp_path, R, H, KVH, D, P, max_l
     """The paged step's split launch, its merge inside pass 1 (the last split of each (row, KV head) merges),
     gives the two-kernel launch's output exactly (the same float32 arithmetic in the same order) and leaves
     every split counter zero for the next launch."""
-    assert compiler() is not None, "g++ (C++20, <barrier>) is needed to build the CUDA kernels' text for the CPU"
-    rng = np.random.default_rng(7 * R + D)
-    lengths = rng.integers(1, max_len + 1, size=R).astype(np.int32)
-    lengths[0], lengths[-1] = max_len, 0
-    T = int(-(-lengths.max() // P)) + 1
-    pages = 1 + R * T
-    tables = rng.permutation(np.arange(1, pages))[: R * T].reshape(R, T).astype(np.int32)
-    q = (rng.standard_normal((R, H, D)) * (3 if cap else 1)).astype(np.float32)
-    k = rng.standard_normal((pages, KVH, P, D)).astype(np.float32)
-    v = rng.standard_normal((pages, KVH, P, D)).astype(np.float32)
-    sinks = rng.normal(np.log(max_len) + 1, 1.0, size=H).astype(np.float32) if with_sinks else None
-    splits = _fast.paged_attention_splits(R, KVH, T * P)
+    q, k, v, tables, lengths, sinks = inputs(7 * R + D, R, H, KVH, D, P, max_len, cap, with_sinks)
+    splits = _fast.paged_attention_splits(R, KVH, tables.shape[1] * P)
     assert splits > 1
     kw = dict(window=window, scale=D ** -0.5, softcap=cap, sinks=sinks, splits=splits)
     two = run(tmp_path / "two", q, k, v, tables, lengths, **kw)
