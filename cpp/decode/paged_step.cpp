@@ -268,6 +268,7 @@ PagedDecodeStep::PagedDecodeStep(
   graph_->cfg = std::move(config);
   load_graph_weights(*graph_, weights, quantization);
   call_ends_ = uses_call_ends(*graph_);
+  for (const auto& b : buffer_geometry(*graph_)) max_kv_heads_ = std::max(max_kv_heads_, b.kv_heads);
   compiled_ = compile_forward(nullptr);
 }
 
@@ -373,9 +374,7 @@ PagedStepOutput PagedDecodeStep::step(
                               : mx::add(inputs[1], mx::array(1, mx::int32)));  // (R_run,)
   }
   // The attention kernel's split counters: zeros, one per row and KV head (paged_attention's split_counts).
-  int kv_heads = 1;
-  for (const auto& b : geometry) kv_heads = std::max(kv_heads, b.kv_heads);
-  const size_t counters = static_cast<size_t>(R_run) * static_cast<size_t>(kv_heads);
+  const size_t counters = static_cast<size_t>(R_run) * static_cast<size_t>(max_kv_heads_);
   if (!split_counts_ || split_counts_->size() < counters) {
     size_t cap = 1024;
     while (cap < counters) cap *= 2;

@@ -161,6 +161,7 @@ class PagedDecodeStep {
   PagedDecodeConfig paged_;
   int num_groups_ = 0;
   bool call_ends_ = false;  // some layer is LongRoPE: the step reads each row's call end
+  int max_kv_heads_ = 1;    // the most KV heads of a layer: split counters per row
   std::function<std::vector<mx::array>(const std::vector<mx::array>&)> compiled_;
   std::shared_ptr<const LoraLayout> lora_;
   std::vector<mx::array> lora_arrays_;
