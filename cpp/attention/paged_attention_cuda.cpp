@@ -393,10 +393,11 @@ mx::array cuda_paged_attention(const mx::array& q, const mx::array& k_storage, c
   if (!split) {
     return kernel(0)(in, {out_shape}, {q.dtype()}, grid, block, targs, std::nullopt, false, s)[0];
   }
-  // MLX_INFER_PAGED_ATTN_ONE_PASS=1: the merge inside the split kernel where the step hands counters (read at
-  // each trace). Off by default until it has run on a GPU: its text passes the CPU emulation
-  // (tests/test_paged_attention_cuda_text.py), but no device was lent after it was written (session 25).
-  if (split_counts && env_int("MLX_INFER_PAGED_ATTN_ONE_PASS", 0, 1, 0, "1: merge inside the split kernel") == 1 &&
+  // The merge inside the split kernel where the step hands counters (MLX_INFER_PAGED_ATTN_ONE_PASS=0: the two
+  // kernels; read at each trace). On by default since session 26 (H100): the CUDA step tests pass with it, and
+  // a llama-1B step alternating both ways ran 0.97x (1 stream) and 1.01x (32 streams) the two kernels' time
+  // (benchmarks/RESULTS.md, "Session 26"), one launch a layer fewer.
+  if (split_counts && env_int("MLX_INFER_PAGED_ATTN_ONE_PASS", 0, 1, 1, "0: merge in a second kernel") == 1 &&
       split_counts->dtype() == mx::int32 &&
       split_counts->size() >= static_cast<size_t>(R) * static_cast<size_t>(KVH)) {
     in.push_back(*split_counts);
