@@ -875,6 +875,28 @@ case "${1:-a}" in
     run 60 host-8b python benchmarks/host_step.py --shape llama-8b --streams 1,8 --census
     grep -h "streams\|graph" "$out"/host-1b.log "$out"/host-8b.log
     ;;
+  s26c)
+    # The fused kernels (cpp/fused/: residual add + RMSNorm, the gated activation straight from gate|up): 3 graph
+    # nodes a layer fewer. Their CUDA tests, the steps' CUDA tests (qkv_rope's again: s26a's run timed out in it),
+    # the node census, and the step alternating with MLX_INFER_FUSED_KERNELS=0, llama-1B and llama-8B.
+    run 200 cuda-tests python -m pytest -q -p no:cacheprovider -rfE --tb=short -n 8 -m "not slow" tests/test_fused_cuda.py \
+      tests/test_qkv_rope.py tests/test_paged_step_kernel.py tests/test_mixed_steps.py tests/test_decode_step.py
+    tail -4 "$out"/cuda-tests.log
+    run 60 host-1b python benchmarks/host_step.py --shape llama-1b --streams 1,32 --census
+    run 80 fused-ab-1b python benchmarks/host_step.py --shape llama-1b --streams 1,32 \
+      --ab MLX_INFER_FUSED_KERNELS=0 --interleave 10 --rounds 20
+    run 80 fused-ab-8b python benchmarks/host_step.py --shape llama-8b --streams 1 \
+      --ab MLX_INFER_FUSED_KERNELS=0 --interleave 10 --rounds 20
+    grep -h "interleaved\|graph" "$out"/host-1b.log "$out"/fused-ab-*.log
+    ;;
+  s26d)
+    # s26c's second half, on the warm machine: the served 1-stream rows against generate_step, and 32 streams.
+    for shape in llama-8b llama-1b gemma3-270m; do
+      run 110 served-$shape python benchmarks/served.py -p 512 -g 128 -r 1 -n 2 --no-text --streams 1,32 \
+        --mlx-lm-step --shape $shape --json "$out/served-$shape-1-32.json"
+      grep -h '^| ' "$out/served-$shape.log"
+    done
+    ;;
   s26b)
     # s26a's second half, on the warm machine: the served 1-stream rows against generate_step, and 32 streams.
     for shape in llama-1b llama-8b; do
@@ -899,6 +921,6 @@ case "${1:-a}" in
     done
     grep -h "interleaved" "$out"/tuned-*.log "$out"/gemv64-*.log
     ;;
-  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e|s19a|s19b|s19c|s20a|s20b|s20c|s21a|s21b|s21c|s21d|s21e|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s25a|s25b|s25c" >&2
+  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e|s19a|s19b|s19c|s20a|s20b|s20c|s21a|s21b|s21c|s21d|s21e|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s25a|s25b|s25c|s26a|s26b|s26c|s26d" >&2
      exit 2 ;;
 esac

@@ -1,4 +1,4 @@
-"""Run the CUDA kernels' source text on the CPU (tests/test_paged_attention_cuda_text.py, test_gemv_cuda_text.py).
+"""Run the CUDA kernels' source text on the CPU (tests/test_*_cuda_text.py).
 
 The kernels of ``cpp/attention/paged_attention_cuda.cpp`` are strings that MLX's ``mx.fast.cuda_kernel``
 wraps in a ``__global__`` function (inputs, outputs, then the template arguments as ``constexpr``
@@ -55,7 +55,12 @@ inline void __threadfence() {}
 inline int atomicAdd(int* p, int v) { const int old = *p; *p = old + v; return old; }
 inline float __ldcg(const float* p) { return *p; }
 inline float __int_as_float(int bits) { float f; __builtin_memcpy(&f, &bits, sizeof f); return f; }
-template <typename T, int N> struct AlignedVector { T v[N]; T operator[](int i) const { return v[i]; } };
+template <typename T, int N> struct AlignedVector {
+  T v[N];
+  T operator[](int i) const { return v[i]; }
+  T& operator[](int i) { return v[i]; }
+};
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 struct Shape { int d[8]; int operator[](int i) const { return d[i]; } };
 """
 
@@ -365,3 +370,70 @@ def run_gemv(workdir: Path, x: np.ndarray, w: np.ndarray, bias: np.ndarray | Non
     (np.zeros(1, np.float32) if bias is None else bias.astype(np.float32)).tofile(workdir / "b.bin")
     build_and_run(workdir, source)
     return np.fromfile(workdir / "o.bin", np.float32).reshape(M, N)
+
+
+FUSED_DIR = Path(__file__).resolve().parents[1] / "cpp" / "fused"
+
+
+def _raw(path: Path, name: str) -> str:
+    m = re.search(r'constexpr const char\* %s = R"\((.*?)\)";' % name, path.read_text(), re.S)
+    assert m is not None, f"{name} not found in {path}"
+    return m.group(1)
+
+
+_ROWS_MAIN = r"""
+int main() {
+  auto a = slurp("a.bin"), b = slurp("b.bin"), c = slurp("c.bin");
+  std::vector<float> o1((size_t)R * OUT1, -12345.0f), o2((size_t)R * OUT2, -12345.0f);
+  gridDim = {GX, R, 1};
+  blockDim = {BLOCK, 1, 1};
+  for (int y = 0; y < R; ++y) for (int x = 0; x < GX; ++x) {
+    blockIdx = {x, y, 0};
+    run_block(BLOCK, [&] { KERNEL_CALL; });
+  }
+  FILE* f = fopen("o.bin", "wb");
+  fwrite(o1.data(), 4, o1.size(), f);
+  fwrite(o2.data(), 4, o2.size(), f);
+  fclose(f);
+}
+"""
+
+
+def _run_rows(workdir: Path, kernel: str, header: str, call: str, sizes: dict, arrays: list[np.ndarray]) -> np.ndarray:
+    """A kernel of a (x, row) grid, blocks one after another; a, b, c the input files; o1 then o2 come back."""
+    consts = "".join(f"constexpr int {k} = {v};\n" for k, v in sizes.items())
+    main = _ROWS_MAIN.replace("KERNEL_CALL", call)
+    source = _MOCK + consts + header + kernel + _MAIN.split("int main()")[0] + main
+    workdir.mkdir(parents=True, exist_ok=True)
+    for name, arr in zip("abc", arrays + [np.zeros(1, np.float32)] * (3 - len(arrays))):
+        np.ascontiguousarray(arr, np.float32).tofile(workdir / f"{name}.bin")
+    build_and_run(workdir, source)
+    return np.fromfile(workdir / "o.bin", np.float32)
+
+
+def run_add_rms_norm(workdir: Path, h: np.ndarray, r: np.ndarray, w: np.ndarray, eps: float, *, block: int,
+                     per: int) -> tuple[np.ndarray, np.ndarray]:
+    """residual_norm_cuda.cpp's kernel on the CPU, launched as add_rms_norm launches it (float32)."""
+    R, E = h.shape
+    body = _raw(FUSED_DIR / "residual_norm_cuda.cpp", "kAddRmsNorm")
+    consts = dict(T=float, kE=E, kBlock=block, kPer=per, kEpsBits=float_bits(eps))
+    kernel = _function("add_rms_norm", "const float* h, const float* r, const float* w, float* sum_out, "
+                       "float* norm_out", consts, body)
+    out = _run_rows(workdir, kernel, "", "add_rms_norm((const float*)a.data(), (const float*)b.data(), "
+                    "(const float*)c.data(), o1.data(), o2.data())",
+                    dict(R=R, OUT1=E, OUT2=E, GX=1, BLOCK=block), [h, r, w])
+    return out[:R * E].reshape(R, E), out[R * E:].reshape(R, E)
+
+
+def run_gated(workdir: Path, gate_up: np.ndarray, activation: str, *, block: int) -> np.ndarray:
+    """gated_cuda.cpp's kernel on the CPU, launched as gated_activation launches it (float32)."""
+    R, F2 = gate_up.shape
+    F = F2 // 2
+    path = FUSED_DIR / "gated_cuda.cpp"
+    header = _raw(path, "kGatedHeader").replace("__device__ __forceinline__", "inline")
+    consts = dict(T=float, kF=F, kGelu=activation == "gelu_tanh")
+    kernel = _function("gated", "const float* gate_up, float* out", consts, _raw(path, "kGated"))
+    blocks = -(-(F // 4) // block)
+    out = _run_rows(workdir, kernel, header, "gated((const float*)a.data(), o1.data())",
+                    dict(R=R, OUT1=F, OUT2=0, GX=blocks, BLOCK=block), [gate_up])
+    return out[:R * F].reshape(R, F)

@@ -16,6 +16,7 @@ void bind_decode(nb::module_& m);
 void bind_matmul(nb::module_& m);
 void bind_paged_attention(nb::module_& m);
 void bind_diagnostics(nb::module_& m);
+void bind_fused(nb::module_& m);
 
 NB_MODULE(_fast, m) {
   m.doc() = "mlx-infer's C++ core over the MLX C++ API.";
@@ -45,4 +46,5 @@ Returns:
   bind_matmul(m);
   bind_paged_attention(m);
   bind_diagnostics(m);
+  bind_fused(m);
 }

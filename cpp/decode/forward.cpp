@@ -12,11 +12,14 @@
 #include "graph.h"
 
 #include "../attention/qkv_rope_cuda.h"
+#include "../fused/fused_cuda.h"
 #include "mlx_infer/matmul.h"
 
 #include <cmath>
 #include <stdexcept>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 namespace mlx_infer {
@@ -37,6 +40,19 @@ mx::array residual(const DecodeConfig& cfg, const mx::array& x, const mx::array&
 mx::array add_residual(const DecodeConfig& cfg, const mx::array& h, const mx::array& r,
                        const std::optional<mx::array>& post_norm) {
   return post_norm ? residual(cfg, h, rms(r, post_norm, cfg.rms_norm_eps)) : mx::add(h, r);
+}
+
+// The residual and the norm of the block after it: (h', next_norm ? rms(h', next_norm) : h') with h' =
+// add_residual(h, r, post_norm). One CUDA kernel (fused_cuda.h) where the residual is a plain add (no sandwich
+// norm) and a norm follows; MLX's ops otherwise, as before.
+std::pair<mx::array, mx::array> residual_then_norm(const DecodeConfig& cfg, const mx::array& h, const mx::array& r,
+                                                   const std::optional<mx::array>& post_norm,
+                                                   const std::optional<mx::array>& next_norm) {
+  if (!post_norm && next_norm && add_rms_norm_applies(h, r, *next_norm)) {
+    return add_rms_norm(h, r, *next_norm, cfg.rms_norm_eps);  // (B, E) each
+  }
+  auto sum = add_residual(cfg, h, r, post_norm);
+  return {sum, next_norm ? rms(sum, next_norm, cfg.rms_norm_eps) : sum};
 }
 
 // nn.gelu_approx(x) alone (shapeless-compiled as MLX compiles it): the per-layer-input gate
@@ -72,7 +88,11 @@ mx::array per_layer_inputs(const DecodeStep::Graph& g, const mx::array& ids, con
 mx::array dense_mlp(const DecodeStep::Graph& g, const LayerWeights& lw, const mx::array& x) {
   mx::array gate(0), up(0);
   if (lw.gate_up.present()) {
-    auto parts = mx::split(apply_linear(lw.gate_up, x), 2, -1);
+    auto gate_up = apply_linear(lw.gate_up, x);  // (B, 2F)
+    if (!g.fast_gated && gated_activation_applies(gate_up, g.cfg.activation)) {  // no Split node (CUDA)
+      return tp_sum(g, apply_linear(lw.down, gated_activation(gate_up, g.cfg.activation)));
+    }
+    auto parts = mx::split(gate_up, 2, -1);
     gate = parts[0], up = parts[1];
   } else {
     gate = apply_linear(lw.gate, x);
@@ -84,13 +104,13 @@ mx::array dense_mlp(const DecodeStep::Graph& g, const LayerWeights& lw, const mx
   return tp_sum(g, apply_linear(lw.down, act));
 }
 
-// The block after attention: h (B, E) -> h + mlp(h) (the dense MLP, the routed experts instead of it, or both).
-// The routed experts' code (moe.cpp) keeps the eager layer's (B, 1, E) shapes.
-mx::array mlp_block(const DecodeStep::Graph& g, const LayerWeights& lw, const mx::array& h) {
+// The block after attention, before its residual: h (B, E) and x = its mlp_norm (or h) -> mlp(x) (the dense
+// MLP, the routed experts instead of it, or both), times the residual scale. The routed experts' code (moe.cpp)
+// keeps the eager layer's (B, 1, E) shapes.
+mx::array mlp_branch(const DecodeStep::Graph& g, const LayerWeights& lw, const mx::array& h, const mx::array& x) {
   const auto& cfg = g.cfg;
   const float eps = cfg.rms_norm_eps;
   const int B = h.shape(0), E = h.shape(-1);
-  auto x = lw.mlp_norm ? rms(h, lw.mlp_norm, eps) : h;  // (B, E)
   mx::array r(0);
   if (!lw.router.present()) {
     r = dense_mlp(g, lw, x);
@@ -117,7 +137,7 @@ mx::array mlp_block(const DecodeStep::Graph& g, const LayerWeights& lw, const mx
   if (cfg.residual_scale != 1.0f) {
     r = mx::multiply(r, scalar(cfg.residual_scale, r.dtype()));
   }
-  return add_residual(cfg, h, r, lw.post_mlp_norm);
+  return r;  // (B, E)
 }
 
 // Grouped-query attention of layer i (every family but MLA's): x (B, E) the normed input -> (B, H D), before
@@ -231,19 +251,36 @@ mx::array layers_forward(
     pli = per_layer_inputs(g, mx::reshape(tokens, {B, 1}), h);
   }
 
+  // Each residual add and the norm after it go together (residual_then_norm): x is the next block's input.
+  // After the last layer the final norm joins the add only where they fuse (it then runs on all B rows, before
+  // the logit rows are taken); otherwise the rows are taken first, as before.
   std::vector<std::optional<AttentionInputs>> reads(num_buffers(g));  // a shared buffer's, after its write
+  auto x = g.layers.empty() || !g.layers[0].attn_norm ? h : rms(h, g.layers[0].attn_norm, eps);  // (B, E)
+  std::optional<mx::array> normed;  // the final norm of h's B rows, where it fused with the last add
   for (int i = 0; i < L; ++i) {
     const auto& lw = g.layers[i];
 
-    auto x = lw.attn_norm ? rms(h, lw.attn_norm, eps) : h;  // olmo2: no pre-norm
     auto o = cfg.kv_lora_rank > 0 ? mla_attention(g, lw, x, positions, kv)        // (B, H v_head)
                                   : gqa_attention(g, i, x, positions, ends, kv, reads);  // (B, H D)
     auto r = tp_sum(g, apply_linear(lw.o, o));  // (B, E): all heads' sum under tensor parallel
     if (cfg.residual_scale != 1.0f) {
       r = mx::multiply(r, scalar(cfg.residual_scale, r.dtype()));
     }
-    h = add_residual(cfg, h, r, lw.post_attn_norm);
-    h = mlp_block(g, lw, h);
+    std::tie(h, x) = residual_then_norm(cfg, h, r, lw.post_attn_norm, lw.mlp_norm);  // x: the MLP's input
+
+    // Per-layer inputs and layer scalars change h after the MLP's residual: the next norm waits for them.
+    const bool tail = pli.has_value() || lw.layer_scalar.has_value();
+    const bool last = i + 1 == L;
+    std::optional<mx::array> next_norm;  // olmo2: no pre-norm
+    if (!tail && !last) {
+      next_norm = g.layers[i + 1].attn_norm;
+    } else if (!tail && !lw.post_mlp_norm && g.norm && add_rms_norm_applies(h, h, *g.norm)) {
+      next_norm = g.norm;
+    }
+    std::tie(h, x) = residual_then_norm(cfg, h, mlp_branch(g, lw, h, x), lw.post_mlp_norm, next_norm);
+    if (last && next_norm) {
+      normed = x;
+    }
 
     if (pli) {
       auto mine = mx::reshape(mx::slice(*pli, {0, 0, i, 0}, {B, 1, i + 1, cfg.per_layer_width}),
@@ -254,12 +291,19 @@ mx::array layers_forward(
     if (lw.layer_scalar) {
       h = mx::multiply(h, *lw.layer_scalar);
     }
+    if (tail && !last) {
+      x = g.layers[i + 1].attn_norm ? rms(h, g.layers[i + 1].attn_norm, eps) : h;
+    }
   }
 
-  if (logit_rows) {
-    h = mx::take(h, *logit_rows, 0);  // (M, E): the head runs on these rows only
+  if (normed) {
+    h = logit_rows ? mx::take(*normed, *logit_rows, 0) : *normed;  // (M, E)
+  } else {
+    if (logit_rows) {
+      h = mx::take(h, *logit_rows, 0);  // (M, E): the head runs on these rows only
+    }
+    h = rms(h, g.norm, eps);
   }
-  h = rms(h, g.norm, eps);
   auto logits = g.lm_head.present() ? apply_linear(g.lm_head, h) : embed_as_linear(g.embed, h);
   logits = tp_gather_logits(g, logits);  // (B or M, vocab)
   if (cfg.logits_divisor != 1.0f) {

@@ -1,0 +1,47 @@
+// nanobind only: the decode graphs' fused CUDA kernels (cpp/fused/), for tests and probes.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "../fused/fused_cuda.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+namespace mx = mlx::core;
+
+void bind_fused(nb::module_& m) {
+  m.def("fused_kernels_enabled", &mlx_infer::fused_kernels_enabled,
+        "Whether the decode graphs use the fused CUDA kernels where they apply (MLX_INFER_FUSED_KERNELS, read at "
+        "each trace; '0' turns them off, a bad value raises ValueError naming it).");
+  m.def(
+      "add_rms_norm",
+      [](const mx::array& h, const mx::array& r, const mx::array& w, float eps) {
+        if (!mlx_infer::add_rms_norm_applies(h, r, w)) {
+          throw std::invalid_argument(
+              "[add_rms_norm] runs on MLX's CUDA backend (default device the GPU, MLX_INFER_FUSED_KERNELS not 0) "
+              "with h and r (R, E) and w (E,) of one float dtype, E a multiple of 16 bytes; elsewhere the graphs "
+              "use mx.add and mx.fast.rms_norm.");
+        }
+        return mlx_infer::add_rms_norm(h, r, w, eps);
+      },
+      "h"_a, "r"_a, "w"_a, nb::kw_only(), "eps"_a,
+      "``(h + r, mx.fast.rms_norm(h + r, w, eps))`` for ``h, r (R, E)`` in one CUDA kernel (the decode graphs' "
+      "residual and the next norm). CUDA only: elsewhere a clear error.");
+  m.def(
+      "gated_activation",
+      [](const mx::array& gate_up, const std::string& activation) {
+        if (!mlx_infer::gated_activation_applies(gate_up, activation)) {
+          throw std::invalid_argument(
+              "[gated_activation] runs on MLX's CUDA backend (default device the GPU, MLX_INFER_FUSED_KERNELS not "
+              "0) with gate_up (R, 2F) of a float dtype, F a multiple of 16 bytes, and activation 'silu' or "
+              "'gelu_tanh' (got '" + activation + "'); elsewhere the graphs split and use MLX's ops.");
+        }
+        return mlx_infer::gated_activation(gate_up, activation);
+      },
+      "gate_up"_a, nb::kw_only(), "activation"_a = "silu",
+      "``act(gate) * up`` for ``gate_up (R, 2F) = [gate | up]`` -> ``(R, F)`` in one CUDA kernel: 'silu' "
+      "(SwiGLU) or 'gelu_tanh' (GeGLU), rounded as MLX's compiled ops round. CUDA only: elsewhere a clear error.");
+}

@@ -1,0 +1,43 @@
+// Internal to cpp/: two fused elementwise kernels of the decode graphs on CUDA (mx::fast::cuda_kernel, NVRTC at
+// run time), each replacing two graph nodes of every layer. MLX's CUDA backend spends host time on every node
+// of a step (~5 us each to encode, benchmarks/RESULTS.md "Session 25": a llama-1B 1-stream step is host-bound),
+// so a node fewer is time saved at every step; the CPU and Metal graphs keep MLX's ops.
+//   - add_rms_norm (residual_norm_cuda.cpp): h + r and RMSNorm of that sum, one launch (MLX: Add, RMSNorm).
+//   - gated_activation (gated_cuda.cpp): act(gate) * up straight from a fused gate|up product's output
+//     (MLX: Split, then the compiled activation).
+#pragma once
+
+#include <mlx/mlx.h>
+
+#include <string>
+#include <utility>
+
+namespace mlx_infer {
+
+namespace mx = mlx::core;
+
+/// Whether the decode graphs use the fused kernels where they apply: MLX_INFER_FUSED_KERNELS=0 turns them off
+/// (MLX's ops, as before), read at each call (a graph's trace), so one process can compare both.
+bool fused_kernels_enabled();
+
+/// Whether add_rms_norm takes these: the CUDA backend with the GPU as the default device, h and r (R, E) of one
+/// float dtype, w (E,) of that dtype, rows of a multiple of 16 bytes and at most 64 Ki elements.
+bool add_rms_norm_applies(const mx::array& h, const mx::array& r, const mx::array& w);
+
+/// (h + r, rms_norm(h + r, w, eps)) for h, r (R, E): the sum rounded to the dtype as mx::add rounds it, the
+/// norm as mx::fast::rms_norm computes it (float32 sum of squares, rsqrt(mean + eps), w * dtype(x * inv)); the
+/// sum of squares adds in another order than MLX's kernel, so the norm can differ in its last bit. Call only
+/// where add_rms_norm_applies.
+std::pair<mx::array, mx::array> add_rms_norm(const mx::array& h, const mx::array& r, const mx::array& w, float eps);
+
+/// Whether gated_activation takes these: the CUDA backend with the GPU as the default device, ``gate_up``
+/// (R, 2F) of one float dtype with F a multiple of 16 bytes, ``activation`` "silu" or "gelu_tanh".
+bool gated_activation_applies(const mx::array& gate_up, const std::string& activation);
+
+/// act(gate) * up for ``gate_up`` (R, 2F) = [gate | up] -> (R, F): "silu" as swiglu (gate * sigmoid(gate) * up),
+/// "gelu_tanh" as geglu (the tanh approximation of GELU), each operation rounded to the dtype in the order
+/// MLX's compiled graph rounds it (decode/graph.cpp: swiglu_ops, geglu_ops). Call only where
+/// gated_activation_applies.
+mx::array gated_activation(const mx::array& gate_up, const std::string& activation);
+
+}  // namespace mlx_infer

@@ -1,0 +1,130 @@
+// add_rms_norm (fused_cuda.h): a residual add and the RMSNorm after it in one CUDA kernel.
+//
+// Every layer of a decode step ends its attention and its MLP with h + r followed by the next block's RMSNorm
+// (Add then RMSNorm: two graph nodes, two launches, the sum written and read back). Here one block a row:
+// each thread keeps kPer 16-byte chunks of the sum in registers, rounds each element to the dtype as MLX's add
+// does, writes the sum, adds the squares of the rounded values in float32; a warp shuffle and a shared-memory
+// pass give every thread the row's total; then y = w * dtype(x * rsqrt(total / E + eps)) as
+// mlx/backend/cuda/rms_norm.cu computes it (the product by w in the dtype).
+#include "fused_cuda.h"
+
+#include <mlx/fast.h>
+
+#include <algorithm>
+#include <mutex>
+
+#include "../attention/kernel_args.h"
+#include "mlx_infer/backend.h"
+
+namespace mlx_infer {
+
+namespace {
+
+// Template constants: T (dtype), kE (row length), kBlock (threads, a multiple of 32), kPer (chunks a thread
+// holds: kBlock * kPer * (16 / sizeof(T)) >= kE), kEpsBits (eps as float32 bits: kernel_args.h). h, r (R, kE),
+// w (kE,); outputs sum_out, norm_out (R, kE). Grid (kBlock, R): blockIdx.y is the row.
+constexpr const char* kAddRmsNorm = R"(
+  constexpr int kC = 16 / sizeof(T);  // elements per 16-byte chunk
+  using V = AlignedVector<T, kC>;
+  constexpr int kChunks = kE / kC;
+  const int t = threadIdx.x;
+  const size_t base = (size_t)blockIdx.y * kChunks;
+  const V* hv = reinterpret_cast<const V*>(h) + base;
+  const V* rv = reinterpret_cast<const V*>(r) + base;
+  V* sv = reinterpret_cast<V*>(sum_out) + base;
+  V s[kPer];
+  float ss = 0.0f;
+  #pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int c = t + i * kBlock;
+    if (c < kChunks) {
+      const V a = hv[c];
+      const V b = rv[c];
+      #pragma unroll
+      for (int e = 0; e < kC; ++e) {
+        s[i][e] = static_cast<T>(static_cast<float>(a[e]) + static_cast<float>(b[e]));
+        const float f = static_cast<float>(s[i][e]);
+        ss += f * f;
+      }
+      sv[c] = s[i];
+    }
+  }
+  #pragma unroll
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  __shared__ float warp_sums[kBlock / 32];
+  if (t % 32 == 0) warp_sums[t / 32] = ss;
+  __syncthreads();
+  float total = 0.0f;
+  #pragma unroll
+  for (int i = 0; i < kBlock / 32; ++i) total += warp_sums[i];
+  const float inv = rsqrtf(total / static_cast<float>(kE) + __int_as_float(kEpsBits));
+  const V* wv = reinterpret_cast<const V*>(w);
+  V* nv = reinterpret_cast<V*>(norm_out) + base;
+  #pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int c = t + i * kBlock;
+    if (c < kChunks) {
+      const V wc = wv[c];
+      V o;
+      #pragma unroll
+      for (int e = 0; e < kC; ++e) {
+        const T y = static_cast<T>(static_cast<float>(s[i][e]) * inv);
+        o[e] = static_cast<T>(static_cast<float>(wc[e]) * static_cast<float>(y));
+      }
+      nv[c] = o;
+    }
+  }
+)";
+
+const ReusedKernel& kernel() {
+  static std::once_flag once;
+  static ReusedKernel fn;
+  std::call_once(once, [] {
+    fn = ReusedKernel(mx::fast::cuda_kernel("mlxi_add_rms_norm", {"h", "r", "w"}, {"sum_out", "norm_out"},
+                                            kAddRmsNorm, ""));
+  });
+  return fn;
+}
+
+constexpr int kMaxBlock = 1024;
+constexpr int kMaxPer = 16;
+constexpr int kMaxRows = 65535;  // the grid's y extent
+
+bool float_dtype(mx::Dtype t) {
+  return t == mx::float32 || t == mx::bfloat16 || t == mx::float16;
+}
+
+}  // namespace
+
+bool fused_kernels_enabled() {
+  return env_int("MLX_INFER_FUSED_KERNELS", 0, 1, 1, "0: MLX's own ops (Add + RMSNorm, Split + activation)") == 1;
+}
+
+bool add_rms_norm_applies(const mx::array& h, const mx::array& r, const mx::array& w) {
+  if (!cuda_backend() || mx::default_device() != mx::Device::gpu || !fused_kernels_enabled()) {
+    return false;
+  }
+  if (h.ndim() != 2 || r.shape() != h.shape() || w.ndim() != 1 || w.shape(0) != h.shape(1) ||
+      !float_dtype(h.dtype()) || r.dtype() != h.dtype() || w.dtype() != h.dtype() || h.shape(0) < 1 ||
+      h.shape(0) > kMaxRows) {
+    return false;
+  }
+  const int per_chunk = 16 / static_cast<int>(mx::size_of(h.dtype()));
+  const int E = h.shape(1);
+  return E > 0 && E % per_chunk == 0 && E / per_chunk <= kMaxBlock * kMaxPer;
+}
+
+std::pair<mx::array, mx::array> add_rms_norm(const mx::array& h, const mx::array& r, const mx::array& w,
+                                             float eps) {
+  const int R = h.shape(0), E = h.shape(1);
+  const int chunks = E / (16 / static_cast<int>(mx::size_of(h.dtype())));
+  const int block = std::min(kMaxBlock, (chunks + 31) / 32 * 32);
+  const int per = (chunks + block - 1) / block;
+  auto out = kernel()({h, r, w}, {{R, E}, {R, E}}, {h.dtype(), h.dtype()}, {block, R, 1}, {block, 1, 1},
+                      {{"T", h.dtype()}, {"kE", E}, {"kBlock", block}, {"kPer", per},
+                       {"kEpsBits", float_bits(eps, "the RMSNorm epsilon")}},
+                      std::nullopt, false, {});
+  return {out[0], out[1]};  // (R, E) each: h + r, its norm
+}
+
+}  // namespace mlx_infer

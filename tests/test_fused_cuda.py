@@ -1,0 +1,81 @@
+"""``_fast.add_rms_norm`` and ``_fast.gated_activation``: the decode graphs' fused CUDA kernels (cpp/fused/).
+
+On the CUDA backend: the sum equals ``mx.add`` exactly and the norm ``mx.fast.rms_norm`` of it but for the
+last bit of a few elements (the sum of squares adds in another order); the gated activation equals the
+decode graphs' compiled SwiGLU / GeGLU over MLX's split (decode/graph.cpp) but for the math library's
+rounding of exp / tanh in a few elements; float32, bfloat16 and float16; rows of llama-1B, llama-8B and
+gemma3-270m. ``MLX_INFER_FUSED_KERNELS=0`` turns them off. Elsewhere the bindings refuse with a clear error
+(the graphs then keep MLX's ops); the kernels' text is checked on the CPU by tests/test_fused_cuda_text.py.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_infer import _fast
+
+ON_CUDA = mx.default_device().type == mx.DeviceType.gpu and hasattr(mx, "cuda") and mx.cuda.is_available()
+DTYPES = [mx.float32, mx.bfloat16, mx.float16]
+
+
+def last_bit_tolerance(dtype: mx.Dtype) -> float:
+    """One unit in the last place of the dtype at 1.0 (relative)."""
+    return {mx.float32: 2.0 ** -23, mx.bfloat16: 2.0 ** -7, mx.float16: 2.0 ** -10}[dtype]
+
+
+def compare(got: mx.array, want: mx.array, dtype: mx.Dtype, name: str, frac_limit: float) -> None:
+    diff = mx.abs(got.astype(mx.float32) - want.astype(mx.float32))
+    scale = mx.maximum(mx.abs(want.astype(mx.float32)), mx.array(1e-3))
+    rel, frac = (diff / scale).max().item(), (diff > 0).astype(mx.float32).mean().item()
+    print(f"{name} {dtype}: max relative diff {rel:.3g}, {frac:.2%} of elements differ")
+    assert got.shape == want.shape and got.dtype == dtype
+    assert rel <= 4 * last_bit_tolerance(dtype) and frac <= frac_limit
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("R,E", [(1, 2048), (13, 4096), (5, 640), (3, 12288)])
+def test_add_rms_norm_equals_mlx_on_cuda_or_refuses_clearly(dtype, R, E):
+    rng = np.random.default_rng(R + E)
+    h, r = (mx.array(rng.standard_normal((R, E)).astype(np.float32) * 2).astype(dtype) for _ in range(2))
+    w = mx.array(rng.uniform(0.5, 1.5, E).astype(np.float32)).astype(dtype)
+    if not ON_CUDA:
+        with pytest.raises(ValueError, match="CUDA backend"):
+            _fast.add_rms_norm(h, r, w, eps=1e-5)
+        return
+    got_sum, got_norm = _fast.add_rms_norm(h, r, w, eps=1e-5)
+    want_sum = mx.add(h, r)
+    assert mx.array_equal(got_sum, want_sum).item()
+    compare(got_norm, mx.fast.rms_norm(want_sum, w, 1e-5), dtype, "norm", 0.05)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("R,F", [(1, 8192), (9, 14336), (4, 2048)])
+def test_gated_activation_equals_mlx_on_cuda_or_refuses_clearly(dtype, activation, R, F):
+    rng = np.random.default_rng(R + F)
+    gate_up = mx.array((rng.standard_normal((R, 2 * F)) * 3).astype(np.float32)).astype(dtype)
+    if not ON_CUDA:
+        with pytest.raises(ValueError, match="CUDA backend"):
+            _fast.gated_activation(gate_up, activation=activation)
+        return
+    got = _fast.gated_activation(gate_up, activation=activation)
+    g, u = mx.split(gate_up, 2, axis=-1)
+    dt = dtype
+    if activation == "silu":
+        want = mx.compile(lambda g, u: mx.multiply(mx.multiply(g, mx.sigmoid(g)), u), shapeless=True)(g, u)
+    else:
+        def geglu(g, u):
+            inner = mx.add(g, mx.multiply(mx.array(0.044715, dt), mx.power(g, mx.array(3, dt))))
+            t = mx.tanh(mx.multiply(mx.array(0.7978845608028654, dt), inner))
+            return mx.multiply(mx.multiply(mx.multiply(mx.array(0.5, dt), g), mx.add(mx.array(1, dt), t)), u)
+        want = mx.compile(geglu, shapeless=True)(g, u)
+    compare(got, want, dtype, activation, 0.05)
+
+
+def test_bad_arguments_raise_clear_errors():
+    with pytest.raises(ValueError, match="'silu' or 'gelu_tanh'"):
+        _fast.gated_activation(mx.zeros((2, 32)), activation="relu")
+    with pytest.raises(ValueError, match=r"\(R, E\)"):
+        _fast.add_rms_norm(mx.zeros((2, 8)), mx.zeros((2, 4)), mx.ones((8,)), eps=1e-5)
