@@ -876,18 +876,23 @@ case "${1:-a}" in
     grep -h "streams\|graph" "$out"/host-1b.log "$out"/host-8b.log
     ;;
   s26c)
-    # The fused kernels (cpp/fused/: residual add + RMSNorm, the gated activation straight from gate|up): 3 graph
-    # nodes a layer fewer. Their CUDA tests, the steps' CUDA tests (qkv_rope's again: s26a's run timed out in it),
-    # the node census, and the step alternating with MLX_INFER_FUSED_KERNELS=0, llama-1B and llama-8B.
-    run 200 cuda-tests python -m pytest -q -p no:cacheprovider -rfE --tb=short -n 8 -m "not slow" tests/test_fused_cuda.py \
-      tests/test_qkv_rope.py tests/test_paged_step_kernel.py tests/test_mixed_steps.py tests/test_decode_step.py
+    # The fused kernels (cpp/fused/, off by default: a CustomKernel costs MLX's host more than a built-in op):
+    # residual add + RMSNorm, and the gated activation straight from gate|up, 3 graph nodes a layer fewer. Their
+    # CUDA tests, the steps' CUDA tests with both on (qkv_rope's again: s26a's run timed out in it), the node
+    # census, and the step alternating each switch on and off, llama-1B and llama-8B.
+    run 200 cuda-tests env MLX_INFER_FUSED_ADD_NORM=1 MLX_INFER_FUSED_GATED=1 python -m pytest -q -p no:cacheprovider \
+      -rfE --tb=short -n 8 -m "not slow" tests/test_fused_cuda.py tests/test_qkv_rope.py \
+      tests/test_paged_step_kernel.py tests/test_mixed_steps.py tests/test_decode_step.py
     tail -4 "$out"/cuda-tests.log
-    run 60 host-1b python benchmarks/host_step.py --shape llama-1b --streams 1,32 --census
-    run 80 fused-ab-1b python benchmarks/host_step.py --shape llama-1b --streams 1,32 \
-      --ab MLX_INFER_FUSED_KERNELS=0 --interleave 10 --rounds 20
-    run 80 fused-ab-8b python benchmarks/host_step.py --shape llama-8b --streams 1 \
-      --ab MLX_INFER_FUSED_KERNELS=0 --interleave 10 --rounds 20
-    grep -h "interleaved\|graph" "$out"/host-1b.log "$out"/fused-ab-*.log
+    MLX_INFER_FUSED_ADD_NORM=1 MLX_INFER_FUSED_GATED=1 run 40 host-1b python benchmarks/host_step.py \
+      --shape llama-1b --streams 1 --census
+    for var in MLX_INFER_FUSED_ADD_NORM MLX_INFER_FUSED_GATED; do
+      run 70 ab-1b-$var python benchmarks/host_step.py --shape llama-1b --streams 1,32 --ab $var=1 \
+        --interleave 10 --rounds 20
+      run 70 ab-8b-$var python benchmarks/host_step.py --shape llama-8b --streams 1 --ab $var=1 \
+        --interleave 10 --rounds 20
+    done
+    grep -h "interleaved\|graph" "$out"/host-1b.log "$out"/ab-*.log
     ;;
   s26d)
     # s26c's second half, on the warm machine: the served 1-stream rows against generate_step, and 32 streams.

@@ -4,7 +4,8 @@ On the CUDA backend: the sum equals ``mx.add`` exactly and the norm ``mx.fast.rm
 last bit of a few elements (the sum of squares adds in another order); the gated activation equals the
 decode graphs' compiled SwiGLU / GeGLU over MLX's split (decode/graph.cpp) but for the math library's
 rounding of exp / tanh in a few elements; float32, bfloat16 and float16; rows of llama-1B, llama-8B and
-gemma3-270m. ``MLX_INFER_FUSED_KERNELS=0`` turns them off. Elsewhere the bindings refuse with a clear error
+gemma3-270m. The decode graphs take them with ``MLX_INFER_FUSED_ADD_NORM=1`` / ``MLX_INFER_FUSED_GATED=1`` (off by
+default; the switches are checked here on any backend). Elsewhere the bindings refuse with a clear error
 (the graphs then keep MLX's ops); the kernels' text is checked on the CPU by tests/test_fused_cuda_text.py.
 """
 
@@ -79,3 +80,15 @@ def test_bad_arguments_raise_clear_errors():
         _fast.gated_activation(mx.zeros((2, 32)), activation="relu")
     with pytest.raises(ValueError, match=r"\(R, E\)"):
         _fast.add_rms_norm(mx.zeros((2, 8)), mx.zeros((2, 4)), mx.ones((8,)), eps=1e-5)
+
+
+@pytest.mark.parametrize("var,read", [("MLX_INFER_FUSED_ADD_NORM", _fast.fused_add_norm_enabled),
+                                      ("MLX_INFER_FUSED_GATED", _fast.fused_gated_enabled)])
+def test_switches_default_off_read_at_each_call_and_refuse_bad_values(monkeypatch, var, read):
+    monkeypatch.delenv(var, raising=False)
+    assert read() is False
+    monkeypatch.setenv(var, "1")
+    assert read() is True
+    monkeypatch.setenv(var, "yes")
+    with pytest.raises(ValueError, match=var):
+        read()

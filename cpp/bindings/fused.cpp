@@ -13,15 +13,18 @@ using namespace nb::literals;
 namespace mx = mlx::core;
 
 void bind_fused(nb::module_& m) {
-  m.def("fused_kernels_enabled", &mlx_infer::fused_kernels_enabled,
-        "Whether the decode graphs use the fused CUDA kernels where they apply (MLX_INFER_FUSED_KERNELS, read at "
-        "each trace; '0' turns them off, a bad value raises ValueError naming it).");
+  m.def("fused_add_norm_enabled", &mlx_infer::fused_add_norm_enabled,
+        "Whether the decode graphs fuse the residual add and the next RMSNorm on CUDA (MLX_INFER_FUSED_ADD_NORM=1, "
+        "read at each trace; default off; a bad value raises ValueError naming it).");
+  m.def("fused_gated_enabled", &mlx_infer::fused_gated_enabled,
+        "Whether the decode graphs take the gated activation straight from gate|up on CUDA (MLX_INFER_FUSED_GATED=1, "
+        "read at each trace; default off; a bad value raises ValueError naming it).");
   m.def(
       "add_rms_norm",
       [](const mx::array& h, const mx::array& r, const mx::array& w, float eps) {
         if (!mlx_infer::add_rms_norm_applies(h, r, w)) {
           throw std::invalid_argument(
-              "[add_rms_norm] runs on MLX's CUDA backend (default device the GPU, MLX_INFER_FUSED_KERNELS not 0) "
+              "[add_rms_norm] runs on MLX's CUDA backend (default device the GPU) "
               "with h and r (R, E) and w (E,) of one float dtype, E a multiple of 16 bytes; elsewhere the graphs "
               "use mx.add and mx.fast.rms_norm.");
         }
@@ -35,8 +38,7 @@ void bind_fused(nb::module_& m) {
       [](const mx::array& gate_up, const std::string& activation) {
         if (!mlx_infer::gated_activation_applies(gate_up, activation)) {
           throw std::invalid_argument(
-              "[gated_activation] runs on MLX's CUDA backend (default device the GPU, MLX_INFER_FUSED_KERNELS not "
-              "0) with gate_up (R, 2F) of a float dtype, F a multiple of 16 bytes, and activation 'silu' or "
+              "[gated_activation] runs on MLX's CUDA backend (default device the GPU) with gate_up (R, 2F) of a float dtype, F a multiple of 16 bytes, and activation 'silu' or "
               "'gelu_tanh' (got '" + activation + "'); elsewhere the graphs split and use MLX's ops.");
         }
         return mlx_infer::gated_activation(gate_up, activation);

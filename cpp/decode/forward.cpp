@@ -43,12 +43,12 @@ mx::array add_residual(const DecodeConfig& cfg, const mx::array& h, const mx::ar
 }
 
 // The residual and the norm of the block after it: (h', next_norm ? rms(h', next_norm) : h') with h' =
-// add_residual(h, r, post_norm). One CUDA kernel (fused_cuda.h) where the residual is a plain add (no sandwich
-// norm) and a norm follows; MLX's ops otherwise, as before.
+// add_residual(h, r, post_norm). One CUDA kernel (fused_cuda.h) where it is switched on, the residual is a plain
+// add (no sandwich norm) and a norm follows; MLX's ops otherwise.
 std::pair<mx::array, mx::array> residual_then_norm(const DecodeConfig& cfg, const mx::array& h, const mx::array& r,
                                                    const std::optional<mx::array>& post_norm,
                                                    const std::optional<mx::array>& next_norm) {
-  if (!post_norm && next_norm && add_rms_norm_applies(h, r, *next_norm)) {
+  if (!post_norm && next_norm && fused_add_norm_enabled() && add_rms_norm_applies(h, r, *next_norm)) {
     return add_rms_norm(h, r, *next_norm, cfg.rms_norm_eps);  // (B, E) each
   }
   auto sum = add_residual(cfg, h, r, post_norm);
@@ -89,7 +89,7 @@ mx::array dense_mlp(const DecodeStep::Graph& g, const LayerWeights& lw, const mx
   mx::array gate(0), up(0);
   if (lw.gate_up.present()) {
     auto gate_up = apply_linear(lw.gate_up, x);  // (B, 2F)
-    if (!g.fast_gated && gated_activation_applies(gate_up, g.cfg.activation)) {  // no Split node (CUDA)
+    if (!g.fast_gated && fused_gated_enabled() && gated_activation_applies(gate_up, g.cfg.activation)) {
       return tp_sum(g, apply_linear(lw.down, gated_activation(gate_up, g.cfg.activation)));
     }
     auto parts = mx::split(gate_up, 2, -1);
@@ -274,7 +274,7 @@ mx::array layers_forward(
     std::optional<mx::array> next_norm;  // olmo2: no pre-norm
     if (!tail && !last) {
       next_norm = g.layers[i + 1].attn_norm;
-    } else if (!tail && !lw.post_mlp_norm && g.norm && add_rms_norm_applies(h, h, *g.norm)) {
+    } else if (!tail && !lw.post_mlp_norm && g.norm && fused_add_norm_enabled() && add_rms_norm_applies(h, h, *g.norm)) {
       next_norm = g.norm;
     }
     std::tie(h, x) = residual_then_norm(cfg, h, mlp_branch(g, lw, h, x), lw.post_mlp_norm, next_norm);

@@ -1,7 +1,9 @@
 // Internal to cpp/: two fused elementwise kernels of the decode graphs on CUDA (mx::fast::cuda_kernel, NVRTC at
-// run time), each replacing two graph nodes of every layer. MLX's CUDA backend spends host time on every node
-// of a step (~5 us each to encode, benchmarks/RESULTS.md "Session 25": a llama-1B 1-stream step is host-bound),
-// so a node fewer is time saved at every step; the CPU and Metal graphs keep MLX's ops.
+// run time), each replacing two graph nodes of every layer: one launch and one pass over the activations
+// fewer. Off by default until a device run shows them paying: MLX's CUDA backend spends more host time on a
+// CustomKernel node (~6-7 us: it hashes the kernel's source at every submit) than on a built-in op (~3 us;
+// benchmarks/RESULTS.md "Session 21", where an earlier fused add + norm lost on a host-bound step), so they can
+// only win where the device, not the host, bounds the step. The CPU and Metal graphs keep MLX's ops.
 //   - add_rms_norm (residual_norm_cuda.cpp): h + r and RMSNorm of that sum, one launch (MLX: Add, RMSNorm).
 //   - gated_activation (gated_cuda.cpp): act(gate) * up straight from a fused gate|up product's output
 //     (MLX: Split, then the compiled activation).
@@ -16,11 +18,15 @@ namespace mlx_infer {
 
 namespace mx = mlx::core;
 
-/// Whether the decode graphs use the fused kernels where they apply: MLX_INFER_FUSED_KERNELS=0 turns them off
-/// (MLX's ops, as before), read at each call (a graph's trace), so one process can compare both.
-bool fused_kernels_enabled();
+/// Whether the decode graphs fuse the residual add and the next norm (add_rms_norm where it applies):
+/// MLX_INFER_FUSED_ADD_NORM=1; read at each call (a graph's trace), so one process can compare both. Default off.
+bool fused_add_norm_enabled();
 
-/// Whether add_rms_norm takes these: the CUDA backend with the GPU as the default device, h and r (R, E) of one
+/// Whether the decode graphs take gated_activation where it applies: MLX_INFER_FUSED_GATED=1, read as above.
+/// Default off.
+bool fused_gated_enabled();
+
+/// Whether add_rms_norm takes these (the switch above aside): the CUDA backend with the GPU as the default device, h and r (R, E) of one
 /// float dtype, w (E,) of that dtype, rows of a multiple of 16 bytes and at most 64 Ki elements.
 bool add_rms_norm_applies(const mx::array& h, const mx::array& r, const mx::array& w);
 
@@ -30,7 +36,7 @@ bool add_rms_norm_applies(const mx::array& h, const mx::array& r, const mx::arra
 /// where add_rms_norm_applies.
 std::pair<mx::array, mx::array> add_rms_norm(const mx::array& h, const mx::array& r, const mx::array& w, float eps);
 
-/// Whether gated_activation takes these: the CUDA backend with the GPU as the default device, ``gate_up``
+/// Whether gated_activation takes these (the switch above aside): the CUDA backend with the GPU as the default device, ``gate_up``
 /// (R, 2F) of one float dtype with F a multiple of 16 bytes, ``activation`` "silu" or "gelu_tanh".
 bool gated_activation_applies(const mx::array& gate_up, const std::string& activation);
 

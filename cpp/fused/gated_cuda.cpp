@@ -77,8 +77,12 @@ constexpr int kMaxRows = 65535;  // the grid's y extent
 
 }  // namespace
 
+bool fused_gated_enabled() {
+  return env_int("MLX_INFER_FUSED_GATED", 0, 1, 0, "1: the gated activation straight from gate|up") == 1;
+}
+
 bool gated_activation_applies(const mx::array& gate_up, const std::string& activation) {
-  if (!cuda_backend() || mx::default_device() != mx::Device::gpu || !fused_kernels_enabled() ||
+  if (!cuda_backend() || mx::default_device() != mx::Device::gpu ||
       (activation != "silu" && activation != "gelu_tanh")) {
     return false;
   }

@@ -96,12 +96,12 @@ bool float_dtype(mx::Dtype t) {
 
 }  // namespace
 
-bool fused_kernels_enabled() {
-  return env_int("MLX_INFER_FUSED_KERNELS", 0, 1, 1, "0: MLX's own ops (Add + RMSNorm, Split + activation)") == 1;
+bool fused_add_norm_enabled() {
+  return env_int("MLX_INFER_FUSED_ADD_NORM", 0, 1, 0, "1: the residual add and the next RMSNorm in one kernel") == 1;
 }
 
 bool add_rms_norm_applies(const mx::array& h, const mx::array& r, const mx::array& w) {
-  if (!cuda_backend() || mx::default_device() != mx::Device::gpu || !fused_kernels_enabled()) {
+  if (!cuda_backend() || mx::default_device() != mx::Device::gpu) {
     return false;
   }
   if (h.ndim() != 2 || r.shape() != h.shape() || w.ndim() != 1 || w.shape(0) != h.shape(1) ||
