@@ -892,13 +892,16 @@ case "${1:-a}" in
       run 70 ab-8b-$var python benchmarks/host_step.py --shape llama-8b --streams 1 --ab $var=1 \
         --interleave 10 --rounds 20
     done
+    # One-row products through our GEMV kernel (MLX's own GEMV by default) where the step is device-bound.
+    run 70 ab-8b-gemv1 python benchmarks/host_step.py --shape llama-8b --streams 1 --ab MLX_INFER_GEMV_MIN_ROWS=1 \
+      --interleave 10 --rounds 20
     grep -h "interleaved\|graph" "$out"/host-1b.log "$out"/ab-*.log
     ;;
   s26d)
-    # s26c's second half, on the warm machine: the served 1-stream rows against generate_step, and 32 streams.
-    for shape in llama-8b llama-1b gemma3-270m; do
-      run 110 served-$shape python benchmarks/served.py -p 512 -g 128 -r 1 -n 2 --no-text --streams 1,32 \
-        --mlx-lm-step --shape $shape --json "$out/served-$shape-1-32.json"
+    # s26c's second half, on the warm machine: the served 1-stream rows against generate_step.
+    for shape in llama-8b llama-1b; do
+      run 110 served-$shape python benchmarks/served.py -p 512 -g 128 -r 1 -n 2 --no-text --streams 1 \
+        --mlx-lm-step --shape $shape --json "$out/served-$shape-1.json"
       grep -h '^| ' "$out/served-$shape.log"
     done
     ;;

@@ -75,7 +75,8 @@ def test_routing_rule_defaults(monkeypatch):
     MLX's own GEMV, and the large products (llama-8B's gate|up and down, every LM head) on cuBLAS."""
     monkeypatch.delenv("MLX_INFER_GEMV_ROWS", raising=False)
     monkeypatch.delenv("MLX_INFER_GEMV_MAX_MIB", raising=False)
-    assert _fast.gemv_max_rows() == 8 and _fast.gemv_max_weight_mib() == 64
+    monkeypatch.delenv("MLX_INFER_GEMV_MIN_ROWS", raising=False)
+    assert _fast.gemv_max_rows() == 8 and _fast.gemv_max_weight_mib() == 64 and _fast.gemv_min_rows() == 2
     assert not _fast.gemv_takes(1, MIB)
     assert _fast.gemv_takes(2, MIB) and _fast.gemv_takes(8, 64 * MIB)
     assert not _fast.gemv_takes(8, 64 * MIB + 1) and not _fast.gemv_takes(9, MIB)
@@ -101,6 +102,13 @@ def test_routing_and_knobs(monkeypatch):
     assert _fast.gemv_takes(8, 1 << 40)
     monkeypatch.setenv("MLX_INFER_GEMV_MAX_MIB", "1")
     assert _fast.gemv_takes(8, MIB) and not _fast.gemv_takes(8, MIB + 1)
+    monkeypatch.setenv("MLX_INFER_GEMV_MIN_ROWS", "1")
+    assert _fast.gemv_min_rows() == 1 and _fast.gemv_takes(1, MIB)
+    for bad in ("0", "3", "one"):
+        monkeypatch.setenv("MLX_INFER_GEMV_MIN_ROWS", bad)
+        with pytest.raises(ValueError, match=f"MLX_INFER_GEMV_MIN_ROWS='{bad}' is not an integer in"):
+            _fast.gemv_min_rows()
+    monkeypatch.delenv("MLX_INFER_GEMV_MIN_ROWS")
     for bad in ("65", "-1", "four"):
         monkeypatch.setenv("MLX_INFER_GEMV_ROWS", bad)
         with pytest.raises(ValueError, match=f"MLX_INFER_GEMV_ROWS='{bad}' is not an integer in"):

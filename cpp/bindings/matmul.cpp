@@ -206,10 +206,13 @@ Raises:
   m.def("gemv_max_weight_mib", &mlx_infer::gemv_max_weight_mib,
         "The largest weight (MiB) the decode graphs' dense CUDA products send to skinny_linear "
         "(MLX_INFER_GEMV_MAX_MIB, read at each call; 0: no cap).");
+  m.def("gemv_min_rows", &mlx_infer::gemv_min_rows,
+        "The fewest rows the decode graphs' dense CUDA products send to skinny_linear (MLX_INFER_GEMV_MIN_ROWS, "
+        "1 or 2, read at each call; default 2: one row stays on MLX's own GEMV).");
   m.def("gemv_takes", &mlx_infer::gemv_takes, "rows"_a, "weight_bytes"_a,
         "The routing rule alone, on any device: whether a product of this many rows of x over a weight of this "
-        "many bytes goes to skinny_linear on CUDA (2 <= rows <= gemv_max_rows(), the weight within "
-        "gemv_max_weight_mib(); one row stays on MLX's own GEMV).");
+        "many bytes goes to skinny_linear on CUDA (gemv_min_rows() <= rows <= gemv_max_rows(), the weight within "
+        "gemv_max_weight_mib()).");
   m.def("skinny_linear_applies",
         [](const mx::array& x, const mx::array& w, const std::optional<mx::array>& bias, mx::StreamOrDevice s) {
           return mlx_infer::skinny_linear_applies(x, w, bias, s);

@@ -42,7 +42,7 @@ namespace {
 //   llama-1B, host-bound, won. The cap keeps the large products (and every LM head) on cuBLAS; above 8 rows
 //   cuBLAS keeps them all (session 15: 32 rows lost on llama-1B too).
 constexpr int kDefaultMaxRows = 8;
-constexpr int kMinRows = 2;
+constexpr int kMinRows = 2;  // MLX_INFER_GEMV_MIN_ROWS=1 sends one-row products here too
 constexpr long kDefaultMaxWeightMiB = 64;
 constexpr long kMaxWeightMiBLimit = 1L << 20;
 constexpr int kMaxRows = 64;         // the tensor-core form's kMT m-tiles of 16 rows
@@ -262,8 +262,15 @@ long gemv_max_weight_mib() {
   return env_int("MLX_INFER_GEMV_MAX_MIB", 0, kMaxWeightMiBLimit, kDefaultMaxWeightMiB, "0: no cap");
 }
 
+// Read at each call: whether one-row products take the kernel too (MLX_INFER_GEMV_MIN_ROWS=1; default 2, MLX's own
+// GEMV, which session 21 measured as fast on a host-bound llama-1B step; the device-bound llama-8B step is the
+// open question).
+int gemv_min_rows() {
+  return static_cast<int>(env_int("MLX_INFER_GEMV_MIN_ROWS", 1, 2, kMinRows, "1: one-row products too"));
+}
+
 bool gemv_takes(int rows, std::int64_t weight_bytes) {
-  if (rows < kMinRows || rows > gemv_max_rows()) {
+  if (rows < gemv_min_rows() || rows > gemv_max_rows()) {
     return false;
   }
   const long cap = gemv_max_weight_mib();

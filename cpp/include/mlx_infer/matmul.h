@@ -176,9 +176,13 @@ int gemv_max_rows();
 /// MLX_INFER_GEMV_MAX_MIB (0: no cap), read at each call, else the default (64); a bad value throws as above.
 long gemv_max_weight_mib();
 
+/// The fewest rows of x a dense CUDA product of the decode graphs sends to skinny_linear: MLX_INFER_GEMV_MIN_ROWS
+/// (1 or 2), read at each call, else 2 (one row stays on MLX's own GEMV); a bad value throws as above.
+int gemv_min_rows();
+
 /// The routing rule alone (any device): a product of ``rows`` rows of x over a weight of ``weight_bytes`` goes
-/// to skinny_linear when 2 <= rows <= gemv_max_rows() and the weight is within gemv_max_weight_mib() (one row
-/// stays on MLX's own GEMV). gemv_cuda.cpp says why.
+/// to skinny_linear when gemv_min_rows() <= rows <= gemv_max_rows() and the weight is within
+/// gemv_max_weight_mib(). gemv_cuda.cpp says why.
 bool gemv_takes(int rows, std::int64_t weight_bytes);
 
 /// Whether dense_linear takes skinny_linear for these operands: MLX's CUDA backend, a GPU stream, gemv_takes
