@@ -274,7 +274,8 @@ mx::array layers_forward(
     std::optional<mx::array> next_norm;  // olmo2: no pre-norm
     if (!tail && !last) {
       next_norm = g.layers[i + 1].attn_norm;
-    } else if (!tail && !lw.post_mlp_norm && g.norm && fused_add_norm_enabled() && add_rms_norm_applies(h, h, *g.norm)) {
+    } else if (!tail && !lw.post_mlp_norm && g.norm && fused_add_norm_enabled() &&
+               add_rms_norm_applies(h, h, *g.norm)) {
       next_norm = g.norm;
     }
     std::tie(h, x) = residual_then_norm(cfg, h, mlp_branch(g, lw, h, x), lw.post_mlp_norm, next_norm);
