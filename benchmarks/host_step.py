@@ -183,12 +183,13 @@ def ab_interleaved(loaded, streams: list[int], switch: str, blocks: int, k: int,
     """Both arms' engines live at once (each built and traced with ``switch`` unset / set), stepped in blocks
     of ``k`` steps, A B B A ..., ``blocks`` pairs: a slow spell of the host lands on both arms alike, where
     ab_rounds' one arm per measurement can catch it alone."""
-    var, value = switch.split("=", 1)
+    pairs = [item.split("=", 1) for item in switch.split(",")]  # one switch may set several variables
 
     def env(on: bool) -> None:
-        os.environ.pop(var, None)
-        if on:
-            os.environ[var] = value
+        for var, value in pairs:
+            os.environ.pop(var, None)
+            if on:
+                os.environ[var] = value
 
     for B in streams:
         arms = {}
@@ -222,9 +223,11 @@ def main() -> None:
     p.add_argument("--family", default="llama", choices=["llama", "gemma3"])
     p.add_argument("--shape", default=None, help="random bf16 weights of this real shape (served.py's) instead")
     p.add_argument("--census", action="store_true", help="print one decode step's graph nodes by primitive")
-    p.add_argument("--ab", default=None, metavar="VAR=VALUE",
+    p.add_argument("--ab", action="append", default=None, metavar="VAR=VALUE",
                    help="an A/B of an environment switch read at each graph build (MLX_INFER_GEMV_ROWS=0): "
-                        "per stream count, --rounds measurements unset and set, alternating, and their medians")
+                        "per stream count, --rounds measurements unset and set, alternating, and their medians; "
+                        "repeat it for several A/Bs over the one loaded model; with --interleave, VAR=V,VAR2=W "
+                        "sets several variables as one switch")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--interleave", type=int, default=0, metavar="K",
                    help="with --ab: both arms' engines live at once, stepped in alternating blocks of K steps "
@@ -241,12 +244,14 @@ def main() -> None:
         loaded, name = load_model(make_tiny_model_dir(root / args.family, args.family)), f"tiny {args.family}"
     vocab = loaded.model.args.vocab_size
     print(f"device {mx.default_device()}, {name}")
-    if args.ab and args.interleave:
-        ab_interleaved(loaded, [int(s) for s in args.streams.split(",")], args.ab, args.rounds, args.interleave,
-                       vocab, bool(args.shape))
-        return
+    for switch in args.ab or []:
+        if args.interleave:
+            ab_interleaved(loaded, [int(s) for s in args.streams.split(",")], switch, args.rounds, args.interleave,
+                           vocab, bool(args.shape))
+        else:
+            ab_rounds(loaded, [int(s) for s in args.streams.split(",")], switch, args.rounds, vocab,
+                      bool(args.shape))
     if args.ab:
-        ab_rounds(loaded, [int(s) for s in args.streams.split(",")], args.ab, args.rounds, vocab, bool(args.shape))
         return
     for B in (int(s) for s in args.streams.split(",")):
         r = measure(loaded, B, vocab=vocab, default_pool=bool(args.shape), census=args.census)

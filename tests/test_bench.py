@@ -329,13 +329,18 @@ def test_detokenizer_benchmark_reports_per_token_and_per_step_costs(tmp_path):
 
 def test_host_step_interleaved_ab_steps_both_arms_alike(tmp_path):
     """benchmarks/host_step.py --ab --interleave: both arms' engines stepped in alternating blocks, each arm's
-    median over every step of its blocks, and the per-block ratio."""
+    median over every step of its blocks, and the per-block ratio; --ab repeated runs one A/B each over the one
+    loaded model, and a switch may set several variables."""
     script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "host_step.py"
+    both = "MLX_INFER_PREFETCH_PLAN=0,MLX_INFER_FUSED_GATED=1"
     r = subprocess.run([sys.executable, str(script), "--streams", "2", "--ab", "MLX_INFER_PREFETCH_PLAN=0",
-                        "--interleave", "3", "--rounds", "4"], capture_output=True, text=True, timeout=600)
+                        "--ab", both, "--interleave", "3", "--rounds", "4"], capture_output=True, text=True,
+                       timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [ln for ln in r.stdout.splitlines() if "interleaved" in ln]
-    assert len(lines) == 3, r.stdout
-    for ln, arm in zip(lines, ("unset", "MLX_INFER_PREFETCH_PLAN=0")):
-        assert arm in ln and "(host" in ln and ln.endswith("; 12 steps)")  # 4 blocks of 3 steps each
-    assert "ratio per block: median" in lines[2] and "4 blocks of 3 steps" in lines[2]
+    assert len(lines) == 6, r.stdout
+    for ln, arm in zip(lines, ("unset", "MLX_INFER_PREFETCH_PLAN=0", "ratio", "unset", both, "ratio")):
+        assert arm in ln
+    for ln in lines[:2] + lines[3:5]:
+        assert "(host" in ln and ln.endswith("; 12 steps)")  # 4 blocks of 3 steps each
+    assert all("ratio per block: median" in ln and "4 blocks of 3 steps" in ln for ln in (lines[2], lines[5]))
