@@ -890,6 +890,16 @@ case "${1:-a}" in
       --ab MLX_INFER_FUSED_ADD_NORM=1,MLX_INFER_FUSED_GATED=1 --interleave 10 --rounds 20
     grep -h "interleaved" "$out"/ab-*.log
     ;;
+  s26f)
+    # The last of session 26's device time (~150 s after the install): the fused kernels' and qkv_rope's CUDA
+    # tests, then the llama-8B 1-stream step alternating both fused switches on and off.
+    run 50 cuda-tests python -m pytest -q -p no:cacheprovider -rfE --tb=short -n 8 tests/test_fused_cuda.py \
+      tests/test_qkv_rope.py
+    tail -4 "$out"/cuda-tests.log
+    run 75 ab-8b python benchmarks/host_step.py --shape llama-8b --streams 1 \
+      --ab MLX_INFER_FUSED_ADD_NORM=1,MLX_INFER_FUSED_GATED=1 --interleave 10 --rounds 10
+    grep -h "interleaved" "$out"/ab-*.log
+    ;;
   s26e)
     # The paged step's CUDA tests with both fused switches on (after s26c, on a warm machine).
     run 150 step-tests env MLX_INFER_FUSED_ADD_NORM=1 MLX_INFER_FUSED_GATED=1 python -m pytest -q \
@@ -928,6 +938,6 @@ case "${1:-a}" in
     done
     grep -h "interleaved" "$out"/tuned-*.log "$out"/gemv64-*.log
     ;;
-  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e|s19a|s19b|s19c|s20a|s20b|s20c|s21a|s21b|s21c|s21d|s21e|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e" >&2
+  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e|s19a|s19b|s19c|s20a|s20b|s20c|s21a|s21b|s21c|s21d|s21e|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s25a|s25b|s25c|s26a|s26b|s26c|s26d|s26e|s26f" >&2
      exit 2 ;;
 esac
