@@ -344,3 +344,26 @@ def test_host_step_interleaved_ab_steps_both_arms_alike(tmp_path):
     for ln in lines[:2] + lines[3:5]:
         assert "(host" in ln and ln.endswith("; 12 steps)")  # 4 blocks of 3 steps each
     assert all("ratio per block: median" in ln and "4 blocks of 3 steps" in ln for ln in (lines[2], lines[5]))
+
+
+def test_l2_prefetch_probe_pairs_each_product_with_its_stand_in_and_refuses_without_cuda():
+    """benchmarks/gpu_l2_prefetch_probe.py: device durations in launch order become one (stand-in, product) pair
+    per iteration (kernels before the first stand-in dropped, a product's kernels summed); off MLX's CUDA backend
+    it exits with a message saying what it needs."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_l2_prefetch_probe.py"
+    spec = importlib.util.spec_from_file_location("gpu_l2_prefetch_probe", path)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    wait = "mlx::core::cu::custom_kernel_mlxi_probe_wait_1000_1_2048(const __nv_bfloat16 *)"
+    events = [("gemv_single<__nv_bfloat16, 8, 4>", 9.0), (wait, 10.0), ("gemv_single<__nv_bfloat16, 8, 4>", 14.0),
+              (wait, 11.0), ("gemv_single<__nv_bfloat16, 8, 4>", 6.0), ("splitk_reduce", 1.5)]
+    assert probe.per_iteration(events) == {"wait": [10.0, 11.0], "product": [14.0, 7.5]}
+    import mlx.core as mx
+
+    if mx.default_device().type != mx.DeviceType.gpu:  # on a GPU machine the probe runs (benchmarks/RESULTS.md)
+        r = subprocess.run([sys.executable, str(path), "--weights", "1b-o", "--spin-us", "1"], capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode != 0 and "needs both on a GPU machine" in r.stderr, r.stderr[-2000:]
