@@ -7,7 +7,9 @@ attention at one row, runs ~10-17 us on a few blocks and leaves HBM nearly idle.
 the o weight while it works, the o product would read it from the L2. This probe tests the idea without the
 engine: a stand-in kernel of ``--blocks`` x 128 threads spins for ``--spin-us`` (the attention's duration) and,
 with prefetch on, issues ``prefetch.global.L2`` (optionally ``::evict_last``) for every 128-byte line of the next
-product's weight; then the product (MLX's ``x @ W.T``, its one-row GEMV) runs on that weight. Weights cycle
+product's weight; then the product (MLX's ``x @ W.T``, its one-row GEMV) runs on that weight. A fourth arm
+prefetches with ``_fast.l2_prefetch`` (a kernel of its own before the stand-in, as the decode graphs place it
+under MLX_INFER_L2_PREFETCH_O=1) and the stand-in only spins. Weights cycle
 through copies that overflow the L2, so without the prefetch each product reads from HBM. Device kernel
 durations come from CUPTI (torch.profiler), as ``gpu_gemv_probe.py`` times them.
 
@@ -29,9 +31,13 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlx_infer import _fast
+
 #: (name, out, in): llama-8B's o and fused q|k|v, llama-1B's o, one-row products the step runs.
 WEIGHTS = [("8b-o", 4096, 4096), ("8b-qkv", 6144, 4096), ("1b-o", 2048, 2048)]
 L2_BYTES = 64 * 2**20  # more than an H200's (or H100's 50 MB) L2
+#: The arms: no prefetch; prefetch inside the stand-in (plain, ::evict_last); the graphs' own kernel before it.
+MODES = {0: "off", 1: "inside", 2: "inside-evict-last", 3: "own-kernel"}
 
 # Template constants: kCycles (spin length in clock cycles), kPrefetch (0 off, 1 prefetch.global.L2, 2 with
 # ::evict_last), kLines (128-byte lines of w). x (K,) is copied to out so the product depends on this kernel.
@@ -57,18 +63,24 @@ def stand_in() -> Any:
 
 
 def label(kernel_name: str) -> str:
-    """``wait`` for the stand-in, ``product`` for anything else (MLX's GEMV and whatever it launches)."""
-    return "wait" if "mlxi_probe_wait" in kernel_name else "product"
+    """``wait`` for the stand-in, ``prefetch`` for the graphs' prefetch kernel, ``product`` for anything else (MLX's
+    GEMV and whatever it launches)."""
+    if "mlxi_probe_wait" in kernel_name:
+        return "wait"
+    return "prefetch" if "mlxi_l2_prefetch" in kernel_name else "product"
 
 
 def per_iteration(events: list[tuple[str, float]]) -> dict[str, list[float]]:
     """Device durations (µs) in launch order -> per iteration: the stand-in's and the product's (the sum of the
     kernels after one stand-in and before the next)."""
-    out: dict[str, list[float]] = {"wait": [], "product": []}
+    out: dict[str, list[float]] = {"wait": [], "product": [], "prefetch": []}
     for name, us in events:
-        if label(name) == "wait":
+        kind = label(name)
+        if kind == "wait":
             out["wait"].append(us)
             out["product"].append(0.0)
+        elif kind == "prefetch":
+            out["prefetch"].append(us)
         elif out["product"]:
             out["product"][-1] += us
     return out
@@ -84,11 +96,15 @@ def run(kind: Any, out_f: int, in_f: int, spin_us: float, prefetch: int, blocks:
     x = mx.random.normal((1, in_f)).astype(mx.bfloat16)
     mx.eval(ws, x)
     lines = out_f * in_f * 2 // 128
-    targs = [("kCycles", int(spin_us * clock_ghz * 1e3)), ("kPrefetch", prefetch), ("kLines", lines)]
+    targs = [("kCycles", int(spin_us * clock_ghz * 1e3)), ("kPrefetch", prefetch if prefetch < 3 else 0),
+             ("kLines", lines)]
 
     def step(j: int) -> mx.array:
         w = ws[j % copies]
-        xx = kind(inputs=[x.reshape(-1), w], template=targs, grid=(blocks * 128, 1, 1), threadgroup=(128, 1, 1),
+        xin = x.reshape(-1)
+        if prefetch == 3:  # the graphs' own prefetch kernel, then a stand-in that only spins
+            xin = _fast.l2_prefetch(xin, w)
+        xx = kind(inputs=[xin, w], template=targs, grid=(blocks * 128, 1, 1), threadgroup=(128, 1, 1),
                   output_shapes=[(in_f,)], output_dtypes=[mx.bfloat16])[0]
         return xx.reshape(1, in_f) @ w.T  # (1, out)
 
@@ -103,7 +119,7 @@ def run(kind: Any, out_f: int, in_f: int, spin_us: float, prefetch: int, blocks:
     events = sorted(((ev.name, ev.time_range.start, ev.time_range.elapsed_us()) for ev in prof.events()
                      if str(getattr(ev, "device_type", "")).endswith("CUDA")), key=lambda e: e[1])
     times = per_iteration([(n, us) for n, _, us in events])
-    return {k: statistics.median(v) for k, v in times.items() if v}
+    return {k: statistics.median(v) for k, v in times.items() if v}  # µs: wait, product, prefetch
 
 
 def main() -> None:
@@ -131,18 +147,21 @@ def main() -> None:
             continue
         gb = out_f * in_f * 2 / 1e9
         for spin in (float(s) for s in args.spin_us.split(",")):
-            got = {pf: run(kind, out_f, in_f, spin, pf, args.blocks, args.iters, args.clock_ghz) for pf in (0, 1, 2)}
+            got = {pf: run(kind, out_f, in_f, spin, pf, args.blocks, args.iters, args.clock_ghz)
+                   for pf in (0, 1, 2, 3)}
             base = got[0]["product"]
+            arms = " | ".join(f"{MODES[pf]} {got[pf]['product']:6.1f} us ({base / got[pf]['product']:4.2f}x)"
+                              for pf in (1, 2, 3))
             print(f"{name:7s} {gb * 1e3:5.1f} MB spin {spin:4.1f} us: product {base:6.1f} us ({gb / base * 1e3:4.2f}"
-                  f" TB/s) | prefetched {got[1]['product']:6.1f} us ({base / got[1]['product']:4.2f}x) | evict_last "
-                  f"{got[2]['product']:6.1f} us ({base / got[2]['product']:4.2f}x) | stand-in "
-                  f"{got[0]['wait']:5.1f} / {got[1]['wait']:5.1f} / {got[2]['wait']:5.1f} us", flush=True)
+                  f" TB/s) | {arms} | stand-in " + " / ".join(f"{got[pf]['wait']:5.1f}" for pf in range(4))
+                  + f" us | prefetch kernel {got[3].get('prefetch', 0.0):5.1f} us", flush=True)
             rows.append({"weight": name, "out": out_f, "in": in_f, "spin_us": spin, "blocks": args.blocks,
-                         "product_us": {str(k): v["product"] for k, v in got.items()},
-                         "stand_in_us": {str(k): v["wait"] for k, v in got.items()}})
+                         "product_us": {MODES[k]: v["product"] for k, v in got.items()},
+                         "stand_in_us": {MODES[k]: v["wait"] for k, v in got.items()},
+                         "prefetch_kernel_us": got[3].get("prefetch")})
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": platform.node(), "mlx": mx.__version__,
-                                               "command": " ".join(sys.argv), "prefetch": ["off", "L2", "evict_last"],
+                                               "command": " ".join(sys.argv), "modes": MODES,
                                                "rows": rows}, indent=1))
 
 

@@ -880,16 +880,17 @@ case "${1:-a}" in
     # default: a CustomKernel costs MLX's host more than a built-in op) — residual add + RMSNorm, and the gated
     # activation straight from gate|up, 3 graph nodes a layer fewer. Their CUDA tests and qkv_rope's (s26a's run
     # timed out in it); the step's CUDA tests with both on; the step alternating both switches on and off
-    # (llama-8B, llama-1B) and one-row products through our GEMV kernel (MLX_INFER_GEMV_MIN_ROWS=1, llama-8B);
-    # then the L2-prefetch probe (benchmarks/gpu_l2_prefetch_probe.py).
+    # (llama-8B, llama-1B), one-row products through our GEMV kernel (MLX_INFER_GEMV_MIN_ROWS=1, llama-8B) and
+    # the L2 prefetch of each layer's o weight (MLX_INFER_L2_PREFETCH_O=1, llama-8B); the L2-prefetch probe.
     run 70 cuda-tests python -m pytest -q -p no:cacheprovider -rfE --tb=short -n 8 tests/test_fused_cuda.py \
-      tests/test_qkv_rope.py
+      tests/test_qkv_rope.py tests/test_l2_prefetch.py
     tail -4 "$out"/cuda-tests.log
-    run 150 step-tests env MLX_INFER_FUSED_ADD_NORM=1 MLX_INFER_FUSED_GATED=1 python -m pytest -q \
+    run 150 step-tests env MLX_INFER_FUSED_ADD_NORM=1 MLX_INFER_FUSED_GATED=1 MLX_INFER_L2_PREFETCH_O=1 python -m pytest -q \
       -p no:cacheprovider -rfE --tb=short -n 8 tests/test_paged_step_kernel.py tests/test_mixed_steps.py
     tail -4 "$out"/step-tests.log
-    run 120 ab-8b python benchmarks/host_step.py --shape llama-8b --streams 1 \
-      --ab MLX_INFER_FUSED_ADD_NORM=1,MLX_INFER_FUSED_GATED=1 --ab MLX_INFER_GEMV_MIN_ROWS=1 --interleave 10 --rounds 20
+    run 150 ab-8b python benchmarks/host_step.py --shape llama-8b --streams 1 \
+      --ab MLX_INFER_FUSED_ADD_NORM=1,MLX_INFER_FUSED_GATED=1 --ab MLX_INFER_GEMV_MIN_ROWS=1 \
+      --ab MLX_INFER_L2_PREFETCH_O=1 --interleave 10 --rounds 20
     run 70 ab-1b python benchmarks/host_step.py --shape llama-1b --streams 1,32 \
       --ab MLX_INFER_FUSED_ADD_NORM=1,MLX_INFER_FUSED_GATED=1 --interleave 10 --rounds 20
     grep -h "interleaved" "$out"/ab-*.log

@@ -360,7 +360,8 @@ def test_l2_prefetch_probe_pairs_each_product_with_its_stand_in_and_refuses_with
     wait = "mlx::core::cu::custom_kernel_mlxi_probe_wait_1000_1_2048(const __nv_bfloat16 *)"
     events = [("gemv_single<__nv_bfloat16, 8, 4>", 9.0), (wait, 10.0), ("gemv_single<__nv_bfloat16, 8, 4>", 14.0),
               (wait, 11.0), ("gemv_single<__nv_bfloat16, 8, 4>", 6.0), ("splitk_reduce", 1.5)]
-    assert probe.per_iteration(events) == {"wait": [10.0, 11.0], "product": [14.0, 7.5]}
+    events.insert(3, ("mlx::core::cu::custom_kernel_mlxi_l2_prefetch_262144_6144(const float *)", 2.0))
+    assert probe.per_iteration(events) == {"wait": [10.0, 11.0], "product": [14.0, 7.5], "prefetch": [2.0]}
     import mlx.core as mx
 
     if mx.default_device().type != mx.DeviceType.gpu:  # on a GPU machine the probe runs (benchmarks/RESULTS.md)

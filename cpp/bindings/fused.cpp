@@ -38,7 +38,8 @@ void bind_fused(nb::module_& m) {
       [](const mx::array& gate_up, const std::string& activation) {
         if (!mlx_infer::gated_activation_applies(gate_up, activation)) {
           throw std::invalid_argument(
-              "[gated_activation] runs on MLX's CUDA backend (default device the GPU) with gate_up (R, 2F) of a float dtype, F a multiple of 16 bytes, and activation 'silu' or "
+              "[gated_activation] runs on MLX's CUDA backend (default device the GPU) with gate_up (R, 2F) of a "
+              "float dtype, F a multiple of 16 bytes, and activation 'silu' or "
               "'gelu_tanh' (got '" + activation + "'); elsewhere the graphs split and use MLX's ops.");
         }
         return mlx_infer::gated_activation(gate_up, activation);

@@ -206,6 +206,15 @@ Raises:
   m.def("gemv_max_weight_mib", &mlx_infer::gemv_max_weight_mib,
         "The largest weight (MiB) the decode graphs' dense CUDA products send to skinny_linear "
         "(MLX_INFER_GEMV_MAX_MIB, read at each call; 0: no cap).");
+  m.def("l2_prefetch_o_enabled", &mlx_infer::l2_prefetch_o_enabled,
+        "Whether the decode graphs prefetch each layer's o weight into the L2 after its q|k|v product on CUDA "
+        "(MLX_INFER_L2_PREFETCH_O=1, read at each trace; default off; a bad value raises ValueError naming it).");
+  m.def(
+      "l2_prefetch",
+      [](const mx::array& x, const mx::array& w) { return mlx_infer::l2_prefetch(x, w); }, "x"_a, "w"_a,
+      "``x`` unchanged (a copy) from one CUDA kernel that also asks the L2 for every 128-byte line of ``w`` "
+      "without waiting for it, so a later product of ``w`` reads it from the L2. CUDA only: elsewhere a clear "
+      "error.");
   m.def("gemv_min_rows", &mlx_infer::gemv_min_rows,
         "The fewest rows the decode graphs' dense CUDA products send to skinny_linear (MLX_INFER_GEMV_MIN_ROWS, "
         "1 or 2, read at each call; default 2: one row stays on MLX's own GEMV).");

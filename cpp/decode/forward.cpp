@@ -157,6 +157,9 @@ mx::array gqa_attention(const DecodeStep::Graph& g, int i, const mx::array& x, c
   bool rotated = false;  // q and k already rotated (qkv_rope)
   if (lw.qkv.present()) {
     auto qkv = apply_linear(lw.qkv, x);  // (B, (H + 2 KVH) D)
+    if (lw.o.present() && l2_prefetch_o_enabled() && l2_prefetch_applies(qkv, *lw.o.w)) {
+      qkv = l2_prefetch(qkv, *lw.o.w);  // o's weight streams into the L2 while RoPE, K/V writes, attention run
+    }
     if (!lw.q_norm && kv.fused_qkv_rope() && qkv_rope_supported(qkv, H, KVH, D, lw.rope)) {
       // q (B, H, D); k, v contiguous, where this layer writes them itself in the Scatter's update layout
       auto [qr, kr, vr] = qkv_rope(qkv, H, KVH, D, lw.rope, positions, attends_itself);

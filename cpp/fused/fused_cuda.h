@@ -26,8 +26,9 @@ bool fused_add_norm_enabled();
 /// Default off.
 bool fused_gated_enabled();
 
-/// Whether add_rms_norm takes these (the switch above aside): the CUDA backend with the GPU as the default device, h and r (R, E) of one
-/// float dtype, w (E,) of that dtype, rows of a multiple of 16 bytes and at most 64 Ki elements.
+/// Whether add_rms_norm takes these (the switch above aside): the CUDA backend with the GPU as the default
+/// device, h and r (R, E) of one float dtype, w (E,) of that dtype, rows of a multiple of 16 bytes and at most
+/// 64 Ki elements.
 bool add_rms_norm_applies(const mx::array& h, const mx::array& r, const mx::array& w);
 
 /// (h + r, rms_norm(h + r, w, eps)) for h, r (R, E): the sum rounded to the dtype as mx::add rounds it, the
@@ -36,8 +37,9 @@ bool add_rms_norm_applies(const mx::array& h, const mx::array& r, const mx::arra
 /// where add_rms_norm_applies.
 std::pair<mx::array, mx::array> add_rms_norm(const mx::array& h, const mx::array& r, const mx::array& w, float eps);
 
-/// Whether gated_activation takes these (the switch above aside): the CUDA backend with the GPU as the default device, ``gate_up``
-/// (R, 2F) of one float dtype with F a multiple of 16 bytes, ``activation`` "silu" or "gelu_tanh".
+/// Whether gated_activation takes these (the switch above aside): the CUDA backend with the GPU as the default
+/// device, ``gate_up`` (R, 2F) of one float dtype with F a multiple of 16 bytes, ``activation`` "silu" or
+/// "gelu_tanh".
 bool gated_activation_applies(const mx::array& gate_up, const std::string& activation);
 
 /// act(gate) * up for ``gate_up`` (R, 2F) = [gate | up] -> (R, F): "silu" as swiglu (gate * sigmoid(gate) * up),

@@ -42,7 +42,8 @@ __device__ __forceinline__ T mlxi_gelu_mul(T g, T u) {
   const T th = static_cast<T>(tanhf(static_cast<float>(static_cast<T>(static_cast<float>(c2) *
                                                                       static_cast<float>(inner)))));
   const T hg = static_cast<T>(static_cast<float>(half) * gf);
-  const T act = static_cast<T>(static_cast<float>(hg) * static_cast<float>(static_cast<T>(1.0f + static_cast<float>(th))));
+  const T one_plus = static_cast<T>(1.0f + static_cast<float>(th));
+  const T act = static_cast<T>(static_cast<float>(hg) * static_cast<float>(one_plus));
   return static_cast<T>(static_cast<float>(act) * static_cast<float>(u));
 }
 )";

@@ -204,6 +204,19 @@ mx::array skinny_linear(
     std::optional<GemvTiling> tiling = std::nullopt,
     mx::StreamOrDevice s = {});
 
+/// Whether the decode graphs prefetch each layer's o weight into the L2 after its q|k|v product on CUDA
+/// (MLX_INFER_L2_PREFETCH_O=1; default off), read at each call (a graph's trace).
+bool l2_prefetch_o_enabled();
+
+/// Whether l2_prefetch takes these: MLX's CUDA backend with the GPU as the default device, x non-empty, w at
+/// least one 128-byte line.
+bool l2_prefetch_applies(const mx::array& x, const mx::array& w);
+
+/// ``x`` unchanged (a copy), from one CUDA kernel that also asks the L2 for every line of ``w`` without waiting
+/// for it (cpp/matmul/l2_prefetch_cuda.cpp), so a later product of ``w`` reads it from the L2. Throws
+/// std::invalid_argument where l2_prefetch_applies is false.
+mx::array l2_prefetch(const mx::array& x, const mx::array& w);
+
 /// The decode graphs' dense `x @ w.T (+ bias)`: skinny_linear where skinny_linear_applies, else
 /// `mx::matmul` (`mx::addmm` with a bias).
 mx::array dense_linear(
