@@ -885,8 +885,9 @@ case "${1:-a}" in
     run 70 cuda-tests python -m pytest -q -p no:cacheprovider -rfE --tb=short -n 8 tests/test_fused_cuda.py \
       tests/test_qkv_rope.py tests/test_l2_prefetch.py
     tail -4 "$out"/cuda-tests.log
-    run 150 step-tests env MLX_INFER_FUSED_ADD_NORM=1 MLX_INFER_FUSED_GATED=1 MLX_INFER_L2_PREFETCH_O=1 python -m pytest -q \
-      -p no:cacheprovider -rfE --tb=short -n 8 tests/test_paged_step_kernel.py tests/test_mixed_steps.py
+    run 150 step-tests env MLX_INFER_FUSED_ADD_NORM=1 MLX_INFER_FUSED_GATED=1 MLX_INFER_L2_PREFETCH_O=1 \
+      python -m pytest -q -p no:cacheprovider -rfE --tb=short -n 8 tests/test_paged_step_kernel.py \
+      tests/test_mixed_steps.py
     tail -4 "$out"/step-tests.log
     run 150 ab-8b python benchmarks/host_step.py --shape llama-8b --streams 1 \
       --ab MLX_INFER_FUSED_ADD_NORM=1,MLX_INFER_FUSED_GATED=1 --ab MLX_INFER_GEMV_MIN_ROWS=1 \
