@@ -321,10 +321,6 @@ Layout layout(int D) {
   return t;
 }
 
-bool kernel_dtype(mx::Dtype t) {
-  return t == mx::float32 || t == mx::bfloat16 || t == mx::float16;
-}
-
 // 0: unsplit; 1 and 2: split, then merge (two kernels); 3: split with the merge inside (one kernel).
 const ReusedKernel& kernel(int which) {
   static std::once_flag once;
@@ -361,7 +357,7 @@ int paged_attention_splits(int rows, int kv_heads, int max_keys) {
 bool cuda_paged_attention_supports(const mx::array& q, const mx::array& k_storage) {
   const int D = q.shape(2), G = q.shape(1) / k_storage.shape(1);
   const auto t = layout(D);
-  return t.lpk > 0 && kernel_dtype(q.dtype()) && kernel_dtype(k_storage.dtype()) && G * t.e <= 128 &&
+  return t.lpk > 0 && cuda_float_dtype(q.dtype()) && cuda_float_dtype(k_storage.dtype()) && G * t.e <= 128 &&
          kWarps * G * D * 4 <= 40000;
 }
 

@@ -86,10 +86,6 @@ const ReusedKernel& kernel() {
 // The graphs' default where MLX_INFER_QKV_ROPE is unset ("0" off, anything else on).
 constexpr bool kQkvRopeDefault = true;
 
-bool float_dtype(mx::Dtype t) {
-  return t == mx::float32 || t == mx::bfloat16 || t == mx::float16;
-}
-
 }  // namespace
 
 bool qkv_rope_enabled() {
@@ -102,7 +98,7 @@ bool qkv_rope_enabled() {
 
 bool qkv_rope_supported(const mx::array& qkv, int H, int KVH, int D, const RopeSpec& rope) {
   return cuda_backend() && mx::default_device() == mx::Device::gpu && qkv.ndim() == 2 &&
-         qkv.shape(1) == (H + 2 * KVH) * D && float_dtype(qkv.dtype()) && D % 2 == 0 && rope.dims > 0 && rope.dims % 2 == 0 && rope.dims <= D && rope.mscale == 1.0f && !rope.long_freqs &&
+         qkv.shape(1) == (H + 2 * KVH) * D && cuda_float_dtype(qkv.dtype()) && D % 2 == 0 && rope.dims > 0 && rope.dims % 2 == 0 && rope.dims <= D && rope.mscale == 1.0f && !rope.long_freqs &&
          rope.scale > 0.0f && std::isfinite(rope.scale) &&
          (rope.freqs.has_value() || (rope.base.has_value() && *rope.base >= 1.0f && std::isfinite(*rope.base)));
 }

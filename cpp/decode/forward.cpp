@@ -42,13 +42,19 @@ mx::array add_residual(const DecodeConfig& cfg, const mx::array& h, const mx::ar
   return post_norm ? residual(cfg, h, rms(r, post_norm, cfg.rms_norm_eps)) : mx::add(h, r);
 }
 
+// Whether residual_then_norm takes one CUDA kernel (fused_cuda.h): switched on, the residual a plain add (no
+// sandwich norm) and a norm after it.
+bool add_norm_fuses(const mx::array& h, const mx::array& r, const std::optional<mx::array>& post_norm,
+                    const std::optional<mx::array>& next_norm) {
+  return !post_norm && next_norm && fused_add_norm_enabled() && add_rms_norm_applies(h, r, *next_norm);
+}
+
 // The residual and the norm of the block after it: (h', next_norm ? rms(h', next_norm) : h') with h' =
-// add_residual(h, r, post_norm). One CUDA kernel (fused_cuda.h) where it is switched on, the residual is a plain
-// add (no sandwich norm) and a norm follows; MLX's ops otherwise.
+// add_residual(h, r, post_norm); one kernel where add_norm_fuses, MLX's ops otherwise.
 std::pair<mx::array, mx::array> residual_then_norm(const DecodeConfig& cfg, const mx::array& h, const mx::array& r,
                                                    const std::optional<mx::array>& post_norm,
                                                    const std::optional<mx::array>& next_norm) {
-  if (!post_norm && next_norm && fused_add_norm_enabled() && add_rms_norm_applies(h, r, *next_norm)) {
+  if (add_norm_fuses(h, r, post_norm, next_norm)) {
     return add_rms_norm(h, r, *next_norm, cfg.rms_norm_eps);  // (B, E) each
   }
   auto sum = add_residual(cfg, h, r, post_norm);
@@ -277,8 +283,7 @@ mx::array layers_forward(
     std::optional<mx::array> next_norm;  // olmo2: no pre-norm
     if (!tail && !last) {
       next_norm = g.layers[i + 1].attn_norm;
-    } else if (!tail && !lw.post_mlp_norm && g.norm && fused_add_norm_enabled() &&
-               add_rms_norm_applies(h, h, *g.norm)) {
+    } else if (!tail && add_norm_fuses(h, h, lw.post_mlp_norm, g.norm)) {
       next_norm = g.norm;
     }
     std::tie(h, x) = residual_then_norm(cfg, h, mlp_branch(g, lw, h, x), lw.post_mlp_norm, next_norm);

@@ -88,7 +88,7 @@ bool gated_activation_applies(const mx::array& gate_up, const std::string& activ
     return false;
   }
   const auto t = gate_up.dtype();
-  if (gate_up.ndim() != 2 || (t != mx::float32 && t != mx::bfloat16 && t != mx::float16) ||
+  if (gate_up.ndim() != 2 || !cuda_float_dtype(t) ||
       gate_up.shape(0) < 1 || gate_up.shape(0) > kMaxRows || gate_up.shape(1) % 2 != 0) {
     return false;
   }

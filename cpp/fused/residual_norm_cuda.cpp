@@ -90,10 +90,6 @@ constexpr int kMaxBlock = 1024;
 constexpr int kMaxPer = 16;
 constexpr int kMaxRows = 65535;  // the grid's y extent
 
-bool float_dtype(mx::Dtype t) {
-  return t == mx::float32 || t == mx::bfloat16 || t == mx::float16;
-}
-
 }  // namespace
 
 bool fused_add_norm_enabled() {
@@ -105,7 +101,7 @@ bool add_rms_norm_applies(const mx::array& h, const mx::array& r, const mx::arra
     return false;
   }
   if (h.ndim() != 2 || r.shape() != h.shape() || w.ndim() != 1 || w.shape(0) != h.shape(1) ||
-      !float_dtype(h.dtype()) || r.dtype() != h.dtype() || w.dtype() != h.dtype() || h.shape(0) < 1 ||
+      !cuda_float_dtype(h.dtype()) || r.dtype() != h.dtype() || w.dtype() != h.dtype() || h.shape(0) < 1 ||
       h.shape(0) > kMaxRows) {
     return false;
   }

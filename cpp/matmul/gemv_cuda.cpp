@@ -241,8 +241,6 @@ const ReusedKernel& kernel(bool mma) {
   return fns[mma ? 1 : 0];
 }
 
-bool gemv_dtype(mx::Dtype t) { return t == mx::bfloat16 || t == mx::float16 || t == mx::float32; }
-
 int rows_of(const mx::array& x) {
   return x.ndim() == 0 || x.shape(-1) == 0 ? 0 : static_cast<int>(x.size() / x.shape(-1));
 }
@@ -307,7 +305,7 @@ bool skinny_linear_applies(const mx::array& x, const mx::array& w, const std::op
   if (!cuda_backend() || mx::to_stream(s).device != mx::Device::gpu || !gemv_takes(rows, w.nbytes())) {
     return false;
   }
-  if (w.ndim() != 2 || x.shape(-1) != w.shape(1) || x.dtype() != w.dtype() || !gemv_dtype(w.dtype()) ||
+  if (w.ndim() != 2 || x.shape(-1) != w.shape(1) || x.dtype() != w.dtype() || !cuda_float_dtype(w.dtype()) ||
       w.shape(0) == 0 || w.shape(1) % (16 / static_cast<int>(mx::size_of(w.dtype()))) != 0 ||
       (rows > kMaxCoreRows && !mma_takes(w))) {
     return false;
@@ -319,7 +317,7 @@ mx::array skinny_linear(const mx::array& x, const mx::array& w, const std::optio
                         std::optional<GemvTiling> tiling, mx::StreamOrDevice s) {
   const int rows = rows_of(x);
   if (w.ndim() != 2 || x.ndim() < 1 || x.shape(-1) != w.shape(1) || rows < 1 || rows > kMaxRows ||
-      x.dtype() != w.dtype() || !gemv_dtype(w.dtype()) || w.shape(1) % (16 / mx::size_of(w.dtype())) != 0) {
+      x.dtype() != w.dtype() || !cuda_float_dtype(w.dtype()) || w.shape(1) % (16 / mx::size_of(w.dtype())) != 0) {
     throw std::invalid_argument(
         "[skinny_linear] takes x (..., K) with 1 to " + std::to_string(kMaxRows) + " rows and w (N, K), one " +
         "float dtype, K a multiple of 16 bytes; got x " + shape_text(x.shape()) + " and w " + shape_text(w.shape()) +

@@ -32,6 +32,11 @@ int rope_rows_per_call(int B, int heads, int T, int dims, bool cuda = cuda_backe
 /// default. Read at each call, so a process can compare both settings.
 long env_int(const char* name, long lo, long hi, long fallback, const char* meaning = "");
 
+/// The float dtypes our custom CUDA kernels are written for: float32, bfloat16, float16.
+inline bool cuda_float_dtype(mx::Dtype t) {
+  return t == mx::float32 || t == mx::bfloat16 || t == mx::float16;
+}
+
 /// An ``mx::fast::cuda_kernel`` function (same call) whose ``CustomKernel`` primitive is made once per launch
 /// signature and reused by every later call with it. MLX's function rebuilds the kernel's whole source text at
 /// each call (~3 us of host time a launch: benchmarks/submit_cost.py, benchmarks/RESULTS.md "Session 21"), and a
