@@ -5,7 +5,7 @@
     python benchmarks/host_step.py --shape llama-1b --streams 32 --ab MLX_INFER_GEMV_ROWS=64 --interleave 10 \
         --rounds 20   # an A/B: both arms' engines live, 20 pairs of 10-step blocks alternating
 
-B greedy requests (16-token prompts, ids only, EOS ignored) decode together;
+B greedy requests (16-token prompts, or ``--prompt N``, ids only, EOS ignored) decode together;
 after they all decode, 100 engine iterations are timed one by one. Per step:
 wall time of ``Engine.step()`` = host time + time inside MLX's evaluation
 calls (``mx.async_eval``, and ``mx.eval`` of the previous step's tokens before
@@ -79,9 +79,23 @@ def _timed_async_eval(*args, **kwargs):
     return out
 
 
+PROMPT = [16]  # prompt tokens per request (--prompt): the context the timed steps attend over
+
+
+def _prompt(i: int, vocab: int) -> list[int]:
+    return [(7 * i + j) % (vocab - 10) + 5 for j in range(PROMPT[0])]
+
+
+def _config(B: int, default_pool: bool) -> EngineConfig:
+    """The engine's pool: sized from the device for a real shape or a long prompt, else B * 16 pages."""
+    if default_pool or PROMPT[0] > 16:
+        return EngineConfig(max_batch=B)
+    return EngineConfig(max_batch=B, num_pages=B * 16 + 1)
+
+
 def measure(loaded, B: int, steps: int = 100, vocab: int = 300, default_pool: bool = False,
             census: bool = False) -> dict[str, float]:
-    config = EngineConfig(max_batch=B) if default_pool else EngineConfig(max_batch=B, num_pages=B * 16 + 1)
+    config = _config(B, default_pool)
     engine = Engine(loaded, config)
     consume = engine._consume
 
@@ -92,7 +106,7 @@ def measure(loaded, B: int, steps: int = 100, vocab: int = 300, default_pool: bo
         consume(step)
 
     engine._consume = timed_consume
-    prompts = [[(7 * i + j) % (vocab - 10) + 5 for j in range(16)] for i in range(B)]
+    prompts = [_prompt(i, vocab) for i in range(B)]
     for _ in range(2):  # the first round traces the step's shapes
         for p in prompts:
             engine.submit(EngineRequest(prompt_ids=p, max_tokens=steps + 40, ignore_eos=True, detokenize=False))
@@ -142,7 +156,7 @@ class Steady:
     """An engine with B requests all decoding, stepped from this thread: :meth:`block` times K steps."""
 
     def __init__(self, loaded, B: int, steps: int, vocab: int, default_pool: bool):
-        config = EngineConfig(max_batch=B) if default_pool else EngineConfig(max_batch=B, num_pages=B * 16 + 1)
+        config = _config(B, default_pool)
         self.engine = engine = Engine(loaded, config)
         consume = engine._consume
 
@@ -154,8 +168,7 @@ class Steady:
 
         engine._consume = timed_consume
         for i in range(B):
-            prompt = [(7 * i + j) % (vocab - 10) + 5 for j in range(16)]
-            engine.submit(EngineRequest(prompt_ids=prompt, max_tokens=steps + 40, ignore_eos=True, detokenize=False))
+            engine.submit(EngineRequest(prompt_ids=_prompt(i, vocab), max_tokens=steps + 40, ignore_eos=True, detokenize=False))
         while not (len(engine.scheduler.running) == B and all(r.state == DECODE for r in engine.scheduler.running)):
             engine.step()
         self.block(8)  # the steady step's shapes traced
@@ -232,7 +245,9 @@ def main() -> None:
     p.add_argument("--interleave", type=int, default=0, metavar="K",
                    help="with --ab: both arms' engines live at once, stepped in alternating blocks of K steps "
                         "(--rounds block pairs): the A/B that a slow spell of the host cannot bias")
+    p.add_argument("--prompt", type=int, default=16, help="prompt tokens per request (served.py's -p: 512)")
     args = p.parse_args()
+    PROMPT[0] = args.prompt
     mx.async_eval = _timed_async_eval
     root = Path(tempfile.mkdtemp())
     if args.shape:
