@@ -883,7 +883,7 @@ case "${1:-a}" in
     # (llama-8B, llama-1B), one-row products through our GEMV kernel (MLX_INFER_GEMV_MIN_ROWS=1, llama-8B) and
     # the L2 prefetch of each layer's o weight (MLX_INFER_L2_PREFETCH_O=1, llama-8B); the L2-prefetch probe.
     run 70 cuda-tests python -m pytest -q -p no:cacheprovider -rfE --tb=short -n 8 tests/test_fused_cuda.py \
-      tests/test_qkv_rope.py tests/test_l2_prefetch.py
+      tests/test_qkv_rope.py tests/test_l2_prefetch.py tests/test_paged_attention.py
     tail -4 "$out"/cuda-tests.log
     run 120 step-tests env MLX_INFER_FUSED_ADD_NORM=1 MLX_INFER_FUSED_GATED=1 MLX_INFER_L2_PREFETCH_O=1 \
       python -m pytest -q -p no:cacheprovider -rfE --tb=short -n 8 tests/test_paged_step_kernel.py \
@@ -891,17 +891,18 @@ case "${1:-a}" in
     tail -4 "$out"/step-tests.log
     # s26's served 1-stream llama-1B decoded at 2.69 ms a token against host_step's 1.62 ms step (16-token
     # prompts): the step at served.py's context (512-token prompts)
-    run 60 host-1b-512 python benchmarks/host_step.py --shape llama-1b --streams 1 --prompt 512
-    run 150 ab-8b python benchmarks/host_step.py --shape llama-8b --streams 1 \
+    # (and qkv_rope writing K/V into the storage itself, on by default: the census without the Scatters)
+    run 60 host-1b-512 python benchmarks/host_step.py --shape llama-1b --streams 1 --prompt 512 --census
+    run 150 ab-8b python benchmarks/host_step.py --shape llama-8b --streams 1 --ab MLX_INFER_QKV_ROPE_WRITE=0 \
       --ab MLX_INFER_FUSED_ADD_NORM=1,MLX_INFER_FUSED_GATED=1 --ab MLX_INFER_GEMV_MIN_ROWS=1 \
-      --ab MLX_INFER_L2_PREFETCH_O=1 --interleave 10 --rounds 20
+      --ab MLX_INFER_L2_PREFETCH_O=1 --interleave 10 --rounds 16
     grep -h "interleaved" "$out"/ab-*.log
     ;;
   s27b)
     # s27a's second half, on the warm machine: the served 1-stream rows against generate_step (the goal still
     # missed on the H200), all three shapes; llama-1B's fused A/B; the L2-prefetch probe.
-    run 70 ab-1b python benchmarks/host_step.py --shape llama-1b --streams 1,32 \
-      --ab MLX_INFER_FUSED_ADD_NORM=1,MLX_INFER_FUSED_GATED=1 --interleave 10 --rounds 20
+    run 100 ab-1b python benchmarks/host_step.py --shape llama-1b --streams 1,32 --ab MLX_INFER_QKV_ROPE_WRITE=0 \
+      --ab MLX_INFER_FUSED_ADD_NORM=1,MLX_INFER_FUSED_GATED=1 --interleave 10 --rounds 16
     grep -h "interleaved" "$out"/ab-1b.log
     for shape in llama-8b llama-1b gemma3-270m; do
       run 110 served-$shape python benchmarks/served.py -p 512 -g 128 -r 1 -n 2 --no-text --streams 1 \

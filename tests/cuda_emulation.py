@@ -242,21 +242,87 @@ int main() {
 """
 
 
+_ROPE_WRITE_MAIN = r"""
+int main() {
+  auto qkv = slurp("qkv.bin"), pos = slurp("pos.bin"), fr = slurp("fr.bin"), sl = slurp("sl.bin");
+  auto kp = slurp("kp.bin"), vp = slurp("vp.bin");
+  std::vector<float> q((size_t)R * H * D);
+  const int half = D / 2, bx = std::min(half, 128);
+  gridDim = {(half + bx - 1) / bx, H + 2 * KVH, R};
+  blockDim = {bx, 1, 1};
+  for (int z = 0; z < gridDim.z; ++z) for (int y = 0; y < gridDim.y; ++y) for (int x = 0; x < gridDim.x; ++x) {
+    blockIdx = {x, y, z};
+    for (int t = 0; t < bx; ++t) {
+      threadIdx.x = t;
+      qkv_rope((const float*)qkv.data(), (const int32_t*)pos.data(), (const float*)fr.data(),
+               (const int32_t*)sl.data(), (const float*)kp.data(), (const float*)vp.data(), q.data());
+    }
+  }
+  FILE* f = fopen("o.bin", "wb");
+  fwrite(q.data(), 4, q.size(), f);
+  fwrite(kp.data(), 1, kp.size(), f);
+  fwrite(vp.data(), 1, vp.size(), f);
+  fclose(f);
+}
+"""
+
+
+def _rope_kernel(name: str) -> str:
+    """The kernel text with MLXI_KV_DST replaced by the C++ constant ``name`` (kKvOut or kKvWrite)."""
+    text = ROPE_FILE.read_text()
+    m = re.search(r'constexpr const char\* kQkvRope = R"\((.*?)\)";', text, re.S)
+    assert m is not None, f"kQkvRope not found in {ROPE_FILE}"
+    d = (re.search(r'constexpr const char\* %s = R"\((.*?)\)";' % name, text, re.S)
+         or re.search(r'constexpr const char\* %s = "(.*?)";\n' % name, text, re.S))
+    assert d is not None, f"{name} not found in {ROPE_FILE}"
+    assert m.group(1).count("MLXI_KV_DST") == 1
+    return m.group(1).replace("MLXI_KV_DST", d.group(1))
+
+
+def _rope_consts(H: int, KVH: int, D: int, dims: int, traditional: bool, base: float | None, scale: float,
+                 freqs: np.ndarray | None) -> dict:
+    return dict(T=float, kH=H, kKVH=KVH, kD=D, kDims=dims, kTraditional=traditional, kFreqs=freqs is not None,
+                # scale and log2(base) in float32, as qkv_rope passes them (std::log2 of the float base)
+                kScaleBits=float_bits(scale),
+                kLog2BaseBits=float_bits(0.0 if base is None else float(np.log2(np.float32(base)))))
+
+
+def run_qkv_rope_write(workdir: Path, qkv: np.ndarray, positions: np.ndarray, slots: np.ndarray,
+                       k_pool: np.ndarray, v_pool: np.ndarray, *, H: int, KVH: int, D: int, dims: int,
+                       traditional: bool, base: float | None, scale: float, freqs: np.ndarray | None
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """qkv_rope_cuda.cpp's writing kernel on the CPU: float32 ``qkv (R, (H + 2 KVH) D)``, each row's slot
+    ``(R,)`` and the storage ``(pages, KVH, P, D)`` -> q ``(R, H, D)`` and the storage as the kernel left it."""
+    R, P = qkv.shape[0], k_pool.shape[2]
+    consts = {**_rope_consts(H, KVH, D, dims, traditional, base, scale, freqs), "kP": P}
+    args = ("const float* qkv, const int32_t* positions, const float* freqs, const int32_t* slots, "
+            "const float* k_pool, const float* v_pool, float* q_out")
+    source = (_MOCK + f"constexpr int R = {R}, H = {H}, KVH = {KVH}, D = {D};\n"
+              + _function("qkv_rope", args, consts, _rope_kernel("kKvWrite")) + _MAIN.split("int main()")[0]
+              + _ROPE_WRITE_MAIN)
+    workdir.mkdir(parents=True, exist_ok=True)
+    np.ascontiguousarray(qkv, np.float32).tofile(workdir / "qkv.bin")
+    np.ascontiguousarray(positions, np.int32).tofile(workdir / "pos.bin")
+    np.ascontiguousarray(slots, np.int32).tofile(workdir / "sl.bin")
+    np.ascontiguousarray(k_pool, np.float32).tofile(workdir / "kp.bin")
+    np.ascontiguousarray(v_pool, np.float32).tofile(workdir / "vp.bin")
+    (np.zeros(1, np.float32) if freqs is None else freqs.astype(np.float32)).tofile(workdir / "fr.bin")
+    build_and_run(workdir, source)
+    out = np.fromfile(workdir / "o.bin", np.float32)
+    nq, npool = R * H * D, k_pool.size
+    return (out[:nq].reshape(R, H, D), out[nq:nq + npool].reshape(k_pool.shape),
+            out[nq + npool:].reshape(v_pool.shape))
+
+
 def run_qkv_rope(workdir: Path, qkv: np.ndarray, positions: np.ndarray, *, H: int, KVH: int, D: int, dims: int,
                  traditional: bool, base: float | None, scale: float, freqs: np.ndarray | None
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """qkv_rope_cuda.cpp's kernel on the CPU: float32 ``qkv (R, (H + 2 KVH) D)`` -> q, k, v ``(R, heads, D)``."""
-    text = ROPE_FILE.read_text()
-    m = re.search(r'constexpr const char\* kQkvRope = R"\((.*?)\)";', text, re.S)
-    assert m is not None, f"kQkvRope not found in {ROPE_FILE}"
     R = qkv.shape[0]
-    consts = dict(T=float, kH=H, kKVH=KVH, kD=D, kDims=dims, kTraditional=traditional, kFreqs=freqs is not None,
-                  # scale and log2(base) in float32, as qkv_rope passes them (std::log2 of the float base)
-                  kScaleBits=float_bits(scale),
-                  kLog2BaseBits=float_bits(0.0 if base is None else float(np.log2(np.float32(base)))))
+    consts = _rope_consts(H, KVH, D, dims, traditional, base, scale, freqs)
     args = "const float* qkv, const int32_t* positions, const float* freqs, float* q_out, float* k_out, float* v_out"
     source = (_MOCK + f"constexpr int R = {R}, H = {H}, KVH = {KVH}, D = {D};\n"
-              + _function("qkv_rope", args, consts, m.group(1)) + _MAIN.split("int main()")[0] + _ROPE_MAIN)
+              + _function("qkv_rope", args, consts, _rope_kernel("kKvOut")) + _MAIN.split("int main()")[0] + _ROPE_MAIN)
     workdir.mkdir(parents=True, exist_ok=True)
     np.ascontiguousarray(qkv, np.float32).tofile(workdir / "qkv.bin")
     np.ascontiguousarray(positions, np.int32).tofile(workdir / "pos.bin")

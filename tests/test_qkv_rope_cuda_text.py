@@ -3,6 +3,8 @@
 (Llama 3's scaled frequencies), traditional pairs, partial rotary dims, a RoPE scale, GQA. Float32; the
 kernel's arithmetic follows MLX's CUDA rope kernel; against the CPU's rope the difference is float rounding
 (measured below :data:`TOL` at positions below 100). The H200 run (tests/test_qkv_rope_cuda.py) checks it under NVRTC against MLX's CUDA RoPE.
+The writing kernel (``qkv_rope_write``) must give the same q and leave in the storage exactly what the two
+K/V Scatters it replaces wrote: the non-writing kernel's k and v at each row's slot, nothing else touched.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from cuda_emulation import compiler, run_qkv_rope
+from cuda_emulation import compiler, run_qkv_rope, run_qkv_rope_write
 
 TOL = 5e-6
 
@@ -54,3 +56,30 @@ def test_qkv_rope_kernel_text_matches_mlx_rope(tmp_path, R, H, KVH, D, dims, tra
         rel = np.abs(got - want).max() / np.abs(want).max()
         print(f"max rel {rel:.2e}")
         assert rel <= TOL
+
+
+@pytest.mark.parametrize("R,H,KVH,D,dims,traditional,base,scale,with_freqs", CASES)
+def test_qkv_rope_write_kernel_text_writes_the_storage_as_the_scatter(tmp_path, R, H, KVH, D, dims, traditional,
+                                                                      base, scale, with_freqs):
+    assert compiler() is not None, "g++ (C++20) is needed to build the CUDA kernel's text for the CPU"
+    rng = np.random.default_rng(R * 11 + D + dims)
+    qkv = rng.standard_normal((R, (H + 2 * KVH) * D)).astype(np.float32)
+    positions = rng.integers(0, 100, size=R).astype(np.int32)
+    freqs = (base ** (np.arange(0, dims, 2) / dims) * rng.uniform(1, 8, dims // 2)).astype(np.float32) \
+        if with_freqs else None
+    pages, P = 5, 4
+    # distinct slots in pages 1.. (page 0 is the null page), rows out of order and across pages
+    slots = (P + rng.permutation((pages - 1) * P)[:R]).astype(np.int32)
+    k_pool = rng.standard_normal((pages, KVH, P, D)).astype(np.float32)
+    v_pool = rng.standard_normal((pages, KVH, P, D)).astype(np.float32)
+    kw = dict(H=H, KVH=KVH, D=D, dims=dims, traditional=traditional, base=None if with_freqs else base,
+              scale=scale, freqs=freqs)
+    q, k, v = run_qkv_rope(tmp_path / "out", qkv, positions, **kw)
+    q_w, k_after, v_after = run_qkv_rope_write(tmp_path / "write", qkv, positions, slots, k_pool, v_pool, **kw)
+    assert np.array_equal(q_w, q)
+    want_k, want_v = k_pool.copy(), v_pool.copy()  # the Scatter's result: row r's heads at slot r
+    for r, s_ in enumerate(slots):
+        want_k[s_ // P, :, s_ % P, :] = k[r]
+        want_v[s_ // P, :, s_ % P, :] = v[r]
+    assert np.array_equal(k_after, want_k)
+    assert np.array_equal(v_after, want_v)

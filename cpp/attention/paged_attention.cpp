@@ -274,12 +274,21 @@ std::string paged_attention_backend(const mx::array& q, const mx::array& k_stora
     fail("paged_attention_backend takes q (R, H, D) and a storage (pages, KVH, P, D), got " + shape_str(q) +
          " and " + shape_str(k_storage) + ".");
   }
+  return paged_attention_backend(q.shape(1), q.shape(2), q.dtype(), k_storage, s);
+}
+
+std::string paged_attention_backend(int heads, int head_dim, mx::Dtype q_dtype, const mx::array& k_storage,
+                                    mx::StreamOrDevice s) {
+  if (k_storage.ndim() != 4 || heads <= 0 || head_dim <= 0 || heads % k_storage.shape(1) != 0) {
+    fail("paged_attention_backend takes " + std::to_string(heads) + " heads of " + std::to_string(head_dim) +
+         " features over a storage (pages, KVH, P, D) whose KVH divides them, got " + shape_str(k_storage) + ".");
+  }
   const auto stream = mx::to_stream(s);
   if (on_cpu(stream)) {
-    return kernel_dtype(q.dtype()) && kernel_dtype(k_storage.dtype()) ? "cpu" : "gather";
+    return kernel_dtype(q_dtype) && kernel_dtype(k_storage.dtype()) ? "cpu" : "gather";
   }
   // Metal: no paged kernel yet (none could be run and tested on this project's machines).
-  if (cuda_backend() && cuda_paged_attention_supports(q, k_storage)) {
+  if (cuda_backend() && cuda_paged_attention_supports(heads, head_dim, q_dtype, k_storage)) {
     return "cuda";
   }
   return "gather";

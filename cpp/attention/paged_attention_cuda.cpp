@@ -354,10 +354,10 @@ int paged_attention_splits(int rows, int kv_heads, int max_keys) {
   return std::max(1, splits);
 }
 
-bool cuda_paged_attention_supports(const mx::array& q, const mx::array& k_storage) {
-  const int D = q.shape(2), G = q.shape(1) / k_storage.shape(1);
+bool cuda_paged_attention_supports(int H, int D, mx::Dtype q_dtype, const mx::array& k_storage) {
+  const int G = H / k_storage.shape(1);
   const auto t = layout(D);
-  return t.lpk > 0 && cuda_float_dtype(q.dtype()) && cuda_float_dtype(k_storage.dtype()) && G * t.e <= 128 &&
+  return t.lpk > 0 && cuda_float_dtype(q_dtype) && cuda_float_dtype(k_storage.dtype()) && G * t.e <= 128 &&
          kWarps * G * D * 4 <= 40000;
 }
 

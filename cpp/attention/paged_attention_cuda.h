@@ -19,7 +19,7 @@ struct PagedKeyPipeline {
 PagedKeyPipeline paged_key_pipeline();
 
 /// Whether the CUDA kernels take these inputs (head_dim, GQA group, dtypes); else the gather path.
-bool cuda_paged_attention_supports(const mx::array& q, const mx::array& k_storage);
+bool cuda_paged_attention_supports(int H, int D, mx::Dtype q_dtype, const mx::array& k_storage);
 
 /// paged_attention on a CUDA stream (inputs validated by the caller); (R, H, D), or (R, H D) with
 /// ``flat_heads`` (the kernels write the same memory either way). ``split_counts``: see paged_attention.

@@ -29,8 +29,8 @@ namespace {
 
 // Template constants: T (dtype), kH kKVH kD kDims (rotated features), kTraditional, kFreqs (inv_freq from
 // freqs, else from log2(base)), kScaleBits / kLog2BaseBits (float32 bit patterns: kernel_args.h says why not
-// an array). freqs: (kDims / 2,) float32 (read only with kFreqs). Outputs q (R, kH, kD), k (R, kKVH, kD),
-// v (R, kKVH, kD).
+// an array). freqs: (kDims / 2,) float32 (read only with kFreqs). Outputs q (R, kH, kD), and MLXI_KV_DST
+// (kKvOut or kKvWrite) says where a K or V head's features go.
 constexpr const char* kQkvRope = R"(
   const int u = blockIdx.x * blockDim.x + threadIdx.x;
   const int head = blockIdx.y, r = blockIdx.z;
@@ -41,10 +41,10 @@ constexpr const char* kQkvRope = R"(
   T* dst;
   if (head < kH) {
     dst = q_out + ((size_t)r * kH + head) * kD;
-  } else if (head < kH + kKVH) {
-    dst = k_out + ((size_t)r * kKVH + (head - kH)) * kD;
   } else {
-    dst = v_out + ((size_t)r * kKVH + (head - kH - kKVH)) * kD;
+    const bool is_k = head < kH + kKVH;
+    const int h = head - kH - (is_k ? 0 : kKVH);
+    MLXI_KV_DST
   }
   if (head >= kH + kKVH || u >= kRot) {  // v, or a feature past the rotated ones: as it is
     const int e = head >= kH + kKVH ? 2 * u : kDims + 2 * (u - kRot);
@@ -73,14 +73,34 @@ constexpr const char* kQkvRope = R"(
   dst[i2] = static_cast<T>(rx2);
 )";
 
-const ReusedKernel& kernel() {
+// Outputs k (R, kKVH, kD) and v (R, kKVH, kD).
+constexpr const char* kKvOut = "dst = (is_k ? k_out : v_out) + ((size_t)r * kKVH + h) * kD;";
+
+// Into the paged storage k_pool / v_pool (pages, kKVH, kP, kD) at row r's slot (page slot / kP, offset slot % kP),
+// in place: MLX's kernels take their inputs const, and these are the step's storage, written here exactly
+// where the K/V Scatter wrote (qkv_rope_write says why that is safe).
+constexpr const char* kKvWrite = R"(const int slot = slots[r];
+    T* pool = const_cast<T*>(is_k ? k_pool : v_pool);
+    dst = pool + (((size_t)(slot / kP) * kKVH + h) * kP + slot % kP) * kD;)";
+
+std::string with_kv_dst(const char* dst) {
+  std::string s = kQkvRope;
+  s.replace(s.find("MLXI_KV_DST"), std::strlen("MLXI_KV_DST"), dst);
+  return s;
+}
+
+// [0]: q, k, v out; [1]: q out, k and v written into the storage.
+const ReusedKernel& kernel(bool write) {
   static std::once_flag once;
-  static ReusedKernel fn;
+  static ReusedKernel fns[2];
   std::call_once(once, [] {
-    fn = ReusedKernel(mx::fast::cuda_kernel("mlxi_qkv_rope", {"qkv", "positions", "freqs"},
-                                            {"q_out", "k_out", "v_out"}, kQkvRope, ""));
+    fns[0] = ReusedKernel(mx::fast::cuda_kernel("mlxi_qkv_rope", {"qkv", "positions", "freqs"},
+                                                {"q_out", "k_out", "v_out"}, with_kv_dst(kKvOut), ""));
+    fns[1] = ReusedKernel(mx::fast::cuda_kernel("mlxi_qkv_rope_write",
+                                                {"qkv", "positions", "freqs", "slots", "k_pool", "v_pool"},
+                                                {"q_out"}, with_kv_dst(kKvWrite), ""));
   });
-  return fn;
+  return fns[write ? 1 : 0];
 }
 
 // The graphs' default where MLX_INFER_QKV_ROPE is unset ("0" off, anything else on).
@@ -96,6 +116,11 @@ bool qkv_rope_enabled() {
   return on;
 }
 
+bool qkv_rope_write_enabled() {  // read at each call: a graph's trace (an A/B in one process)
+  const char* v = std::getenv("MLX_INFER_QKV_ROPE_WRITE");
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}
+
 bool qkv_rope_supported(const mx::array& qkv, int H, int KVH, int D, const RopeSpec& rope) {
   return cuda_backend() && mx::default_device() == mx::Device::gpu && qkv.ndim() == 2 &&
          qkv.shape(1) == (H + 2 * KVH) * D && cuda_float_dtype(qkv.dtype()) && D % 2 == 0 && rope.dims > 0 && rope.dims % 2 == 0 && rope.dims <= D && rope.mscale == 1.0f && !rope.long_freqs &&
@@ -103,8 +128,17 @@ bool qkv_rope_supported(const mx::array& qkv, int H, int KVH, int D, const RopeS
          (rope.freqs.has_value() || (rope.base.has_value() && *rope.base >= 1.0f && std::isfinite(*rope.base)));
 }
 
-std::array<mx::array, 3> qkv_rope(const mx::array& qkv, int H, int KVH, int D, const RopeSpec& rope,
-                                  const mx::array& positions, bool kv_write_rows) {
+namespace {
+
+// The launch both entries share: grid (D / 2 rounded to the block, heads, rows), the template constants.
+struct RopeLaunch {
+  mx::array pos, freqs;
+  std::vector<std::pair<std::string, mx::fast::TemplateArg>> targs;
+  std::tuple<int, int, int> grid, block;
+};
+
+RopeLaunch rope_launch(const mx::array& qkv, int H, int KVH, int D, const RopeSpec& rope,
+                       const mx::array& positions) {
   const int R = qkv.shape(0);
   const bool with_freqs = rope.freqs.has_value();
   auto pos = positions.dtype() == mx::int32 ? positions : mx::astype(positions, mx::int32);
@@ -119,11 +153,39 @@ std::array<mx::array, 3> qkv_rope(const mx::array& qkv, int H, int KVH, int D, c
       {"kTraditional", rope.traditional}, {"kFreqs", with_freqs},
       {"kScaleBits", float_bits(rope.scale, "the RoPE scale")},
       {"kLog2BaseBits", float_bits(with_freqs ? 0.0f : std::log2(*rope.base), "log2 of the RoPE base")}};
-  const std::tuple<int, int, int> grid{((half + bx - 1) / bx) * bx, H + 2 * KVH, R}, block{bx, 1, 1};
+  return {mx::reshape(pos, {R}), freqs, std::move(targs), {((half + bx - 1) / bx) * bx, H + 2 * KVH, R},
+          {bx, 1, 1}};
+}
+
+}  // namespace
+
+std::array<mx::array, 3> qkv_rope(const mx::array& qkv, int H, int KVH, int D, const RopeSpec& rope,
+                                  const mx::array& positions, bool kv_write_rows) {
+  const int R = qkv.shape(0);
+  auto l = rope_launch(qkv, H, KVH, D, rope, positions);
   const mx::Shape kv_shape = kv_write_rows ? mx::Shape{R * KVH, 1, 1, 1, D} : mx::Shape{R, KVH, D};
-  auto out = kernel()({qkv, mx::reshape(pos, {R}), freqs}, {{R, H, D}, kv_shape, kv_shape},
-                      {qkv.dtype(), qkv.dtype(), qkv.dtype()}, grid, block, targs, std::nullopt, false, {});
+  auto out = kernel(false)({qkv, l.pos, l.freqs}, {{R, H, D}, kv_shape, kv_shape},
+                           {qkv.dtype(), qkv.dtype(), qkv.dtype()}, l.grid, l.block, l.targs, std::nullopt, false, {});
   return {out[0], out[1], out[2]};
+}
+
+bool qkv_rope_write_supported(const mx::array& qkv, int KVH, int D, const mx::array& k_storage,
+                              const mx::array& v_storage, const mx::array& slots) {
+  auto fits = [&](const mx::array& s) {
+    return s.ndim() == 4 && s.shape(1) == KVH && s.shape(3) == D && s.dtype() == qkv.dtype();
+  };
+  return qkv_rope_write_enabled() && fits(k_storage) && fits(v_storage) && k_storage.shape() == v_storage.shape() &&
+         slots.ndim() == 1 && slots.shape(0) == qkv.shape(0) && slots.dtype() == mx::int32;
+}
+
+mx::array qkv_rope_write(const mx::array& qkv, int H, int KVH, int D, const RopeSpec& rope,
+                         const mx::array& positions, const mx::array& k_storage, const mx::array& v_storage,
+                         const mx::array& slots) {
+  const int R = qkv.shape(0);
+  auto l = rope_launch(qkv, H, KVH, D, rope, positions);
+  l.targs.emplace_back("kP", k_storage.shape(2));
+  return kernel(true)({qkv, l.pos, l.freqs, slots, k_storage, v_storage}, {{R, H, D}}, {qkv.dtype()}, l.grid,
+                      l.block, l.targs, std::nullopt, false, {})[0];
 }
 
 }  // namespace mlx_infer

@@ -29,4 +29,24 @@ bool qkv_rope_enabled();
 std::array<mx::array, 3> qkv_rope(const mx::array& qkv, int H, int KVH, int D, const RopeSpec& rope,
                                   const mx::array& positions, bool kv_write_rows = false);
 
+/// Whether the paged step lets qkv_rope write K and V straight into the storage (qkv_rope_write) where it
+/// can: MLX_INFER_QKV_ROPE_WRITE=0 turns it off (two Scatters a layer, as before), read at each trace.
+bool qkv_rope_write_enabled();
+
+/// Whether qkv_rope_write takes this storage: enabled, (pages, KVH, P, D) K and V of ``qkv``'s dtype (the
+/// Scatter's path converts), ``slots`` (R,) int32. Call with qkv_rope_supported's inputs.
+bool qkv_rope_write_supported(const mx::array& qkv, int KVH, int D, const mx::array& k_storage,
+                              const mx::array& v_storage, const mx::array& slots);
+
+/// qkv_rope's q (R, H, D), its k and v written into ``k_storage`` / ``v_storage`` (pages, KVH, P, D) at each
+/// row's slot (R,) (page slot / P, offset slot % P) in place, in the same launch: the two K/V Scatters of a
+/// layer (and their index arrays) are no graph nodes. MLX's kernels take inputs const, so MLX does not see
+/// the write: the storage must be contiguous (the paged step's always are), each slot a row's own (the step
+/// plan's copy-on-write), and whatever reads the written rows must depend on the returned q (the paged
+/// attention that takes q and the storage): then no kernel reads a slot before this one writes it. The
+/// storage array is unchanged as a value in MLX's graph, so the step returns it as its updated storage.
+mx::array qkv_rope_write(const mx::array& qkv, int H, int KVH, int D, const RopeSpec& rope,
+                         const mx::array& positions, const mx::array& k_storage, const mx::array& v_storage,
+                         const mx::array& slots);
+
 }  // namespace mlx_infer

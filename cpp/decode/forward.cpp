@@ -167,6 +167,11 @@ mx::array gqa_attention(const DecodeStep::Graph& g, int i, const mx::array& x, c
       qkv = l2_prefetch(qkv, *lw.o.w);  // o's weight streams into the L2 while RoPE, K/V writes, attention run
     }
     if (!lw.q_norm && kv.fused_qkv_rope() && qkv_rope_supported(qkv, H, KVH, D, lw.rope)) {
+      if (attends_itself) {
+        if (auto out = kv.rope_write_attend(lw.buffer, qkv, H, KVH, D, lw.rope, positions)) {
+          return *out;  // (B, H D)
+        }
+      }
       // q (B, H, D); k, v contiguous, where this layer writes them itself in the Scatter's update layout
       auto [qr, kr, vr] = qkv_rope(qkv, H, KVH, D, lw.rope, positions, attends_itself);
       if (attends_itself) {

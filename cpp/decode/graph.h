@@ -138,6 +138,13 @@ class KVAccess {
   /// Whether a fused q|k|v product's output may be split and rotated by one kernel (qkv_rope, CUDA):
   /// its q, k, v then arrive contiguous. The paged step's; the plain step keeps MLX's RoPE.
   virtual bool fused_qkv_rope() const { return false; }
+  /// Where fused_qkv_rope applies to ``qkv`` (B, (H + 2 KVH) D): layer ``layer``'s q rotated, its k and v
+  /// written into the storage by that same kernel (qkv_rope_write), and q attended over it: (B, H D); or none,
+  /// having written nothing, to have the layer call qkv_rope and write_attend.
+  virtual std::optional<mx::array> rope_write_attend(int layer, const mx::array& qkv, int H, int KVH, int D,
+                                                     const RopeSpec& rope, const mx::array& positions) {
+    return std::nullopt;
+  }
 };
 
 /// The one-token forward over any KV storage (forward.cpp): logits (B, vocab), lazily. ``kv`` is indexed

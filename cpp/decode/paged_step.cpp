@@ -81,6 +81,28 @@ class PagedKV final : public KVAccess {
   // Both paths: the kernel and the gather path rotate alike (one RoPE for both, on CUDA qkv_rope's).
   bool fused_qkv_rope() const override { return qkv_rope_enabled(); }
 
+  // The kernel path on CUDA: qkv_rope writes the new K/V rows into the storage itself (no Scatter, no write
+  // index), then paged_attention reads them through the tables; the storage is this layer's output as it came.
+  std::optional<mx::array> rope_write_attend(int i, const mx::array& qkv, int H, int KVH, int D, const RopeSpec& rope,
+                                             const mx::array& positions) override {
+    const auto& kbuf = key_storage(i);
+    const auto& vbuf = value_storage(i);
+    const auto* in = group_inputs(layer_groups_[i]);
+    if (!kernel_ || paged_attention_backend(H, D, qkv.dtype(), kbuf) != "cuda" ||
+        !qkv_rope_write_supported(qkv, KVH, D, kbuf, vbuf, in[2])) {
+      return std::nullopt;
+    }
+    if (backend_ != nullptr) {
+      *backend_ = "cuda";
+    }
+    auto q = qkv_rope_write(qkv, H, KVH, D, rope, positions, kbuf, vbuf, in[2]);  // (R, H, D)
+    outputs_.push_back(kbuf);
+    outputs_.push_back(vbuf);
+    const auto& sinks = g_.layers[g_.buffer_layer[i]].sinks;
+    return paged_attention(q, kbuf, vbuf, in[0], in[1], windows_[i], g_.cfg.attn_scale, g_.cfg.attn_softcap,
+                           sinks, {}, /*flat_heads=*/true, /*split_counts=*/inputs_[4]);  // (R, H D)
+  }
+
   // The gather path (reference and fallback): write, gather (R, KVH, S, D), attend under the mask.
   // Multi-head latent attention takes it on every backend (its latent K and RoPE-key V have widths and a
   // score the paged kernels do not take): mla.cpp calls this alone, so it reports the path here.

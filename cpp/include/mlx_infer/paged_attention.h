@@ -62,6 +62,11 @@ mx::array paged_attention_gather(const mx::array& q, const mx::array& k_storage,
 std::string paged_attention_backend(const mx::array& q, const mx::array& k_storage,
                                     mx::StreamOrDevice s = {});
 
+/// The same for a q of ``heads`` x ``head_dim`` in ``q_dtype``, before q exists (a kernel that makes q may
+/// write the storage only where the attention that follows reads it through the kernel).
+std::string paged_attention_backend(int heads, int head_dim, mx::Dtype q_dtype, const mx::array& k_storage,
+                                    mx::StreamOrDevice s = {});
+
 /// Gather indices of the reference path, built on the device from tables and lengths:
 /// rows (R, KVH, S) int32 into the storage viewed as (pages * KVH * P, D), and the
 /// visibility mask (R, 1, 1, S) bool. S = T * P, or the window when it is smaller.
