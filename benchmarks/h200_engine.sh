@@ -900,15 +900,19 @@ case "${1:-a}" in
     ;;
   s27b)
     # s27a's second half, on the warm machine: the served 1-stream rows against generate_step (the goal still
-    # missed on the H200), all three shapes; llama-1B's fused A/B; the L2-prefetch probe.
+    # missed on the H200), all three shapes, with a column of both fused kernels on; llama-1B's A/Bs.
     run 100 ab-1b python benchmarks/host_step.py --shape llama-1b --streams 1,32 --ab MLX_INFER_QKV_ROPE_WRITE=0 \
       --ab MLX_INFER_FUSED_ADD_NORM=1,MLX_INFER_FUSED_GATED=1 --interleave 10 --rounds 16
     grep -h "interleaved" "$out"/ab-1b.log
     for shape in llama-8b llama-1b gemma3-270m; do
-      run 110 served-$shape python benchmarks/served.py -p 512 -g 128 -r 1 -n 2 --no-text --streams 1 \
-        --mlx-lm-step --shape $shape --json "$out/served-$shape-1.json"
+      run 140 served-$shape python benchmarks/served.py -p 512 -g 128 -r 1 -n 2 --no-text --streams 1 \
+        --mlx-lm-step --shape $shape --env-column MLX_INFER_FUSED_ADD_NORM=1,MLX_INFER_FUSED_GATED=1 \
+        --json "$out/served-$shape-1.json"
       grep -h '^| ' "$out/served-$shape.log"
     done
+    ;;
+  s27c)
+    # The L2-prefetch probe (the mechanism alone, CUPTI-timed).
     run 100 l2-prefetch python benchmarks/gpu_l2_prefetch_probe.py --json "$out/l2-prefetch.json"
     ;;
   s26b)
@@ -935,6 +939,6 @@ case "${1:-a}" in
     done
     grep -h "interleaved" "$out"/tuned-*.log "$out"/gemv64-*.log
     ;;
-  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e|s19a|s19b|s19c|s20a|s20b|s20c|s21a|s21b|s21c|s21d|s21e|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s25a|s25b|s25c|s26a|s26b|s27a|s27b" >&2
+  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e|s19a|s19b|s19c|s20a|s20b|s20c|s21a|s21b|s21c|s21d|s21e|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s25a|s25b|s25c|s26a|s26b|s27a|s27b|s27c" >&2
      exit 2 ;;
 esac

@@ -227,6 +227,15 @@ class OursIdsNoPrefetch(_EnvColumn):
     env = {"MLX_INFER_PREFETCH_PLAN": "0"}
 
 
+def env_column(spec: str) -> type:
+    """A token-ids column with ``spec`` (``VAR=V[,VAR2=W]``) set while it runs (``--env-column``): the A/B of
+    switches the C++ side reads at each trace, beside the default column in the same run."""
+    pairs = [item.split("=", 1) for item in spec.split(",")]
+    if not all(len(p) == 2 and p[0] for p in pairs):
+        raise SystemExit(f"--env-column takes VAR=VALUE[,VAR2=VALUE2], got {spec!r}")
+    return type("OursIdsEnv", (_EnvColumn,), {"name": f"mlx-infer-ids[{spec}]", "env": dict(pairs)})
+
+
 class MlxLm:
     """mlx-lm's ``BatchGenerator`` (continuous batching), refilled as requests finish."""
 
@@ -387,6 +396,9 @@ def main() -> None:
     p.add_argument("--http-clients", type=int, default=None, metavar="N",
                    help="client processes of the HTTP column (default: one per 16 streams of the largest count; "
                         "served_http.py)")
+    p.add_argument("--env-column", action="append", default=[], metavar="VAR=V[,VAR2=W]",
+                   help="one more token-ids column with these environment variables set while it runs "
+                        "(switches read at each trace); repeatable")
     p.add_argument("--no-ids", action="store_true", help="skip the token-ids-only mlx-infer column")
     p.add_argument("--gather", action="store_true",
                    help="add a token-ids column whose paged step gathers K/V (attention='gather')")
@@ -421,7 +433,8 @@ def main() -> None:
                               + ([OursIdsGather] if args.gather else [])
                                   + ([OursIdsUnbounded] if args.unbounded else [])
                               + ([OursIdsNoGemv] if args.no_gemv else [])
-                              + ([OursIdsNoPrefetch] if args.no_prefetch else []))
+                              + ([OursIdsNoPrefetch] if args.no_prefetch else [])
+                              + [env_column(spec) for spec in args.env_column])
     vocab = int(json.loads((path / "config.json").read_text()).get("vocab_size", 320))
     max_batch = max(streams)
     by_streams: dict[int, list[dict[str, Any]]] = {s: [] for s in streams}
