@@ -58,7 +58,10 @@
 //
 // Transactional: the step only builds new arrays; the caller replaces its
 // storage with the returned arrays (its commit). A step that throws leaves the
-// caller's storage as it was.
+// caller's storage as it was. Evaluated, the step writes the new K/V rows into
+// the storage's buffers in place (MLX donates them to the Scatter; on CUDA
+// qkv_rope writes them itself and returns the storage arrays as they came):
+// only the new rows' slots change.
 #pragma once
 
 #include <memory>
