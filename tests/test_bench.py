@@ -147,25 +147,29 @@ def test_http_clients_spread_a_trial():
 def test_served_benchmark_http_thread_and_generate_step_columns(tmp_path):
     """--http-thread: the server with its engine as a thread (--no-engine-process) beside the default one, each
     its own equal share; --mlx-lm-step: mlx-lm's generate_step in the 1-stream rows only; --no-prefetch: a
-    token-ids column with the step plan's GPU prefetch off (MLX_INFER_PREFETCH_PLAN=0 while it runs)."""
+    token-ids column with the step plan's GPU prefetch off (MLX_INFER_PREFETCH_PLAN=0 while it runs);
+    --env-column: a token-ids column with the given variables set while it runs."""
     import pathlib
 
     script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "served.py"
     out = tmp_path / "served.json"
     r = subprocess.run([sys.executable, str(script), "--shape", "gemma3-270m", "--toy", "--streams", "1,2",
                         "-p", "8", "-g", "3", "-r", "1", "-n", "1", "--http", "--http-beside", "--http-thread",
-                        "--mlx-lm-step", "--no-prefetch", "--no-text", "--json", str(out)], capture_output=True, text=True,
+                        "--mlx-lm-step", "--no-prefetch", "--no-text", "--env-column", "MLX_INFER_FUSED_GATED=1,MLX_INFER_X=2",
+                        "--json", str(out)], capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     by = {(row["batch"], row["engine"]): row for row in rows}
-    ours = ["mlx-infer-http", "mlx-infer-http-thread", "mlx-infer-ids", "mlx-infer-ids-noprefetch"]
+    ours = ["mlx-infer-http", "mlx-infer-http-thread", "mlx-infer-ids", "mlx-infer-ids-noprefetch",
+            "mlx-infer-ids[MLX_INFER_FUSED_GATED=1,MLX_INFER_X=2]"]
     assert sorted(e for s, e in by if s == 1) == ours + ["mlx-lm", "mlx-lm-step"]
     assert sorted(e for s, e in by if s == 2) == ours + ["mlx-lm"]
     assert by[(2, "mlx-infer-ids-noprefetch")]["trials"][0]["tokens"] == 6
+    assert by[(2, "mlx-infer-ids[MLX_INFER_FUSED_GATED=1,MLX_INFER_X=2]")]["trials"][0]["tokens"] == 6
     for name in ("mlx-infer-http", "mlx-infer-http-thread"):
         row = by[(2, name)]
-        assert row["kv_sizing"].startswith("1/4 of the default device sizing each") and "KV pages of" in row["kv_pool"]
+        assert row["kv_sizing"].startswith("1/5 of the default device sizing each") and "KV pages of" in row["kv_pool"]
         assert row["trials"][0]["tokens"] == 6
     assert by[(1, "mlx-lm-step")]["trials"][0]["tokens"] == 3
 
@@ -330,11 +334,11 @@ def test_detokenizer_benchmark_reports_per_token_and_per_step_costs(tmp_path):
 def test_host_step_interleaved_ab_steps_both_arms_alike(tmp_path):
     """benchmarks/host_step.py --ab --interleave: both arms' engines stepped in alternating blocks, each arm's
     median over every step of its blocks, and the per-block ratio; --ab repeated runs one A/B each over the one
-    loaded model, and a switch may set several variables."""
+    loaded model, and a switch may set several variables; --prompt sets the prompts' length."""
     script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "host_step.py"
     both = "MLX_INFER_PREFETCH_PLAN=0,MLX_INFER_FUSED_GATED=1"
     r = subprocess.run([sys.executable, str(script), "--streams", "2", "--ab", "MLX_INFER_PREFETCH_PLAN=0",
-                        "--ab", both, "--interleave", "3", "--rounds", "4"], capture_output=True, text=True,
+                        "--ab", both, "--interleave", "3", "--rounds", "4", "--prompt", "40"], capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [ln for ln in r.stdout.splitlines() if "interleaved" in ln]
