@@ -877,37 +877,38 @@ case "${1:-a}" in
     ;;
   s27a)
     # Session 26's changes, never run on a GPU (its device starts failed), and qkv_rope writing K/V into the
-    # storage itself (on by default; MLX_INFER_QKV_ROPE_WRITE=0 keeps the two Scatters a layer): the step's CUDA
-    # tests with the write and both fused kernels on (cpp/fused/, off by default: a CustomKernel costs MLX's host
-    # more than a built-in op), the kernels' own CUDA tests, then the step alternating each switch (llama-1B and
-    # llama-8B at 1 stream: the missed goal), one-row products through our GEMV kernel and the L2 prefetch of
-    # each layer's o weight (llama-8B); the node census at served.py's context (512-token prompts: s26's served
-    # 1-stream llama-1B ran 2.69 ms a token against host_step's 1.62 ms step at 16-token prompts).
-    run 110 step-tests env MLX_INFER_FUSED_ADD_NORM=1 MLX_INFER_FUSED_GATED=1 MLX_INFER_L2_PREFETCH_O=1 \
+    # storage itself (on by default; MLX_INFER_QKV_ROPE_WRITE=0 keeps the two Scatters a layer), in one call
+    # (the device budget went to failed starts): the step's CUDA tests with the write and both fused kernels on
+    # (cpp/fused/, off by default: a CustomKernel costs MLX's host more than a built-in op); the served 1-stream
+    # rows against generate_step (the missed goal) with a column of both fused kernels on; the write's A/B.
+    run 100 step-tests env MLX_INFER_FUSED_ADD_NORM=1 MLX_INFER_FUSED_GATED=1 MLX_INFER_L2_PREFETCH_O=1 \
       python -m pytest -q -p no:cacheprovider -rfE --tb=short -n 8 tests/test_paged_step_kernel.py \
-      tests/test_mixed_steps.py
+      tests/test_mixed_steps.py tests/test_fused_cuda.py
     tail -4 "$out"/step-tests.log
-    run 60 cuda-tests python -m pytest -q -p no:cacheprovider -rfE --tb=short -n 8 tests/test_fused_cuda.py \
-      tests/test_qkv_rope.py tests/test_l2_prefetch.py tests/test_paged_attention.py
-    tail -4 "$out"/cuda-tests.log
-    run 70 ab-1b python benchmarks/host_step.py --shape llama-1b --streams 1 --ab MLX_INFER_QKV_ROPE_WRITE=0 \
-      --ab MLX_INFER_FUSED_ADD_NORM=1,MLX_INFER_FUSED_GATED=1 --interleave 10 --rounds 12
-    run 130 ab-8b python benchmarks/host_step.py --shape llama-8b --streams 1 --ab MLX_INFER_QKV_ROPE_WRITE=0 \
-      --ab MLX_INFER_FUSED_ADD_NORM=1,MLX_INFER_FUSED_GATED=1 --ab MLX_INFER_GEMV_MIN_ROWS=1 \
-      --ab MLX_INFER_L2_PREFETCH_O=1 --interleave 10 --rounds 12
-    grep -h "interleaved" "$out"/ab-*.log
-    run 50 host-1b-512 python benchmarks/host_step.py --shape llama-1b --streams 1 --prompt 512 --census
-    grep -h "streams\|graph" "$out"/host-1b-512.log
-    ;;
-  s27b)
-    # s27a's second half, on the warm machine: the served 1-stream rows against generate_step (the goal still
-    # missed on the H200: gemma3-270m's row meets it), with a column of both fused kernels on.
     for shape in llama-1b llama-8b; do
       run 140 served-$shape python benchmarks/served.py -p 512 -g 128 -r 1 -n 2 --no-text --streams 1 \
         --mlx-lm-step --shape $shape --env-column MLX_INFER_FUSED_ADD_NORM=1,MLX_INFER_FUSED_GATED=1 \
         --json "$out/served-$shape-1.json"
       grep -h '^| ' "$out/served-$shape.log"
     done
+    run 60 ab-1b python benchmarks/host_step.py --shape llama-1b --streams 1 --ab MLX_INFER_QKV_ROPE_WRITE=0 \
+      --interleave 10 --rounds 12 --census
+    grep -h "interleaved" "$out"/ab-*.log
+    ;;
+  s27b)
+    # The rest, on a warm machine: the kernels' CUDA tests; llama-8B's step A/Bs (the write, both fused kernels,
+    # one-row products through our GEMV kernel, the L2 prefetch of each layer's o weight); the node census at
+    # served.py's context (512-token prompts: s26's served 1-stream llama-1B ran 2.69 ms a token against
+    # host_step's 1.62 ms step at 16-token prompts).
+    run 60 cuda-tests python -m pytest -q -p no:cacheprovider -rfE --tb=short -n 8 tests/test_qkv_rope.py \
+      tests/test_l2_prefetch.py tests/test_paged_attention.py
+    tail -4 "$out"/cuda-tests.log
+    run 130 ab-8b python benchmarks/host_step.py --shape llama-8b --streams 1 --ab MLX_INFER_QKV_ROPE_WRITE=0 \
+      --ab MLX_INFER_FUSED_ADD_NORM=1,MLX_INFER_FUSED_GATED=1 --ab MLX_INFER_GEMV_MIN_ROWS=1 \
+      --ab MLX_INFER_L2_PREFETCH_O=1 --interleave 10 --rounds 12
+    grep -h "interleaved" "$out"/ab-*.log
+    run 50 host-1b-512 python benchmarks/host_step.py --shape llama-1b --streams 1 --prompt 512 --census
+    grep -h "streams\|graph" "$out"/host-1b-512.log
     ;;
   s27c)
     # The L2-prefetch probe (the mechanism alone, CUPTI-timed).

@@ -266,7 +266,7 @@ def main() -> None:
         else:
             ab_rounds(loaded, [int(s) for s in args.streams.split(",")], switch, args.rounds, vocab,
                       bool(args.shape))
-    if args.ab:
+    if args.ab and not args.census:  # with --census, the default arm's census and split follow the A/Bs
         return
     for B in (int(s) for s in args.streams.split(",")):
         r = measure(loaded, B, vocab=vocab, default_pool=bool(args.shape), census=args.census)
