@@ -218,53 +218,37 @@ def run(workdir: Path, q: np.ndarray, k: np.ndarray, v: np.ndarray, tables: np.n
 
 ROPE_FILE = Path(__file__).resolve().parents[1] / "cpp" / "attention" / "qkv_rope_cuda.cpp"
 
-_ROPE_MAIN = r"""
-int main() {
-  auto qkv = slurp("qkv.bin"), pos = slurp("pos.bin"), fr = slurp("fr.bin");
-  std::vector<float> q((size_t)R * H * D), k((size_t)R * KVH * D), v((size_t)R * KVH * D);
-  const int half = D / 2, bx = std::min(half, 128);
+def _rope_main(extra_inputs: str, outputs: str, call_args: str, written: str) -> str:
+    """The emulation's main() for qkv_rope's launch: grid (D / 2 over 128-thread blocks, heads, rows), the
+    kernel called per thread with ``call_args`` after qkv, positions, freqs; then ``written`` to o.bin."""
+    return ("int main() {\n"
+            '  auto qkv = slurp("qkv.bin"), pos = slurp("pos.bin"), fr = slurp("fr.bin");\n'
+            + extra_inputs + outputs +
+            """  const int half = D / 2, bx = std::min(half, 128);
   gridDim = {(half + bx - 1) / bx, H + 2 * KVH, R};
   blockDim = {bx, 1, 1};
   for (int z = 0; z < gridDim.z; ++z) for (int y = 0; y < gridDim.y; ++y) for (int x = 0; x < gridDim.x; ++x) {
     blockIdx = {x, y, z};
     for (int t = 0; t < bx; ++t) {
       threadIdx.x = t;
-      qkv_rope((const float*)qkv.data(), (const int32_t*)pos.data(), (const float*)fr.data(), q.data(), k.data(),
-               v.data());
+      qkv_rope((const float*)qkv.data(), (const int32_t*)pos.data(), (const float*)fr.data(), """
+            + call_args + """);
     }
   }
   FILE* f = fopen("o.bin", "wb");
-  fwrite(q.data(), 4, q.size(), f);
-  fwrite(k.data(), 4, k.size(), f);
-  fwrite(v.data(), 4, v.size(), f);
-  fclose(f);
-}
-"""
+""" + written + "  fclose(f);\n}\n")
 
 
-_ROPE_WRITE_MAIN = r"""
-int main() {
-  auto qkv = slurp("qkv.bin"), pos = slurp("pos.bin"), fr = slurp("fr.bin"), sl = slurp("sl.bin");
-  auto kp = slurp("kp.bin"), vp = slurp("vp.bin");
-  std::vector<float> q((size_t)R * H * D);
-  const int half = D / 2, bx = std::min(half, 128);
-  gridDim = {(half + bx - 1) / bx, H + 2 * KVH, R};
-  blockDim = {bx, 1, 1};
-  for (int z = 0; z < gridDim.z; ++z) for (int y = 0; y < gridDim.y; ++y) for (int x = 0; x < gridDim.x; ++x) {
-    blockIdx = {x, y, z};
-    for (int t = 0; t < bx; ++t) {
-      threadIdx.x = t;
-      qkv_rope((const float*)qkv.data(), (const int32_t*)pos.data(), (const float*)fr.data(),
-               (const int32_t*)sl.data(), (const float*)kp.data(), (const float*)vp.data(), q.data());
-    }
-  }
-  FILE* f = fopen("o.bin", "wb");
-  fwrite(q.data(), 4, q.size(), f);
-  fwrite(kp.data(), 1, kp.size(), f);
-  fwrite(vp.data(), 1, vp.size(), f);
-  fclose(f);
-}
-"""
+_ROPE_MAIN = _rope_main(
+    "", "  std::vector<float> q((size_t)R * H * D), k((size_t)R * KVH * D), v((size_t)R * KVH * D);\n",
+    "q.data(), k.data(), v.data()",
+    "  fwrite(q.data(), 4, q.size(), f);\n  fwrite(k.data(), 4, k.size(), f);\n  fwrite(v.data(), 4, v.size(), f);\n")
+
+_ROPE_WRITE_MAIN = _rope_main(
+    '  auto sl = slurp("sl.bin"), kp = slurp("kp.bin"), vp = slurp("vp.bin");\n',
+    "  std::vector<float> q((size_t)R * H * D);\n",
+    "(const int32_t*)sl.data(), (const float*)kp.data(), (const float*)vp.data(), q.data()",
+    "  fwrite(q.data(), 4, q.size(), f);\n  fwrite(kp.data(), 1, kp.size(), f);\n  fwrite(vp.data(), 1, vp.size(), f);\n")
 
 
 def _rope_kernel(name: str) -> str:

@@ -25,16 +25,22 @@ CASES = [  # R, H, KVH, D, dims, traditional, base, scale, with_freqs
 ]
 
 
-@pytest.mark.parametrize("R,H,KVH,D,dims,traditional,base,scale,with_freqs", CASES)
-def test_qkv_rope_kernel_text_matches_mlx_rope(tmp_path, R, H, KVH, D, dims, traditional, base, scale, with_freqs):
+def rope_inputs(rng, R, H, KVH, D, dims, base, with_freqs):
+    """qkv (R, (H + 2 KVH) D), positions (R,) and, with_freqs, Llama 3 style freqs (dims / 2,)."""
     assert compiler() is not None, "g++ (C++20) is needed to build the CUDA kernel's text for the CPU"
-    rng = np.random.default_rng(R * 7 + D + dims)
     qkv = rng.standard_normal((R, (H + 2 * KVH) * D)).astype(np.float32)
     # Short positions: MLX's CPU rope derives inv_freq its own way, and a last-bit difference in it grows with
     # the angle; the H200 test compares long positions against MLX's CUDA kernel, whose formula this one follows.
     positions = rng.integers(0, 100, size=R).astype(np.int32)
     freqs = (base ** (np.arange(0, dims, 2) / dims) * rng.uniform(1, 8, dims // 2)).astype(np.float32) \
         if with_freqs else None
+    return qkv, positions, freqs
+
+
+@pytest.mark.parametrize("R,H,KVH,D,dims,traditional,base,scale,with_freqs", CASES)
+def test_qkv_rope_kernel_text_matches_mlx_rope(tmp_path, R, H, KVH, D, dims, traditional, base, scale, with_freqs):
+    qkv, positions, freqs = rope_inputs(np.random.default_rng(R * 7 + D + dims), R, H, KVH, D, dims, base,
+                                        with_freqs)
     q, k, v = run_qkv_rope(tmp_path, qkv, positions, H=H, KVH=KVH, D=D, dims=dims, traditional=traditional,
                            base=None if with_freqs else base, scale=scale, freqs=freqs)
     x = mx.array(qkv)
@@ -61,12 +67,8 @@ def test_qkv_rope_kernel_text_matches_mlx_rope(tmp_path, R, H, KVH, D, dims, tra
 @pytest.mark.parametrize("R,H,KVH,D,dims,traditional,base,scale,with_freqs", CASES)
 def test_qkv_rope_write_kernel_text_writes_the_storage_as_the_scatter(tmp_path, R, H, KVH, D, dims, traditional,
                                                                       base, scale, with_freqs):
-    assert compiler() is not None, "g++ (C++20) is needed to build the CUDA kernel's text for the CPU"
     rng = np.random.default_rng(R * 11 + D + dims)
-    qkv = rng.standard_normal((R, (H + 2 * KVH) * D)).astype(np.float32)
-    positions = rng.integers(0, 100, size=R).astype(np.int32)
-    freqs = (base ** (np.arange(0, dims, 2) / dims) * rng.uniform(1, 8, dims // 2)).astype(np.float32) \
-        if with_freqs else None
+    qkv, positions, freqs = rope_inputs(rng, R, H, KVH, D, dims, base, with_freqs)
     pages, P = 5, 4
     # distinct slots in pages 1.. (page 0 is the null page), rows out of order and across pages
     slots = (P + rng.permutation((pages - 1) * P)[:R]).astype(np.int32)
