@@ -885,15 +885,17 @@ case "${1:-a}" in
       python -m pytest -q -p no:cacheprovider -rfE --tb=short -n 8 tests/test_paged_step_kernel.py \
       tests/test_mixed_steps.py tests/test_fused_cuda.py
     tail -4 "$out"/step-tests.log
-    for shape in llama-1b llama-8b; do
-      run 140 served-$shape python benchmarks/served.py -p 512 -g 128 -r 1 -n 2 --no-text --streams 1 \
-        --mlx-lm-step --shape $shape --env-column MLX_INFER_FUSED_ADD_NORM=1,MLX_INFER_FUSED_GATED=1 \
-        --json "$out/served-$shape-1.json"
-      grep -h '^| ' "$out/served-$shape.log"
-    done
+    served() {
+      run 140 served-$1 python benchmarks/served.py -p 512 -g 128 -r 1 -n 2 --no-text --streams 1 \
+        --mlx-lm-step --shape $1 --env-column MLX_INFER_FUSED_ADD_NORM=1,MLX_INFER_FUSED_GATED=1 \
+        --json "$out/served-$1-1.json"
+      grep -h '^| ' "$out/served-$1.log"
+    }
+    served llama-1b
     run 60 ab-1b python benchmarks/host_step.py --shape llama-1b --streams 1 --ab MLX_INFER_QKV_ROPE_WRITE=0 \
       --interleave 10 --rounds 12 --census
-    grep -h "interleaved" "$out"/ab-*.log
+    grep -h "interleaved\|graph" "$out"/ab-1b.log
+    served llama-8b
     ;;
   s27b)
     # The rest, on a warm machine: the kernels' CUDA tests; llama-8B's step A/Bs (the write, both fused kernels,
