@@ -897,6 +897,17 @@ case "${1:-a}" in
     grep -h "interleaved\|graph" "$out"/ab-1b.log
     served llama-8b
     ;;
+  s27m)
+    # s27a cut to what ~300 device-seconds hold: the step's CUDA tests with qkv_rope's K/V write (on by
+    # default) and both fused kernels on, then the write's A/B at 1 stream (llama-1B) with the node census.
+    run 90 step-tests env MLX_INFER_FUSED_ADD_NORM=1 MLX_INFER_FUSED_GATED=1 \
+      python -m pytest -q -p no:cacheprovider -rfE --tb=short -n 8 tests/test_paged_step_kernel.py \
+      tests/test_mixed_steps.py tests/test_fused_cuda.py
+    tail -4 "$out"/step-tests.log
+    run 60 ab-1b python benchmarks/host_step.py --shape llama-1b --streams 1 --ab MLX_INFER_QKV_ROPE_WRITE=0 \
+      --interleave 10 --rounds 10 --census
+    grep -h "interleaved\|graph\|streams" "$out"/ab-1b.log
+    ;;
   s27b)
     # The rest, on a warm machine: the kernels' CUDA tests; llama-8B's step A/Bs (the write, both fused kernels,
     # one-row products through our GEMV kernel, the L2 prefetch of each layer's o weight); the node census at
@@ -940,6 +951,6 @@ case "${1:-a}" in
     done
     grep -h "interleaved" "$out"/tuned-*.log "$out"/gemv64-*.log
     ;;
-  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e|s19a|s19b|s19c|s20a|s20b|s20c|s21a|s21b|s21c|s21d|s21e|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s25a|s25b|s25c|s26a|s26b|s27a|s27b|s27c" >&2
+  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e|s19a|s19b|s19c|s20a|s20b|s20c|s21a|s21b|s21c|s21d|s21e|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s25a|s25b|s25c|s26a|s26b|s27a|s27m|s27b|s27c" >&2
      exit 2 ;;
 esac
