@@ -14,11 +14,11 @@ namespace mx = mlx::core;
 
 void bind_fused(nb::module_& m) {
   m.def("fused_add_norm_enabled", &mlx_infer::fused_add_norm_enabled,
-        "Whether the decode graphs fuse the residual add and the next RMSNorm on CUDA (MLX_INFER_FUSED_ADD_NORM=1, "
-        "read at each trace; default off; a bad value raises ValueError naming it).");
+        "Whether the decode graphs fuse the residual add and the next RMSNorm on CUDA (default on; "
+        "MLX_INFER_FUSED_ADD_NORM=0 off, read at each trace; a bad value raises ValueError naming it).");
   m.def("fused_gated_enabled", &mlx_infer::fused_gated_enabled,
-        "Whether the decode graphs take the gated activation straight from gate|up on CUDA (MLX_INFER_FUSED_GATED=1, "
-        "read at each trace; default off; a bad value raises ValueError naming it).");
+        "Whether the decode graphs take the gated activation straight from gate|up on CUDA (default on; "
+        "MLX_INFER_FUSED_GATED=0 off, read at each trace; a bad value raises ValueError naming it).");
   m.def(
       "add_rms_norm",
       [](const mx::array& h, const mx::array& r, const mx::array& w, float eps) {

@@ -19,11 +19,12 @@ namespace mlx_infer {
 namespace mx = mlx::core;
 
 /// Whether the decode graphs fuse the residual add and the next norm (add_rms_norm where it applies):
-/// MLX_INFER_FUSED_ADD_NORM=1; read at each call (a graph's trace), so one process can compare both. Default off.
+/// default on, MLX_INFER_FUSED_ADD_NORM=0 off; read at each call (a graph's trace), so one process can compare
+/// both (benchmarks/RESULTS.md, session 27: faster at 1, 8 and 32 streams on an H100).
 bool fused_add_norm_enabled();
 
-/// Whether the decode graphs take gated_activation where it applies: MLX_INFER_FUSED_GATED=1, read as above.
-/// Default off.
+/// Whether the decode graphs take gated_activation where it applies: default on, MLX_INFER_FUSED_GATED=0 off,
+/// read as above.
 bool fused_gated_enabled();
 
 /// Whether add_rms_norm takes these (the switch above aside): the CUDA backend with the GPU as the default

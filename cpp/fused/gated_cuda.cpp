@@ -79,7 +79,7 @@ constexpr int kMaxRows = 65535;  // the grid's y extent
 }  // namespace
 
 bool fused_gated_enabled() {
-  return env_int("MLX_INFER_FUSED_GATED", 0, 1, 0, "1: the gated activation straight from gate|up") == 1;
+  return env_int("MLX_INFER_FUSED_GATED", 0, 1, 1, "0: MLX's split and compiled activation") == 1;
 }
 
 bool gated_activation_applies(const mx::array& gate_up, const std::string& activation) {

@@ -93,7 +93,7 @@ constexpr int kMaxRows = 65535;  // the grid's y extent
 }  // namespace
 
 bool fused_add_norm_enabled() {
-  return env_int("MLX_INFER_FUSED_ADD_NORM", 0, 1, 0, "1: the residual add and the next RMSNorm in one kernel") == 1;
+  return env_int("MLX_INFER_FUSED_ADD_NORM", 0, 1, 1, "0: the residual add and the next RMSNorm as two ops") == 1;
 }
 
 bool add_rms_norm_applies(const mx::array& h, const mx::array& r, const mx::array& w) {
