@@ -909,19 +909,28 @@ case "${1:-a}" in
     grep -h "interleaved\|graph\|streams" "$out"/ab-1b.log
     ;;
   s27b)
-    # The rest, on a warm machine: the kernels' CUDA tests; llama-8B's step A/Bs (the write, both fused kernels,
-    # one-row products through our GEMV kernel, the L2 prefetch of each layer's o weight); the node census at
-    # served.py's context (512-token prompts: s26's served 1-stream llama-1B ran 2.69 ms a token against
-    # host_step's 1.62 ms step at 16-token prompts).
-    run 60 cuda-tests python -m pytest -q -p no:cacheprovider -rfE --tb=short -n 8 tests/test_qkv_rope.py \
-      tests/test_l2_prefetch.py tests/test_paged_attention.py
+    # What s27m left (the device budget): the kernels' CUDA tests (the float32 GeGLU bound is new); llama-8B's
+    # 1-stream A/Bs of one-row products through our GEMV kernel and of the L2 prefetch of each layer's o weight;
+    # the step at served.py's context (512-token prompts: s26's served 1-stream llama-1B ran 2.69 ms a token
+    # against host_step's 1.62 ms step at 16-token prompts).
+    run 90 cuda-tests python -m pytest -q -p no:cacheprovider -rfE --tb=short -n 8 tests/test_fused_cuda.py \
+      tests/test_qkv_rope.py tests/test_l2_prefetch.py tests/test_paged_attention.py
     tail -4 "$out"/cuda-tests.log
-    run 130 ab-8b python benchmarks/host_step.py --shape llama-8b --streams 1 --ab MLX_INFER_QKV_ROPE_WRITE=0 \
-      --ab MLX_INFER_FUSED_ADD_NORM=1,MLX_INFER_FUSED_GATED=1 --ab MLX_INFER_GEMV_MIN_ROWS=1 \
+    run 130 ab-8b python benchmarks/host_step.py --shape llama-8b --streams 1 --ab MLX_INFER_GEMV_MIN_ROWS=1 \
       --ab MLX_INFER_L2_PREFETCH_O=1 --interleave 10 --rounds 12
-    grep -h "interleaved" "$out"/ab-*.log
+    grep -h "interleaved" "$out"/ab-8b.log
     run 50 host-1b-512 python benchmarks/host_step.py --shape llama-1b --streams 1 --prompt 512 --census
     grep -h "streams\|graph" "$out"/host-1b-512.log
+    ;;
+  s28a)
+    # Issue 16's whole served table after the K/V write and the fused defaults (session 27), on the H200 the goals
+    # name: the three shapes at 1-128 streams against BatchGenerator and, at 1 stream, generate_step. One shape
+    # a call (each ~4-7 minutes): bash benchmarks/h200_engine.sh s28a llama-1b (then llama-8b, gemma3-270m).
+    shape=${2:-llama-1b}
+    run 560 served-$shape python benchmarks/served.py -p 512 -g 128 -r 1 -n 2 --no-text \
+      --streams 1,8,32,64,128 --mlx-lm-step --shape $shape --json "$out/served-$shape.json" \
+      --plot "$out/served-$shape.png"
+    grep -h '^| ' "$out/served-$shape.log"
     ;;
   s27c)
     # The L2-prefetch probe (the mechanism alone, CUPTI-timed).
@@ -951,6 +960,6 @@ case "${1:-a}" in
     done
     grep -h "interleaved" "$out"/tuned-*.log "$out"/gemv64-*.log
     ;;
-  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e|s19a|s19b|s19c|s20a|s20b|s20c|s21a|s21b|s21c|s21d|s21e|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s25a|s25b|s25c|s26a|s26b|s27a|s27m|s27b|s27c" >&2
+  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e|s19a|s19b|s19c|s20a|s20b|s20c|s21a|s21b|s21c|s21d|s21e|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s25a|s25b|s25c|s26a|s26b|s27a|s27m|s27b|s27c|s28a" >&2
      exit 2 ;;
 esac
