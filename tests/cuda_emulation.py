@@ -219,21 +219,24 @@ def run(workdir: Path, q: np.ndarray, k: np.ndarray, v: np.ndarray, tables: np.n
 ROPE_FILE = Path(__file__).resolve().parents[1] / "cpp" / "attention" / "qkv_rope_cuda.cpp"
 
 def _rope_main(extra_inputs: str, outputs: str, call_args: str, written: str) -> str:
-    """The emulation's main() for qkv_rope's launch: grid (D / 2 over 128-thread blocks, heads, rows), the
-    kernel called per thread with ``call_args`` after qkv, positions, freqs; then ``written`` to o.bin."""
+    """The emulation's main() for qkv_rope's launch as rope_launch sizes it: grid (D / 2 over blocks of up to
+    128 threads, or with QK_NORM one head's D / 2 rounded up to a warp; heads; rows), each block's threads run
+    together (the norm's reduction), the kernel called with ``call_args`` after qkv, positions, freqs, q_w, k_w;
+    then ``written`` to o.bin."""
     return ("int main() {\n"
-            '  auto qkv = slurp("qkv.bin"), pos = slurp("pos.bin"), fr = slurp("fr.bin");\n'
+            '  auto qkv = slurp("qkv.bin"), pos = slurp("pos.bin"), fr = slurp("fr.bin"), qw = slurp("qw.bin"),'
+            ' kw = slurp("kw.bin");\n'
             + extra_inputs + outputs +
-            """  const int half = D / 2, bx = std::min(half, 128);
+            """  const int half = D / 2, bx = QK_NORM ? (half + 31) / 32 * 32 : std::min(half, 128);
   gridDim = {(half + bx - 1) / bx, H + 2 * KVH, R};
   blockDim = {bx, 1, 1};
   for (int z = 0; z < gridDim.z; ++z) for (int y = 0; y < gridDim.y; ++y) for (int x = 0; x < gridDim.x; ++x) {
     blockIdx = {x, y, z};
-    for (int t = 0; t < bx; ++t) {
-      threadIdx.x = t;
-      qkv_rope((const float*)qkv.data(), (const int32_t*)pos.data(), (const float*)fr.data(), """
+    run_block(bx, [&] {
+      qkv_rope((const float*)qkv.data(), (const int32_t*)pos.data(), (const float*)fr.data(),
+               (const float*)qw.data(), (const float*)kw.data(), """
             + call_args + """);
-    }
+    });
   }
   FILE* f = fopen("o.bin", "wb");
 """ + written + "  fclose(f);\n}\n")
@@ -264,33 +267,49 @@ def _rope_kernel(name: str) -> str:
 
 
 def _rope_consts(H: int, KVH: int, D: int, dims: int, traditional: bool, base: float | None, scale: float,
-                 freqs: np.ndarray | None) -> dict:
+                 freqs: np.ndarray | None, norms: tuple | None) -> dict:
     return dict(T=float, kH=H, kKVH=KVH, kD=D, kDims=dims, kTraditional=traditional, kFreqs=freqs is not None,
+                kQkNorm=norms is not None,
                 # scale and log2(base) in float32, as qkv_rope passes them (std::log2 of the float base)
                 kScaleBits=float_bits(scale),
-                kLog2BaseBits=float_bits(0.0 if base is None else float(np.log2(np.float32(base)))))
+                kLog2BaseBits=float_bits(0.0 if base is None else float(np.log2(np.float32(base)))),
+                kEpsBits=float_bits(0.0 if norms is None else norms[2]))
+
+
+def _rope_source(R: int, H: int, KVH: int, D: int, args: str, consts: dict, kv_dst: str, main: str) -> str:
+    return (_MOCK + f"constexpr int R = {R}, H = {H}, KVH = {KVH}, D = {D};\n"
+            + f"constexpr bool QK_NORM = {'true' if consts['kQkNorm'] else 'false'};\n"
+            + _function("qkv_rope", args, consts, _rope_kernel(kv_dst)) + _MAIN.split("int main()")[0] + main)
+
+
+def _rope_files(workdir: Path, qkv: np.ndarray, positions: np.ndarray, freqs: np.ndarray | None,
+                norms: tuple | None) -> None:
+    workdir.mkdir(parents=True, exist_ok=True)
+    np.ascontiguousarray(qkv, np.float32).tofile(workdir / "qkv.bin")
+    np.ascontiguousarray(positions, np.int32).tofile(workdir / "pos.bin")
+    (np.zeros(1, np.float32) if freqs is None else freqs.astype(np.float32)).tofile(workdir / "fr.bin")
+    for name, w in (("qw", None if norms is None else norms[0]), ("kw", None if norms is None else norms[1])):
+        (np.zeros(1, np.float32) if w is None else np.ascontiguousarray(w, np.float32)).tofile(workdir / f"{name}.bin")
+
+
+_ROPE_ARGS = "const float* qkv, const int32_t* positions, const float* freqs, const float* q_w, const float* k_w, "
 
 
 def run_qkv_rope_write(workdir: Path, qkv: np.ndarray, positions: np.ndarray, slots: np.ndarray,
                        k_pool: np.ndarray, v_pool: np.ndarray, *, H: int, KVH: int, D: int, dims: int,
-                       traditional: bool, base: float | None, scale: float, freqs: np.ndarray | None
-                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                       traditional: bool, base: float | None, scale: float, freqs: np.ndarray | None,
+                       norms: tuple | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """qkv_rope_cuda.cpp's writing kernel on the CPU: float32 ``qkv (R, (H + 2 KVH) D)``, each row's slot
-    ``(R,)`` and the storage ``(pages, KVH, P, D)`` -> q ``(R, H, D)`` and the storage as the kernel left it."""
+    ``(R,)`` and the storage ``(pages, KVH, P, D)`` -> q ``(R, H, D)`` and the storage as the kernel left it.
+    ``norms``: (q_w (D,), k_w (D,), eps), the per-head q/k RMSNorms."""
     R, P = qkv.shape[0], k_pool.shape[2]
-    consts = {**_rope_consts(H, KVH, D, dims, traditional, base, scale, freqs), "kP": P}
-    args = ("const float* qkv, const int32_t* positions, const float* freqs, const int32_t* slots, "
-            "const float* k_pool, const float* v_pool, float* q_out")
-    source = (_MOCK + f"constexpr int R = {R}, H = {H}, KVH = {KVH}, D = {D};\n"
-              + _function("qkv_rope", args, consts, _rope_kernel("kKvWrite")) + _MAIN.split("int main()")[0]
-              + _ROPE_WRITE_MAIN)
-    workdir.mkdir(parents=True, exist_ok=True)
-    np.ascontiguousarray(qkv, np.float32).tofile(workdir / "qkv.bin")
-    np.ascontiguousarray(positions, np.int32).tofile(workdir / "pos.bin")
+    consts = {**_rope_consts(H, KVH, D, dims, traditional, base, scale, freqs, norms), "kP": P}
+    args = _ROPE_ARGS + "const int32_t* slots, const float* k_pool, const float* v_pool, float* q_out"
+    source = _rope_source(R, H, KVH, D, args, consts, "kKvWrite", _ROPE_WRITE_MAIN)
+    _rope_files(workdir, qkv, positions, freqs, norms)
     np.ascontiguousarray(slots, np.int32).tofile(workdir / "sl.bin")
     np.ascontiguousarray(k_pool, np.float32).tofile(workdir / "kp.bin")
     np.ascontiguousarray(v_pool, np.float32).tofile(workdir / "vp.bin")
-    (np.zeros(1, np.float32) if freqs is None else freqs.astype(np.float32)).tofile(workdir / "fr.bin")
     build_and_run(workdir, source)
     out = np.fromfile(workdir / "o.bin", np.float32)
     nq, npool = R * H * D, k_pool.size
@@ -299,18 +318,15 @@ def run_qkv_rope_write(workdir: Path, qkv: np.ndarray, positions: np.ndarray, sl
 
 
 def run_qkv_rope(workdir: Path, qkv: np.ndarray, positions: np.ndarray, *, H: int, KVH: int, D: int, dims: int,
-                 traditional: bool, base: float | None, scale: float, freqs: np.ndarray | None
-                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """qkv_rope_cuda.cpp's kernel on the CPU: float32 ``qkv (R, (H + 2 KVH) D)`` -> q, k, v ``(R, heads, D)``."""
+                 traditional: bool, base: float | None, scale: float, freqs: np.ndarray | None,
+                 norms: tuple | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """qkv_rope_cuda.cpp's kernel on the CPU: float32 ``qkv (R, (H + 2 KVH) D)`` -> q, k, v ``(R, heads, D)``;
+    ``norms`` as run_qkv_rope_write's."""
     R = qkv.shape[0]
-    consts = _rope_consts(H, KVH, D, dims, traditional, base, scale, freqs)
-    args = "const float* qkv, const int32_t* positions, const float* freqs, float* q_out, float* k_out, float* v_out"
-    source = (_MOCK + f"constexpr int R = {R}, H = {H}, KVH = {KVH}, D = {D};\n"
-              + _function("qkv_rope", args, consts, _rope_kernel("kKvOut")) + _MAIN.split("int main()")[0] + _ROPE_MAIN)
-    workdir.mkdir(parents=True, exist_ok=True)
-    np.ascontiguousarray(qkv, np.float32).tofile(workdir / "qkv.bin")
-    np.ascontiguousarray(positions, np.int32).tofile(workdir / "pos.bin")
-    (np.zeros(1, np.float32) if freqs is None else freqs.astype(np.float32)).tofile(workdir / "fr.bin")
+    consts = _rope_consts(H, KVH, D, dims, traditional, base, scale, freqs, norms)
+    args = _ROPE_ARGS + "float* q_out, float* k_out, float* v_out"
+    source = _rope_source(R, H, KVH, D, args, consts, "kKvOut", _ROPE_MAIN)
+    _rope_files(workdir, qkv, positions, freqs, norms)
     build_and_run(workdir, source)
     out = np.fromfile(workdir / "o.bin", np.float32)
     nq, nk = R * H * D, R * KVH * D
@@ -433,7 +449,7 @@ def _raw(path: Path, name: str) -> str:
 
 _ROWS_MAIN = r"""
 int main() {
-  auto a = slurp("a.bin"), b = slurp("b.bin"), c = slurp("c.bin");
+  auto a = slurp("a.bin"), b = slurp("b.bin"), c = slurp("c.bin"), d = slurp("d.bin");
   std::vector<float> o1((size_t)R * OUT1, -12345.0f), o2((size_t)R * OUT2, -12345.0f);
   gridDim = {GX, R, 1};
   blockDim = {BLOCK, 1, 1};
@@ -450,28 +466,30 @@ int main() {
 
 
 def _run_rows(workdir: Path, kernel: str, header: str, call: str, sizes: dict, arrays: list[np.ndarray]) -> np.ndarray:
-    """A kernel of a (x, row) grid, blocks one after another; a, b, c the input files; o1 then o2 come back."""
+    """A kernel of a (x, row) grid, blocks one after another; a, b, c, d the input files; o1 then o2 come back."""
     consts = "".join(f"constexpr int {k} = {v};\n" for k, v in sizes.items())
     main = _ROWS_MAIN.replace("KERNEL_CALL", call)
     source = _MOCK + consts + header + kernel + _MAIN.split("int main()")[0] + main
     workdir.mkdir(parents=True, exist_ok=True)
-    for name, arr in zip("abc", arrays + [np.zeros(1, np.float32)] * (3 - len(arrays))):
+    for name, arr in zip("abcd", arrays + [np.zeros(1, np.float32)] * (4 - len(arrays))):
         np.ascontiguousarray(arr, np.float32).tofile(workdir / f"{name}.bin")
     build_and_run(workdir, source)
     return np.fromfile(workdir / "o.bin", np.float32)
 
 
 def run_add_rms_norm(workdir: Path, h: np.ndarray, r: np.ndarray, w: np.ndarray, eps: float, *, block: int,
-                     per: int) -> tuple[np.ndarray, np.ndarray]:
-    """residual_norm_cuda.cpp's kernel on the CPU, launched as add_rms_norm launches it (float32)."""
+                     per: int, pre_w: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """residual_norm_cuda.cpp's kernel on the CPU, launched as add_rms_norm launches it (float32); ``pre_w``:
+    the sandwich norm's weight (r normed by it before the add)."""
     R, E = h.shape
     body = _raw(FUSED_DIR / "residual_norm_cuda.cpp", "kAddRmsNorm")
-    consts = dict(T=float, kE=E, kBlock=block, kPer=per, kEpsBits=float_bits(eps))
-    kernel = _function("add_rms_norm", "const float* h, const float* r, const float* w, float* sum_out, "
-                       "float* norm_out", consts, body)
+    consts = dict(T=float, kE=E, kBlock=block, kPer=per, kEpsBits=float_bits(eps), kPreNorm=pre_w is not None,
+                  kClip=False)
+    kernel = _function("add_rms_norm", "const float* h, const float* r, const float* w, const float* pw, "
+                       "float* sum_out, float* norm_out", consts, body)
     out = _run_rows(workdir, kernel, "", "add_rms_norm((const float*)a.data(), (const float*)b.data(), "
-                    "(const float*)c.data(), o1.data(), o2.data())",
-                    dict(R=R, OUT1=E, OUT2=E, GX=1, BLOCK=block), [h, r, w])
+                    "(const float*)c.data(), (const float*)d.data(), o1.data(), o2.data())",
+                    dict(R=R, OUT1=E, OUT2=E, GX=1, BLOCK=block), [h, r, w, w if pre_w is None else pre_w])
     return out[:R * E].reshape(R, E), out[R * E:].reshape(R, E)
 
 

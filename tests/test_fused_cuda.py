@@ -57,6 +57,38 @@ def test_add_rms_norm_equals_mlx_on_cuda_or_refuses_clearly(dtype, R, E):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("R,E,clip", [(1, 640, False), (13, 1152, False), (5, 640, True)])
+def test_sandwich_add_rms_norm_equals_mlx_on_cuda_or_refuses_clearly(dtype, R, E, clip):
+    """gemma's sandwich norm: h + rms_norm(r, pre_w) (in float16 with clip_f16: summed in float32, clipped, as
+    forward.cpp's residual), then its norm."""
+    rng = np.random.default_rng(R + E + 1)
+    h = mx.array(rng.standard_normal((R, E)).astype(np.float32) * 2).astype(dtype)
+    r = mx.array(rng.standard_normal((R, E)).astype(np.float32) * 40).astype(dtype)
+    w = mx.array(rng.uniform(0.5, 1.5, E).astype(np.float32)).astype(dtype)
+    pre_w = mx.array(rng.uniform(-2.0, 2.0, E).astype(np.float32)).astype(dtype)
+    if not ON_CUDA:
+        with pytest.raises(ValueError, match="CUDA backend"):
+            _fast.add_rms_norm(h, r, w, eps=1e-6, pre_w=pre_w, clip_f16=clip)
+        return
+    got_sum, got_norm = _fast.add_rms_norm(h, r, w, eps=1e-6, pre_w=pre_w, clip_f16=clip)
+    normed = mx.fast.rms_norm(r, pre_w, 1e-6)
+    if clip and dtype == mx.float16:
+        s = mx.add(h.astype(mx.float32), normed.astype(mx.float32))
+        want_sum = mx.clip(s, -65504.0, 65504.0).astype(mx.float16)
+    else:
+        want_sum = mx.add(h, normed)
+    # the pre-norm's last bit (its sum of squares in another order) may carry into a few sums: bounded by a
+    # few units of the addends' size (a sum that cancels keeps their absolute error)
+    diff = mx.abs(got_sum.astype(mx.float32) - want_sum.astype(mx.float32))
+    size = mx.abs(h.astype(mx.float32)) + mx.abs(normed.astype(mx.float32))
+    ulp = 1e-6 if dtype == mx.float32 else 4 * last_bit_tolerance(dtype)
+    assert got_sum.dtype == dtype and mx.all(diff <= ulp * size).item()
+    if dtype != mx.float32:  # in 16 bits the rounding absorbs most float32 differences
+        assert (diff > 0).astype(mx.float32).mean().item() <= 0.05
+    compare(got_norm, mx.fast.rms_norm(want_sum, w, 1e-6), dtype, "norm", 0.05)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("R,F", [(1, 8192), (9, 14336), (4, 2048)])
 def test_gated_activation_equals_mlx_on_cuda_or_refuses_clearly(dtype, activation, R, F):

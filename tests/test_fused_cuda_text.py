@@ -30,6 +30,22 @@ def test_add_rms_norm_kernel_text_matches_mlx(tmp_path, R, E, block, per):
     np.testing.assert_allclose(got_norm, np.array(want_norm), rtol=TOL, atol=TOL)
 
 
+@pytest.mark.parametrize("R,E,block,per", [(3, 64, 32, 1), (2, 320, 32, 3), (2, 200, 64, 1)])
+def test_sandwich_add_rms_norm_kernel_text_matches_mlx(tmp_path, R, E, block, per):
+    """gemma's sandwich norm: h + rms_norm(r, pre_w), then its norm (forward.cpp's add_residual, then rms)."""
+    assert compiler() is not None, "g++ (C++20) is needed to build the CUDA kernel's text for the CPU"
+    rng = np.random.default_rng(R * 3 + E)
+    h = rng.standard_normal((R, E)).astype(np.float32) * 3
+    r = rng.standard_normal((R, E)).astype(np.float32) * 40  # far from unit RMS: the pre-norm must show
+    w = rng.uniform(0.5, 1.5, E).astype(np.float32)
+    pre_w = rng.uniform(-2.0, 2.0, E).astype(np.float32)
+    got_sum, got_norm = run_add_rms_norm(tmp_path, h, r, w, 1e-6, block=block, per=per, pre_w=pre_w)
+    want_sum = mx.add(mx.array(h), mx.fast.rms_norm(mx.array(r), mx.array(pre_w), 1e-6))
+    want_norm = mx.fast.rms_norm(want_sum, mx.array(w), 1e-6)
+    np.testing.assert_allclose(got_sum, np.array(want_sum), rtol=TOL, atol=TOL * 4)
+    np.testing.assert_allclose(got_norm, np.array(want_norm), rtol=TOL, atol=TOL)
+
+
 def mlx_gated(gate_up: np.ndarray, activation: str) -> np.ndarray:
     g, u = mx.split(mx.array(gate_up), 2, axis=-1)
     if activation == "silu":

@@ -32,7 +32,8 @@ def test_copies_x_exactly_on_cuda_or_refuses_clearly(x_shape, x_dtype, w_shape, 
         with pytest.raises(ValueError, match="CUDA backend"):
             _fast.l2_prefetch(x, w)
         return
-    w_before = mx.array(np.array(w))  # a copy: the kernel must only read the weight
+    # a copy (bfloat16 has no numpy dtype: copy through its bits): the kernel must only read the weight
+    w_before = mx.array(np.array(w.view(mx.uint16) if w.dtype == mx.bfloat16 else w)).view(w.dtype)
     y = _fast.l2_prefetch(x, w)
     assert y.shape == x.shape and y.dtype == x.dtype and mx.array_equal(y, x).item()
     assert mx.array_equal(w, w_before).item()

@@ -85,3 +85,56 @@ def test_qkv_rope_write_kernel_text_writes_the_storage_as_the_scatter(tmp_path, 
         want_v[s_ // P, :, s_ % P, :] = v[r]
     assert np.array_equal(k_after, want_k)
     assert np.array_equal(v_after, want_v)
+
+
+NORM_CASES = [  # R, H, KVH, D, dims, traditional, base, with_freqs: the per-head q/k norms before RoPE
+    (3, 4, 1, 256, 256, False, 10000.0, False),   # gemma3-270m's heads: one block of 4 warps per head
+    (2, 4, 2, 128, 128, False, 1000000.0, False),  # qwen3's
+    (2, 2, 1, 48, 32, True, 10000.0, False),      # 24 pairs in a 32-thread block, partial traditional rotary
+    (2, 2, 2, 64, 64, False, 500000.0, True),
+]
+
+
+@pytest.mark.parametrize("R,H,KVH,D,dims,traditional,base,with_freqs", NORM_CASES)
+def test_qkv_rope_kernel_text_norms_heads_as_mlx_rms_norm_then_rope(tmp_path, R, H, KVH, D, dims, traditional,
+                                                                    base, with_freqs):
+    """With q/k norms: each q and k head is mx.fast.rms_norm'd by its weight, then rotated (forward.cpp's
+    unfused path: rms of (R, 1, H, D), then rope); v untouched; the writing kernel the same at the slots."""
+    rng = np.random.default_rng(R * 13 + D + dims)
+    qkv, positions, freqs = rope_inputs(rng, R, H, KVH, D, dims, base, with_freqs)
+    qkv *= rng.uniform(0.1, 30.0, size=(1, qkv.shape[1])).astype(np.float32)  # heads far from unit RMS
+    q_w = rng.uniform(0.5, 2.0, D).astype(np.float32)
+    k_w = rng.uniform(-1.5, 1.5, D).astype(np.float32)
+    eps = 1e-6
+    kw = dict(H=H, KVH=KVH, D=D, dims=dims, traditional=traditional, base=None if with_freqs else base,
+              scale=1.0, freqs=freqs, norms=(q_w, k_w, eps))
+    q, k, v = run_qkv_rope(tmp_path / "out", qkv, positions, **kw)
+    x = mx.array(qkv)
+    off = mx.array(positions)
+    fr = None if freqs is None else mx.array(freqs)
+
+    def norm_rot(part: mx.array, heads: int, w: np.ndarray) -> np.ndarray:
+        y = mx.fast.rms_norm(mx.reshape(part, (R, 1, heads, D)), mx.array(w), eps)
+        y = mx.fast.rope(mx.transpose(y, (0, 2, 1, 3)), dims, traditional=traditional,
+                         base=None if with_freqs else base, scale=1.0, offset=off, freqs=fr)
+        return np.array(y).reshape(R, heads, D)
+
+    assert np.array_equal(v, qkv[:, (H + KVH) * D:].reshape(R, KVH, D))
+    for got, want in ((q, norm_rot(x[:, : H * D], H, q_w)), (k, norm_rot(x[:, H * D:(H + KVH) * D], KVH, k_w))):
+        rel = np.abs(got - want).max() / np.abs(want).max()
+        print(f"max rel {rel:.2e}")
+        assert rel <= TOL
+    # the norm happened: without it the heads' scale (0.1-30) would show
+    assert np.abs(q).max() < 10 * np.abs(q_w).max()
+
+    pages, P = 4, 4
+    slots = (P + rng.permutation((pages - 1) * P)[:R]).astype(np.int32)
+    k_pool = rng.standard_normal((pages, KVH, P, D)).astype(np.float32)
+    v_pool = rng.standard_normal((pages, KVH, P, D)).astype(np.float32)
+    q_w2, k_after, v_after = run_qkv_rope_write(tmp_path / "write", qkv, positions, slots, k_pool, v_pool, **kw)
+    assert np.array_equal(q_w2, q)
+    want_k, want_v = k_pool.copy(), v_pool.copy()
+    for r, s_ in enumerate(slots):
+        want_k[s_ // P, :, s_ % P, :] = k[r]
+        want_v[s_ // P, :, s_ % P, :] = v[r]
+    assert np.array_equal(k_after, want_k) and np.array_equal(v_after, want_v)

@@ -28,28 +28,51 @@ namespace mlx_infer {
 namespace {
 
 // Template constants: T (dtype), kH kKVH kD kDims (rotated features), kTraditional, kFreqs (inv_freq from
-// freqs, else from log2(base)), kScaleBits / kLog2BaseBits (float32 bit patterns: kernel_args.h says why not
-// an array). freqs: (kDims / 2,) float32 (read only with kFreqs). Outputs q (R, kH, kD), and MLXI_KV_DST
-// (kKvOut or kKvWrite) says where a K or V head's features go.
+// freqs, else from log2(base)), kScaleBits / kLog2BaseBits / kEpsBits (float32 bit patterns: kernel_args.h
+// says why not an array), kQkNorm (q and k heads RMS-normed first, by q_w / k_w (kD,); the block is then one
+// head, kD / 2 threads rounded up to a warp). freqs: (kDims / 2,) float32 (read only with kFreqs). Outputs q
+// (R, kH, kD), and MLXI_KV_DST (kKvOut or kKvWrite) says where a K or V head's features go.
 constexpr const char* kQkvRope = R"(
   const int u = blockIdx.x * blockDim.x + threadIdx.x;
   const int head = blockIdx.y, r = blockIdx.z;
   constexpr int kHalf = kD / 2, kRot = kDims / 2;
-  if (u >= kHalf) return;
+  if (!kQkNorm && u >= kHalf) return;  // with kQkNorm the block is one head: every thread joins its reduction
   constexpr int kW = (kH + 2 * kKVH) * kD;
   const T* src = qkv + (size_t)r * kW + (size_t)head * kD;
+  const bool is_v = head >= kH + kKVH;
+  const bool rotates = !is_v && u < kRot;
+  // this thread's two features: a rotated pair, or two past the rotated ones (partial rotary), or two of v
+  const int i1 = rotates ? (kTraditional ? 2 * u : u) : (is_v ? 2 * u : kDims + 2 * (u - kRot));
+  const int i2 = rotates ? (kTraditional ? i1 + 1 : i1 + kRot) : i1 + 1;
+  float x1 = u < kHalf ? static_cast<float>(src[i1]) : 0.0f;
+  float x2 = u < kHalf ? static_cast<float>(src[i2]) : 0.0f;
+  if (kQkNorm && !is_v) {  // the head's RMSNorm (q_w or k_w) as mx::fast::rms_norm, before the rotation
+    float ss = x1 * x1 + x2 * x2;
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    __shared__ float warp_sums[32];
+    if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = ss;
+    __syncthreads();
+    float total = 0.0f;
+    for (int i = 0; i < (int)(blockDim.x / 32); ++i) total += warp_sums[i];
+    const float inv = rsqrtf(total / static_cast<float>(kD) + __int_as_float(kEpsBits));
+    if (u >= kHalf) return;
+    const T* w = head < kH ? q_w : k_w;
+    x1 = static_cast<float>(static_cast<T>(static_cast<float>(w[i1]) * static_cast<float>(static_cast<T>(x1 * inv))));
+    x2 = static_cast<float>(static_cast<T>(static_cast<float>(w[i2]) * static_cast<float>(static_cast<T>(x2 * inv))));
+  }
+  if (u >= kHalf) return;
   T* dst;
   if (head < kH) {
     dst = q_out + ((size_t)r * kH + head) * kD;
   } else {
-    const bool is_k = head < kH + kKVH;
+    const bool is_k = !is_v;
     const int h = head - kH - (is_k ? 0 : kKVH);
     MLXI_KV_DST
   }
-  if (head >= kH + kKVH || u >= kRot) {  // v, or a feature past the rotated ones: as it is
-    const int e = head >= kH + kKVH ? 2 * u : kDims + 2 * (u - kRot);
-    dst[e] = src[e];
-    dst[e + 1] = src[e + 1];
+  if (!rotates) {  // v, or a feature past the rotated ones: as it is (normed where k is)
+    dst[i1] = static_cast<T>(x1);
+    dst[i2] = static_cast<T>(x2);
     return;
   }
   float inv_freq;
@@ -63,10 +86,6 @@ constexpr const char* kQkvRope = R"(
   const float theta = L * inv_freq;
   const float c = cosf(theta);
   const float s = sinf(theta);
-  const int i1 = kTraditional ? 2 * u : u;
-  const int i2 = kTraditional ? i1 + 1 : i1 + kRot;
-  const float x1 = static_cast<float>(src[i1]);
-  const float x2 = static_cast<float>(src[i2]);
   const float rx1 = x1 * c - x2 * s;
   const float rx2 = x1 * s + x2 * c;
   dst[i1] = static_cast<T>(rx1);
@@ -94,10 +113,11 @@ const ReusedKernel& kernel(bool write) {
   static std::once_flag once;
   static ReusedKernel fns[2];
   std::call_once(once, [] {
-    fns[0] = ReusedKernel(mx::fast::cuda_kernel("mlxi_qkv_rope", {"qkv", "positions", "freqs"},
+    fns[0] = ReusedKernel(mx::fast::cuda_kernel("mlxi_qkv_rope", {"qkv", "positions", "freqs", "q_w", "k_w"},
                                                 {"q_out", "k_out", "v_out"}, with_kv_dst(kKvOut), ""));
     fns[1] = ReusedKernel(mx::fast::cuda_kernel("mlxi_qkv_rope_write",
-                                                {"qkv", "positions", "freqs", "slots", "k_pool", "v_pool"},
+                                                {"qkv", "positions", "freqs", "q_w", "k_w", "slots", "k_pool",
+                                                 "v_pool"},
                                                 {"q_out"}, with_kv_dst(kKvWrite), ""));
   });
   return fns[write ? 1 : 0];
@@ -121,7 +141,17 @@ bool qkv_rope_write_enabled() {  // read at each call: a graph's trace (an A/B i
   return v == nullptr || std::strcmp(v, "0") != 0;
 }
 
-bool qkv_rope_supported(const mx::array& qkv, int H, int KVH, int D, const RopeSpec& rope) {
+bool qkv_rope_norm_enabled() {  // read at each call: a graph's trace (an A/B in one process)
+  return env_int("MLX_INFER_QKV_ROPE_NORM", 0, 1, 1, "0: the q/k norms as MLX's RMSNorm, RoPE and Scatters") == 1;
+}
+
+bool qkv_rope_supported(const mx::array& qkv, int H, int KVH, int D, const RopeSpec& rope, const QkNorm* norm) {
+  if (norm != nullptr) {
+    auto fits = [&](const mx::array& w) { return w.ndim() == 1 && w.shape(0) == D && w.dtype() == qkv.dtype(); };
+    if (!fits(norm->q_w) || !fits(norm->k_w) || D / 2 > 1024 || !(norm->eps >= 0.0f) || !std::isfinite(norm->eps)) {
+      return false;
+    }
+  }
   return cuda_backend() && mx::default_device() == mx::Device::gpu && qkv.ndim() == 2 &&
          qkv.shape(1) == (H + 2 * KVH) * D && cuda_float_dtype(qkv.dtype()) && D % 2 == 0 && rope.dims > 0 && rope.dims % 2 == 0 && rope.dims <= D && rope.mscale == 1.0f && !rope.long_freqs &&
          rope.scale > 0.0f && std::isfinite(rope.scale) &&
@@ -130,42 +160,45 @@ bool qkv_rope_supported(const mx::array& qkv, int H, int KVH, int D, const RopeS
 
 namespace {
 
-// The launch both entries share: grid (D / 2 rounded to the block, heads, rows), the template constants.
+// The launch both entries share: grid (D / 2 rounded to the block, heads, rows), the template constants, the
+// inputs after qkv (positions, freqs, q_w, k_w).
 struct RopeLaunch {
-  mx::array pos, freqs;
+  std::vector<mx::array> inputs;
   std::vector<std::pair<std::string, mx::fast::TemplateArg>> targs;
   std::tuple<int, int, int> grid, block;
 };
 
 RopeLaunch rope_launch(const mx::array& qkv, int H, int KVH, int D, const RopeSpec& rope,
-                       const mx::array& positions) {
+                       const mx::array& positions, const QkNorm* norm) {
   const int R = qkv.shape(0);
   const bool with_freqs = rope.freqs.has_value();
-  auto pos = positions.dtype() == mx::int32 ? positions : mx::astype(positions, mx::int32);
-  // Without freqs the positions stand in, never read (no extra op). Explicit shapes: a reshape to the shape an
-  // array has adds no graph node (one with -1 would, in every layer of every step).
+  auto pos = mx::reshape(positions.dtype() == mx::int32 ? positions : mx::astype(positions, mx::int32), {R});
+  // Without freqs (or norms) the positions stand in, never read (no extra op). Explicit shapes: a reshape to
+  // the shape an array has adds no graph node (one with -1 would, in every layer of every step).
   auto freqs = with_freqs ? mx::astype(mx::reshape(*rope.freqs, {static_cast<int>(rope.freqs->size())}), mx::float32)
-                          : mx::reshape(pos, {R});
+                          : pos;
   const int half = D / 2;
-  const int bx = std::min(half, 128);
+  // with norms one block is one head (its reduction), else up to 128 threads of a head's pairs
+  const int bx = norm != nullptr ? (half + 31) / 32 * 32 : std::min(half, 128);
   std::vector<std::pair<std::string, mx::fast::TemplateArg>> targs{
       {"T", qkv.dtype()}, {"kH", H}, {"kKVH", KVH}, {"kD", D}, {"kDims", rope.dims},
-      {"kTraditional", rope.traditional}, {"kFreqs", with_freqs},
+      {"kTraditional", rope.traditional}, {"kFreqs", with_freqs}, {"kQkNorm", norm != nullptr},
       {"kScaleBits", float_bits(rope.scale, "the RoPE scale")},
-      {"kLog2BaseBits", float_bits(with_freqs ? 0.0f : std::log2(*rope.base), "log2 of the RoPE base")}};
-  return {mx::reshape(pos, {R}), freqs, std::move(targs), {((half + bx - 1) / bx) * bx, H + 2 * KVH, R},
-          {bx, 1, 1}};
+      {"kLog2BaseBits", float_bits(with_freqs ? 0.0f : std::log2(*rope.base), "log2 of the RoPE base")},
+      {"kEpsBits", float_bits(norm != nullptr ? norm->eps : 0.0f, "the q/k RMSNorm epsilon")}};
+  std::vector<mx::array> inputs{qkv, pos, freqs, norm != nullptr ? norm->q_w : pos, norm != nullptr ? norm->k_w : pos};
+  return {std::move(inputs), std::move(targs), {((half + bx - 1) / bx) * bx, H + 2 * KVH, R}, {bx, 1, 1}};
 }
 
 }  // namespace
 
 std::array<mx::array, 3> qkv_rope(const mx::array& qkv, int H, int KVH, int D, const RopeSpec& rope,
-                                  const mx::array& positions, bool kv_write_rows) {
+                                  const mx::array& positions, bool kv_write_rows, const QkNorm* norm) {
   const int R = qkv.shape(0);
-  auto l = rope_launch(qkv, H, KVH, D, rope, positions);
+  auto l = rope_launch(qkv, H, KVH, D, rope, positions, norm);
   const mx::Shape kv_shape = kv_write_rows ? mx::Shape{R * KVH, 1, 1, 1, D} : mx::Shape{R, KVH, D};
-  auto out = kernel(false)({qkv, l.pos, l.freqs}, {{R, H, D}, kv_shape, kv_shape},
-                           {qkv.dtype(), qkv.dtype(), qkv.dtype()}, l.grid, l.block, l.targs, std::nullopt, false, {});
+  auto out = kernel(false)(l.inputs, {{R, H, D}, kv_shape, kv_shape}, {qkv.dtype(), qkv.dtype(), qkv.dtype()},
+                           l.grid, l.block, l.targs, std::nullopt, false, {});
   return {out[0], out[1], out[2]};
 }
 
@@ -180,12 +213,12 @@ bool qkv_rope_write_supported(const mx::array& qkv, int KVH, int D, const mx::ar
 
 mx::array qkv_rope_write(const mx::array& qkv, int H, int KVH, int D, const RopeSpec& rope,
                          const mx::array& positions, const mx::array& k_storage, const mx::array& v_storage,
-                         const mx::array& slots) {
+                         const mx::array& slots, const QkNorm* norm) {
   const int R = qkv.shape(0);
-  auto l = rope_launch(qkv, H, KVH, D, rope, positions);
+  auto l = rope_launch(qkv, H, KVH, D, rope, positions, norm);
   l.targs.emplace_back("kP", k_storage.shape(2));
-  return kernel(true)({qkv, l.pos, l.freqs, slots, k_storage, v_storage}, {{R, H, D}}, {qkv.dtype()}, l.grid,
-                      l.block, l.targs, std::nullopt, false, {})[0];
+  l.inputs.insert(l.inputs.end(), {slots, k_storage, v_storage});
+  return kernel(true)(l.inputs, {{R, H, D}}, {qkv.dtype()}, l.grid, l.block, l.targs, std::nullopt, false, {})[0];
 }
 
 }  // namespace mlx_infer

@@ -1,8 +1,10 @@
 // nanobind only: the decode graphs' fused CUDA kernels (cpp/fused/), for tests and probes.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 
+#include <optional>
 #include <stdexcept>
 #include <string>
 
@@ -21,18 +23,22 @@ void bind_fused(nb::module_& m) {
         "MLX_INFER_FUSED_GATED=0 off, read at each trace; a bad value raises ValueError naming it).");
   m.def(
       "add_rms_norm",
-      [](const mx::array& h, const mx::array& r, const mx::array& w, float eps) {
-        if (!mlx_infer::add_rms_norm_applies(h, r, w)) {
+      [](const mx::array& h, const mx::array& r, const mx::array& w, float eps, const std::optional<mx::array>& pre_w,
+         bool clip_f16) {
+        const mx::array* pre = pre_w ? &*pre_w : nullptr;
+        if (!mlx_infer::add_rms_norm_applies(h, r, w, pre)) {
           throw std::invalid_argument(
               "[add_rms_norm] runs on MLX's CUDA backend (default device the GPU) "
-              "with h and r (R, E) and w (E,) of one float dtype, E a multiple of 16 bytes; elsewhere the graphs "
-              "use mx.add and mx.fast.rms_norm.");
+              "with h and r (R, E) and w (and pre_w) (E,) of one float dtype, E a multiple of 16 bytes; elsewhere "
+              "the graphs use mx.add and mx.fast.rms_norm.");
         }
-        return mlx_infer::add_rms_norm(h, r, w, eps);
+        return mlx_infer::add_rms_norm(h, r, w, eps, pre, clip_f16);
       },
-      "h"_a, "r"_a, "w"_a, nb::kw_only(), "eps"_a,
+      "h"_a, "r"_a, "w"_a, nb::kw_only(), "eps"_a, "pre_w"_a = nb::none(), "clip_f16"_a = false,
       "``(h + r, mx.fast.rms_norm(h + r, w, eps))`` for ``h, r (R, E)`` in one CUDA kernel (the decode graphs' "
-      "residual and the next norm). CUDA only: elsewhere a clear error.");
+      "residual and the next norm). With ``pre_w`` (a sandwich norm, gemma) ``r`` is first "
+      "``mx.fast.rms_norm(r, pre_w, eps)``; with ``clip_f16`` a float16 sum is taken in float32 and clipped to "
+      "float16's range (gemma3's residual). CUDA only: elsewhere a clear error.");
   m.def(
       "gated_activation",
       [](const mx::array& gate_up, const std::string& activation) {

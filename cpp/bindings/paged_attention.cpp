@@ -72,7 +72,8 @@ Returns:
   m.def(
       "qkv_rope",
       [](const mx::array& qkv, const mx::array& positions, int heads, int kv_heads, int head_dim, int dims,
-         bool traditional, std::optional<float> base, float scale, const std::optional<mx::array>& freqs) {
+         bool traditional, std::optional<float> base, float scale, const std::optional<mx::array>& freqs,
+         const std::optional<mx::array>& q_norm, const std::optional<mx::array>& k_norm, float eps) {
         mlx_infer::RopeSpec r;
         r.dims = dims;
         r.traditional = traditional;
@@ -85,19 +86,34 @@ Returns:
         if (positions.ndim() != 1 || qkv.ndim() != 2 || positions.shape(0) != qkv.shape(0)) {
           throw std::invalid_argument("[qkv_rope] qkv must be (R, (H + 2 KVH) D) and positions (R,).");
         }
-        if (!mlx_infer::qkv_rope_supported(qkv, heads, kv_heads, head_dim, r)) {
+        if (q_norm.has_value() != k_norm.has_value()) {
+          throw std::invalid_argument("[qkv_rope] give both q_norm and k_norm, or neither.");
+        }
+        std::optional<mlx_infer::QkNorm> qk;
+        if (q_norm) {
+          qk = mlx_infer::QkNorm{*q_norm, *k_norm, eps};
+        }
+        const mlx_infer::QkNorm* norm = qk ? &*qk : nullptr;
+        if (!mlx_infer::qkv_rope_supported(qkv, heads, kv_heads, head_dim, r, norm)) {
           throw std::invalid_argument(
               "[qkv_rope] runs on MLX's CUDA backend (default device the GPU) with qkv (R, (H + 2 KVH) D) of a "
-              "float dtype and even head_dim and dims <= head_dim; elsewhere the graphs use mx.fast.rope.");
+              "float dtype and even head_dim and dims <= head_dim (q_norm, k_norm: (head_dim,) of qkv's dtype, "
+              "head_dim <= 2048); elsewhere the graphs use mx.fast.rope.");
         }
-        auto out = mlx_infer::qkv_rope(qkv, heads, kv_heads, head_dim, r, positions);
+        auto out = mlx_infer::qkv_rope(qkv, heads, kv_heads, head_dim, r, positions, false, norm);
         return std::make_tuple(out[0], out[1], out[2]);
       },
       "qkv"_a, "positions"_a, nb::kw_only(), "heads"_a, "kv_heads"_a, "head_dim"_a, "dims"_a,
       "traditional"_a = false, "base"_a = nb::none(), "scale"_a = 1.0f, "freqs"_a = nb::none(),
+      "q_norm"_a = nb::none(), "k_norm"_a = nb::none(), "eps"_a = 1e-6f,
       "A fused q|k|v product's output ``(R, (H + 2 KVH) D)`` as contiguous ``q (R, H, D)``, ``k, v (R, KVH, D)``, "
       "q and k rotated at ``positions (R,)`` as ``mx.fast.rope`` rotates them: one CUDA kernel (the paged step's "
-      "on CUDA). CUDA only: elsewhere a clear error.");
+      "on CUDA). With ``q_norm`` and ``k_norm`` ((D,) weights) each q and k head is first "
+      "``mx.fast.rms_norm(head, w, eps)`` (gemma3's and qwen3's per-head norms). CUDA only: elsewhere a clear "
+      "error.");
+  m.def("qkv_rope_norm_enabled", &mlx_infer::qkv_rope_norm_enabled,
+        "Whether the paged step on CUDA hands per-head q/k norms (gemma3, qwen3) to qkv_rope (default on; "
+        "MLX_INFER_QKV_ROPE_NORM=0 off, read at each trace; a bad value raises ValueError naming it).");
   m.def(
       "paged_key_pipeline",
       [] {

@@ -42,11 +42,12 @@ mx::array add_residual(const DecodeConfig& cfg, const mx::array& h, const mx::ar
   return post_norm ? residual(cfg, h, rms(r, post_norm, cfg.rms_norm_eps)) : mx::add(h, r);
 }
 
-// Whether residual_then_norm takes one CUDA kernel (fused_cuda.h): switched on, the residual a plain add (no
-// sandwich norm) and a norm after it.
+// Whether residual_then_norm takes one CUDA kernel (fused_cuda.h): switched on, and a norm after the residual
+// (the residual a plain add, or a sandwich norm's: gemma's rms(r, post_norm) added, clipped in float16).
 bool add_norm_fuses(const mx::array& h, const mx::array& r, const std::optional<mx::array>& post_norm,
                     const std::optional<mx::array>& next_norm) {
-  return !post_norm && next_norm && fused_add_norm_enabled() && add_rms_norm_applies(h, r, *next_norm);
+  return next_norm && fused_add_norm_enabled() &&
+         add_rms_norm_applies(h, r, *next_norm, post_norm ? &*post_norm : nullptr);
 }
 
 // The residual and the norm of the block after it: (h', next_norm ? rms(h', next_norm) : h') with h' =
@@ -55,7 +56,8 @@ std::pair<mx::array, mx::array> residual_then_norm(const DecodeConfig& cfg, cons
                                                    const std::optional<mx::array>& post_norm,
                                                    const std::optional<mx::array>& next_norm) {
   if (add_norm_fuses(h, r, post_norm, next_norm)) {
-    return add_rms_norm(h, r, *next_norm, cfg.rms_norm_eps);  // (B, E) each
+    return add_rms_norm(h, r, *next_norm, cfg.rms_norm_eps, post_norm ? &*post_norm : nullptr,
+                        cfg.clip_f16_residual);  // (B, E) each
   }
   auto sum = add_residual(cfg, h, r, post_norm);
   return {sum, next_norm ? rms(sum, next_norm, cfg.rms_norm_eps) : sum};
@@ -166,14 +168,21 @@ mx::array gqa_attention(const DecodeStep::Graph& g, int i, const mx::array& x, c
     if (lw.o.present() && l2_prefetch_o_enabled() && l2_prefetch_applies(qkv, *lw.o.w)) {
       qkv = l2_prefetch(qkv, *lw.o.w);  // o's weight streams into the L2 while RoPE, K/V writes, attention run
     }
-    if (!lw.q_norm && kv.fused_qkv_rope() && qkv_rope_supported(qkv, H, KVH, D, lw.rope)) {
+    // per-head q/k norms (gemma3, qwen3) go inside the kernel; norms over the whole projection or of v do not
+    std::optional<QkNorm> qk;
+    if (lw.q_norm && lw.k_norm && !cfg.qk_norm_whole && qkv_rope_norm_enabled()) {
+      qk = QkNorm{*lw.q_norm, *lw.k_norm, eps};
+    }
+    const QkNorm* norm = qk ? &*qk : nullptr;
+    if ((!lw.q_norm || qk) && !cfg.v_norm && kv.fused_qkv_rope() &&
+        qkv_rope_supported(qkv, H, KVH, D, lw.rope, norm)) {
       if (attends_itself) {
-        if (auto out = kv.rope_write_attend(lw.buffer, qkv, H, KVH, D, lw.rope, positions)) {
+        if (auto out = kv.rope_write_attend(lw.buffer, qkv, H, KVH, D, lw.rope, positions, norm)) {
           return *out;  // (B, H D)
         }
       }
       // q (B, H, D); k, v contiguous, where this layer writes them itself in the Scatter's update layout
-      auto [qr, kr, vr] = qkv_rope(qkv, H, KVH, D, lw.rope, positions, attends_itself);
+      auto [qr, kr, vr] = qkv_rope(qkv, H, KVH, D, lw.rope, positions, attends_itself, norm);
       if (attends_itself) {
         if (auto out = kv.write_attend(lw.buffer, qr, kr, vr)) {
           return mx::reshape(*out, {B, H * D});  // (B, H D)

@@ -121,6 +121,8 @@ struct AttentionInputs {
 /// Where a forward's K/V live: the contiguous buffers of DecodeStep or the
 /// pages of a paged store (paged_step.cpp). The layer code calls it once per
 /// layer; an implementation keeps the updated storage it builds as its output.
+struct QkNorm;  // qkv_rope_cuda.h: the per-head q/k norms qkv_rope applies
+
 class KVAccess {
  public:
   virtual ~KVAccess() = default;
@@ -140,9 +142,11 @@ class KVAccess {
   virtual bool fused_qkv_rope() const { return false; }
   /// Where fused_qkv_rope applies to ``qkv`` (B, (H + 2 KVH) D): layer ``layer``'s q rotated, its k and v
   /// written into the storage by that same kernel (qkv_rope_write), and q attended over it: (B, H D); or none,
-  /// having written nothing, to have the layer call qkv_rope and write_attend.
+  /// having written nothing, to have the layer call qkv_rope and write_attend. ``norm``: q and k RMS-normed
+  /// per head first (qkv_rope's).
   virtual std::optional<mx::array> rope_write_attend(int layer, const mx::array& qkv, int H, int KVH, int D,
-                                                     const RopeSpec& rope, const mx::array& positions) {
+                                                     const RopeSpec& rope, const mx::array& positions,
+                                                     const QkNorm* norm) {
     return std::nullopt;
   }
 };

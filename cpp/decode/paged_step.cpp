@@ -71,11 +71,8 @@ class PagedKV final : public KVAccess {
     if (backend == "gather") {
       return std::nullopt;  // Metal, or a shape the kernels do not take: write_read's gather
     }
-    const auto* in = group_inputs(layer_groups_[i]);
     auto [new_k, new_v] = write(i, k, v);
-    const auto& sinks = g_.layers[g_.buffer_layer[i]].sinks;
-    return paged_attention(q, new_k, new_v, in[0], in[1], windows_[i], g_.cfg.attn_scale, g_.cfg.attn_softcap,
-                           sinks, {}, /*flat_heads=*/true, /*split_counts=*/inputs_[4]);  // (R, H D)
+    return attend(i, q, new_k, new_v);  // (R, H D)
   }
 
   // Both paths: the kernel and the gather path rotate alike (one RoPE for both, on CUDA qkv_rope's).
@@ -84,7 +81,7 @@ class PagedKV final : public KVAccess {
   // The kernel path on CUDA: qkv_rope writes the new K/V rows into the storage itself (no Scatter, no write
   // index), then paged_attention reads them through the tables; the storage is this layer's output as it came.
   std::optional<mx::array> rope_write_attend(int i, const mx::array& qkv, int H, int KVH, int D, const RopeSpec& rope,
-                                             const mx::array& positions) override {
+                                             const mx::array& positions, const QkNorm* norm) override {
     const auto& kbuf = key_storage(i);
     const auto& vbuf = value_storage(i);
     const auto* in = group_inputs(layer_groups_[i]);
@@ -95,12 +92,10 @@ class PagedKV final : public KVAccess {
     if (backend_ != nullptr) {
       *backend_ = "cuda";
     }
-    auto q = qkv_rope_write(qkv, H, KVH, D, rope, positions, kbuf, vbuf, in[2]);  // (R, H, D)
+    auto q = qkv_rope_write(qkv, H, KVH, D, rope, positions, kbuf, vbuf, in[2], norm);  // (R, H, D)
     outputs_.push_back(kbuf);
     outputs_.push_back(vbuf);
-    const auto& sinks = g_.layers[g_.buffer_layer[i]].sinks;
-    return paged_attention(q, kbuf, vbuf, in[0], in[1], windows_[i], g_.cfg.attn_scale, g_.cfg.attn_softcap,
-                           sinks, {}, /*flat_heads=*/true, /*split_counts=*/inputs_[4]);  // (R, H D)
+    return attend(i, q, kbuf, vbuf);  // (R, H D)
   }
 
   // The gather path (reference and fallback): write, gather (R, KVH, S, D), attend under the mask.
@@ -119,6 +114,14 @@ class PagedKV final : public KVAccess {
   }
 
  private:
+  // paged_attention of q (R, H, D) over layer i's storage as written this step, through its group's tables.
+  mx::array attend(int i, const mx::array& q, const mx::array& k_storage, const mx::array& v_storage) const {
+    const auto* in = group_inputs(layer_groups_[i]);
+    const auto& sinks = g_.layers[g_.buffer_layer[i]].sinks;
+    return paged_attention(q, k_storage, v_storage, in[0], in[1], windows_[i], g_.cfg.attn_scale,
+                           g_.cfg.attn_softcap, sinks, {}, /*flat_heads=*/true, /*split_counts=*/inputs_[4]);
+  }
+
   struct Rows {
     mx::array read;  // (R, KVH, S)
     mx::array mask;  // (R, 1, 1, S)

@@ -4,7 +4,8 @@
 // CustomKernel node (~6-7 us: it hashes the kernel's source at every submit) than on a built-in op (~3 us;
 // benchmarks/RESULTS.md "Session 21", where an earlier fused add + norm lost on a host-bound step), so they can
 // only win where the device, not the host, bounds the step. The CPU and Metal graphs keep MLX's ops.
-//   - add_rms_norm (residual_norm_cuda.cpp): h + r and RMSNorm of that sum, one launch (MLX: Add, RMSNorm).
+//   - add_rms_norm (residual_norm_cuda.cpp): h + r and RMSNorm of that sum, one launch (MLX: Add, RMSNorm; with
+//     a sandwich norm RMSNorm, Add, RMSNorm).
 //   - gated_activation (gated_cuda.cpp): act(gate) * up straight from a fused gate|up product's output
 //     (MLX: Split, then the compiled activation).
 #pragma once
@@ -30,13 +31,18 @@ bool fused_gated_enabled();
 /// Whether add_rms_norm takes these (the switch above aside): the CUDA backend with the GPU as the default
 /// device, h and r (R, E) of one float dtype, w (E,) of that dtype, rows of a multiple of 16 bytes and at most
 /// 64 Ki elements.
-bool add_rms_norm_applies(const mx::array& h, const mx::array& r, const mx::array& w);
+/// ``pre_w``: a sandwich norm's weight (E,) of that dtype, as add_rms_norm takes it.
+bool add_rms_norm_applies(const mx::array& h, const mx::array& r, const mx::array& w,
+                          const mx::array* pre_w = nullptr);
 
 /// (h + r, rms_norm(h + r, w, eps)) for h, r (R, E): the sum rounded to the dtype as mx::add rounds it, the
 /// norm as mx::fast::rms_norm computes it (float32 sum of squares, rsqrt(mean + eps), w * dtype(x * inv)); the
-/// sum of squares adds in another order than MLX's kernel, so the norm can differ in its last bit. Call only
-/// where add_rms_norm_applies.
-std::pair<mx::array, mx::array> add_rms_norm(const mx::array& h, const mx::array& r, const mx::array& w, float eps);
+/// sum of squares adds in another order than MLX's kernel, so the norm can differ in its last bit. With
+/// ``pre_w`` (a sandwich norm, gemma) r is first rms_norm(r, pre_w, eps) the same way, and with ``clip_f16``
+/// a float16 sum is taken in float32 and clipped to float16's range (gemma3's residual). Call only where
+/// add_rms_norm_applies.
+std::pair<mx::array, mx::array> add_rms_norm(const mx::array& h, const mx::array& r, const mx::array& w, float eps,
+                                             const mx::array* pre_w = nullptr, bool clip_f16 = false);
 
 /// Whether gated_activation takes these (the switch above aside): the CUDA backend with the GPU as the default
 /// device, ``gate_up`` (R, 2F) of one float dtype with F a multiple of 16 bytes, ``activation`` "silu" or
