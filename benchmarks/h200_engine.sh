@@ -932,6 +932,40 @@ case "${1:-a}" in
       --plot "$out/served-$shape.png"
     grep -h '^| ' "$out/served-$shape.log"
     ;;
+  s28b)
+    # After ef46736 (the q/k norms inside qkv_rope, the sandwich norm inside add_rms_norm): the kernels' and the
+    # steps' CUDA tests, gemma3-270m's census, the two changes' A/B on its step, and its served table with the
+    # old graph as a column beside (MLX_INFER_QKV_ROPE_NORM=0 and MLX_INFER_FUSED_ADD_NORM=0 = session 28's
+    # gemma graph: its post-norms kept it off the fused add+norm then).
+    run 150 cuda-tests python -m pytest -q -p no:cacheprovider -rfE --tb=short -n 8 tests/test_fused_cuda.py \
+      tests/test_qkv_rope.py tests/test_l2_prefetch.py tests/test_paged_step_kernel.py tests/test_mixed_steps.py \
+      tests/test_gemma4_decode_step.py
+    tail -4 "$out"/cuda-tests.log
+    run 60 census-gemma python benchmarks/host_step.py --shape gemma3-270m --streams 1,32 --prompt 512 --census
+    grep -h "streams\|graph" "$out"/census-gemma.log
+    run 120 ab-gemma python benchmarks/host_step.py --shape gemma3-270m --streams 1,32 \
+      --ab MLX_INFER_QKV_ROPE_NORM=0 --interleave 10 --rounds 8
+    grep -h "interleaved" "$out"/ab-gemma.log
+    run 330 served-gemma3-270m python benchmarks/served.py -p 512 -g 128 -r 1 -n 2 --no-text \
+      --streams 1,8,32,64,128 --mlx-lm-step --shape gemma3-270m \
+      --env-column MLX_INFER_QKV_ROPE_NORM=0,MLX_INFER_FUSED_ADD_NORM=0 \
+      --json "$out/served-gemma3-270m.json" --plot "$out/served-gemma3-270m.png"
+    grep -h '^| ' "$out/served-gemma3-270m.log"
+    ;;
+  s28c)
+    # On an H200 (the goals' GPU) after ef46736: the new kernels' CUDA tests, then the served table of the shapes
+    # named (default llama-1b gemma3-270m; llama-8b in a call of its own), as s28a runs it.
+    shift
+    run 120 cuda-tests python -m pytest -q -p no:cacheprovider -rfE --tb=short -n 8 tests/test_fused_cuda.py \
+      tests/test_qkv_rope.py tests/test_paged_step_kernel.py tests/test_mixed_steps.py
+    tail -4 "$out"/cuda-tests.log
+    for shape in ${@:-llama-1b gemma3-270m}; do
+      run 330 served-$shape python benchmarks/served.py -p 512 -g 128 -r 1 -n 2 --no-text \
+        --streams 1,8,32,64,128 --mlx-lm-step --shape $shape --json "$out/served-$shape.json" \
+        --plot "$out/served-$shape.png"
+      grep -h '^| ' "$out/served-$shape.log"
+    done
+    ;;
   s27c)
     # The L2-prefetch probe (the mechanism alone, CUPTI-timed).
     run 100 l2-prefetch python benchmarks/gpu_l2_prefetch_probe.py --json "$out/l2-prefetch.json"
@@ -960,6 +994,6 @@ case "${1:-a}" in
     done
     grep -h "interleaved" "$out"/tuned-*.log "$out"/gemv64-*.log
     ;;
-  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e|s19a|s19b|s19c|s20a|s20b|s20c|s21a|s21b|s21c|s21d|s21e|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s25a|s25b|s25c|s26a|s26b|s27a|s27m|s27b|s27c|s28a" >&2
+  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e|s19a|s19b|s19c|s20a|s20b|s20c|s21a|s21b|s21c|s21d|s21e|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s25a|s25b|s25c|s26a|s26b|s27a|s27m|s27b|s27c|s28a|s28b|s28c" >&2
      exit 2 ;;
 esac
