@@ -85,7 +85,12 @@ def test_sandwich_add_rms_norm_equals_mlx_on_cuda_or_refuses_clearly(dtype, R, E
     assert got_sum.dtype == dtype and mx.all(diff <= ulp * size).item()
     if dtype != mx.float32:  # in 16 bits the rounding absorbs most float32 differences
         assert (diff > 0).astype(mx.float32).mean().item() <= 0.05
-    compare(got_norm, mx.fast.rms_norm(want_sum, w, 1e-6), dtype, "norm", 0.05)
+    want_norm = mx.fast.rms_norm(want_sum, w, 1e-6)
+    if dtype == mx.float32:  # the sums' last bits carry into the norm: bounded against the row's scale
+        worst = mx.abs(got_norm - want_norm).max().item()
+        assert worst <= 1e-5 * mx.abs(want_norm).max().item()
+    else:
+        compare(got_norm, want_norm, dtype, "norm", 0.05)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

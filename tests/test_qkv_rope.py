@@ -97,8 +97,10 @@ def test_qk_norms_equal_mlx_rms_norm_then_rope_on_cuda_or_refuse(dtype, H, KVH, 
         print(f"{name} {dtype}: max |diff| {worst:.3g}, {frac:.2%} of elements differ")
         if name == "v":
             assert worst == 0.0
+        elif dtype == mx.float32:  # any element may differ in its last bits (the reduction order)
+            assert worst <= 1e-5
         else:  # |values| <= ~2 (the weights): a last bit of the norm carried through the rotation
-            assert worst <= (1e-5 if dtype == mx.float32 else 2 ** -4) and frac <= 0.05
+            assert worst <= 2 ** -4 and frac <= 0.05
 
 
 def test_bad_arguments_raise_clear_errors():

@@ -173,7 +173,7 @@ RopeLaunch rope_launch(const mx::array& qkv, int H, int KVH, int D, const RopeSp
   const int R = qkv.shape(0);
   const bool with_freqs = rope.freqs.has_value();
   auto pos = mx::reshape(positions.dtype() == mx::int32 ? positions : mx::astype(positions, mx::int32), {R});
-  // Without freqs (or norms) the positions stand in, never read (no extra op). Explicit shapes: a reshape to
+  // Without freqs the positions stand in, never read (no extra op). Explicit shapes: a reshape to
   // the shape an array has adds no graph node (one with -1 would, in every layer of every step).
   auto freqs = with_freqs ? mx::astype(mx::reshape(*rope.freqs, {static_cast<int>(rope.freqs->size())}), mx::float32)
                           : pos;
@@ -186,7 +186,8 @@ RopeLaunch rope_launch(const mx::array& qkv, int H, int KVH, int D, const RopeSp
       {"kScaleBits", float_bits(rope.scale, "the RoPE scale")},
       {"kLog2BaseBits", float_bits(with_freqs ? 0.0f : std::log2(*rope.base), "log2 of the RoPE base")},
       {"kEpsBits", float_bits(norm != nullptr ? norm->eps : 0.0f, "the q/k RMSNorm epsilon")}};
-  std::vector<mx::array> inputs{qkv, pos, freqs, norm != nullptr ? norm->q_w : pos, norm != nullptr ? norm->k_w : pos};
+  // without norms qkv stands in for q_w / k_w (never read; of the type T the kernel declares them)
+  std::vector<mx::array> inputs{qkv, pos, freqs, norm != nullptr ? norm->q_w : qkv, norm != nullptr ? norm->k_w : qkv};
   return {std::move(inputs), std::move(targs), {((half + bx - 1) / bx) * bx, H + 2 * KVH, R}, {bx, 1, 1}};
 }
 
