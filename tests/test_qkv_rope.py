@@ -59,8 +59,11 @@ def test_equals_mlx_rope_on_cuda_or_refuses_clearly(dtype, H, KVH, D, dims, trad
         print(f"{name} {dtype}: max |diff| {worst:.3g}, {frac:.2%} of elements differ")
         if name == "v":
             assert worst == 0.0
-        else:  # the same formula as MLX's kernel: equal but for an FMA contraction's last bit
-            assert worst <= (2e-6 if dtype == mx.float32 else 2 ** -5) and frac <= 0.01
+        elif dtype == mx.float32:  # the same formula as MLX's kernel: equal but for FMA contractions' last bits
+            # (NVRTC contracts this kernel's products its own way: 9-17 % of elements 1-2 ulps off on an H100)
+            assert worst <= 2e-6
+        else:  # in bfloat16 the rounding absorbs nearly all of them
+            assert worst <= 2 ** -5 and frac <= 0.01
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
