@@ -1,9 +1,8 @@
 // Internal to cpp/: two fused elementwise kernels of the decode graphs on CUDA (mx::fast::cuda_kernel, NVRTC at
-// run time), each replacing two graph nodes of every layer: one launch and one pass over the activations
-// fewer. Off by default until a device run shows them paying: MLX's CUDA backend spends more host time on a
-// CustomKernel node (~6-7 us: it hashes the kernel's source at every submit) than on a built-in op (~3 us;
-// benchmarks/RESULTS.md "Session 21", where an earlier fused add + norm lost on a host-bound step), so they can
-// only win where the device, not the host, bounds the step. The CPU and Metal graphs keep MLX's ops.
+// run time), each replacing two or three graph nodes of every layer: launches and passes over the activations
+// fewer. On by default: a CustomKernel node costs MLX's host more than a built-in op (~6-7 against ~3 us;
+// benchmarks/RESULTS.md "Session 21"), but the nodes they save won on an H100 at every point measured, host-bound
+// and device-bound steps alike (sessions 27, 28). The CPU and Metal graphs keep MLX's ops.
 //   - add_rms_norm (residual_norm_cuda.cpp): h + r and RMSNorm of that sum, one launch (MLX: Add, RMSNorm; with
 //     a sandwich norm RMSNorm, Add, RMSNorm).
 //   - gated_activation (gated_cuda.cpp): act(gate) * up straight from a fused gate|up product's output
