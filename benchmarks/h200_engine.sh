@@ -969,6 +969,14 @@ case "${1:-a}" in
       grep -h '^| ' "$out/served-$shape.log"
     done
     ;;
+  s29a)
+    # Session 28's open question: gemma3-270m's own peak rose with the norm kernels (1 stream 0.65 -> 0.77 GB,
+    # 64 streams 1.89 -> 2.32). Each switch apart, at 1 and 64 streams, beside the default.
+    run 300 peak-gemma python benchmarks/served.py -p 512 -g 128 -r 1 -n 2 --no-text --streams 1,64 \
+      --shape gemma3-270m --env-column MLX_INFER_QKV_ROPE_NORM=0 --env-column MLX_INFER_FUSED_ADD_NORM=0 \
+      --json "$out/peak-gemma.json"
+    grep -h '^| ' "$out/peak-gemma.log"
+    ;;
   s27c)
     # The L2-prefetch probe (the mechanism alone, CUPTI-timed).
     run 100 l2-prefetch python benchmarks/gpu_l2_prefetch_probe.py --json "$out/l2-prefetch.json"
@@ -997,6 +1005,6 @@ case "${1:-a}" in
     done
     grep -h "interleaved" "$out"/tuned-*.log "$out"/gemv64-*.log
     ;;
-  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e|s19a|s19b|s19c|s20a|s20b|s20c|s21a|s21b|s21c|s21d|s21e|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s25a|s25b|s25c|s26a|s26b|s27a|s27m|s27b|s27c|s28a|s28b|s28c" >&2
+  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e|s19a|s19b|s19c|s20a|s20b|s20c|s21a|s21b|s21c|s21d|s21e|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s25a|s25b|s25c|s26a|s26b|s27a|s27m|s27b|s27c|s28a|s28b|s28c|s29a" >&2
      exit 2 ;;
 esac
