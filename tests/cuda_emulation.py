@@ -483,11 +483,12 @@ def run_add_rms_norm(workdir: Path, h: np.ndarray, r: np.ndarray, w: np.ndarray,
     the sandwich norm's weight (r normed by it before the add)."""
     R, E = h.shape
     body = _raw(FUSED_DIR / "residual_norm_cuda.cpp", "kAddRmsNorm")
+    header = _raw(FUSED_DIR / "residual_norm_cuda.cpp", "kBlockSumHeader")
     consts = dict(T=float, kE=E, kBlock=block, kPer=per, kEpsBits=float_bits(eps), kPreNorm=pre_w is not None,
                   kClip=False)
     kernel = _function("add_rms_norm", "const float* h, const float* r, const float* w, const float* pw, "
                        "float* sum_out, float* norm_out", consts, body)
-    out = _run_rows(workdir, kernel, "", "add_rms_norm((const float*)a.data(), (const float*)b.data(), "
+    out = _run_rows(workdir, kernel, header, "add_rms_norm((const float*)a.data(), (const float*)b.data(), "
                     "(const float*)c.data(), (const float*)d.data(), o1.data(), o2.data())",
                     dict(R=R, OUT1=E, OUT2=E, GX=1, BLOCK=block), [h, r, w, w if pre_w is None else pre_w])
     return out[:R * E].reshape(R, E), out[R * E:].reshape(R, E)

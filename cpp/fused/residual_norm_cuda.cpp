@@ -26,6 +26,22 @@ namespace {
 // RMS-normed by pw first: the sandwich norm), kClip (the sum in float32 clipped to float16's range: gemma3's
 // float16 residual). h, r (R, kE), w, pw (kE,); outputs sum_out, norm_out (R, kE). Grid (kBlock, R):
 // blockIdx.y is the row.
+// The kernel's header: a block's sum of one float a thread (a warp shuffle, then every warp's sum through
+// shared memory), returned to every thread.
+constexpr const char* kBlockSumHeader = R"(
+template <int kBlock>
+__device__ __forceinline__ float block_sum(float v, float* warp_sums) {
+  #pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = v;
+  __syncthreads();
+  float total = 0.0f;
+  #pragma unroll
+  for (int i = 0; i < kBlock / 32; ++i) total += warp_sums[i];
+  return total;
+}
+)";
+
 constexpr const char* kAddRmsNorm = R"(
   constexpr int kC = 16 / sizeof(T);  // elements per 16-byte chunk
   using V = AlignedVector<T, kC>;
@@ -52,15 +68,8 @@ constexpr const char* kAddRmsNorm = R"(
         }
       }
     }
-    #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) sr += __shfl_xor_sync(0xffffffffu, sr, o);
     __shared__ float warp_sums_r[kBlock / 32];
-    if (t % 32 == 0) warp_sums_r[t / 32] = sr;
-    __syncthreads();
-    float total_r = 0.0f;
-    #pragma unroll
-    for (int i = 0; i < kBlock / 32; ++i) total_r += warp_sums_r[i];
-    inv_r = rsqrtf(total_r / static_cast<float>(kE) + eps);
+    inv_r = rsqrtf(block_sum<kBlock>(sr, warp_sums_r) / static_cast<float>(kE) + eps);
   }
   const V* pwv = reinterpret_cast<const V*>(pw);
   float ss = 0.0f;
@@ -87,15 +96,8 @@ constexpr const char* kAddRmsNorm = R"(
       sv[c] = s[i];
     }
   }
-  #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-  __shared__ float warp_sums[kBlock / 32];
-  if (t % 32 == 0) warp_sums[t / 32] = ss;
-  __syncthreads();
-  float total = 0.0f;
-  #pragma unroll
-  for (int i = 0; i < kBlock / 32; ++i) total += warp_sums[i];
-  const float inv = rsqrtf(total / static_cast<float>(kE) + eps);
+  __shared__ float warp_sums[kBlock / 32];  // apart from warp_sums_r: no thread waits between the two sums
+  const float inv = rsqrtf(block_sum<kBlock>(ss, warp_sums) / static_cast<float>(kE) + eps);
   const V* wv = reinterpret_cast<const V*>(w);
   V* nv = reinterpret_cast<V*>(norm_out) + base;
   #pragma unroll
@@ -119,7 +121,7 @@ const ReusedKernel& kernel() {
   static ReusedKernel fn;
   std::call_once(once, [] {
     fn = ReusedKernel(mx::fast::cuda_kernel("mlxi_add_rms_norm", {"h", "r", "w", "pw"}, {"sum_out", "norm_out"},
-                                            kAddRmsNorm, ""));
+                                            kAddRmsNorm, kBlockSumHeader));
   });
   return fn;
 }
