@@ -217,6 +217,7 @@ def run(workdir: Path, q: np.ndarray, k: np.ndarray, v: np.ndarray, tables: np.n
 
 
 ROPE_FILE = Path(__file__).resolve().parents[1] / "cpp" / "attention" / "qkv_rope_cuda.cpp"
+KERNEL_ARGS_FILE = Path(__file__).resolve().parents[1] / "cpp" / "attention" / "kernel_args.h"
 
 def _rope_main(extra_inputs: str, outputs: str, call_args: str, written: str) -> str:
     """The emulation's main() for qkv_rope's launch as rope_launch sizes it: grid (D / 2 over blocks of up to
@@ -273,13 +274,14 @@ def _rope_consts(H: int, KVH: int, D: int, dims: int, traditional: bool, base: f
                 # scale and log2(base) in float32, as qkv_rope passes them (std::log2 of the float base)
                 kScaleBits=float_bits(scale),
                 kLog2BaseBits=float_bits(0.0 if base is None else float(np.log2(np.float32(base)))),
-                kEpsBits=float_bits(0.0 if norms is None else norms[2]))
+                kEpsBits=float_bits(0.0 if norms is None else norms[2]),
+                kBlock=(D // 2 + 31) // 32 * 32 if norms is not None else min(D // 2, 128))  # rope_launch's block
 
 
 def _rope_source(R: int, H: int, KVH: int, D: int, args: str, consts: dict, kv_dst: str, main: str) -> str:
     return (_MOCK + f"constexpr int R = {R}, H = {H}, KVH = {KVH}, D = {D};\n"
             + f"constexpr bool QK_NORM = {'true' if consts['kQkNorm'] else 'false'};\n"
-            + _function("qkv_rope", args, consts, _rope_kernel(kv_dst)) + _MAIN.split("int main()")[0] + main)
+            + _raw(KERNEL_ARGS_FILE, "kBlockSumHeader") + _function("qkv_rope", args, consts, _rope_kernel(kv_dst)) + _MAIN.split("int main()")[0] + main)
 
 
 def _rope_files(workdir: Path, qkv: np.ndarray, positions: np.ndarray, freqs: np.ndarray | None,
@@ -483,7 +485,7 @@ def run_add_rms_norm(workdir: Path, h: np.ndarray, r: np.ndarray, w: np.ndarray,
     the sandwich norm's weight (r normed by it before the add)."""
     R, E = h.shape
     body = _raw(FUSED_DIR / "residual_norm_cuda.cpp", "kAddRmsNorm")
-    header = _raw(FUSED_DIR / "residual_norm_cuda.cpp", "kBlockSumHeader")
+    header = _raw(KERNEL_ARGS_FILE, "kBlockSumHeader")
     consts = dict(T=float, kE=E, kBlock=block, kPer=per, kEpsBits=float_bits(eps), kPreNorm=pre_w is not None,
                   kClip=False)
     kernel = _function("add_rms_norm", "const float* h, const float* r, const float* w, const float* pw, "

@@ -24,4 +24,21 @@ inline int float_bits(float x, const char* what) {
   return bits;
 }
 
+// A kernel header (mx::fast::cuda_kernel's ``header``): block_sum<kBlock>(v, warp_sums), a block's sum of one float
+// a thread (a warp shuffle, then every warp's sum through ``warp_sums``, kBlock / 32 floats of shared memory),
+// returned to every thread. kBlock: the block's threads, a multiple of 32.
+inline constexpr const char* kBlockSumHeader = R"(
+template <int kBlock>
+__device__ __forceinline__ float block_sum(float v, float* warp_sums) {
+  #pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = v;
+  __syncthreads();
+  float total = 0.0f;
+  #pragma unroll
+  for (int i = 0; i < kBlock / 32; ++i) total += warp_sums[i];
+  return total;
+}
+)";
+
 }  // namespace mlx_infer

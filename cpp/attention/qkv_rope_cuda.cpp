@@ -30,7 +30,7 @@ namespace {
 // Template constants: T (dtype), kH kKVH kD kDims (rotated features), kTraditional, kFreqs (inv_freq from
 // freqs, else from log2(base)), kScaleBits / kLog2BaseBits / kEpsBits (float32 bit patterns: kernel_args.h
 // says why not an array), kQkNorm (q and k heads RMS-normed first, by q_w / k_w (kD,); the block is then one
-// head, kD / 2 threads rounded up to a warp). freqs: (kDims / 2,) float32 (read only with kFreqs). Outputs q
+// head, kD / 2 threads rounded up to a warp), kBlock (the block's threads). freqs: (kDims / 2,) float32 (read only with kFreqs). Outputs q
 // (R, kH, kD), and MLXI_KV_DST (kKvOut or kKvWrite) says where a K or V head's features go.
 constexpr const char* kQkvRope = R"(
   const int u = blockIdx.x * blockDim.x + threadIdx.x;
@@ -47,15 +47,9 @@ constexpr const char* kQkvRope = R"(
   float x1 = u < kHalf ? static_cast<float>(src[i1]) : 0.0f;
   float x2 = u < kHalf ? static_cast<float>(src[i2]) : 0.0f;
   if (kQkNorm && !is_v) {  // the head's RMSNorm (q_w or k_w) as mx::fast::rms_norm, before the rotation
-    float ss = x1 * x1 + x2 * x2;
-    #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    __shared__ float warp_sums[32];
-    if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = ss;
-    __syncthreads();
-    float total = 0.0f;
-    for (int i = 0; i < (int)(blockDim.x / 32); ++i) total += warp_sums[i];
-    const float inv = rsqrtf(total / static_cast<float>(kD) + __int_as_float(kEpsBits));
+    __shared__ float warp_sums[(kBlock + 31) / 32];  // kBlock is a multiple of 32 here; not without norms
+    const float inv = rsqrtf(block_sum<kBlock>(x1 * x1 + x2 * x2, warp_sums) / static_cast<float>(kD) +
+                             __int_as_float(kEpsBits));
     if (u >= kHalf) return;
     const T* w = head < kH ? q_w : k_w;
     x1 = static_cast<float>(static_cast<T>(static_cast<float>(w[i1]) * static_cast<float>(static_cast<T>(x1 * inv))));
@@ -114,11 +108,11 @@ const ReusedKernel& kernel(bool write) {
   static ReusedKernel fns[2];
   std::call_once(once, [] {
     fns[0] = ReusedKernel(mx::fast::cuda_kernel("mlxi_qkv_rope", {"qkv", "positions", "freqs", "q_w", "k_w"},
-                                                {"q_out", "k_out", "v_out"}, with_kv_dst(kKvOut), ""));
+                                                {"q_out", "k_out", "v_out"}, with_kv_dst(kKvOut), kBlockSumHeader));
     fns[1] = ReusedKernel(mx::fast::cuda_kernel("mlxi_qkv_rope_write",
                                                 {"qkv", "positions", "freqs", "q_w", "k_w", "slots", "k_pool",
                                                  "v_pool"},
-                                                {"q_out"}, with_kv_dst(kKvWrite), ""));
+                                                {"q_out"}, with_kv_dst(kKvWrite), kBlockSumHeader));
   });
   return fns[write ? 1 : 0];
 }
@@ -182,7 +176,7 @@ RopeLaunch rope_launch(const mx::array& qkv, int H, int KVH, int D, const RopeSp
   const int bx = norm != nullptr ? (half + 31) / 32 * 32 : std::min(half, 128);
   std::vector<std::pair<std::string, mx::fast::TemplateArg>> targs{
       {"T", qkv.dtype()}, {"kH", H}, {"kKVH", KVH}, {"kD", D}, {"kDims", rope.dims},
-      {"kTraditional", rope.traditional}, {"kFreqs", with_freqs}, {"kQkNorm", norm != nullptr},
+      {"kTraditional", rope.traditional}, {"kFreqs", with_freqs}, {"kQkNorm", norm != nullptr}, {"kBlock", bx},
       {"kScaleBits", float_bits(rope.scale, "the RoPE scale")},
       {"kLog2BaseBits", float_bits(with_freqs ? 0.0f : std::log2(*rope.base), "log2 of the RoPE base")},
       {"kEpsBits", float_bits(norm != nullptr ? norm->eps : 0.0f, "the q/k RMSNorm epsilon")}};

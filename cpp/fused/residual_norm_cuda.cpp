@@ -26,22 +26,6 @@ namespace {
 // RMS-normed by pw first: the sandwich norm), kClip (the sum in float32 clipped to float16's range: gemma3's
 // float16 residual). h, r (R, kE), w, pw (kE,); outputs sum_out, norm_out (R, kE). Grid (kBlock, R):
 // blockIdx.y is the row.
-// The kernel's header: a block's sum of one float a thread (a warp shuffle, then every warp's sum through
-// shared memory), returned to every thread.
-constexpr const char* kBlockSumHeader = R"(
-template <int kBlock>
-__device__ __forceinline__ float block_sum(float v, float* warp_sums) {
-  #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = v;
-  __syncthreads();
-  float total = 0.0f;
-  #pragma unroll
-  for (int i = 0; i < kBlock / 32; ++i) total += warp_sums[i];
-  return total;
-}
-)";
-
 constexpr const char* kAddRmsNorm = R"(
   constexpr int kC = 16 / sizeof(T);  // elements per 16-byte chunk
   using V = AlignedVector<T, kC>;
