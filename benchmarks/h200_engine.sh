@@ -977,6 +977,27 @@ case "${1:-a}" in
       --json "$out/peak-gemma.json"
     grep -h '^| ' "$out/peak-gemma.log"
     ;;
+  s29b)
+    # Session 29's first call: the CUDA tests (the shared block_sum header's first NVRTC compile, the loosened
+    # float32 RoPE test), then s29a's peak split.
+    run 150 cuda-tests python -m pytest -q -p no:cacheprovider -rfE --tb=short -n 8 tests/test_fused_cuda.py \
+      tests/test_qkv_rope.py tests/test_l2_prefetch.py tests/test_paged_step_kernel.py tests/test_mixed_steps.py
+    tail -4 "$out"/cuda-tests.log
+    bash "$0" s29a
+    ;;
+  s29c)
+    # The norm kernels bounded to decode-sized steps (MLX_INFER_FUSED_NORM_MAX_ROWS, default 256) against session
+    # 28's unbounded graph as a column: peak, TTFT and decode at 1, 8, 64 streams (gemma3-270m), 1 and 64 (llama-1b).
+    run 60 cuda-tests python -m pytest -q -p no:cacheprovider -rfE --tb=short -n 8 tests/test_step_graph.py \
+      tests/test_fused_cuda.py
+    tail -3 "$out"/cuda-tests.log
+    run 280 bound-gemma python benchmarks/served.py -p 512 -g 128 -r 1 -n 2 --no-text --streams 1,8,64 \
+      --shape gemma3-270m --env-column MLX_INFER_FUSED_NORM_MAX_ROWS=1000000 --json "$out/bound-gemma.json"
+    grep -h '^| ' "$out/bound-gemma.log"
+    run 200 bound-llama-1b python benchmarks/served.py -p 512 -g 128 -r 1 -n 2 --no-text --streams 1,64 \
+      --shape llama-1b --env-column MLX_INFER_FUSED_NORM_MAX_ROWS=1000000 --json "$out/bound-llama-1b.json"
+    grep -h '^| ' "$out/bound-llama-1b.log"
+    ;;
   s27c)
     # The L2-prefetch probe (the mechanism alone, CUPTI-timed).
     run 100 l2-prefetch python benchmarks/gpu_l2_prefetch_probe.py --json "$out/l2-prefetch.json"
@@ -1005,6 +1026,6 @@ case "${1:-a}" in
     done
     grep -h "interleaved" "$out"/tuned-*.log "$out"/gemv64-*.log
     ;;
-  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e|s19a|s19b|s19c|s20a|s20b|s20c|s21a|s21b|s21c|s21d|s21e|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s25a|s25b|s25c|s26a|s26b|s27a|s27m|s27b|s27c|s28a|s28b|s28c|s29a" >&2
+  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e|s19a|s19b|s19c|s20a|s20b|s20c|s21a|s21b|s21c|s21d|s21e|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s25a|s25b|s25c|s26a|s26b|s27a|s27m|s27b|s27c|s28a|s28b|s28c|s29a|s29b|s29c" >&2
      exit 2 ;;
 esac

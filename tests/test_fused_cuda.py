@@ -146,3 +146,18 @@ def test_switches_default_on_read_at_each_call_and_refuse_bad_values(monkeypatch
     monkeypatch.setenv(var, "yes")
     with pytest.raises(ValueError, match=var):
         read()
+
+
+def test_norm_row_bound_defaults_to_256_read_at_each_call_and_refuses_bad_values(monkeypatch):
+    """MLX_INFER_FUSED_NORM_MAX_ROWS: the most rows of a step taking the norm-carrying kernels (fused_cuda.h)."""
+    var = "MLX_INFER_FUSED_NORM_MAX_ROWS"
+    monkeypatch.delenv(var, raising=False)
+    assert _fast.fused_norm_max_rows() == 256
+    monkeypatch.setenv(var, "0")
+    assert _fast.fused_norm_max_rows() == 0
+    monkeypatch.setenv(var, "2048")
+    assert _fast.fused_norm_max_rows() == 2048
+    for bad in ("-1", "many"):
+        monkeypatch.setenv(var, bad)
+        with pytest.raises(ValueError, match=var):
+            _fast.fused_norm_max_rows()

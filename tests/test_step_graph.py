@@ -103,3 +103,31 @@ def test_plain_step_graph_has_no_product_views(llama):
     assert c["Matmul"] == products + 2 * layers, c  # the forward is there to count
     assert c["Flatten"] <= layers and c["Unflatten"] <= layers, c
     assert c["Transpose"] <= 5 * layers, c  # q, k, v for RoPE, the output's, SDPA's K
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    return load_model(make_tiny_model_dir(tmp_path_factory.mktemp("gemma3") / "gemma3", "gemma3"), cpu_kernels=False)
+
+
+def test_steps_above_the_norm_row_bound_take_mlx_norms(gemma3, monkeypatch):
+    """A step of more rows than MLX_INFER_FUSED_NORM_MAX_ROWS keeps MLX's RMSNorm nodes (a prompt chunk's buffers
+    stay fewer in a CUDA graph: fused_cuda.h); a step within it takes the norm kernels on CUDA (gemma3's q/k,
+    sandwich and next-block norms), and elsewhere the graph is the same either way."""
+    def count(bound: str | None) -> collections.Counter:
+        if bound is None:
+            monkeypatch.delenv("MLX_INFER_FUSED_NORM_MAX_ROWS", raising=False)
+        else:
+            monkeypatch.setenv("MLX_INFER_FUSED_NORM_MAX_ROWS", bound)
+        return engine_step_census(gemma3, 4, monkeypatch)
+
+    default, within, above = count(None), count("4"), count("3")
+    assert within == default, (within, default)
+    if mx.default_device() == mx.cpu:
+        assert default == above, (default, above)  # no CUDA kernel applies: the bound changes nothing
+    else:
+        # the kernels take the q/k norms and the norms after each residual; above the bound MLX's RMSNorm has
+        # every norm: per layer attention's input norm, q's, k's, the two sandwich post-norms, the MLP's input
+        # norm; and the final norm
+        assert above["RMSNorm"] == 6 * len(gemma3.model.layers) + 1, above
+        assert default["RMSNorm"] < above["RMSNorm"] and sum(default.values()) < sum(above.values()), (default, above)

@@ -18,6 +18,10 @@ void bind_fused(nb::module_& m) {
   m.def("fused_add_norm_enabled", &mlx_infer::fused_add_norm_enabled,
         "Whether the decode graphs fuse the residual add and the next RMSNorm on CUDA (default on; "
         "MLX_INFER_FUSED_ADD_NORM=0 off, read at each trace; a bad value raises ValueError naming it).");
+  m.def("fused_norm_max_rows", &mlx_infer::fused_norm_max_rows,
+        "The most rows of a step whose graph takes add_rms_norm and qkv_rope's q/k norms on CUDA (default 256: "
+        "every decode-only step; MLX_INFER_FUSED_NORM_MAX_ROWS, 0 never, read at each trace; a bad value raises "
+        "ValueError naming it). Larger steps (prompt chunks) take MLX's ops, whose buffers CUDA graphs hold less.");
   m.def("fused_gated_enabled", &mlx_infer::fused_gated_enabled,
         "Whether the decode graphs take the gated activation straight from gate|up on CUDA (default on; "
         "MLX_INFER_FUSED_GATED=0 off, read at each trace; a bad value raises ValueError naming it).");

@@ -42,11 +42,12 @@ mx::array add_residual(const DecodeConfig& cfg, const mx::array& h, const mx::ar
   return post_norm ? residual(cfg, h, rms(r, post_norm, cfg.rms_norm_eps)) : mx::add(h, r);
 }
 
-// Whether residual_then_norm takes one CUDA kernel (fused_cuda.h): switched on, and a norm after the residual
+// Whether residual_then_norm takes one CUDA kernel (fused_cuda.h): switched on, a step of at most
+// fused_norm_max_rows() rows (a prompt chunk's takes MLX's ops: fused_cuda.h says why), and a norm after the residual
 // (the residual a plain add, or a sandwich norm's: gemma's rms(r, post_norm) added, clipped in float16).
 bool add_norm_fuses(const mx::array& h, const mx::array& r, const std::optional<mx::array>& post_norm,
                     const std::optional<mx::array>& next_norm) {
-  return next_norm && fused_add_norm_enabled() &&
+  return next_norm && fused_add_norm_enabled() && h.shape(0) <= fused_norm_max_rows() &&
          add_rms_norm_applies(h, r, *next_norm, post_norm ? &*post_norm : nullptr);
 }
 
@@ -168,9 +169,10 @@ mx::array gqa_attention(const DecodeStep::Graph& g, int i, const mx::array& x, c
     if (lw.o.present() && l2_prefetch_o_enabled() && l2_prefetch_applies(qkv, *lw.o.w)) {
       qkv = l2_prefetch(qkv, *lw.o.w);  // o's weight streams into the L2 while RoPE, K/V writes, attention run
     }
-    // per-head q/k norms (gemma3, qwen3) go inside the kernel; norms over the whole projection or of v do not
+    // per-head q/k norms (gemma3, qwen3) go inside the kernel on steps of at most fused_norm_max_rows() rows;
+    // norms over the whole projection or of v do not
     std::optional<QkNorm> qk;
-    if (lw.q_norm && lw.k_norm && !cfg.qk_norm_whole && qkv_rope_norm_enabled()) {
+    if (lw.q_norm && lw.k_norm && !cfg.qk_norm_whole && qkv_rope_norm_enabled() && B <= fused_norm_max_rows()) {
       qk = QkNorm{*lw.q_norm, *lw.k_norm, eps};
     }
     const QkNorm* norm = qk ? &*qk : nullptr;

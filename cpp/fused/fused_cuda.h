@@ -43,6 +43,16 @@ bool add_rms_norm_applies(const mx::array& h, const mx::array& r, const mx::arra
 std::pair<mx::array, mx::array> add_rms_norm(const mx::array& h, const mx::array& r, const mx::array& w, float eps,
                                              const mx::array* pre_w = nullptr, bool clip_f16 = false);
 
+/// The most rows (tokens) of a step whose graph takes the norm-carrying kernels (add_rms_norm, qkv_rope's q/k
+/// norms): default 256 (every decode-only step: the engine's most rows on a GPU), MLX_INFER_FUSED_NORM_MAX_ROWS
+/// to change it (0: never), read at each call (a trace). Why a bound: MLX's CUDA backend keeps every input of a
+/// node alive until the CUDA graph holding it has run (mlx/backend/cuda/eval.cpp: add_temporary; MLX's own ops
+/// donate one of theirs, a CustomKernel none) and commits a graph every 100 nodes, so a layer of fewer nodes puts
+/// more layers' activations in each graph: with both kernels gemma3-270m's 2,048-row prompt-chunk steps held
+/// ~0.4 GB more than with MLX's ops, and the engine's peak rose above mlx-lm's (H100, benchmarks/RESULTS.md
+/// "Session 29"). A decode step's rows hold little and gain most from the fewer launches.
+int fused_norm_max_rows();
+
 /// Whether gated_activation takes these (the switch above aside): the CUDA backend with the GPU as the default
 /// device, ``gate_up`` (R, 2F) of one float dtype with F a multiple of 16 bytes, ``activation`` "silu" or
 /// "gelu_tanh".

@@ -120,6 +120,11 @@ bool fused_add_norm_enabled() {
   return env_int("MLX_INFER_FUSED_ADD_NORM", 0, 1, 1, "0: the residual add and the next RMSNorm as two ops") == 1;
 }
 
+int fused_norm_max_rows() {
+  return static_cast<int>(env_int("MLX_INFER_FUSED_NORM_MAX_ROWS", 0, 1L << 30, 256,
+                                  "the most rows of a step that takes add_rms_norm and qkv_rope's q/k norms"));
+}
+
 bool add_rms_norm_applies(const mx::array& h, const mx::array& r, const mx::array& w, const mx::array* pre_w) {
   if (!cuda_backend() || mx::default_device() != mx::Device::gpu) {
     return false;
