@@ -998,6 +998,17 @@ case "${1:-a}" in
       --shape llama-1b --env-column MLX_INFER_FUSED_NORM_MAX_ROWS=1000000 --json "$out/bound-llama-1b.json"
     grep -h '^| ' "$out/bound-llama-1b.log"
     ;;
+  s29d)
+    # Whether CUDA graphs of fewer nodes give back the prompt steps' peak with the norm kernels on every step:
+    # s29c's table again, then under MLX_MAX_OPS_PER_BUFFER=40 (MLX commits a graph every 40 nodes, not 100;
+    # the whole process, mlx-lm too).
+    for ops in default 40; do
+      if [ $ops = default ]; then pre=""; else pre="env MLX_MAX_OPS_PER_BUFFER=$ops"; fi
+      run 230 ops-$ops-gemma $pre python benchmarks/served.py -p 512 -g 128 -r 1 -n 2 --no-text --streams 1,8,64 \
+        --shape gemma3-270m --env-column MLX_INFER_FUSED_NORM_MAX_ROWS=1000000 --json "$out/ops-$ops-gemma.json"
+      grep -h '^| ' "$out/ops-$ops-gemma.log"
+    done
+    ;;
   s27c)
     # The L2-prefetch probe (the mechanism alone, CUPTI-timed).
     run 100 l2-prefetch python benchmarks/gpu_l2_prefetch_probe.py --json "$out/l2-prefetch.json"
@@ -1026,6 +1037,6 @@ case "${1:-a}" in
     done
     grep -h "interleaved" "$out"/tuned-*.log "$out"/gemv64-*.log
     ;;
-  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e|s19a|s19b|s19c|s20a|s20b|s20c|s21a|s21b|s21c|s21d|s21e|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s25a|s25b|s25c|s26a|s26b|s27a|s27m|s27b|s27c|s28a|s28b|s28c|s29a|s29b|s29c" >&2
+  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e|s19a|s19b|s19c|s20a|s20b|s20c|s21a|s21b|s21c|s21d|s21e|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s25a|s25b|s25c|s26a|s26b|s27a|s27m|s27b|s27c|s28a|s28b|s28c|s29a|s29b|s29c|s29d" >&2
      exit 2 ;;
 esac
