@@ -999,15 +999,20 @@ case "${1:-a}" in
     grep -h '^| ' "$out/bound-llama-1b.log"
     ;;
   s29d)
-    # Whether CUDA graphs of fewer nodes give back the prompt steps' peak with the norm kernels on every step:
-    # s29c's table again, then under MLX_MAX_OPS_PER_BUFFER=40 (MLX commits a graph every 40 nodes, not 100;
-    # the whole process, mlx-lm too).
-    for ops in default 40; do
-      if [ $ops = default ]; then pre=""; else pre="env MLX_MAX_OPS_PER_BUFFER=$ops"; fi
-      run 230 ops-$ops-gemma $pre python benchmarks/served.py -p 512 -g 128 -r 1 -n 2 --no-text --streams 1,8,64 \
-        --shape gemma3-270m --env-column MLX_INFER_FUSED_NORM_MAX_ROWS=1000000 --json "$out/ops-$ops-gemma.json"
-      grep -h '^| ' "$out/ops-$ops-gemma.log"
-    done
+    # The prompt steps' peak with the norm kernels on every step: committed every 4 or 2 layers
+    # (MLX_INFER_SEGMENT_LAYERS) against the 256-row norm bound (the default) and session 28's one graph; then,
+    # as a check of why, the bound and the one graph under MLX_MAX_OPS_PER_BUFFER=40 (the whole process).
+    unb=MLX_INFER_FUSED_NORM_MAX_ROWS=1000000
+    run 260 seg-gemma python benchmarks/served.py -p 512 -g 128 -r 1 -n 2 --no-text --streams 1,8,64 \
+      --shape gemma3-270m --env-column $unb --env-column $unb,MLX_INFER_SEGMENT_LAYERS=4 \
+      --env-column $unb,MLX_INFER_SEGMENT_LAYERS=2 --json "$out/seg-gemma.json"
+    grep -h '^| ' "$out/seg-gemma.log"
+    run 150 seg-llama-1b python benchmarks/served.py -p 512 -g 128 -r 1 -n 2 --no-text --streams 1,64 \
+      --shape llama-1b --env-column MLX_INFER_SEGMENT_LAYERS=4 --json "$out/seg-llama-1b.json"
+    grep -h '^| ' "$out/seg-llama-1b.log"
+    run 120 ops40-gemma env MLX_MAX_OPS_PER_BUFFER=40 python benchmarks/served.py -p 512 -g 128 -r 1 -n 2 --no-text \
+      --streams 1,64 --shape gemma3-270m --env-column $unb --json "$out/ops40-gemma.json"
+    grep -h '^| ' "$out/ops40-gemma.log"
     ;;
   s27c)
     # The L2-prefetch probe (the mechanism alone, CUPTI-timed).
