@@ -999,7 +999,8 @@ case "${1:-a}" in
     grep -h '^| ' "$out/bound-llama-1b.log"
     ;;
   s29d)
-    # The prompt steps' peak with the norm kernels on every step: committed every 4 or 2 layers
+    # Run at ba25323 (MLX_INFER_SEGMENT_LAYERS was removed after it lost). The prompt steps' peak with the norm
+    # kernels on every step: committed every 4 or 2 layers
     # (MLX_INFER_SEGMENT_LAYERS) against the 256-row norm bound (the default) and session 28's one graph; then,
     # as a check of why, the bound and the one graph under MLX_MAX_OPS_PER_BUFFER=40 (the whole process).
     unb=MLX_INFER_FUSED_NORM_MAX_ROWS=1000000
@@ -1013,6 +1014,13 @@ case "${1:-a}" in
     run 120 ops40-gemma env MLX_MAX_OPS_PER_BUFFER=40 python benchmarks/served.py -p 512 -g 128 -r 1 -n 2 --no-text \
       --streams 1,64 --shape gemma3-270m --env-column $unb --json "$out/ops40-gemma.json"
     grep -h '^| ' "$out/ops40-gemma.log"
+    ;;
+  s29e)
+    # The final table of session 29 (the norm kernels bounded to 256-row steps) for gemma3-270m, as s28a ran it.
+    run 330 served-gemma3-270m python benchmarks/served.py -p 512 -g 128 -r 1 -n 2 --no-text \
+      --streams 1,8,32,64,128 --mlx-lm-step --shape gemma3-270m --json "$out/served-gemma3-270m.json" \
+      --plot "$out/served-gemma3-270m.png"
+    grep -h '^| ' "$out/served-gemma3-270m.log"
     ;;
   s27c)
     # The L2-prefetch probe (the mechanism alone, CUPTI-timed).
@@ -1042,6 +1050,6 @@ case "${1:-a}" in
     done
     grep -h "interleaved" "$out"/tuned-*.log "$out"/gemv64-*.log
     ;;
-  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e|s19a|s19b|s19c|s20a|s20b|s20c|s21a|s21b|s21c|s21d|s21e|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s25a|s25b|s25c|s26a|s26b|s27a|s27m|s27b|s27c|s28a|s28b|s28c|s29a|s29b|s29c|s29d" >&2
+  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e|s19a|s19b|s19c|s20a|s20b|s20c|s21a|s21b|s21c|s21d|s21e|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s25a|s25b|s25c|s26a|s26b|s27a|s27m|s27b|s27c|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s29e" >&2
      exit 2 ;;
 esac

@@ -164,31 +164,3 @@ def test_a_failed_mixed_iteration_drops_the_prefix_cache_and_stops_mixing(tiny, 
         assert after.result(60).token_ids == greedy(tiny.model, PROMPTS[1], 4)
     finally:
         engine.stop()
-
-
-def test_a_prompt_step_committed_in_segments_gives_the_same_tokens(tiny, monkeypatch):
-    """MLX_INFER_SEGMENT_LAYERS: a step of more rows than a decode-only step (here two 200-token chunks beside
-    a decoding row) runs eagerly, its graph handed to the device every that many layers (graph.h: layers_forward);
-    the tokens are the one compiled graph's, and the segmented step is not traced."""
-    long_prompts = [[(7 * j + 3 * i) % 290 + 5 for j in range(200)] for i in range(2)]  # one 400-row step
-
-    def tokens(segments: str | None) -> tuple[list[list[int]], int]:
-        if segments is None:
-            monkeypatch.delenv("MLX_INFER_SEGMENT_LAYERS", raising=False)
-        else:
-            monkeypatch.setenv("MLX_INFER_SEGMENT_LAYERS", segments)
-        engine = Engine(tiny, EngineConfig(page_size=16, prefill_step_size=512, mixed_steps=True))
-        first = engine.submit(EngineRequest(prompt_ids=PROMPTS[1], max_tokens=8, detokenize=False, ignore_eos=True))
-        engine.step()
-        engine.step()
-        later = [engine.submit(EngineRequest(prompt_ids=p, max_tokens=6, detokenize=False, ignore_eos=True))
-                 for p in long_prompts]
-        engine.run_until_idle()
-        assert engine.paged_decode is not None and engine.mixed_steps >= 1
-        assert engine.paged_decode.failures == 0
-        return [h.result(1).token_ids for h in [first] + later], engine.paged_decode.traces
-
-    whole, whole_traces = tokens(None)
-    segmented, segmented_traces = tokens("1")
-    assert segmented == whole
-    assert segmented_traces < whole_traces, (segmented_traces, whole_traces)

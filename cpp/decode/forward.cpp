@@ -246,8 +246,7 @@ mx::array layers_forward(
     const mx::array& positions,  // (B,) int32
     KVAccess& kv,
     const std::optional<mx::array>& logit_rows,
-    const std::optional<mx::array>& call_ends,
-    int commit_every) {
+    const std::optional<mx::array>& call_ends) {
   const auto& cfg = g.cfg;
   const int L = cfg.num_layers;
   const int B = tokens.shape(0);
@@ -319,9 +318,6 @@ mx::array layers_forward(
     }
     if (tail && !last) {
       x = g.layers[i + 1].attn_norm ? rms(h, g.layers[i + 1].attn_norm, eps) : h;
-    }
-    if (commit_every > 0 && (i + 1) % commit_every == 0 && !last && !h.is_tracer()) {
-      mx::async_eval({h, x});  // these layers' graph goes to the device now (graph.h: layers_forward)
     }
   }
 

@@ -156,19 +156,13 @@ class KVAccess {
 /// returned in the same forward. With ``logit_rows`` (M,) int32 only those rows' logits (M, vocab), the
 /// head run on them alone. ``call_ends`` (B,) int32: each row's call end, which picks a LongRoPE layer's
 /// table (a prefill chunk's rows share their chunk's end); none: ``positions + 1``, every row a call of its own.
-/// ``commit_every`` > 0 (an eager forward only; ignored while tracing): the graph of every that many layers is
-/// handed to the device (mx::async_eval) before the next are built. MLX's CUDA backend keeps every input of a
-/// node alive until the CUDA graph holding it has run and commits a graph every 100 nodes, so a prompt chunk's
-/// step of few nodes a layer (the fused kernels) would hold ~10 layers' activations at once; committed every few
-/// layers, a host-bound step's graphs run while the next are built (paged_step.cpp: segment_layers).
 mx::array layers_forward(
     const DecodeStep::Graph& g,
     const mx::array& tokens,
     const mx::array& positions,
     KVAccess& kv,
     const std::optional<mx::array>& logit_rows = std::nullopt,
-    const std::optional<mx::array>& call_ends = std::nullopt,
-    int commit_every = 0);
+    const std::optional<mx::array>& call_ends = std::nullopt);
 
 /// One K/V buffer (KV-owning layer): its heads, K and V widths and window (0 = global).
 struct BufferGeometry {

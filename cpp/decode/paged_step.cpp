@@ -11,7 +11,6 @@
 #include "graph.h"
 #include "lora.h"
 #include "weights.h"
-#include "mlx_infer/backend.h"
 #include "mlx_infer/paged_attention.h"
 #include "../attention/qkv_rope_cuda.h"
 
@@ -191,30 +190,15 @@ class PagedKV final : public KVAccess {
 
 std::vector<mx::array> paged_forward(const DecodeStep::Graph& g, const std::vector<int>& layer_groups,
                                      int num_groups, bool kernel, const std::vector<mx::array>& inputs,
-                                     std::string* backend, const LoraLayout* lora, int commit_every = 0) {
+                                     std::string* backend, const LoraLayout* lora) {
   // Adapter arrays (slots, then the layout's) follow the storage: kStepInputs, groups, 2 per buffer.
   LoraScope scope(lora, &inputs, kStepInputs + kGroupInputs * num_groups + 2 * num_buffers(g));
   std::vector<mx::array> outputs;
   outputs.reserve(1 + 2 * num_buffers(g));
   outputs.push_back(mx::array(0));  // logits, set below
   PagedKV kv(g, layer_groups, num_groups, kernel, inputs, outputs, backend);
-  outputs[0] = layers_forward(g, inputs[0], inputs[1], kv, inputs[2], inputs[3], commit_every);
+  outputs[0] = layers_forward(g, inputs[0], inputs[1], kv, inputs[2], inputs[3]);
   return outputs;
-}
-
-// A step of more rows than any decode-only step (the engine's most rows on a GPU, defaults.MAX_BATCH): one
-// carrying a prompt chunk.
-constexpr int kSegmentMinRows = 257;
-
-// Layers per committed segment of such a step (layers_forward's commit_every): it runs eagerly, its graph handed
-// to the device every that many layers; 0 (the default): compiled, as one graph. MLX_INFER_SEGMENT_LAYERS, read
-// at each step; any backend (CUDA's graphs are what it is for).
-int segment_layers(int rows) {
-  if (rows < kSegmentMinRows) {
-    return 0;
-  }
-  return static_cast<int>(env_int("MLX_INFER_SEGMENT_LAYERS", 0, 1024, 0,
-                                  "layers per committed graph of a prompt chunk's step (0: one compiled graph)"));
 }
 
 [[noreturn]] void fail(const std::string& what) {
@@ -483,8 +467,7 @@ PagedStepOutput PagedDecodeStep::step(
 
   std::vector<mx::array> outputs;
   const auto& compiled = adapted ? compiled_lora_ : compiled_;
-  const int segments = segment_layers(R_run);
-  if (compiled && segments == 0) {
+  if (compiled) {
     const bool known = seen_.count(signature) > 0;
     const int before = graph_->traces;
     outputs = compiled(inputs);
@@ -494,7 +477,7 @@ PagedStepOutput PagedDecodeStep::step(
     seen_.insert(std::move(signature));
   } else {
     outputs = paged_forward(*graph_, paged_.layer_groups, num_groups_, paged_.attention == "kernel", inputs,
-                            backend_.get(), adapted ? lora_.get() : nullptr, segments);
+                            backend_.get(), adapted ? lora_.get() : nullptr);
   }
   inputs.clear();  // the graph holds the storage now; the caller's commit drops its own reference
 
