@@ -1016,10 +1016,13 @@ case "${1:-a}" in
     grep -h '^| ' "$out/ops40-gemma.log"
     ;;
   s29e)
-    # The two stream counts s29c/s29d did not run, after the 256-row norm bound (gemma3-270m; the device time left).
-    run 170 served-gemma3-270m python benchmarks/served.py -p 512 -g 128 -r 1 -n 2 --no-text \
-      --streams 32,128 --shape gemma3-270m --json "$out/served-gemma3-270m.json"
-    grep -h '^| ' "$out/served-gemma3-270m.log"
+    # After the 256-row norm bound, 1 stream against generate_step too (the peak goal read against both of
+    # mlx-lm's: session 28 had llama-1b's own peak 2.95 GB against generate_step's 2.80); the device time left.
+    for shape in llama-1b gemma3-270m; do
+      run 100 served-$shape python benchmarks/served.py -p 512 -g 128 -r 1 -n 2 --no-text --streams 1 \
+        --mlx-lm-step --shape $shape --json "$out/served-$shape.json"
+      grep -h '^| ' "$out/served-$shape.log"
+    done
     ;;
   s27c)
     # The L2-prefetch probe (the mechanism alone, CUPTI-timed).
