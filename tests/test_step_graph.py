@@ -39,11 +39,6 @@ _HS = _host_step()
 census, _arrays = _HS.step_census, _HS._arrays
 
 
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    return load_model(make_tiny_model_dir(tmp_path_factory.mktemp("llama") / "llama", "llama"), cpu_kernels=False)
-
-
 def engine_step_census(loaded, rows: int, monkeypatch) -> collections.Counter:
     """The graph of one decode step of the engine's compiled paged step, ``rows`` streams decoding."""
     engine = Engine(loaded, EngineConfig(max_batch=rows, num_pages=rows * 16 + 1))
@@ -74,18 +69,20 @@ def engine_step_census(loaded, rows: int, monkeypatch) -> collections.Counter:
 
 
 @pytest.fixture
-def stock_kernels():
-    """The graph on MLX's stock kernels: on the CPU device (a CUDA machine's GPU graph takes our CUDA kernels,
-    whose products, norms and attention are CustomKernel nodes, and its SDPA; those graphs are pinned by
-    benchmarks/host_step.py's census on the device)."""
+def llama(tmp_path):
+    """The tiny llama on MLX's stock kernels: loaded and run on the CPU device (a CUDA machine's GPU graph takes
+    our CUDA kernels, whose products, norms and attention are CustomKernel nodes, and its SDPA; those graphs are
+    pinned by benchmarks/host_step.py's census on the device)."""
     previous = mx.default_device()
     mx.set_default_device(mx.cpu)
-    yield
-    mx.set_default_device(previous)
+    try:
+        yield load_model(make_tiny_model_dir(tmp_path / "llama", "llama"), cpu_kernels=False)
+    finally:
+        mx.set_default_device(previous)
 
 
 @pytest.mark.parametrize("rows", [1, 4])
-def test_paged_step_graph_has_no_product_views_and_one_scatter_per_part(llama, rows, monkeypatch, stock_kernels):
+def test_paged_step_graph_has_no_product_views_and_one_scatter_per_part(llama, rows, monkeypatch):
     c = engine_step_census(llama, rows, monkeypatch)
     layers = len(llama.model.layers)
     products = 7 * layers + 1  # q, k, v, o, gate, up, down a layer, and the head
@@ -100,7 +97,7 @@ def test_paged_step_graph_has_no_product_views_and_one_scatter_per_part(llama, r
     assert c[write] == 2 * layers and c[other] == 0, c
 
 
-def test_plain_step_graph_has_no_product_views(llama, stock_kernels):
+def test_plain_step_graph_has_no_product_views(llama):
     """The plain step's graph (op by op: its forward handed back unevaluated) is as lean."""
     model = llama.model
     cache = model.make_cache()
