@@ -1019,8 +1019,9 @@ case "${1:-a}" in
     # After the 256-row norm bound, 1 stream against generate_step too (the peak goal read against both of
     # mlx-lm's: session 28 had llama-1b's own peak 2.95 GB against generate_step's 2.80); the device time left.
     for shape in llama-1b gemma3-270m; do
-      run 100 served-$shape python benchmarks/served.py -p 512 -g 128 -r 1 -n 2 --no-text --streams 1 \
-        --mlx-lm-step --shape $shape --json "$out/served-$shape.json"
+      # the gated kernel off as a column: whether its prompt-step nodes hold llama's 1-stream peak above the step's
+      run 120 served-$shape python benchmarks/served.py -p 512 -g 128 -r 1 -n 2 --no-text --streams 1 \
+        --mlx-lm-step --shape $shape --env-column MLX_INFER_FUSED_GATED=0 --json "$out/served-$shape.json"
       grep -h '^| ' "$out/served-$shape.log"
     done
     ;;
