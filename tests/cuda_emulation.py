@@ -281,7 +281,8 @@ def _rope_consts(H: int, KVH: int, D: int, dims: int, traditional: bool, base: f
 def _rope_source(R: int, H: int, KVH: int, D: int, args: str, consts: dict, kv_dst: str, main: str) -> str:
     return (_MOCK + f"constexpr int R = {R}, H = {H}, KVH = {KVH}, D = {D};\n"
             + f"constexpr bool QK_NORM = {'true' if consts['kQkNorm'] else 'false'};\n"
-            + _raw(KERNEL_ARGS_FILE, "kBlockSumHeader") + _function("qkv_rope", args, consts, _rope_kernel(kv_dst)) + _MAIN.split("int main()")[0] + main)
+            + _raw(KERNEL_ARGS_FILE, "kBlockSumHeader")
+            + _function("qkv_rope", args, consts, _rope_kernel(kv_dst)) + _MAIN.split("int main()")[0] + main)
 
 
 def _rope_files(workdir: Path, qkv: np.ndarray, positions: np.ndarray, freqs: np.ndarray | None,

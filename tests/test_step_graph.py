@@ -4,9 +4,9 @@ MLX's host cost grows with a step's graph nodes, kernel launches and views alike
 1-stream llama-1B engine step, session 20: 685 nodes for ~215 kernels, 2.08 ms to submit; 314 nodes and
 -18 % step time once the views went). These tests pin what the lean step graph removed, on MLX's stock
 kernels (the graph a GPU builds, less the CUDA-only kernels; on the CPU device, so a CUDA machine checks the
-same graph): no Flatten / Unflatten around a product
-(the hidden state is (B, E)), no Transpose of a weight (made once at load), the paged K/V written by one
-scatter per part.
+same graph): no Flatten / Unflatten around a product (the hidden state is (B, E)), no Transpose of a weight
+(made once at load), the paged K/V written by one scatter per part. The last test pins which steps take the
+norm kernels (MLX_INFER_FUSED_NORM_MAX_ROWS), on whatever device runs it.
 """
 
 from __future__ import annotations

@@ -30,8 +30,9 @@ namespace {
 // Template constants: T (dtype), kH kKVH kD kDims (rotated features), kTraditional, kFreqs (inv_freq from
 // freqs, else from log2(base)), kScaleBits / kLog2BaseBits / kEpsBits (float32 bit patterns: kernel_args.h
 // says why not an array), kQkNorm (q and k heads RMS-normed first, by q_w / k_w (kD,); the block is then one
-// head, kD / 2 threads rounded up to a warp), kBlock (the block's threads). freqs: (kDims / 2,) float32 (read only with kFreqs). Outputs q
-// (R, kH, kD), and MLXI_KV_DST (kKvOut or kKvWrite) says where a K or V head's features go.
+// head, kD / 2 threads rounded up to a warp), kBlock (the block's threads). freqs: (kDims / 2,) float32 (read
+// only with kFreqs). Outputs q (R, kH, kD), and MLXI_KV_DST (kKvOut or kKvWrite) says where a K or V head's
+// features go.
 constexpr const char* kQkvRope = R"(
   const int u = blockIdx.x * blockDim.x + threadIdx.x;
   const int head = blockIdx.y, r = blockIdx.z;
