@@ -15,8 +15,8 @@ out=${OUT:-/tmp/h200-out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 run() {  # run SECONDS NAME COMMAND...: log to $out/NAME.log
   local secs=$1 name=$2; shift 2
-  echo "== $name: $*" | tee -a "$out/phase.log"
-  timeout "$secs" "$@" > "$out/$name.log" 2>&1; echo "== $name rc=$?" | tee -a "$out/phase.log"
+  echo "== $(date +%T) $name: $*" | tee -a "$out/phase.log"
+  timeout "$secs" "$@" > "$out/$name.log" 2>&1; echo "== $(date +%T) $name rc=$?" | tee -a "$out/phase.log"
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >> "$out/phase.log" 2>&1
 python -c "import mlx.core as mx, mlx_lm; print('mlx', mx.__version__, 'mlx-lm', mlx_lm.__version__)" >> "$out/phase.log"
@@ -1025,6 +1025,21 @@ case "${1:-a}" in
       grep -h '^| ' "$out/served-$shape.log"
     done
     ;;
+  s30a)
+    # Session 30's first call: the CUDA tests at session 29's last tree (test_step_graph's census tests now on the
+    # CPU device; the 256-row norm bound), then the 1-stream rows against generate_step: llama-1b with the gated
+    # kernel and qkv_rope's K/V write off as columns (which prompt-step nodes hold its own peak above generate_step's), gemma3-270m.
+    run 150 cuda-tests python -m pytest -q -p no:cacheprovider -rfE --tb=short -n 8 tests/test_step_graph.py \
+      tests/test_fused_cuda.py tests/test_qkv_rope.py tests/test_paged_step_kernel.py tests/test_mixed_steps.py
+    tail -4 "$out"/cuda-tests.log
+    run 150 served-llama-1b python benchmarks/served.py -p 512 -g 128 -r 1 -n 2 --no-text --streams 1 \
+      --mlx-lm-step --shape llama-1b --env-column MLX_INFER_FUSED_GATED=0 --env-column MLX_INFER_QKV_ROPE_WRITE=0 \
+      --json "$out/served-llama-1b.json"
+    grep -h '^| ' "$out/served-llama-1b.log"
+    run 100 served-gemma3-270m python benchmarks/served.py -p 512 -g 128 -r 1 -n 2 --no-text --streams 1 \
+      --mlx-lm-step --shape gemma3-270m --json "$out/served-gemma3-270m.json"
+    grep -h '^| ' "$out/served-gemma3-270m.log"
+    ;;
   s27c)
     # The L2-prefetch probe (the mechanism alone, CUPTI-timed).
     run 100 l2-prefetch python benchmarks/gpu_l2_prefetch_probe.py --json "$out/l2-prefetch.json"
@@ -1053,6 +1068,6 @@ case "${1:-a}" in
     done
     grep -h "interleaved" "$out"/tuned-*.log "$out"/gemv64-*.log
     ;;
-  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e|s19a|s19b|s19c|s20a|s20b|s20c|s21a|s21b|s21c|s21d|s21e|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s25a|s25b|s25c|s26a|s26b|s27a|s27m|s27b|s27c|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s29e" >&2
+  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e|s19a|s19b|s19c|s20a|s20b|s20c|s21a|s21b|s21c|s21d|s21e|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s25a|s25b|s25c|s26a|s26b|s27a|s27m|s27b|s27c|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s29e|s30a" >&2
      exit 2 ;;
 esac
