@@ -1040,6 +1040,21 @@ case "${1:-a}" in
       --mlx-lm-step --shape gemma3-270m --json "$out/served-gemma3-270m.json"
     grep -h '^| ' "$out/served-gemma3-270m.log"
     ;;
+  s30b)
+    # Issue 16's other goals at the same tree as s30a and the s28a tables (session 30): a request joining 31
+    # decoding streams, the 64-stream host step (tiny llama), the HTTP column at 32 streams (text made in the
+    # server, the in-process text column beside); then llama-1b's 1-stream peak under MLX_MAX_OPS_PER_BUFFER=40
+    # (the whole process: whether the commit interval is why its own peak sits ~0.04 GB above generate_step's).
+    run 110 join-ttft python benchmarks/join_ttft.py --shape llama-1b -p 512 -n 3
+    run 60 host-step python benchmarks/host_step.py --streams 32,64
+    tail -4 "$out"/join-ttft.log; grep -h "streams" "$out"/host-step.log
+    run 230 http-1b python benchmarks/served.py -p 512 -g 256 -r 2 -n 3 --streams 32 --http \
+      --http-beside --http-clients 8 --shape llama-1b --json "$out/served-llama-1b-http.json"
+    grep -h '^| \|TTFT mean' "$out"/http-1b.log | tail -16
+    run 100 ops40-llama-1b env MLX_MAX_OPS_PER_BUFFER=40 python benchmarks/served.py -p 512 -g 128 -r 1 -n 2 \
+      --no-text --streams 1 --mlx-lm-step --shape llama-1b --json "$out/ops40-llama-1b.json"
+    grep -h '^| ' "$out"/ops40-llama-1b.log
+    ;;
   s27c)
     # The L2-prefetch probe (the mechanism alone, CUPTI-timed).
     run 100 l2-prefetch python benchmarks/gpu_l2_prefetch_probe.py --json "$out/l2-prefetch.json"
@@ -1068,6 +1083,6 @@ case "${1:-a}" in
     done
     grep -h "interleaved" "$out"/tuned-*.log "$out"/gemv64-*.log
     ;;
-  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e|s19a|s19b|s19c|s20a|s20b|s20c|s21a|s21b|s21c|s21d|s21e|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s25a|s25b|s25c|s26a|s26b|s27a|s27m|s27b|s27c|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s29e|s30a" >&2
+  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e|s19a|s19b|s19c|s20a|s20b|s20c|s21a|s21b|s21c|s21d|s21e|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s25a|s25b|s25c|s26a|s26b|s27a|s27m|s27b|s27c|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s29e|s30a|s30b" >&2
      exit 2 ;;
 esac
