@@ -1055,6 +1055,22 @@ case "${1:-a}" in
       --no-text --streams 1 --mlx-lm-step --shape llama-1b --json "$out/ops40-llama-1b.json"
     grep -h '^| ' "$out"/ops40-llama-1b.log
     ;;
+  s30c)
+    # Where llama-8B's 1-stream step goes at session 30's tree (the one goal the H100 table misses: 1.11x
+    # generate_step): each kernel of 4 decode steps under Nsight Compute, ours and generate_step's, caches and
+    # clocks left as they run (session 25's profile flushed the caches, which inflates the small kernels); then
+    # the step's wall split and node census.
+    ncu_bin=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute*/ncu 2>/dev/null | head -1)
+    for eng in engine mlx-lm; do
+      run 200 kt-$eng "${ncu_bin:-ncu}" --csv --profile-from-start off --cache-control none --clock-control none \
+        --metrics gpu__time_duration.sum --log-file "$out/$eng-llama-8b.csv" python benchmarks/kernel_times.py \
+        --shape llama-8b --engine $eng --steps 4
+    done
+    python benchmarks/kernel_times.py --summarize "$out/engine-llama-8b.csv" "$out/mlx-lm-llama-8b.csv" --steps 4 \
+      > "$out/summary.txt" 2>&1; head -30 "$out/summary.txt"; gzip -f "$out"/*.csv
+    run 120 host-8b python benchmarks/host_step.py --shape llama-8b --streams 1 --prompt 512 --census
+    grep -h "streams\|graph" "$out"/host-8b.log
+    ;;
   s27c)
     # The L2-prefetch probe (the mechanism alone, CUPTI-timed).
     run 100 l2-prefetch python benchmarks/gpu_l2_prefetch_probe.py --json "$out/l2-prefetch.json"
@@ -1083,6 +1099,6 @@ case "${1:-a}" in
     done
     grep -h "interleaved" "$out"/tuned-*.log "$out"/gemv64-*.log
     ;;
-  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e|s19a|s19b|s19c|s20a|s20b|s20c|s21a|s21b|s21c|s21d|s21e|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s25a|s25b|s25c|s26a|s26b|s27a|s27m|s27b|s27c|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s29e|s30a|s30b" >&2
+  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e|s19a|s19b|s19c|s20a|s20b|s20c|s21a|s21b|s21c|s21d|s21e|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s25a|s25b|s25c|s26a|s26b|s27a|s27m|s27b|s27c|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s29e|s30a|s30b|s30c" >&2
      exit 2 ;;
 esac
