@@ -1071,6 +1071,30 @@ case "${1:-a}" in
     run 120 host-8b python benchmarks/host_step.py --shape llama-8b --streams 1 --prompt 512 --census
     grep -h "streams\|graph" "$out"/host-8b.log
     ;;
+  s30d)
+    # s30c's profile had the paged attention at 18.3 us a layer (llama-8B, 1 row, ~600 keys: 2.6 MB of K/V),
+    # 9 % of the step: latency-bound (10 splits of 64 keys, 4 dependent iterations each, then the last block's
+    # merge one L2 round trip a split). After the merge loops were unrolled (8 splits' loads in flight): the CUDA
+    # tests, then the kernel under Nsight Compute by the split floor and the key pipeline, then the step A/B.
+    run 120 cuda-tests python -m pytest -q -p no:cacheprovider -rfE --tb=short -n 8 tests/test_paged_attention.py \
+      tests/test_paged_step_kernel.py
+    tail -3 "$out"/cuda-tests.log
+    ncu_bin=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+    csvs=""
+    for arm in default MLX_INFER_PAGED_ATTN_MIN_SPLIT_KEYS=16 MLX_INFER_PAGED_ATTN_MIN_SPLIT_KEYS=32 \
+        MLX_INFER_PAGED_ATTN_UNROLL=4 MLX_INFER_PAGED_ATTN_ONE_PASS=0; do
+      name=$(echo "${arm#MLX_INFER_PAGED_ATTN_}" | tr 'A-Z=' 'a-z-')
+      run 90 kt-$name env $([ "$arm" = default ] || echo "$arm") "${ncu_bin:-ncu}" --csv --profile-from-start off \
+        --cache-control none --clock-control none --metrics gpu__time_duration.sum --log-file "$out/$name.csv" \
+        python benchmarks/kernel_times.py --shape llama-8b --engine engine --steps 4
+      csvs="$csvs $out/$name.csv"
+    done
+    python benchmarks/kernel_times.py --summarize $csvs --steps 4 > "$out/summary.txt" 2>&1
+    head -14 "$out/summary.txt"; gzip -f "$out"/*.csv
+    run 150 ab-split python benchmarks/host_step.py --shape llama-8b --streams 1 --prompt 512 \
+      --ab MLX_INFER_PAGED_ATTN_MIN_SPLIT_KEYS=16 --interleave 10 --rounds 12
+    grep -h "interleaved" "$out"/ab-split.log
+    ;;
   s27c)
     # The L2-prefetch probe (the mechanism alone, CUPTI-timed).
     run 100 l2-prefetch python benchmarks/gpu_l2_prefetch_probe.py --json "$out/l2-prefetch.json"
@@ -1099,6 +1123,6 @@ case "${1:-a}" in
     done
     grep -h "interleaved" "$out"/tuned-*.log "$out"/gemv64-*.log
     ;;
-  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e|s19a|s19b|s19c|s20a|s20b|s20c|s21a|s21b|s21c|s21d|s21e|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s25a|s25b|s25c|s26a|s26b|s27a|s27m|s27b|s27c|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s29e|s30a|s30b|s30c" >&2
+  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e|s19a|s19b|s19c|s20a|s20b|s20c|s21a|s21b|s21c|s21d|s21e|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s25a|s25b|s25c|s26a|s26b|s27a|s27m|s27b|s27c|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s29e|s30a|s30b|s30c|s30d" >&2
      exit 2 ;;
 esac

@@ -211,3 +211,18 @@ def test_split_count_grows_for_few_long_rows():
     assert _fast.paged_attention_splits(256, 8, 4096) == 1  # rows x heads fill the GPU already
     assert _fast.paged_attention_splits(1, 8, 4096) > 8     # one long row: flash decoding
     assert _fast.paged_attention_splits(1, 8, 40) == 1      # too few keys to split
+
+
+def test_split_floor_is_read_at_each_call(monkeypatch):
+    """MLX_INFER_PAGED_ATTN_MIN_SPLIT_KEYS (an A/B of the split count): 64 keys a split by default, the
+    variable's floor where set, bad values refused with the variable named."""
+    monkeypatch.delenv("MLX_INFER_PAGED_ATTN_MIN_SPLIT_KEYS", raising=False)
+    assert _fast.paged_attention_splits(1, 8, 640) == 10    # 640 keys, at least 64 a split
+    monkeypatch.setenv("MLX_INFER_PAGED_ATTN_MIN_SPLIT_KEYS", "32")
+    assert _fast.paged_attention_splits(1, 8, 640) == 20
+    monkeypatch.setenv("MLX_INFER_PAGED_ATTN_MIN_SPLIT_KEYS", "16")
+    assert _fast.paged_attention_splits(1, 8, 640) == 32    # at most 32 splits
+    for bad in ("0", "many"):
+        monkeypatch.setenv("MLX_INFER_PAGED_ATTN_MIN_SPLIT_KEYS", bad)
+        with pytest.raises(ValueError, match=f"MLX_INFER_PAGED_ATTN_MIN_SPLIT_KEYS='{bad}' is not an integer in"):
+            _fast.paged_attention_splits(1, 8, 640)

@@ -43,6 +43,7 @@ namespace {
 constexpr int kWarps = 4;           // NW: warps per block of pass 1
 constexpr int kTargetBlocks = 1056;  // ~8 blocks per SM of an H200 (132 SMs): split until rows x heads reach it
 constexpr int kMinSplitKeys = 64;    // a split reads at least this many keys of the longest row
+                                     // (MLX_INFER_PAGED_ATTN_MIN_SPLIT_KEYS, read at each trace: an A/B)
 constexpr int kMaxSplits = 32;
 // Pass 1's key pipeline (kU, kPrefetch) where MLX_INFER_PAGED_ATTN_UNROLL / _PREFETCH are unset: the H200's
 // sweep (benchmarks/gpu_paged_attention.py --sweep, session 14) has 2 sets unprefetched the fastest at 13 of 16
@@ -229,7 +230,8 @@ constexpr const char* kStorePart = R"(
 // The single-pass merge at the end of a split's pass 1 (kernel 3): after the partials are stored, the block
 // that finishes its (row, KV head) last (``counts``, one int per (row, KV head), zero at launch: each block
 // adds one; the last sets it back to zero for the next launch) merges the kG heads' splits as pass 2 does,
-// reading the other blocks' partials from L2 (__ldcg) after the fences. Template constant kMergeSinks (bool).
+// reading the other blocks' partials from L2 (__ldcg) after the fences, eight splits' loads in flight at once
+// (the loops unrolled: each split's load is independent of the last's sum). Template constant kMergeSinks (bool).
 constexpr const char* kMergeTail = R"(
   __threadfence();
   __syncthreads();
@@ -245,8 +247,10 @@ constexpr const char* kMergeTail = R"(
   for (int idx = threadIdx.x; idx < kG * kD; idx += kNW * 32) {
     const int g = idx / kD, d = idx % kD, h = kvh * kG + g;
     float M = -INFINITY;
+    #pragma unroll 8
     for (int s = 0; s < splits; ++s) M = fmaxf(M, __ldcg(ml + (((size_t)s * R + r) * (kKVH * kG) + h) * 2));
     float L = 0.0f, A = 0.0f;
+    #pragma unroll 8
     for (int s = 0; s < splits; ++s) {
       const size_t i = ((size_t)s * R + r) * (kKVH * kG) + h;
       const float c = mlxi_scale_of(__ldcg(ml + i * 2), M) * __ldcg(ml + i * 2 + 1);
@@ -291,8 +295,10 @@ constexpr const char* kPass2 = R"(
   if (d >= kD) return;
   const int splits = o_part_shape[0], R = o_part_shape[1];
   float M = -INFINITY;
+  #pragma unroll 8
   for (int s = 0; s < splits; ++s) M = fmaxf(M, ml[(((size_t)s * R + r) * kH + h) * 2]);
   float L = 0.0f, A = 0.0f;
+  #pragma unroll 8
   for (int s = 0; s < splits; ++s) {
     const size_t i = ((size_t)s * R + r) * kH + h;
     const float c = mlxi_scale_of(ml[i * 2], M) * ml[i * 2 + 1];
@@ -350,7 +356,9 @@ PagedKeyPipeline paged_key_pipeline() {
 int paged_attention_splits(int rows, int kv_heads, int max_keys) {
   const int blocks = std::max(1, rows * kv_heads);
   int splits = (kTargetBlocks + blocks - 1) / blocks;
-  splits = std::min({splits, kMaxSplits, std::max(1, max_keys / kMinSplitKeys)});
+  const long min_keys = env_int("MLX_INFER_PAGED_ATTN_MIN_SPLIT_KEYS", 1, 1L << 20, kMinSplitKeys,
+                                "the fewest keys of the longest row a split reads");
+  splits = std::min({splits, kMaxSplits, std::max(1, static_cast<int>(max_keys / min_keys))});
   return std::max(1, splits);
 }
 
