@@ -1095,6 +1095,26 @@ case "${1:-a}" in
       --ab MLX_INFER_PAGED_ATTN_MIN_SPLIT_KEYS=16 --interleave 10 --rounds 12
     grep -h "interleaved" "$out"/ab-split.log
     ;;
+  s30e)
+    # s30d cut to the device time left (session 30): the changed kernel's CUDA tests, llama-8B's 1-stream row
+    # against generate_step with the split floor at 16 keys as a column, then the kernel under Nsight Compute,
+    # default and split floor 16.
+    run 60 cuda-tests python -m pytest -q -p no:cacheprovider -rfE --tb=short -n 8 tests/test_paged_attention.py
+    tail -3 "$out"/cuda-tests.log
+    run 130 served-llama-8b python benchmarks/served.py -p 512 -g 128 -r 1 -n 2 --no-text --streams 1 \
+      --mlx-lm-step --shape llama-8b --env-column MLX_INFER_PAGED_ATTN_MIN_SPLIT_KEYS=16 \
+      --json "$out/served-llama-8b.json"
+    grep -h '^| ' "$out/served-llama-8b.log"
+    ncu_bin=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+    for arm in default MLX_INFER_PAGED_ATTN_MIN_SPLIT_KEYS=16; do
+      name=$(echo "${arm#MLX_INFER_PAGED_ATTN_}" | tr 'A-Z=' 'a-z-')
+      run 70 kt-$name env $([ "$arm" = default ] || echo "$arm") "${ncu_bin:-ncu}" --csv --profile-from-start off \
+        --cache-control none --clock-control none --metrics gpu__time_duration.sum --log-file "$out/$name.csv" \
+        python benchmarks/kernel_times.py --shape llama-8b --engine engine --steps 4
+      python benchmarks/kernel_times.py --summarize "$out/$name.csv" --steps 4 2>&1 | head -4
+    done
+    gzip -f "$out"/*.csv
+    ;;
   s27c)
     # The L2-prefetch probe (the mechanism alone, CUPTI-timed).
     run 100 l2-prefetch python benchmarks/gpu_l2_prefetch_probe.py --json "$out/l2-prefetch.json"
@@ -1123,6 +1143,6 @@ case "${1:-a}" in
     done
     grep -h "interleaved" "$out"/tuned-*.log "$out"/gemv64-*.log
     ;;
-  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e|s19a|s19b|s19c|s20a|s20b|s20c|s21a|s21b|s21c|s21d|s21e|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s25a|s25b|s25c|s26a|s26b|s27a|s27m|s27b|s27c|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s29e|s30a|s30b|s30c|s30d" >&2
+  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e|s19a|s19b|s19c|s20a|s20b|s20c|s21a|s21b|s21c|s21d|s21e|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s25a|s25b|s25c|s26a|s26b|s27a|s27m|s27b|s27c|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s29e|s30a|s30b|s30c|s30d|s30e" >&2
      exit 2 ;;
 esac
