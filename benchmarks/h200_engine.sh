@@ -1123,6 +1123,18 @@ case "${1:-a}" in
       --json "$out/distributed-n1.json"
     tail -8 "$out"/distributed-n1.log
     ;;
+  s30g)
+    # llama-1B's own 1-stream peak sits ~0.04 GB above generate_step's, and its activations (~0.36 GB above the
+    # weights and KV) match the activation ceiling's reserve: 8 layers x 512 rows x (8 hidden + 3 intermediate)
+    # x 2 bytes = 0.34 GB (engine/activations.py). The reserve at 4 and 2 layers as columns: own peak and TTFT at
+    # 1 stream (against generate_step) and at 8 and 64 streams (where a small reserve made the host wait, session 7).
+    for shape in llama-1b gemma3-270m; do
+      run 200 ceiling-$shape python benchmarks/served.py -p 512 -g 128 -r 1 -n 2 --no-text --streams 1,8,64 \
+        --mlx-lm-step --shape $shape --env-column MLX_INFER_CEILING_LAYERS=4 --env-column MLX_INFER_CEILING_LAYERS=2 \
+        --json "$out/ceiling-$shape.json"
+      grep -h '^| ' "$out/ceiling-$shape.log"
+    done
+    ;;
   s27c)
     # The L2-prefetch probe (the mechanism alone, CUPTI-timed).
     run 100 l2-prefetch python benchmarks/gpu_l2_prefetch_probe.py --json "$out/l2-prefetch.json"
@@ -1151,6 +1163,6 @@ case "${1:-a}" in
     done
     grep -h "interleaved" "$out"/tuned-*.log "$out"/gemv64-*.log
     ;;
-  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e|s19a|s19b|s19c|s20a|s20b|s20c|s21a|s21b|s21c|s21d|s21e|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s25a|s25b|s25c|s26a|s26b|s27a|s27m|s27b|s27c|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s29e|s30a|s30b|s30c|s30d|s30e|s30f" >&2
+  *) echo "usage: $0 a|b|c1|c2|d1|prof|e|next|s7a|s7b|s7c|s8a|s8b|s8c|s9a|s9b|s9c|s10a|s10b|s10c|s11|s12a|s12b|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s14b|s14c|s15a|s15b|s15c|s15d|s16a|s16b|s16c|s17a|s17b|s18a|s18b|s18c|s18d|s18e|s19a|s19b|s19c|s20a|s20b|s20c|s21a|s21b|s21c|s21d|s21e|s22a|s22b|s22c|s23a|s23b|s23c|s23d|s24b|s25a|s25b|s25c|s26a|s26b|s27a|s27m|s27b|s27c|s28a|s28b|s28c|s29a|s29b|s29c|s29d|s29e|s30a|s30b|s30c|s30d|s30e|s30f|s30g" >&2
      exit 2 ;;
 esac

@@ -62,6 +62,7 @@ detokenizes every id it samples.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import json
@@ -70,7 +71,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import mlx.core as mx
 
@@ -194,15 +195,25 @@ class OursIdsUnbounded(OursIds):
 
 
 class _EnvColumn(OursIds):
-    """Token ids with ``env`` set while the column runs (the knobs the C++ side reads at each trace or call)."""
+    """Token ids with ``env`` set while the column's engine is built and while it runs (the knobs the C++
+    side reads at each trace or call, and those the engine reads when it is built)."""
 
     env: dict[str, str] = {}
 
+    def start(self, budget_gb: float | None, sizing: str) -> None:
+        with self._env():
+            super().start(budget_gb, sizing)
+
     def run(self, streams: int, prompts: list[list[int]], gen: int) -> int:
+        with self._env():
+            return super().run(streams, prompts, gen)
+
+    @contextlib.contextmanager
+    def _env(self) -> Iterator[None]:
         old = {k: os.environ.get(k) for k in self.env}
         os.environ.update(self.env)
         try:
-            return super().run(streams, prompts, gen)
+            yield
         finally:
             for k, v in old.items():
                 if v is None:

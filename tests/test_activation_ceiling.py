@@ -138,3 +138,20 @@ def test_only_iterations_that_carry_prompt_tokens_engage(tiny):
     assert len(calls) == engine.mixed_steps + engine.separate_prefills and 12 <= len(calls) <= 16
     assert all(rows > logit_rows - 1 >= 0 for rows, logit_rows in calls), calls  # prompt rows beyond the logit rows
     assert not engine._ceiling.engaged
+
+
+def test_the_counted_layers_follow_the_env_knob(tiny, monkeypatch):
+    """MLX_INFER_CEILING_LAYERS (read when an engine is built) sets how many layers the reserve counts; a value
+    that is not a positive integer is refused with the variable named."""
+    hidden, inter = tiny.model.args.hidden_size, tiny.model.args.intermediate_size
+    per_layer = (8 * hidden + 3 * inter) * 4  # float32 tiny
+    monkeypatch.setenv("MLX_INFER_CEILING_LAYERS", "1")
+    assert step_row_bytes(tiny.model) == per_layer
+    forced = Engine(tiny, EngineConfig(page_size=4, bound_activations=True))
+    assert forced._ceiling is not None and forced._ceiling.row_bytes == per_layer
+    monkeypatch.setenv("MLX_INFER_CEILING_LAYERS", "1000")  # at most the model's layers
+    assert step_row_bytes(tiny.model) == tiny.model.args.num_hidden_layers * per_layer
+    for bad in ("0", "-2", "four", "2.5"):
+        monkeypatch.setenv("MLX_INFER_CEILING_LAYERS", bad)
+        with pytest.raises(MlxInferError, match=f"MLX_INFER_CEILING_LAYERS must be a positive integer.*{bad!r}"):
+            step_row_bytes(tiny.model)

@@ -174,6 +174,27 @@ def test_served_benchmark_http_thread_and_generate_step_columns(tmp_path):
     assert by[(1, "mlx-lm-step")]["trials"][0]["tokens"] == 3
 
 
+def test_env_columns_hold_their_variables_while_their_engine_is_built_and_runs(monkeypatch):
+    """served.py's --env-column: the variables are set while the column's engine is built (knobs an engine
+    reads then, such as MLX_INFER_CEILING_LAYERS) and while it runs, and restored after each."""
+    import os
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+    import served
+
+    seen: list[tuple[str, str | None]] = []
+    monkeypatch.setattr(served.OursIds, "start", lambda self, budget, sizing: seen.append(
+        ("start", os.environ.get("MLX_INFER_X"))))
+    monkeypatch.setattr(served.OursIds, "run", lambda self, streams, prompts, gen: seen.append(
+        ("run", os.environ.get("MLX_INFER_X"))) or 0)
+    monkeypatch.setenv("MLX_INFER_X", "outer")
+    column = object.__new__(served.env_column("MLX_INFER_X=7"))  # no model: __init__ loads one
+    column.start(None, "test")
+    assert os.environ["MLX_INFER_X"] == "outer"
+    column.run(1, [[1]], 1)
+    assert seen == [("start", "7"), ("run", "7")] and os.environ["MLX_INFER_X"] == "outer"
+
+
 def test_served_benchmark_default_sizing_splits_the_device_between_in_process_engines(tmp_path):
     """No --memory-budget and two in-process mlx-infer columns: every model is loaded first, then
     each engine gets an equal explicit share of the default sizing (recorded in its rows)."""

@@ -43,9 +43,11 @@ BOUND_ACTIVATIONS = {"gpu": True, "cpu": False}
 #: The least activation reserve of a bounded step (a smaller limit would make the host wait on every kernel).
 CEILING_FLOOR_BYTES = 64 << 20
 #: The layers of a bounded step whose activations the reserve counts: MLX commits a CUDA graph every ~100 ops
-#: (3-4 decoder layers), and two of them, one building and one running, keep the device busy; a step's deeper
-#: layers wait behind them instead of stacking up (H200, session 7: all of llama-1B's 16 layers counted left the
-#: 1-stream peak 0.06 GB above mlx-lm's).
+#: (3-4 decoder layers of MLX's ops then; ~10 with today's fused kernels), and two of them, one building and one
+#: running, keep the device busy; a step's deeper layers wait behind them instead of stacking up (H200, session 7:
+#: all of llama-1B's 16 layers counted left the 1-stream peak 0.06 GB above mlx-lm's). ``MLX_INFER_CEILING_LAYERS``
+#: overrides it (engine/activations.py; an A/B knob: at 1 stream llama-1B's own peak, 0.36 GB above its weights
+#: and KV, is about this reserve, session 30).
 CEILING_LAYERS = 8
 #: A growth materializes the pages a step (or an admission) needs plus this share more: fewer, larger growths (each
 #: changes the storage's shape, so the compiled step traces once more), at most this much unused KV memory.

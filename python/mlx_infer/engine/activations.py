@@ -30,12 +30,14 @@ host drain the queue before each commit. Hence one whole step's estimate, prompt
 """
 from __future__ import annotations
 
+import os
 from collections import deque
 from typing import Any, Callable
 
 import mlx.core as mx
 
 from .. import defaults
+from ..errors import MlxInferError
 from .config import model_dtype, model_sizes
 
 #: Iterations whose starting active memory (less the KV storage) the resident estimate is the minimum of.
@@ -97,13 +99,34 @@ class ActivationCeiling:
             self._previous = None
 
 
+#: Overrides :data:`~mlx_infer.defaults.CEILING_LAYERS` where set (read when an engine is built): an A/B knob.
+CEILING_LAYERS_ENV = "MLX_INFER_CEILING_LAYERS"
+
+
+def ceiling_layers() -> int:
+    """The layers a bounded step's reserve counts: ``MLX_INFER_CEILING_LAYERS`` where set, else
+    :data:`~mlx_infer.defaults.CEILING_LAYERS`.
+
+    Raises:
+        MlxInferError: the variable is set to anything but a positive integer.
+    """
+    raw = os.environ.get(CEILING_LAYERS_ENV, "").strip()
+    if not raw:
+        return defaults.CEILING_LAYERS
+    if not raw.isdigit() or int(raw) < 1:
+        raise MlxInferError(f"{CEILING_LAYERS_ENV} must be a positive integer (decoder layers whose activations a "
+                            f"prompt step may hold), got {raw!r}; unset it for the default "
+                            f"({defaults.CEILING_LAYERS}).")
+    return int(raw)
+
+
 def step_row_bytes(model: Any) -> int:
     """Activation bytes one row keeps alive in a step until its command buffers have run: per
     layer, the residual stream's copies (input, norms, attention output, projections, sums:
     8 x hidden) and the MLP's (gate, up, their product: 3 x intermediate), in the model's dtype,
-    over at most :data:`~mlx_infer.defaults.CEILING_LAYERS` layers (what two command buffers hold)."""
+    over at most :func:`ceiling_layers` layers (what two command buffers hold)."""
     hidden, intermediate, _ = model_sizes(model)
-    layers = min(layer_count(model), defaults.CEILING_LAYERS)
+    layers = min(layer_count(model), ceiling_layers())
     return max(1, layers * (8 * hidden + 3 * intermediate) * model_dtype(model).size)
 
 
