@@ -1082,9 +1082,9 @@ case "${1:-a}" in
     ncu_bin=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
     csvs=""
     for arm in default MLX_INFER_PAGED_ATTN_MIN_SPLIT_KEYS=16 MLX_INFER_PAGED_ATTN_MIN_SPLIT_KEYS=32 \
-        MLX_INFER_PAGED_ATTN_UNROLL=4 MLX_INFER_PAGED_ATTN_ONE_PASS=0; do
+        MLX_INFER_PAGED_ATTN_UNROLL=4 MLX_INFER_PAGED_ATTN_PREFETCH=1 MLX_INFER_PAGED_ATTN_ONE_PASS=0; do
       name=$(echo "${arm#MLX_INFER_PAGED_ATTN_}" | tr 'A-Z=' 'a-z-')
-      run 90 kt-$name env $([ "$arm" = default ] || echo "$arm") "${ncu_bin:-ncu}" --csv --profile-from-start off \
+      run 75 kt-$name env $([ "$arm" = default ] || echo "$arm") "${ncu_bin:-ncu}" --csv --profile-from-start off \
         --cache-control none --clock-control none --metrics gpu__time_duration.sum --log-file "$out/$name.csv" \
         python benchmarks/kernel_times.py --shape llama-8b --engine engine --steps 4
       csvs="$csvs $out/$name.csv"
