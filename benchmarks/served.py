@@ -222,29 +222,22 @@ class _EnvColumn(OursIds):
                     os.environ[k] = v
 
 
-class OursIdsNoGemv(_EnvColumn):
-    """Token ids, the decode graphs' dense CUDA products all through MLX's matmul (``MLX_INFER_GEMV_ROWS=0``
-    while this column runs, so its traces take MLX's products): the A/B of the GEMV kernel (cpp/matmul)."""
-
-    name = "mlx-infer-ids-nogemv"
-    env = {"MLX_INFER_GEMV_ROWS": "0"}
-
-
-class OursIdsNoPrefetch(_EnvColumn):
-    """Token ids, the step plan not prefetched to the GPU (``MLX_INFER_PREFETCH_PLAN=0``: its first kernel
-    faults the managed pages in): the A/B of ``_fast.prefetch_to_gpu`` (cpp/kv/prefetch.cpp)."""
-
-    name = "mlx-infer-ids-noprefetch"
-    env = {"MLX_INFER_PREFETCH_PLAN": "0"}
-
-
-def env_column(spec: str) -> type:
-    """A token-ids column with ``spec`` (``VAR=V[,VAR2=W]``) set while it runs (``--env-column``): the A/B of
-    switches the C++ side reads at each trace, beside the default column in the same run."""
+def env_column(spec: str, name: str | None = None) -> type:
+    """A token-ids column with ``spec`` (``VAR=V[,VAR2=W]``) set while its engine is built and runs
+    (``--env-column``): the A/B of switches read at each trace or when an engine is built, beside the
+    default column in the same run. ``name``: the column's (default ``mlx-infer-ids[spec]``)."""
     pairs = [item.split("=", 1) for item in spec.split(",")]
     if not all(len(p) == 2 and p[0] for p in pairs):
         raise SystemExit(f"--env-column takes VAR=VALUE[,VAR2=VALUE2], got {spec!r}")
-    return type("OursIdsEnv", (_EnvColumn,), {"name": f"mlx-infer-ids[{spec}]", "env": dict(pairs)})
+    return type("OursIdsEnv", (_EnvColumn,), {"name": name or f"mlx-infer-ids[{spec}]", "env": dict(pairs)})
+
+
+#: The decode graphs' dense CUDA products all through MLX's matmul (their traces take MLX's products): the A/B of
+#: the GEMV kernel (cpp/matmul).
+OursIdsNoGemv = env_column("MLX_INFER_GEMV_ROWS=0", "mlx-infer-ids-nogemv")
+#: The step plan not prefetched to the GPU (its first kernel faults the managed pages in): the A/B of
+#: ``_fast.prefetch_to_gpu`` (cpp/kv/prefetch.cpp).
+OursIdsNoPrefetch = env_column("MLX_INFER_PREFETCH_PLAN=0", "mlx-infer-ids-noprefetch")
 
 
 class MlxLm:
