@@ -9,6 +9,9 @@
 #   bash benchmarks/h200_engine.sh c2  # fused vs unfused projections; qwen3-moe vs mlx-lm
 #   bash benchmarks/h200_engine.sh d1  # after the RoPE fix: chunk probe, host step; Nsight profile of a 32-stream step
 #
+# Not yet run (session 30's plan for the next device time, in order): s30e (or its long form s30d: the paged-attention
+# merge change's CUDA tests and A/Bs), s30g (the activation ceiling's layers), s30f (issue 23's one-rank baseline).
+#
 # Every command has its own timeout so a phase ends inside the call's limit and keeps what finished.
 set -uo pipefail
 out=${OUT:-/tmp/h200-out}; mkdir -p "$out"
