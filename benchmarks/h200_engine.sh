@@ -21,6 +21,20 @@ run() {  # run SECONDS NAME COMMAND...: log to $out/NAME.log
   echo "== $(date +%T) $name: $*" | tee -a "$out/phase.log"
   timeout "$secs" "$@" > "$out/$name.log" 2>&1; echo "== $(date +%T) $name rc=$?" | tee -a "$out/phase.log"
 }
+kernel_profile() {  # kernel_profile SECS NAME ENGINE [VAR=V...]: 4 of llama-8B's 1-stream decode steps, each kernel
+  # timed by Nsight Compute with caches and clocks as they run, into $out/NAME.csv (kernel_times.py --summarize reads it)
+  local secs=$1 name=$2 eng=$3; shift 3
+  local ncu_bin; ncu_bin=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+  run "$secs" "kt-$name" env "$@" "${ncu_bin:-ncu}" --csv --profile-from-start off --cache-control none \
+    --clock-control none --metrics gpu__time_duration.sum --log-file "$out/$name.csv" \
+    python benchmarks/kernel_times.py --shape llama-8b --engine "$eng" --steps 4
+}
+arm_name() {  # arm_name VAR=V|default: a file name for an A/B arm (MLX_INFER_PAGED_ATTN_UNROLL=4 -> unroll-4)
+  echo "${1#MLX_INFER_PAGED_ATTN_}" | tr 'A-Z=' 'a-z-'
+}
+arm_env() {  # arm_env VAR=V|default: the arm's assignment, nothing for the default
+  [ "$1" = default ] || echo "$1"
+}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >> "$out/phase.log" 2>&1
 python -c "import mlx.core as mx, mlx_lm; print('mlx', mx.__version__, 'mlx-lm', mlx_lm.__version__)" >> "$out/phase.log"
 served="python benchmarks/served.py -p 512 -g 128 -r 1 -n 2 --no-text --streams 1,8,32,64,128"
@@ -1063,12 +1077,7 @@ case "${1:-a}" in
     # generate_step): each kernel of 4 decode steps under Nsight Compute, ours and generate_step's, caches and
     # clocks left as they run (session 25's profile flushed the caches, which inflates the small kernels); then
     # the step's wall split and node census.
-    ncu_bin=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute*/ncu 2>/dev/null | head -1)
-    for eng in engine mlx-lm; do
-      run 200 kt-$eng "${ncu_bin:-ncu}" --csv --profile-from-start off --cache-control none --clock-control none \
-        --metrics gpu__time_duration.sum --log-file "$out/$eng-llama-8b.csv" python benchmarks/kernel_times.py \
-        --shape llama-8b --engine $eng --steps 4
-    done
+    for eng in engine mlx-lm; do kernel_profile 200 "$eng-llama-8b" $eng; done
     python benchmarks/kernel_times.py --summarize "$out/engine-llama-8b.csv" "$out/mlx-lm-llama-8b.csv" --steps 4 \
       > "$out/summary.txt" 2>&1; head -30 "$out/summary.txt"; gzip -f "$out"/*.csv
     run 120 host-8b python benchmarks/host_step.py --shape llama-8b --streams 1 --prompt 512 --census
@@ -1082,15 +1091,11 @@ case "${1:-a}" in
     run 120 cuda-tests python -m pytest -q -p no:cacheprovider -rfE --tb=short -n 8 tests/test_paged_attention.py \
       tests/test_paged_step_kernel.py
     tail -3 "$out"/cuda-tests.log
-    ncu_bin=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
     csvs=""
     for arm in default MLX_INFER_PAGED_ATTN_MIN_SPLIT_KEYS=16 MLX_INFER_PAGED_ATTN_MIN_SPLIT_KEYS=32 \
         MLX_INFER_PAGED_ATTN_UNROLL=4 MLX_INFER_PAGED_ATTN_PREFETCH=1 MLX_INFER_PAGED_ATTN_ONE_PASS=0; do
-      name=$(echo "${arm#MLX_INFER_PAGED_ATTN_}" | tr 'A-Z=' 'a-z-')
-      run 75 kt-$name env $([ "$arm" = default ] || echo "$arm") "${ncu_bin:-ncu}" --csv --profile-from-start off \
-        --cache-control none --clock-control none --metrics gpu__time_duration.sum --log-file "$out/$name.csv" \
-        python benchmarks/kernel_times.py --shape llama-8b --engine engine --steps 4
-      csvs="$csvs $out/$name.csv"
+      kernel_profile 75 "$(arm_name $arm)" engine $(arm_env $arm)
+      csvs="$csvs $out/$(arm_name $arm).csv"
     done
     python benchmarks/kernel_times.py --summarize $csvs --steps 4 > "$out/summary.txt" 2>&1
     head -14 "$out/summary.txt"; gzip -f "$out"/*.csv
@@ -1108,13 +1113,9 @@ case "${1:-a}" in
       --mlx-lm-step --shape llama-8b --env-column MLX_INFER_PAGED_ATTN_MIN_SPLIT_KEYS=16 \
       --json "$out/served-llama-8b.json"
     grep -h '^| ' "$out/served-llama-8b.log"
-    ncu_bin=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
     for arm in default MLX_INFER_PAGED_ATTN_MIN_SPLIT_KEYS=16; do
-      name=$(echo "${arm#MLX_INFER_PAGED_ATTN_}" | tr 'A-Z=' 'a-z-')
-      run 70 kt-$name env $([ "$arm" = default ] || echo "$arm") "${ncu_bin:-ncu}" --csv --profile-from-start off \
-        --cache-control none --clock-control none --metrics gpu__time_duration.sum --log-file "$out/$name.csv" \
-        python benchmarks/kernel_times.py --shape llama-8b --engine engine --steps 4
-      python benchmarks/kernel_times.py --summarize "$out/$name.csv" --steps 4 2>&1 | head -4
+      kernel_profile 70 "$(arm_name $arm)" engine $(arm_env $arm)
+      python benchmarks/kernel_times.py --summarize "$out/$(arm_name $arm).csv" --steps 4 2>&1 | head -4
     done
     gzip -f "$out"/*.csv
     ;;
