@@ -10,7 +10,8 @@
 #   bash benchmarks/h200_engine.sh d1  # after the RoPE fix: chunk probe, host step; Nsight profile of a 32-stream step
 #
 # Not yet run (session 30's plan for the next device time, in order): s30e (or its long form s30d: the paged-attention
-# merge change's CUDA tests and A/Bs), s30g (the activation ceiling's layers), s30f (issue 23's one-rank baseline).
+# merge change's CUDA tests and A/Bs), s31q (the quantized products), s30g (the activation ceiling's layers), s30f
+# (issue 23's one-rank baseline).
 #
 # Every command has its own timeout so a phase ends inside the call's limit and keeps what finished.
 set -uo pipefail
@@ -1126,6 +1127,14 @@ case "${1:-a}" in
     run 400 distributed-n1 python benchmarks/distributed.py --shape llama-8b --batches 1,8,32 -p 512 -g 128 \
       --json "$out/distributed-n1.json"
     tail -8 "$out"/distributed-n1.log
+    ;;
+  s31q)
+    # Issue 17 names the 4/8-bit affine formats, never measured on a GPU: MLX's quantized_matmul (what every decode
+    # graph runs for a quantized checkpoint) per product against the bf16 rows (MLX, cuBLAS, ours) and the packed
+    # weights at the bandwidth (products.py --bits 4,8, its default).
+    run 330 products-q python benchmarks/products.py --shapes llama-8b,llama-1b --ms 1,8,32,128 \
+      --json "$out/products-q.json" --plot "$out/products-q.png"
+    grep -h "step products\|worst" "$out/products-q.log"
     ;;
   s30g)
     # llama-1B's own 1-stream peak sits ~0.04 GB above generate_step's, and its activations (~0.36 GB above the

@@ -19,6 +19,13 @@ shape, fused q|k|v and gate|up as the compiled steps run them; where ``_fast.tun
 device: the GEMV kernel, ``_fast.skinny_linear``, where ``_fast.skinny_linear_applies`` (2-8 rows, weights up to
 64 MiB, CUDA), else MLX's product; fused q|k|v and gate|up). The timing queues ``--iters`` products and waits once (MLX:
 one ``mx.eval``; torch: one ``cuda.synchronize``), so launch overhead counts as it does in a step.
+
+Quantized weights (``--bits 4,8``, the default): ``mlx-q4`` / ``mlx-q8`` time ``mx.quantized_matmul`` with the
+weights affine-quantized (group ``--group-size``, bf16 scales and biases, as ``mlx_lm.convert -q`` and our
+``convert`` write them), which is what every decode graph runs for a quantized checkpoint on any device; their
+TB/s and the weights-alone figure count the packed bytes (``bits / 8`` a weight plus 4 bytes of scale and bias a
+group). cuBLAS has no such product: the ratio that matters is against the packed weights at the bandwidth (and
+against the bf16 cuBLAS row, the speed-up quantizing buys).
 """
 
 from __future__ import annotations
@@ -61,15 +68,42 @@ def ours(x: mx.array, w: mx.array) -> mx.array:
     return _fast.skinny_linear(x, w) if _fast.skinny_linear_applies(x, w) else x @ w.T
 
 
-def _copies(out: int, inp: int) -> int:
+def weight_bytes(bits: int | None, group_size: int) -> float:
+    """Bytes one weight takes in memory: bf16 (``bits`` None), or packed affine ``bits`` plus its group's bf16
+    scale and bias."""
+    return 2.0 if bits is None else bits / 8 + 4 / group_size
+
+
+def _copies(out: int, inp: int, per_weight: float = 2.0) -> int:
     """Weight copies a timing cycles through: enough to overflow the L2 (one on a --tiny smoke run)."""
-    return max(1, -(-L2_BYTES // (out * inp * 2)))
+    return max(1, int(-(-L2_BYTES // (out * inp * per_weight))))
 
 
 def time_mlx(out: int, inp: int, m: int, iters: int, fn: Callable[[mx.array, mx.array], mx.array] | None = None) -> float:
     """Seconds per ``x @ W.T`` (bf16; ``fn(x, W)`` when given), weights cycling through copies that overflow the L2."""
     fn = fn or (lambda x, w: x @ w.T)
     ws = [mx.random.normal((out, inp)).astype(mx.bfloat16) * 0.02 for _ in range(_copies(out, inp))]
+    return _time(ws, m, inp, iters, fn)
+
+
+def time_quantized(out: int, inp: int, m: int, iters: int, bits: int, group_size: int) -> float:
+    """Seconds per ``mx.quantized_matmul(x, Wq, scales, biases, transpose=True)``, ``W`` affine-quantized to
+    ``bits`` in groups of ``group_size`` (bf16 scales and biases), copies cycling as in ``time_mlx``."""
+    ws = []
+    for _ in range(_copies(out, inp, weight_bytes(bits, group_size))):
+        w = mx.random.normal((out, inp)).astype(mx.bfloat16) * 0.02
+        ws.append(mx.quantize(w, group_size=group_size, bits=bits))  # (wq, scales, biases)
+        mx.eval(ws[-1])
+
+    def fn(x: mx.array, q: tuple[mx.array, ...]) -> mx.array:
+        return mx.quantized_matmul(x, *q, transpose=True, group_size=group_size, bits=bits)
+
+    return _time(ws, m, inp, iters, fn)
+
+
+def _time(ws: list[Any], m: int, inp: int, iters: int, fn: Callable[[mx.array, Any], mx.array]) -> float:
+    """Seconds per ``fn(x, ws[j])`` (x: (m, inp) bf16), ``iters`` of them queued and evaluated at once after
+    three warm-up rounds."""
     x = mx.random.normal((m, inp)).astype(mx.bfloat16)
     mx.eval(ws, x)
     for _ in range(3):
@@ -101,13 +135,29 @@ def time_cublas(out: int, inp: int, m: int, iters: int) -> float | None:
     return (time.perf_counter() - t) / iters
 
 
-def measure(shape: str, cfg: dict[str, Any], ms: list[int], iters: int, bandwidth: float) -> list[dict[str, Any]]:
+def quantized_engine(bits: int) -> str:
+    """The engine name of ``bits``-bit affine products (``mlx-q4``)."""
+    return f"mlx-q{bits}"
+
+
+def measure(shape: str, cfg: dict[str, Any], ms: list[int], iters: int, bandwidth: float,
+            bits: list[int] = (), group_size: int = 64) -> list[dict[str, Any]]:
+    """Rows of ``suite`` "products" (one product, one engine, one M) and "products-step" (a whole step's)."""
     rows = []
     prods = layer_products(cfg)
     timers: dict[str, Callable[..., float | None]] = {"mlx": time_mlx, "cublas": time_cublas,
                                                       "ours": lambda o, i, m, n: time_mlx(o, i, m, n, ours)}
     if _fast.tuned_products_available():  # the compiled steps' products on CUDA (_fast.tuned_linear)
         timers["tuned"] = lambda o, i, m, n: time_mlx(o, i, m, n, _fast.tuned_linear)
+    per_weight = {e: 2.0 for e in timers}
+    for b in bits:
+        e = quantized_engine(b)
+        timers[e] = lambda o, i, m, n, b=b: time_quantized(o, i, m, n, b, group_size)
+        per_weight[e] = weight_bytes(b, group_size)
+    steps = dict(STEP)
+    for b in bits:  # mlx-lm's quantized layers run the products unfused; a fused q|k|v and gate|up beside
+        e = quantized_engine(b)
+        steps[e], steps[e + "-fused"] = STEP["mlx"], STEP["mlx-fused"]
     for m in ms:
         per: dict[str, dict[str, float]] = {e: {} for e in timers}
         for name, (out, inp) in prods.items():
@@ -116,17 +166,19 @@ def measure(shape: str, cfg: dict[str, Any], ms: list[int], iters: int, bandwidt
                 if s is None:
                     continue
                 per[engine][name] = s
-                moved = out * inp * 2 + m * (inp + out) * 2
+                moved = out * inp * per_weight[engine] + m * (inp + out) * 2
                 rows.append({"suite": "products", "shape": shape, "m": m, "product": name, "engine": engine,
                              "out": out, "in": inp, "ms": s * 1e3, "tb_s": moved / s / 1e12,
                              "tflop_s": 2 * m * out * inp / s / 1e12})
         layers = cfg["num_hidden_layers"]
-        weights = sum(o * i * 2 for n, (o, i) in prods.items() if n in STEP["mlx"]) * layers \
-            + prods["head"][0] * prods["head"][1] * 2
-        for engine, names in STEP.items():
-            src = per.get("mlx" if engine == "mlx-fused" else engine, {})
+        elements = sum(o * i for n, (o, i) in prods.items() if n in STEP["mlx"]) * layers \
+            + prods["head"][0] * prods["head"][1]
+        for engine, names in steps.items():
+            source = engine.removesuffix("-fused")
+            src = per.get(source, {})
             if not src or any(n not in src for n in names):
                 continue
+            weights = elements * per_weight[source]
             step = (sum(src[n] for n in names) * layers + src["head"]) * 1e3
             rows.append({"suite": "products-step", "shape": shape, "m": m, "engine": engine, "step_ms": step,
                          "weights_at_bandwidth_ms": weights / bandwidth * 1e3,
@@ -140,6 +192,8 @@ def main() -> None:
     p.add_argument("--ms", default="1,8,32,64,128,256")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--bandwidth", type=float, default=4.8e12, help="bytes/s the weights-alone figure assumes")
+    p.add_argument("--bits", default="4,8", help="affine-quantized engines to time (mlx-q4, mlx-q8); '' for none")
+    p.add_argument("--group-size", type=int, default=64, help="the quantized engines' group size")
     p.add_argument("--tiny", action="store_true", help="toy sizes of the shapes (a CPU smoke run)")
     p.add_argument("--json")
     p.add_argument("--plot")
@@ -148,18 +202,21 @@ def main() -> None:
         global L2_BYTES
         L2_BYTES = 0
     ms = [int(v) for v in args.ms.split(",")]
+    bits = [int(v) for v in args.bits.split(",") if v]
+    if any(b not in (2, 3, 4, 5, 6, 8) for b in bits):
+        raise SystemExit(f"--bits {args.bits!r}: MLX's affine quantization takes 2, 3, 4, 5, 6 or 8 bits")
     rows: list[dict[str, Any]] = []
     for shape in args.shapes.split(","):
         if shape not in SHAPES:
             raise SystemExit(f"unknown shape {shape!r}; choose from {', '.join(SHAPES)}")
         cfg = dict(SHAPES[shape], **(TINY[shape] if args.tiny else {}))
-        rows += measure(shape, cfg, ms, args.iters, args.bandwidth)
+        rows += measure(shape, cfg, ms, args.iters, args.bandwidth, bits, args.group_size)
     for r in rows:
         if r["suite"] == "products-step":
             print(f"{r['shape']:>12} M={r['m']:>3} {r['engine']:>9}: step products {r['step_ms']:.3f} ms "
                   f"(weights alone at the bandwidth {r['weights_at_bandwidth_ms']:.3f} ms, "
                   f"{r['fraction_of_bandwidth']:.0%})")
-    for engine in ("mlx", "ours"):
+    for engine in ("mlx", "ours", *map(quantized_engine, bits)):
         worst = worst_ratio(rows, engine)
         if worst:
             s, m, n, ratio = worst
@@ -184,7 +241,8 @@ def worst_ratio(rows: list[dict[str, Any]], engine: str) -> tuple[str, int, str,
 
 
 def plot(doc: dict[str, Any], path: Path) -> None:
-    """TB/s per product against M, one panel per shape, MLX solid, cuBLAS dashed, ours dotted."""
+    """TB/s per product against M, one panel per shape, MLX solid, cuBLAS dashed, ours dotted, quantized dash-dot
+    (their TB/s count the packed bytes)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -195,7 +253,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4), squeeze=False)
     for ax, shape in zip(axes[0], shapes):
         for product in sorted({r["product"] for r in rows if r["shape"] == shape}):
-            for engine, style in (("mlx", "-"), ("cublas", "--"), ("ours", ":")):
+            for engine, style in (("mlx", "-"), ("cublas", "--"), ("ours", ":"), ("mlx-q4", "-."), ("mlx-q8", "-.")):
                 pts = sorted((r["m"], r["tb_s"]) for r in rows
                              if (r["shape"], r["product"], r["engine"]) == (shape, product, engine))
                 if pts:

@@ -313,7 +313,8 @@ def test_kernel_times_folds_nsight_compute_csv_per_kind_and_step(tmp_path, capsy
 
 def test_products_probe_times_ours_beside_mlx_and_reports_the_worst_ratio(tmp_path):
     """benchmarks/products.py (issue 17's probe): per-product rows for MLX and ours (the decode graphs' product: on
-    the CPU, MLX's own, so the two time the same work), step totals for each, and the worst-ratio report."""
+    the CPU, MLX's own, so the two time the same work), the 4- and 8-bit affine products with their packed bytes,
+    step totals for each, and the worst-ratio report."""
     script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "products.py"
     out = tmp_path / "products.json"
     r = subprocess.run([sys.executable, str(script), "--tiny", "--ms", "1,8", "--shapes", "llama-1b", "--iters", "2",
@@ -324,8 +325,14 @@ def test_products_probe_times_ours_beside_mlx_and_reports_the_worst_ratio(tmp_pa
     for m in (1, 8):
         for product in ("q", "qkv", "o", "gate_up", "down", "head"):
             assert ("mlx", m, product) in per and ("ours", m, product) in per
-    steps = {(x["engine"], x["m"]) for x in rows if x["suite"] == "products-step"}
-    assert {("mlx", 1), ("mlx-fused", 8), ("ours", 1), ("ours", 8)} <= steps
+            assert ("mlx-q4", m, product) in per and ("mlx-q8", m, product) in per
+    steps = {(x["engine"], x["m"]): x for x in rows if x["suite"] == "products-step"}
+    assert {("mlx", 1), ("mlx-fused", 8), ("ours", 1), ("ours", 8), ("mlx-q4", 1), ("mlx-q8-fused", 8)} <= set(steps)
+    # the quantized weights' bytes: 4 bits + a bf16 scale and bias per 64 = 0.5625 bytes a weight against bf16's 2
+    bf16, q4 = steps[("mlx", 1)]["weights_at_bandwidth_ms"], steps[("mlx-q4", 1)]["weights_at_bandwidth_ms"]
+    assert q4 == pytest.approx(bf16 * 0.5625 / 2)
+    q = next(x for x in rows if (x["suite"], x["engine"], x["m"], x["product"]) == ("products", "mlx-q8", 1, "q"))
+    assert q["tb_s"] * q["ms"] * 1e9 == pytest.approx(q["out"] * q["in"] * (1 + 4 / 64) + (q["in"] + q["out"]) * 2)
 
     sys.path.insert(0, str(script.parent))
     from products import worst_ratio
