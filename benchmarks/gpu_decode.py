@@ -157,7 +157,7 @@ def build_model(config: dict[str, Any], seed: int = 0, dtype: mx.Dtype = mx.bflo
 def save_hf_dir(model: Any, config: dict[str, Any], path: Path, shard_bytes: int = 4 << 30) -> None:
     """config.json + model-0000N.safetensors shards, the layout mlx-lm loads."""
     path.mkdir(parents=True, exist_ok=True)
-    dtype = next(w.dtype for _, w in tree_flatten(model.parameters()))
+    dtype = next(w.dtype for _, w in tree_flatten(model.parameters()) if mx.issubdtype(w.dtype, mx.floating))
     (path / "config.json").write_text(json.dumps({**config, "torch_dtype": str(dtype).split(".")[-1]}, indent=2))
     shard: dict[str, mx.array] = {}
     size, n = 0, 0

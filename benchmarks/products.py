@@ -22,16 +22,19 @@ one ``mx.eval``; torch: one ``cuda.synchronize``), so launch overhead counts as 
 
 Quantized weights (``--bits 4,8``, the default): ``mlx-q4`` / ``mlx-q8`` time ``mx.quantized_matmul`` with the
 weights affine-quantized (group ``--group-size``, bf16 scales and biases, as ``mlx_lm.convert -q`` and our
-``convert`` write them), which is what every decode graph runs for a quantized checkpoint on any device; their
-TB/s and the weights-alone figure count the packed bytes (``bits / 8`` a weight plus 4 bytes of scale and bias a
-group). cuBLAS has no such product: the ratio that matters is against the packed weights at the bandwidth (and
-against the bf16 cuBLAS row, the speed-up quantizing buys).
+``convert`` write them), what every decode graph ran for a quantized checkpoint; ``ours-q4`` / ``ours-q8`` the
+decode graphs' product with our fused dequantizing GEMV on (``_fast.quantized_linear`` under
+``MLX_INFER_QGEMV_ROWS=8``: cpp/matmul/qgemv_cuda.cpp for 1-8 rows on CUDA, MLX's product elsewhere). Their TB/s
+and the weights-alone figure count the packed bytes (``bits / 8`` a weight plus 4 bytes of scale and bias a
+group). cuBLAS has no such product: the ratios that matter are against the packed weights at the bandwidth and
+against the bf16 cuBLAS row (the speed-up quantizing buys).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -86,9 +89,11 @@ def time_mlx(out: int, inp: int, m: int, iters: int, fn: Callable[[mx.array, mx.
     return _time(ws, m, inp, iters, fn)
 
 
-def time_quantized(out: int, inp: int, m: int, iters: int, bits: int, group_size: int) -> float:
+def time_quantized(out: int, inp: int, m: int, iters: int, bits: int, group_size: int, ours: bool = False) -> float:
     """Seconds per ``mx.quantized_matmul(x, Wq, scales, biases, transpose=True)``, ``W`` affine-quantized to
-    ``bits`` in groups of ``group_size`` (bf16 scales and biases), copies cycling as in ``time_mlx``."""
+    ``bits`` in groups of ``group_size`` (bf16 scales and biases), copies cycling as in ``time_mlx``; ``ours``: the
+    decode graphs' product with our dequantizing GEMV on (``_fast.quantized_linear`` under
+    ``MLX_INFER_QGEMV_ROWS=8``: the kernel for 1-8 rows on CUDA, MLX's product elsewhere)."""
     ws = []
     for _ in range(_copies(out, inp, weight_bytes(bits, group_size))):
         w = mx.random.normal((out, inp)).astype(mx.bfloat16) * 0.02
@@ -96,9 +101,21 @@ def time_quantized(out: int, inp: int, m: int, iters: int, bits: int, group_size
         mx.eval(ws[-1])
 
     def fn(x: mx.array, q: tuple[mx.array, ...]) -> mx.array:
+        if ours:
+            return _fast.quantized_linear(x, *q, group_size=group_size, bits=bits)
         return mx.quantized_matmul(x, *q, transpose=True, group_size=group_size, bits=bits)
 
-    return _time(ws, m, inp, iters, fn)
+    if not ours:
+        return _time(ws, m, inp, iters, fn)
+    before = os.environ.get("MLX_INFER_QGEMV_ROWS")
+    os.environ["MLX_INFER_QGEMV_ROWS"] = "8"  # read at each call: on for these products only
+    try:
+        return _time(ws, m, inp, iters, fn)
+    finally:
+        if before is None:
+            del os.environ["MLX_INFER_QGEMV_ROWS"]
+        else:
+            os.environ["MLX_INFER_QGEMV_ROWS"] = before
 
 
 def _time(ws: list[Any], m: int, inp: int, iters: int, fn: Callable[[mx.array, Any], mx.array]) -> float:
@@ -135,9 +152,9 @@ def time_cublas(out: int, inp: int, m: int, iters: int) -> float | None:
     return (time.perf_counter() - t) / iters
 
 
-def quantized_engine(bits: int) -> str:
-    """The engine name of ``bits``-bit affine products (``mlx-q4``)."""
-    return f"mlx-q{bits}"
+def quantized_engine(bits: int, ours: bool = False) -> str:
+    """The engine name of ``bits``-bit affine products: MLX's (``mlx-q4``) or with our GEMV (``ours-q4``)."""
+    return f"{'ours' if ours else 'mlx'}-q{bits}"
 
 
 def measure(shape: str, cfg: dict[str, Any], ms: list[int], iters: int, bandwidth: float,
@@ -150,14 +167,14 @@ def measure(shape: str, cfg: dict[str, Any], ms: list[int], iters: int, bandwidt
     if _fast.tuned_products_available():  # the compiled steps' products on CUDA (_fast.tuned_linear)
         timers["tuned"] = lambda o, i, m, n: time_mlx(o, i, m, n, _fast.tuned_linear)
     per_weight = {e: 2.0 for e in timers}
-    for b in bits:
-        e = quantized_engine(b)
-        timers[e] = lambda o, i, m, n, b=b: time_quantized(o, i, m, n, b, group_size)
-        per_weight[e] = weight_bytes(b, group_size)
     steps = dict(STEP)
-    for b in bits:  # mlx-lm's quantized layers run the products unfused; a fused q|k|v and gate|up beside
-        e = quantized_engine(b)
-        steps[e], steps[e + "-fused"] = STEP["mlx"], STEP["mlx-fused"]
+    for b in bits:
+        for o in (False, True):
+            e = quantized_engine(b, o)
+            timers[e] = lambda o_, i, m, n, b=b, ours=o: time_quantized(o_, i, m, n, b, group_size, ours)
+            per_weight[e] = weight_bytes(b, group_size)
+            # mlx-lm's quantized layers run the products unfused; a fused q|k|v and gate|up beside
+            steps[e], steps[e + "-fused"] = STEP["mlx"], STEP["mlx-fused"]
     for m in ms:
         per: dict[str, dict[str, float]] = {e: {} for e in timers}
         for name, (out, inp) in prods.items():
@@ -216,7 +233,7 @@ def main() -> None:
             print(f"{r['shape']:>12} M={r['m']:>3} {r['engine']:>9}: step products {r['step_ms']:.3f} ms "
                   f"(weights alone at the bandwidth {r['weights_at_bandwidth_ms']:.3f} ms, "
                   f"{r['fraction_of_bandwidth']:.0%})")
-    for engine in ("mlx", "ours", *map(quantized_engine, bits)):
+    for engine in ("mlx", "ours", *(quantized_engine(b, o) for b in bits for o in (False, True))):
         worst = worst_ratio(rows, engine)
         if worst:
             s, m, n, ratio = worst
@@ -253,7 +270,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4), squeeze=False)
     for ax, shape in zip(axes[0], shapes):
         for product in sorted({r["product"] for r in rows if r["shape"] == shape}):
-            for engine, style in (("mlx", "-"), ("cublas", "--"), ("ours", ":"), ("mlx-q4", "-."), ("mlx-q8", "-.")):
+            for engine, style in (("mlx", "-"), ("cublas", "--"), ("ours", ":"), ("mlx-q4", "-."), ("ours-q4", ":")):
                 pts = sorted((r["m"], r["tb_s"]) for r in rows
                              if (r["shape"], r["product"], r["engine"]) == (shape, product, engine))
                 if pts:

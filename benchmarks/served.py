@@ -377,6 +377,7 @@ def main() -> None:
     p.add_argument("--tiny", choices=["llama", "gemma3"], default=None, help="a random tiny model instead")
     p.add_argument("--shape", default=None, help="random bf16 weights of this real shape (gpu_decode.py's SHAPES)")
     p.add_argument("--toy", action="store_true", help="with --shape: the shape's toy sizes (a CPU run)")
+    p.add_argument("--quantize", type=int, choices=(4, 8), help="with --shape: the weights affine-quantized, group 64")
     p.add_argument("--memory-budget", type=float, default=None, metavar="GB",
                    help="mlx-infer's --memory-budget (default: its pool is sized from the device)")
     p.add_argument("--streams", default="1,8,32,64,128", help="concurrent streams (comma list)")

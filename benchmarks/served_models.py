@@ -13,16 +13,25 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def shape_dir(name: str, toy: bool, root: Path) -> Path:
-    """A model directory with random bf16 weights of shape ``name`` and a whole-vocabulary tokenizer."""
+def shape_dir(name: str, toy: bool, root: Path, bits: int | None = None) -> Path:
+    """A model directory with random bf16 weights of shape ``name`` and a whole-vocabulary tokenizer; ``bits``:
+    its linear and embedding weights affine-quantized (group 64, bf16 scales and biases) as ``mlx_lm.convert -q
+    --q-bits BITS`` writes them (config.json's "quantization"), which both mlx-lm and mlx-infer load."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
+    import mlx.nn as nn
     from gpu_decode import SHAPES, TINY, build_model, save_hf_dir
 
     if name not in SHAPES:
         raise SystemExit(f"unknown shape {name!r}; choose from {', '.join(SHAPES)}")
+    if bits not in (None, 4, 8):
+        raise SystemExit(f"--quantize {bits}: 4 or 8 bits (affine, group 64)")
     config = dict(SHAPES[name], **(TINY[name] if toy else {}))
-    path = root / (name + ("-toy" if toy else ""))
-    save_hf_dir(build_model(config), config, path)
+    model = build_model(config)
+    if bits:
+        config["quantization"] = {"group_size": 64, "bits": bits}
+        nn.quantize(model, group_size=64, bits=bits)
+    path = root / (name + ("-toy" if toy else "") + (f"-q{bits}" if bits else ""))
+    save_hf_dir(model, config, path)
     write_word_tokenizer(path, config["vocab_size"])
     return path
 
@@ -46,7 +55,8 @@ def write_word_tokenizer(path: Path, vocab_size: int) -> None:
 def model_dir(args: argparse.Namespace) -> Path:
     """The MLX directory to benchmark: a fresh tiny model, the given path, or the embedded model."""
     if args.shape:
-        return shape_dir(args.shape, args.toy, Path(tempfile.mkdtemp(prefix="served-")))
+        return shape_dir(args.shape, args.toy, Path(tempfile.mkdtemp(prefix="served-")),
+                         getattr(args, "quantize", None))
     if args.tiny:
         sys.path.insert(0, str(ROOT / "tests"))
         from tiny import make_tiny_model_dir

@@ -55,6 +55,7 @@ inline void __threadfence() {}
 inline int atomicAdd(int* p, int v) { const int old = *p; *p = old + v; return old; }
 inline float __ldcg(const float* p) { return *p; }
 inline float __int_as_float(int bits) { float f; __builtin_memcpy(&f, &bits, sizeof f); return f; }
+inline float __uint_as_float(uint32_t bits) { float f; __builtin_memcpy(&f, &bits, sizeof f); return f; }
 template <typename T, int N> struct AlignedVector {
   T v[N];
   T operator[](int i) const { return v[i]; }
@@ -437,6 +438,51 @@ def run_gemv(workdir: Path, x: np.ndarray, w: np.ndarray, bias: np.ndarray | Non
     np.ascontiguousarray(x, np.float32).tofile(workdir / "x.bin")
     np.ascontiguousarray(w, np.float32).tofile(workdir / "w.bin")
     (np.zeros(1, np.float32) if bias is None else bias.astype(np.float32)).tofile(workdir / "b.bin")
+    build_and_run(workdir, source)
+    return np.fromfile(workdir / "o.bin", np.float32).reshape(M, N)
+
+
+QGEMV_FILE = Path(__file__).resolve().parents[1] / "cpp" / "matmul" / "qgemv_cuda.cpp"
+
+_QGEMV_MAIN = r"""
+int main() {
+  auto xb = slurp("x.bin"), wb = slurp("w.bin"), sb = slurp("s.bin"), bb = slurp("b.bin");
+  Shape ws{};
+  ws.d[0] = N, ws.d[1] = KW;
+  std::vector<float> y((size_t)M * N, -12345.0f);
+  const int warps = (N + RPW - 1) / RPW, blocks = (warps + NWB - 1) / NWB;
+  gridDim = {blocks, 1, 1};
+  blockDim = {32 * NWB, 1, 1};
+  for (int x = 0; x < blocks; ++x) {
+    blockIdx = {x, 0, 0};
+    run_block(32 * NWB, [&] { qgemv((const float*)xb.data(), (const uint32_t*)wb.data(), ws, (const float*)sb.data(),
+                                    (const float*)bb.data(), y.data()); });
+  }
+  FILE* f = fopen("o.bin", "wb");
+  fwrite(y.data(), 4, y.size(), f);
+  fclose(f);
+}
+"""
+
+
+def run_qgemv(workdir: Path, x: np.ndarray, wq: np.ndarray, scales: np.ndarray, biases: np.ndarray, *, bits: int,
+              group_size: int, rows_per_warp: int, warps: int, unroll: int) -> np.ndarray:
+    """qgemv_cuda.cpp's kernel on the CPU, as quantized_gemv launches it: float32 ``x (M, K)`` times MLX's affine
+    ``wq (N, K bits / 32)`` uint32 with float32 ``scales``, ``biases`` (N, K / group_size), transposed."""
+    body = _raw(QGEMV_FILE, "kSource")
+    M = x.shape[0]
+    N, KW = wq.shape
+    consts = dict(T=float, kBits=bits, kG=group_size, kM=M, kR=rows_per_warp, kNW=warps, kU=unroll)
+    args = ("const float* x, const uint32_t* w, const Shape w_shape, const float* scales, const float* biases, "
+            "float* y")
+    tail = _MAIN.split("int main()")[0] + _QGEMV_MAIN
+    sizes = f"constexpr int M = {M}, N = {N}, KW = {KW}, RPW = {rows_per_warp}, NWB = {warps};\n"
+    main_at = tail.index("int main()")
+    source = _MOCK + sizes + tail[:main_at] + _function("qgemv", args, consts, body) + tail[main_at:]
+    workdir.mkdir(parents=True, exist_ok=True)
+    for name, arr, dtype in (("x", x, np.float32), ("w", wq, np.uint32), ("s", scales, np.float32),
+                             ("b", biases, np.float32)):
+        np.ascontiguousarray(arr, dtype).tofile(workdir / f"{name}.bin")
     build_and_run(workdir, source)
     return np.fromfile(workdir / "o.bin", np.float32).reshape(M, N)
 

@@ -325,7 +325,7 @@ def test_products_probe_times_ours_beside_mlx_and_reports_the_worst_ratio(tmp_pa
     for m in (1, 8):
         for product in ("q", "qkv", "o", "gate_up", "down", "head"):
             assert ("mlx", m, product) in per and ("ours", m, product) in per
-            assert ("mlx-q4", m, product) in per and ("mlx-q8", m, product) in per
+            assert {("mlx-q4", m, product), ("mlx-q8", m, product), ("ours-q4", m, product)} <= per
     steps = {(x["engine"], x["m"]): x for x in rows if x["suite"] == "products-step"}
     assert {("mlx", 1), ("mlx-fused", 8), ("ours", 1), ("ours", 8), ("mlx-q4", 1), ("mlx-q8-fused", 8)} <= set(steps)
     # the quantized weights' bytes: 4 bits + a bf16 scale and bias per 64 = 0.5625 bytes a weight against bf16's 2
@@ -342,6 +342,27 @@ def test_products_probe_times_ours_beside_mlx_and_reports_the_worst_ratio(tmp_pa
                                 (8, "o", "ours", 5.0), (8, "o", "mlx", 3.0)]]
     assert worst_ratio(fake, "ours") == ("s", 8, "o", 2.5) and worst_ratio(fake, "mlx") == ("s", 8, "o", 1.5)
     assert worst_ratio([x for x in fake if x["engine"] != "cublas"], "ours") is None
+
+
+def test_quantized_kernels_summary_labels_each_launch(tmp_path, capsys):
+    """benchmarks/quantized_kernels.py --summarize: an ncu CSV's launches with the run's labels, TB/s of DRAM read;
+    unlabelled when the counts differ."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+    from quantized_kernels import summarize
+
+    head = '"ID","Kernel Name","Metric Name","Metric Value"\n'
+    body = "".join(f'"{i}","k{i}(int)","{m}","{v}"\n' for i, (a, b) in enumerate([(2000, 9000000), (1000, 9000000)])
+                   for m, v in (("gpu__time_duration.sum", f"{a:,}"), ("dram__bytes_read.sum", f"{b:,}")))
+    (tmp_path / "q.csv").write_text("==PROF== noise\n" + head + body)
+    (tmp_path / "l.txt").write_text("q 4-bit M=1 mlx\nq 4-bit M=1 ours\n")
+    summarize(tmp_path / "q.csv", tmp_path / "l.txt")
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "2 kernels profiled for 2 products"
+    assert out[1].startswith("q 4-bit M=1 mlx") and "2.0 us" in out[1] and "4.50 TB/s" in out[1] and "k0" in out[1]
+    assert "9.00 TB/s" in out[2] and out[2].startswith("q 4-bit M=1 ours")
+    (tmp_path / "l.txt").write_text("only one\n")
+    summarize(tmp_path / "q.csv", tmp_path / "l.txt")
+    assert capsys.readouterr().out.splitlines()[1].startswith("kernel 0")
 
 
 def test_detokenizer_benchmark_reports_per_token_and_per_step_costs(tmp_path):

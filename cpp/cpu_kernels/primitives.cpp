@@ -169,8 +169,9 @@ mx::array fast_quantized_matmul(const mx::array& x, const mx::array& w, const mx
     ours = x.shape(-1) == K && K % group_size == 0 && scales.shape(0) == w.shape(0) &&
            scales.shape(1) == K / group_size;
   }
-  if (!ours) {
-    return mx::quantized_matmul(x, w, scales, biases, transpose, group_size, bits, mode, s);
+  if (!ours) {  // on CUDA, a few rows of a transposed product take our dequantizing GEMV (quantized_linear)
+    return transpose ? quantized_linear(x, w, scales, biases, group_size, bits, mode, s)
+                     : mx::quantized_matmul(x, w, scales, biases, transpose, group_size, bits, mode, s);
   }
   auto shape = x.shape();
   shape.back() = w.shape(0);

@@ -45,8 +45,7 @@ mx::array base_linear(const Linear& l, const mx::array& x) {
     return fast_linear(x, *l.w, l.bias);
   }
   if (l.quantized()) {
-    auto y = mx::quantized_matmul(x, *l.w, *l.scales, l.biases, /*transpose=*/true, l.group_size,
-                                  l.bits, l.mode);
+    auto y = quantized_linear(x, *l.w, *l.scales, l.biases, l.group_size, l.bits, l.mode);
     return l.bias ? mx::add(y, *l.bias) : y;
   }
   if (l.tuned && !skinny_linear_applies(x, *l.w, l.bias)) {
@@ -85,7 +84,7 @@ mx::array embed_as_linear(const Linear& e, const mx::array& x) {
         : fast_linear(x, *e.w);
   }
   if (e.quantized()) {
-    return mx::quantized_matmul(x, *e.w, *e.scales, e.biases, true, e.group_size, e.bits, e.mode);
+    return quantized_linear(x, *e.w, *e.scales, e.biases, e.group_size, e.bits, e.mode);
   }
   if (e.tuned && !skinny_linear_applies(x, *e.w)) {
     return tuned_linear(x, *e.w);

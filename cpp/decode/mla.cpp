@@ -18,6 +18,7 @@
 #include "graph.h"
 
 #include "mlx_infer/cpu_attention.h"
+#include "mlx_infer/matmul.h"
 
 namespace mlx_infer {
 
@@ -30,7 +31,7 @@ constexpr float kMlaNormEps = 1e-6f;
 
 mx::array multi_linear(const Linear& l, const mx::array& x) {
   if (l.quantized()) {  // QuantizedMultiLinear
-    return mx::quantized_matmul(x, *l.w, *l.scales, l.biases, /*transpose=*/true, l.group_size, l.bits, l.mode);
+    return quantized_linear(x, *l.w, *l.scales, l.biases, l.group_size, l.bits, l.mode);
   }
   return mx::matmul(x, mx::swapaxes(*l.w, -1, -2));  // MultiLinear: x @ weight.swapaxes(-1, -2)
 }

@@ -225,6 +225,52 @@ mx::array dense_linear(
     const std::optional<mx::array>& bias = std::nullopt,
     mx::StreamOrDevice s = {});
 
+/// The most rows of x quantized_linear sends to quantized_gemv on CUDA: MLX_INFER_QGEMV_ROWS (0..8, 0: never),
+/// read at each call, else the default (0 until timed on a GPU); a bad value is a std::invalid_argument naming it.
+int qgemv_max_rows();
+
+/// The tiling quantized_gemv uses for x of ``rows`` rows and a ``bits``-bit w of (n, k) values when none is given
+/// (the CUDA-core form's fields of GemvTiling; ``unroll`` 1..8 chunks of 16 packed bytes per lane at once).
+GemvTiling default_qgemv_tiling(int rows, int n, int k, int bits);
+
+/// Whether quantized_linear takes quantized_gemv for these operands: MLX's CUDA backend, a GPU stream, 1 to
+/// qgemv_max_rows() rows of x, mode "affine" with biases, 4 or 8 bits, group size 32/64/128, x, scales and
+/// biases of one float dtype, w (N, K bits / 32) uint32 with K bits / 32 a multiple of 4.
+bool quantized_gemv_applies(
+    const mx::array& x,
+    const mx::array& w,
+    const mx::array& scales,
+    const std::optional<mx::array>& biases,
+    int group_size,
+    int bits,
+    const std::string& mode = "affine",
+    mx::StreamOrDevice s = {});
+
+/// `mx::quantized_matmul(x, w, scales, biases, transpose=true, group_size, bits)` for x (..., K) of 1 to 8 rows by
+/// our fused dequantizing CUDA GEMV kernel (cpp/matmul/qgemv_cuda.cpp): float32 accumulation, one rounding to x's
+/// dtype. CUDA streams only. Throws std::invalid_argument naming the bad operand.
+mx::array quantized_gemv(
+    const mx::array& x,
+    const mx::array& w,
+    const mx::array& scales,
+    const mx::array& biases,
+    int group_size,
+    int bits,
+    std::optional<GemvTiling> tiling = std::nullopt,
+    mx::StreamOrDevice s = {});
+
+/// The decode graphs' quantized `x @ dequantize(w).T`: quantized_gemv where quantized_gemv_applies, else
+/// `mx::quantized_matmul(..., transpose=true, ...)`.
+mx::array quantized_linear(
+    const mx::array& x,
+    const mx::array& w,
+    const mx::array& scales,
+    const std::optional<mx::array>& biases,
+    int group_size,
+    int bits,
+    const std::string& mode = "affine",
+    mx::StreamOrDevice s = {});
+
 /// The instruction set the kernels dispatch to: "avx512vnni", "avx512", "avx2"
 /// or "generic". The default is the widest the CPU has except avx512vnni, which
 /// is opt-in: its quantized GEMV (M <= 4) rounds x to int8 per 32 values (as
