@@ -11,7 +11,7 @@
 #
 # Not yet run (session 30's plan for the next device time, in order): s30e (or its long form s30d: the paged-attention
 # merge change's CUDA tests and A/Bs), s31q (the quantized products), s30g (the activation ceiling's layers), s30f
-# (issue 23's one-rank baseline). Session 31 ran those; not yet run: s31r (the dequantizing GEMV).
+# (issue 23's one-rank baseline). Session 31 ran those and s31r's kernel part; not yet run: s31r's served A/B.
 #
 # Every command has its own timeout so a phase ends inside the call's limit and keeps what finished.
 set -uo pipefail
@@ -1137,14 +1137,15 @@ case "${1:-a}" in
     grep -h "step products\|worst" "$out/products-q.log"
     ;;
   s31r)
-    # The fused dequantizing GEMV (cpp/matmul/qgemv_cuda.cpp; off by default until this run): its CUDA tests, then
-    # 4-bit llama-8B served at 1 stream with the kernel on as a column (against MLX's quantized_matmul, the default,
-    # and mlx-lm), then each kernel's device time under Nsight Compute (MLX's qmv / qmm against ours).
+    # The fused dequantizing GEMV (cpp/matmul/qgemv_cuda.cpp): its CUDA tests, then 4-bit llama-8B served at 1
+    # stream with the kernel off as a column (MLX's quantized_matmul; the default routes 1-4 rows to the kernel)
+    # and mlx-lm, then each kernel's device time under Nsight Compute (MLX's qmv / qmm against ours). Session 31
+    # ran the tests and the Nsight part (s31r/); the served A/B is still to run.
     run 90 qgemv-tests python -m pytest -q -p no:cacheprovider -rfE --tb=short -n 8 tests/test_qgemv_cuda.py \
       tests/test_qgemv_cuda_text.py
     tail -3 "$out"/qgemv-tests.log
     run 150 served-8b-q4 python benchmarks/served.py -p 512 -g 128 -r 1 -n 2 --no-text --streams 1 --mlx-lm-step \
-      --shape llama-8b --quantize 4 --env-column MLX_INFER_QGEMV_ROWS=8 --json "$out/served-8b-q4.json"
+      --shape llama-8b --quantize 4 --env-column MLX_INFER_QGEMV_ROWS=0 --json "$out/served-8b-q4.json"
     grep -h '^| ' "$out/served-8b-q4.log"
     ncu_bin=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
     run 90 qk "${ncu_bin:-ncu}" --csv --profile-from-start off --cache-control all --clock-control none \

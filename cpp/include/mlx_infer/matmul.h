@@ -226,7 +226,7 @@ mx::array dense_linear(
     mx::StreamOrDevice s = {});
 
 /// The most rows of x quantized_linear sends to quantized_gemv on CUDA: MLX_INFER_QGEMV_ROWS (0..8, 0: never),
-/// read at each call, else the default (0 until timed on a GPU); a bad value is a std::invalid_argument naming it.
+/// read at each call, else the default (4: qgemv_cuda.cpp says why); a bad value is a std::invalid_argument naming it.
 int qgemv_max_rows();
 
 /// The tiling quantized_gemv uses for x of ``rows`` rows and a ``bits``-bit w of (n, k) values when none is given
