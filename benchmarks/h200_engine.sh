@@ -11,7 +11,8 @@
 #
 # Not yet run (session 30's plan for the next device time, in order): s30e (or its long form s30d: the paged-attention
 # merge change's CUDA tests and A/Bs), s31q (the quantized products), s30g (the activation ceiling's layers), s30f
-# (issue 23's one-rank baseline). Session 31 ran those and s31r's kernel part; not yet run: s31r's served A/B.
+# (issue 23's one-rank baseline). Session 31 ran those and s31r's kernel part; not yet run: s32a (the dequantizing
+# GEMV's tests, served A/B and tensor-core form).
 #
 # Every command has its own timeout so a phase ends inside the call's limit and keeps what finished.
 set -uo pipefail
@@ -1151,6 +1152,25 @@ case "${1:-a}" in
     run 90 qk "${ncu_bin:-ncu}" --csv --profile-from-start off --cache-control all --clock-control none \
       --metrics gpu__time_duration.sum,dram__bytes_read.sum --log-file "$out/qk.csv" \
       python benchmarks/quantized_kernels.py --shape llama-8b --ms 1,2,8 --labels "$out/qk.labels"
+    python benchmarks/quantized_kernels.py --summarize "$out/qk.csv" --labels "$out/qk.labels" \
+      > "$out/qk-summary.txt" 2>&1; cat "$out/qk-summary.txt"; gzip -f "$out/qk.csv"
+    ;;
+  s32a)
+    # After session 31: the dequantizing GEMV on by default for 1-4 rows, its tensor-core form (5-64 rows, behind
+    # MLX_INFER_QGEMV_ROWS) never run. The CUDA tests (the kernels against MLX's quantized_matmul; the decode-step
+    # suites, whose quantized variants now take the kernel), then 4-bit llama-8B served at 1 / 8 / 32 streams with
+    # the kernel off and on for 1-64 rows as columns, then each kernel's device time at 1-64 rows.
+    run 200 cuda-tests python -m pytest -q -p no:cacheprovider -p no:benchmark -rfE --tb=short -n 8 \
+      tests/test_qgemv_cuda.py tests/test_step_graph.py tests/test_paged_step_kernel.py tests/test_mixed_steps.py
+    tail -4 "$out"/cuda-tests.log
+    run 300 served-8b-q4 python benchmarks/served.py -p 512 -g 128 -r 1 -n 2 --no-text --streams 1,8,32 \
+      --mlx-lm-step --shape llama-8b --quantize 4 --env-column MLX_INFER_QGEMV_ROWS=0 \
+      --env-column MLX_INFER_QGEMV_ROWS=64 --json "$out/served-8b-q4.json"
+    grep -h '^| ' "$out/served-8b-q4.log"
+    ncu_bin=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+    run 100 qk "${ncu_bin:-ncu}" --csv --profile-from-start off --cache-control all --clock-control none \
+      --metrics gpu__time_duration.sum,dram__bytes_read.sum --log-file "$out/qk.csv" \
+      python benchmarks/quantized_kernels.py --shape llama-8b --ms 4,8,32,64 --bits 4 --labels "$out/qk.labels"
     python benchmarks/quantized_kernels.py --summarize "$out/qk.csv" --labels "$out/qk.labels" \
       > "$out/qk-summary.txt" 2>&1; cat "$out/qk-summary.txt"; gzip -f "$out/qk.csv"
     ;;

@@ -24,7 +24,7 @@ Quantized weights (``--bits 4,8``, the default): ``mlx-q4`` / ``mlx-q8`` time ``
 weights affine-quantized (group ``--group-size``, bf16 scales and biases, as ``mlx_lm.convert -q`` and our
 ``convert`` write them), what every decode graph ran for a quantized checkpoint; ``ours-q4`` / ``ours-q8`` the
 decode graphs' product with our fused dequantizing GEMV on (``_fast.quantized_linear`` under
-``MLX_INFER_QGEMV_ROWS=8``: cpp/matmul/qgemv_cuda.cpp for 1-8 rows on CUDA, MLX's product elsewhere). Their TB/s
+``MLX_INFER_QGEMV_ROWS=64``: cpp/matmul/qgemv_cuda.cpp for 1-64 rows on CUDA, MLX's product elsewhere). Their TB/s
 and the weights-alone figure count the packed bytes (``bits / 8`` a weight plus 4 bytes of scale and bias a
 group). cuBLAS has no such product: the ratios that matter are against the packed weights at the bandwidth and
 against the bf16 cuBLAS row (the speed-up quantizing buys).
@@ -93,7 +93,7 @@ def time_quantized(out: int, inp: int, m: int, iters: int, bits: int, group_size
     """Seconds per ``mx.quantized_matmul(x, Wq, scales, biases, transpose=True)``, ``W`` affine-quantized to
     ``bits`` in groups of ``group_size`` (bf16 scales and biases), copies cycling as in ``time_mlx``; ``ours``: the
     decode graphs' product with our dequantizing GEMV on (``_fast.quantized_linear`` under
-    ``MLX_INFER_QGEMV_ROWS=8``: the kernel for 1-8 rows on CUDA, MLX's product elsewhere)."""
+    ``MLX_INFER_QGEMV_ROWS=64``: the kernels for 1-64 rows on CUDA, MLX's product elsewhere)."""
     ws = []
     for _ in range(_copies(out, inp, weight_bytes(bits, group_size))):
         w = mx.random.normal((out, inp)).astype(mx.bfloat16) * 0.02
@@ -108,7 +108,7 @@ def time_quantized(out: int, inp: int, m: int, iters: int, bits: int, group_size
     if not ours:
         return _time(ws, m, inp, iters, fn)
     before = os.environ.get("MLX_INFER_QGEMV_ROWS")
-    os.environ["MLX_INFER_QGEMV_ROWS"] = "8"  # read at each call: on for these products only
+    os.environ["MLX_INFER_QGEMV_ROWS"] = "64"  # read at each call: on for these products only
     try:
         return _time(ws, m, inp, iters, fn)
     finally:

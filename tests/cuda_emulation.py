@@ -465,17 +465,36 @@ int main() {
 """
 
 
+# The tensor-core form's helpers (qgemv_cuda.cpp's kQMmaHeader) on _MMA_MOCK's float fragments.
+_QMMA_MOCK = r"""
+template <typename V> void mlxi_x_pairs(const V& v, MlxiFrag* p) { for (int j = 0; j < 4; ++j) p[j] = {v[j], v[j + 4]}; }
+inline MlxiFrag mlxi_pack(const float*, float lo, float hi) { return {lo, hi}; }
+"""
+
+
 def run_qgemv(workdir: Path, x: np.ndarray, wq: np.ndarray, scales: np.ndarray, biases: np.ndarray, *, bits: int,
-              group_size: int, rows_per_warp: int, warps: int, unroll: int) -> np.ndarray:
+              group_size: int, rows_per_warp: int, warps: int, unroll: int, mma: bool = False) -> np.ndarray:
     """qgemv_cuda.cpp's kernel on the CPU, as quantized_gemv launches it: float32 ``x (M, K)`` times MLX's affine
-    ``wq (N, K bits / 32)`` uint32 with float32 ``scales``, ``biases`` (N, K / group_size), transposed."""
-    body = _raw(QGEMV_FILE, "kSource")
+    ``wq (N, K bits / 32)`` uint32 with float32 ``scales``, ``biases`` (N, K / group_size), transposed; ``mma``:
+    the tensor-core form (fragments and mma.sync emulated in float32, so the dequantized weights are not rounded)."""
     M = x.shape[0]
     N, KW = wq.shape
-    consts = dict(T=float, kBits=bits, kG=group_size, kM=M, kR=rows_per_warp, kNW=warps, kU=unroll)
-    args = ("const float* x, const uint32_t* w, const Shape w_shape, const float* scales, const float* biases, "
-            "float* y")
-    tail = _MAIN.split("int main()")[0] + _QGEMV_MAIN
+    if mma:
+        body = _raw(QGEMV_FILE, "kQMmaSource")
+        consts = dict(T=float, kBits=bits, kG=group_size, kMT=-(-M // 16), kNT=rows_per_warp, kNW=warps, kU=unroll)
+        args = ("const float* x, const Shape x_shape, const uint32_t* w, const Shape w_shape, const float* scales, "
+                "const float* biases, float* y")
+        main = (_QGEMV_MAIN.replace("Shape ws{};", "Shape ws{}, xs{};\n  xs.d[0] = M;")
+                .replace("(const float*)xb.data(), (const uint32_t*)", "(const float*)xb.data(), xs, (const uint32_t*)")
+                .replace("const int warps = (N + RPW - 1) / RPW, blocks = (warps + NWB - 1) / NWB;",
+                         "const int blocks = (N + 8 * RPW - 1) / (8 * RPW);"))
+        tail = _MMA_MOCK + _QMMA_MOCK + _MAIN.split("int main()")[0] + main
+    else:
+        body = _raw(QGEMV_FILE, "kSource")
+        consts = dict(T=float, kBits=bits, kG=group_size, kM=M, kR=rows_per_warp, kNW=warps, kU=unroll)
+        args = ("const float* x, const uint32_t* w, const Shape w_shape, const float* scales, const float* biases, "
+                "float* y")
+        tail = _MAIN.split("int main()")[0] + _QGEMV_MAIN
     sizes = f"constexpr int M = {M}, N = {N}, KW = {KW}, RPW = {rows_per_warp}, NWB = {warps};\n"
     main_at = tail.index("int main()")
     source = _MOCK + sizes + tail[:main_at] + _function("qgemv", args, consts, body) + tail[main_at:]

@@ -1,6 +1,7 @@
 """``_fast.quantized_gemv``, the fused dequantizing CUDA GEMV (cpp/matmul/qgemv_cuda.cpp), against MLX's
 ``mx.quantized_matmul`` on the CUDA backend: 4 and 8 bits, group sizes 32/64/128, bfloat16, float16 and float32 x,
-1 to 8 rows, llama-8B's and gemma3-270m's product shapes; and the decode graphs' routing (``quantized_linear``
+1 to 8 rows (the CUDA-core form) and 1 to 64 (the tensor-core form, 16-bit x), llama-8B's and gemma3-270m's
+product shapes; and the decode graphs' routing (``quantized_linear``
 takes the kernel for 1 to ``MLX_INFER_QGEMV_ROWS`` rows). Both sum in float32 and round once, in another order:
 ``max |ours - mlx| / max |mlx|`` within a few units in the last place of the dtype. Elsewhere the kernel refuses
 with a clear error and the routing keeps MLX's product (checked here too); the kernel's arithmetic is checked on
@@ -47,6 +48,31 @@ def test_quantized_gemv_equals_mlx_on_cuda_or_refuses_clearly(dtype, rows, n, k,
     scale = mx.abs(want.astype(mx.float32)).max().item()
     print(f"rows={rows} ({n}, {k}) {bits}-bit g{group_size} {dtype}: max diff / max |mlx| {diff / scale:.3g}")
     assert diff / scale <= (1e-5 if dtype == mx.float32 else 4 * ULP[dtype])
+
+
+MMA_CASES = [  # rows, N, K, bits, group_size, tiling (None: the default, the tensor-core form above 4 rows)
+    (5, 4096, 4096, 4, 64, None), (16, 14336, 4096, 4, 64, None), (33, 4096, 14336, 4, 64, None),
+    (64, 1024, 4096, 8, 64, None), (8, 16384, 640, 4, 32, None), (1, 4096, 4096, 4, 64, (2, 4, 2)),
+    (24, 1152, 640, 8, 128, (3, 2, 1)),
+]
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("rows,n,k,bits,group_size,tiling", MMA_CASES)
+def test_tensor_core_form_equals_mlx_on_cuda(dtype, rows, n, k, bits, group_size, tiling):
+    """The tensor-core form (dequantized values rounded to the dtype for mma.sync, as MLX's qmm does)."""
+    x, wq, scales, biases = operands(rows, n, k, bits, group_size, dtype)
+    kw = {} if tiling is None else {"tiling": tiling, "mma": True}
+    if not ON_CUDA:
+        with pytest.raises(ValueError, match="CUDA backend"):
+            _fast.quantized_gemv(x, wq, scales, biases, group_size=group_size, bits=bits, **kw)
+        return
+    got = _fast.quantized_gemv(x, wq, scales, biases, group_size=group_size, bits=bits, **kw)
+    want = mx.quantized_matmul(x, wq, scales, biases, transpose=True, group_size=group_size, bits=bits)
+    diff = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
+    scale = mx.abs(want.astype(mx.float32)).max().item()
+    print(f"mma rows={rows} ({n}, {k}) {bits}-bit g{group_size} {dtype}: max diff / max |mlx| {diff / scale:.3g}")
+    assert got.shape == want.shape and diff / scale <= 4 * ULP[dtype]
 
 
 @pytest.mark.parametrize("rows", [1, 8, 9])

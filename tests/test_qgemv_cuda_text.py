@@ -29,6 +29,16 @@ CASES = [  # M, N, K, bits, group_size, (rows_per_warp, warps, unroll)
 ]
 
 
+MMA_CASES = [  # M, N, K, bits, group_size, (n-tiles, warps, unroll): the tensor-core form
+    (1, 37, 1024, 4, 64, (1, 4, 2)),     # 8 super-steps: one iteration of the 4 warps; N not a multiple of 8
+    (5, 64, 2048, 4, 32, (2, 4, 2)),     # rows of x past M in the m-tile (zeros); group 32; 2 n-tiles
+    (16, 24, 640, 8, 64, (4, 2, 1)),     # 8 bits, a whole m-tile; 10 super-steps; n-tiles past N
+    (20, 19, 1152, 4, 128, (1, 8, 2)),   # two m-tiles, the second partial; group 128; 9 super-steps over 8 warps
+    (64, 40, 256, 8, 64, (3, 1, 1)),     # four m-tiles, one warp, one super-step at a time, 3 n-tiles
+    (33, 16, 4096, 4, 64, (2, 4, 4)),    # three m-tiles; long rows: 32 super-steps, two iterations a warp
+]
+
+
 def _quantized(rng: np.random.Generator, n: int, k: int, bits: int, group_size: int):
     w = mx.array(rng.standard_normal((n, k)).astype(np.float32))
     wq, scales, biases = mx.quantize(w, group_size=group_size, bits=bits)
@@ -51,12 +61,32 @@ def test_qgemv_kernel_text_matches_float64(tmp_path, M, N, K, bits, group_size, 
     assert rel <= TOL
 
 
+@pytest.mark.parametrize("M,N,K,bits,group_size,tiling", MMA_CASES)
+def test_qgemv_mma_kernel_text_matches_float64(tmp_path, M, N, K, bits, group_size, tiling):
+    """The tensor-core form: its lanes' chunks, the (j, j + 4) k-pairs of x and w, the m-tiles past M and the n-tiles
+    past N, the warps' partial sums in shared memory (the emulation does not round the fragments to 16 bits)."""
+    assert compiler() is not None, "g++ (C++20, <barrier>) is needed to build the CUDA kernels' text for the CPU"
+    rng = np.random.default_rng(M * 1000 + N + K + bits + 7)
+    wq, scales, biases, dense = _quantized(rng, N, K, bits, group_size)
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    got = run_qgemv(tmp_path, x, wq, scales, biases, bits=bits, group_size=group_size, rows_per_warp=tiling[0],
+                    warps=tiling[1], unroll=tiling[2], mma=True)
+    ref = x.astype(np.float64) @ dense.T
+    rel = np.abs(got - ref).max() / np.abs(ref).max()
+    print(f"mma M={M} N={N} K={K} bits={bits} group={group_size} tiling={tiling}: {rel:.2e}")
+    assert rel <= TOL
+
+
 @pytest.mark.parametrize("rows,n,k,bits", [(1, 4096, 4096, 4), (8, 1024, 4096, 4), (2, 14336, 4096, 8),
-                                           (1, 4096, 14336, 4)])
+                                           (1, 4096, 14336, 4), (32, 14336, 4096, 4), (64, 128256, 4096, 8),
+                                           (5, 1024, 640, 4)])
 def test_default_tiling_is_one_the_kernel_takes(tmp_path, rows, n, k, bits):
-    """The default tiling for real shapes stays inside quantized_gemv's bounds (checked before any launch)."""
-    t = _fast.default_qgemv_tiling(rows, n, k, bits)
-    assert 1 <= t[0] <= 4 and 1 <= t[1] <= 16 and 1 <= t[2] <= 8
+    """The default tiling for real shapes stays inside quantized_gemv's bounds (checked before any launch): the
+    CUDA-core form up to 4 rows, the tensor-core form above (16-bit x), its partial sums within 48 KiB."""
+    rpw, warps, unroll, mma = _fast.default_qgemv_tiling(rows, n, k, bits, mx.bfloat16)
+    assert 1 <= rpw <= 4 and 1 <= warps <= 16 and 1 <= unroll <= 8 and mma == (rows > 4)
+    assert not mma or warps * rpw * -(-rows // 16) * 4 * 32 * 4 <= 48 * 1024
+    assert _fast.default_qgemv_tiling(rows, n, k, bits, mx.float32)[3] is False
 
 
 def test_routing_on_the_cpu_keeps_mlx_product(monkeypatch):
@@ -71,7 +101,7 @@ def test_routing_on_the_cpu_keeps_mlx_product(monkeypatch):
     assert not _fast.quantized_gemv_applies(x, wq, scales, biases)
     ref = mx.quantized_matmul(x, wq, scales, biases, transpose=True, group_size=64, bits=4)
     assert mx.array_equal(_fast.quantized_linear(x, wq, scales, biases), ref)
-    monkeypatch.setenv("MLX_INFER_QGEMV_ROWS", "9")
+    monkeypatch.setenv("MLX_INFER_QGEMV_ROWS", "65")
     with pytest.raises(ValueError, match="MLX_INFER_QGEMV_ROWS"):
         _fast.qgemv_max_rows()
     monkeypatch.delenv("MLX_INFER_QGEMV_ROWS")
@@ -91,8 +121,12 @@ def test_operand_errors_name_what_is_wrong():
         _fast.quantized_gemv(x[:, :64], wq, scales, biases)
     with pytest.raises(ValueError, match="scales and biases must be"):
         _fast.quantized_gemv(x, wq, scales[:, :1], biases[:, :1])
-    with pytest.raises(ValueError, match="1 to 8 rows"):
+    with pytest.raises(ValueError, match="1 to 64 rows"):
+        _fast.quantized_gemv(mx.zeros((65, 128)), wq, scales, biases)
+    with pytest.raises(ValueError, match="CUDA-core form takes at most 8 rows"):
         _fast.quantized_gemv(mx.zeros((9, 128)), wq, scales, biases)
+    with pytest.raises(ValueError, match="tensor-core form takes bfloat16/float16"):
+        _fast.quantized_gemv(x, wq, scales, biases, tiling=(1, 4, 2), mma=True)
     with pytest.raises(ValueError, match="GPU stream of MLX's CUDA backend"):
         _fast.quantized_gemv(x, wq, scales, biases)
     with pytest.raises(ValueError, match="tiling must have"):

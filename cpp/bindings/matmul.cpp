@@ -231,23 +231,26 @@ Raises:
   m.def(
       "quantized_gemv",
       [](const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size,
-         int bits, std::optional<std::tuple<int, int, int>> tiling, mx::StreamOrDevice stream) {
+         int bits, std::optional<std::tuple<int, int, int>> tiling, bool mma, mx::StreamOrDevice stream) {
         std::optional<mlx_infer::GemvTiling> t;
         if (tiling) {
-          t = mlx_infer::GemvTiling{std::get<0>(*tiling), std::get<1>(*tiling), std::get<2>(*tiling), false};
+          t = mlx_infer::GemvTiling{std::get<0>(*tiling), std::get<1>(*tiling), std::get<2>(*tiling), mma};
         }
         return mlx_infer::quantized_gemv(x, w, scales, biases, group_size, bits, t, stream);
       },
       "x"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a = 64, "bits"_a = 4, nb::kw_only(),
-      "tiling"_a = nb::none(), "stream"_a = nb::none(),
-      R"(``mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size, bits)`` for 1 to 8 rows by the
-fused dequantizing CUDA GEMV kernel (cpp/matmul/qgemv_cuda.cpp).
+      "tiling"_a = nb::none(), "mma"_a = false, "stream"_a = nb::none(),
+      R"(``mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size, bits)`` for 1 to 64 rows by the
+fused dequantizing CUDA GEMV kernels (cpp/matmul/qgemv_cuda.cpp).
 
 Args:
-    x: ``(..., K)``, 1 to 8 rows, bfloat16, float16 or float32.
+    x: ``(..., K)``, 1 to 64 rows (above 8 only the tensor-core form), bfloat16, float16 or float32.
     w, scales, biases: ``mx.quantize(W, group_size, bits)`` of a ``(N, K)`` weight (mode "affine"), scales and
         biases of x's dtype; bits 4 or 8, group_size 32, 64 or 128.
-    tiling: ``(rows_per_warp, warps, unroll)`` (1-4, 1-16, 1-8); default: the choice for the shape.
+    tiling: ``(rows_per_warp, warps, unroll)`` (1-4, 1-16, 1-8); default: the choice for the shape (``mma`` then
+        unused).
+    mma: with ``tiling``: the tensor-core form (16-bit x, K * bits / 32 a multiple of 16; rows_per_warp: n-tiles
+        of 8 rows of w per block; unroll: super-steps in flight).
     stream: a GPU stream of MLX's CUDA backend (the kernel is compiled there by NVRTC).
 
 Returns:
@@ -276,16 +279,16 @@ Raises:
       "Whether the decode graphs' quantized product of these operands runs quantized_gemv here.");
   m.def(
       "default_qgemv_tiling",
-      [](int rows, int n, int k, int bits) {
-        const auto t = mlx_infer::default_qgemv_tiling(rows, n, k, bits);
-        return std::make_tuple(t.rows_per_warp, t.warps, t.unroll);
+      [](int rows, int n, int k, int bits, mx::Dtype dtype) {
+        const auto t = mlx_infer::default_qgemv_tiling(rows, n, k, bits, dtype);
+        return std::make_tuple(t.rows_per_warp, t.warps, t.unroll, t.mma);
       },
-      "rows"_a, "n"_a, "k"_a, "bits"_a,
-      "quantized_gemv's default ``(rows_per_warp, warps, unroll)`` for x of ``rows`` rows and a ``bits``-bit "
-      "weight of (n, k) values.");
+      "rows"_a, "n"_a, "k"_a, "bits"_a, "dtype"_a,
+      "quantized_gemv's default ``(rows_per_warp, warps, unroll, mma)`` for x of ``rows`` rows of ``dtype`` and a "
+      "``bits``-bit weight of (n, k) values.");
   m.def("qgemv_max_rows", &mlx_infer::qgemv_max_rows,
         "The most rows the decode graphs' quantized CUDA products send to quantized_gemv (MLX_INFER_QGEMV_ROWS, "
-        "0..8, read at each call; 0: never).");
+        "0..64, read at each call; 0: never).");
   m.def("tuned_products_available", &mlx_infer::tuned_products_available,
         "True where tuned_linear runs cuBLASLt: built with the CUDA toolkit and MLX's CUDA backend available.");
 

@@ -12,6 +12,7 @@
 #include "mlx_infer/backend.h"
 #include "mlx_infer/matmul.h"
 #include "mlx_infer/text.h"
+#include "mma_header.h"
 
 #include <mlx/fast.h>
 
@@ -121,24 +122,6 @@ constexpr const char* kSource = R"(
 // loads. kMT m-tiles of 16 rows of x (rows past M are zeros, never stored); kNT n-tiles of 8 rows of w per block
 // share each A fragment (x is read from L2 once per block: more n-tiles, less of that traffic). Template
 // constants: T, kMT, kNT, kNW, kU (steps in flight per lane), kBias. x (M, K), w (N, K), K a multiple of 32.
-constexpr const char* kMmaHeader = R"(
-typedef uint32_t MlxiFrag;  // two 16-bit elements
-template <typename V>
-__device__ __forceinline__ MlxiFrag mlxi_pair(const V& v, int j) { return reinterpret_cast<const MlxiFrag*>(&v)[j]; }
-__device__ __forceinline__ MlxiFrag mlxi_zero_pair() { return 0u; }
-__device__ __forceinline__ void mlxi_mma(const __nv_bfloat16*, float* c, const MlxiFrag* a, const MlxiFrag* b) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-               "{%0,%1,%2,%3};\n"
-               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-__device__ __forceinline__ void mlxi_mma(const __half*, float* c, const MlxiFrag* a, const MlxiFrag* b) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-               "{%0,%1,%2,%3};\n"
-               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-)";
 
 constexpr const char* kMmaSource = R"(
   using V8 = AlignedVector<T, 8>;

@@ -16,11 +16,14 @@
 // the sum of x is shared by the warp's kR rows, so the per-value work is one mask, one shift, one subtraction and
 // kM multiply-adds. float32 accumulation, one rounding to x's dtype at the end, the kM rows of x read from L1/L2
 // beside the weights (they are small), so the weights are read once for every row of x.
-// Compiled at run time by NVRTC through mx::fast::cuda_kernel (inside mx::compile'd graphs like any op), one
-// module per (dtype, bits, group size, rows, tiling).
+// Above a few rows that per-value work grows with the rows (8 rows: compute-bound on the large products, where
+// MLX's tensor-core qmm wins); the tensor-core form (kQMmaSource, 16-bit x, up to 64 rows) unpacks each value once
+// for all rows and hands the multiply-adds to mma.sync. Compiled at run time by NVRTC through mx::fast::cuda_kernel
+// (inside mx::compile'd graphs like any op), one module per (form, dtype, bits, group size, rows, tiling).
 #include "mlx_infer/backend.h"
 #include "mlx_infer/matmul.h"
 #include "mlx_infer/text.h"
+#include "mma_header.h"
 
 #include <mlx/fast.h>
 
@@ -41,7 +44,9 @@ namespace {
 // 1024-4096-row products (14-40 against 47-58 us) but loses on gate/up/down and the head (126-1,129 against
 // 59-266 us). So 1 to 4 rows by default (3 and 4 run as MLX's 3-4 qmv passes; not yet timed on their own).
 constexpr int kDefaultMaxRows = 4;
-constexpr int kMaxRows = 8;  // kR x kM accumulators per lane, each with its chunk's partial sums
+constexpr int kMaxRows = 64;     // the tensor-core form's kMT m-tiles of 16 rows
+constexpr int kMaxCoreRows = 8;  // the CUDA-core form's kR x kM accumulators per lane, each with its chunk's sums
+constexpr int kCoreRowsDefault = 4;  // above this many rows the default tiling is the tensor-core form
 
 // Template constants: T (x, scales, biases and y's dtype), kBits (4 or 8), kG (values per group), kM (rows of x),
 // kR (rows of w per warp), kNW (warps per block), kU (chunks per lane per iteration). x (kM, K), w (N, K bits / 32)
@@ -146,17 +151,162 @@ constexpr const char* kSource = R"(
   }
 )";
 
-const ReusedKernel& kernel() {
+// The tensor-core form, for 16-bit x and more rows: each value is unpacked once for all rows of x, the multiply-adds
+// go to mma.sync (m16n8k16, float32 accumulation). As gemv_cuda.cpp's kMmaSource: a block owns kNT n-tiles of 8
+// rows of w, its kNW warps split K, lane (g, t) = (lane / 4, lane % 4) feeds w's row n0 + g (every n-tile) and x's
+// rows g and g + 8 (every m-tile of 16 rows; rows past M are zeros, never stored). Lane t takes the 16-byte chunk
+// 4 S + t of each row at super-step S (so the 4 lanes of a row read 64 contiguous bytes), i.e. kE values from
+// k0 = (4 S + t) kE, in sub-steps of 8 values; as the dot product is over K, any permutation of K taken alike by
+// x and w leaves it unchanged, and a sub-step's 8 values j = 0..7 become the k-pairs (j, j + 4), j = 0..3: pairs
+// 0-1 feed one mma, 2-3 the next. A value is dequantized in float32 (`scale * q + bias`, q exact as in kSource)
+// and rounded once to T for the fragment, as MLX's dequantize does. Template constants: T (16-bit), kBits, kG,
+// kMT, kNT, kNW, kU (super-steps in flight per lane). x (M, K), w (N, K bits / 32) uint32, scales and biases
+// (N, K / kG); K bits / 32 a multiple of 16 (whole super-steps).
+constexpr const char* kQMmaHeader = R"(
+template <typename V>
+__device__ __forceinline__ void mlxi_x_pairs(const V& v, MlxiFrag* p) {  // p[j] = (v[j], v[j + 4]), j = 0..3
+  const uint32_t* u = reinterpret_cast<const uint32_t*>(&v);
+  p[0] = __byte_perm(u[0], u[2], 0x5410);
+  p[1] = __byte_perm(u[0], u[2], 0x7632);
+  p[2] = __byte_perm(u[1], u[3], 0x5410);
+  p[3] = __byte_perm(u[1], u[3], 0x7632);
+}
+__device__ __forceinline__ MlxiFrag mlxi_pack(const __nv_bfloat16*, float lo, float hi) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<MlxiFrag*>(&h);
+}
+__device__ __forceinline__ MlxiFrag mlxi_pack(const __half*, float lo, float hi) {
+  __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<MlxiFrag*>(&h);
+}
+)";
+
+constexpr const char* kQMmaSource = R"(
+  constexpr int kE = 128 / kBits;  // values per 16-byte chunk of w
+  constexpr int kPerWord = 32 / kBits;
+  constexpr uint32_t kMask = (1u << kBits) - 1u;
+  using V8 = AlignedVector<T, 8>;
+  using WV = AlignedVector<uint32_t, 4>;
+  const int N = w_shape[0], M = x_shape[0];
+  const int chunks = w_shape[1] / 4, K = chunks * kE, groups = K / kG, supers = chunks / 4;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int g = lane / 4, t = lane % 4;
+  const int n0 = blockIdx.x * 8 * kNT;
+  const WV* wv = reinterpret_cast<const WV*>(w);
+  const V8* xv = reinterpret_cast<const V8*>(x);
+  int row[kNT];  // this lane's row of each n-tile (a row past N repeats the last, never stored)
+  #pragma unroll
+  for (int nt = 0; nt < kNT; ++nt) row[nt] = min(n0 + nt * 8 + g, N - 1);
+  float c[kNT][kMT][4];
+  #pragma unroll
+  for (int nt = 0; nt < kNT; ++nt) {
+    #pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+      #pragma unroll
+      for (int j = 0; j < 4; ++j) c[nt][mt][j] = 0.0f;
+    }
+  }
+  for (int s0 = warp * kU; s0 < supers; s0 += kNW * kU) {
+    WV wc[kU][kNT];  // every load of w in the iteration is issued before the first is used
+    float sc[kU][kNT], bi[kU][kNT];
+    #pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int ch = 4 * min(s0 + u, supers - 1) + t;
+      #pragma unroll
+      for (int nt = 0; nt < kNT; ++nt) {
+        wc[u][nt] = wv[(size_t)row[nt] * chunks + ch];
+        sc[u][nt] = static_cast<float>(scales[(size_t)row[nt] * groups + ch * kE / kG]);
+        bi[u][nt] = static_cast<float>(biases[(size_t)row[nt] * groups + ch * kE / kG]);
+      }
+    }
+    #pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int S = s0 + u;
+      if (S >= supers) break;  // the same in every lane of the warp
+      const int k0 = (4 * S + t) * kE;
+      #pragma unroll
+      for (int sub = 0; sub < kE / 8; ++sub) {
+        MlxiFrag wp[kNT][4];  // w's k-pairs (j, j + 4) of this sub-step, dequantized
+        #pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) {
+          float wf[8];
+          #pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            const int e = sub * 8 + j;
+            const uint32_t q = (wc[u][nt][e / kPerWord] >> ((e % kPerWord) * kBits)) & kMask;
+            wf[j] = fmaf(sc[u][nt], __uint_as_float(0x4B000000u | q) - 8388608.0f, bi[u][nt]);
+          }
+          #pragma unroll
+          for (int j = 0; j < 4; ++j) wp[nt][j] = mlxi_pack((const T*)nullptr, wf[j], wf[j + 4]);
+        }
+        #pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          const int lo = mt * 16 + g, hi = lo + 8;  // x's rows in this lane's A fragments, read once for every n-tile
+          MlxiFrag xl[4], xh[4];
+          #pragma unroll
+          for (int j = 0; j < 4; ++j) xl[j] = xh[j] = mlxi_zero_pair();
+          if (lo < M) mlxi_x_pairs(xv[((size_t)lo * K + k0) / 8 + sub], xl);
+          if (hi < M) mlxi_x_pairs(xv[((size_t)hi * K + k0) / 8 + sub], xh);
+          const MlxiFrag a1[4] = {xl[0], xh[0], xl[1], xh[1]};
+          const MlxiFrag a2[4] = {xl[2], xh[2], xl[3], xh[3]};
+          #pragma unroll
+          for (int nt = 0; nt < kNT; ++nt) {
+            const MlxiFrag b1[2] = {wp[nt][0], wp[nt][1]};
+            const MlxiFrag b2[2] = {wp[nt][2], wp[nt][3]};
+            mlxi_mma((const T*)nullptr, c[nt][mt], a1, b1);
+            mlxi_mma((const T*)nullptr, c[nt][mt], a2, b2);
+          }
+        }
+      }
+    }
+  }
+  // The warps' partial sums over their super-steps meet in shared memory; warp 0 adds them and stores.
+  __shared__ float part[kNW * kNT * kMT * 4 * 32];
+  #pragma unroll
+  for (int nt = 0; nt < kNT; ++nt) {
+    #pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+      #pragma unroll
+      for (int j = 0; j < 4; ++j) part[(((warp * kNT + nt) * kMT + mt) * 4 + j) * 32 + lane] = c[nt][mt][j];
+    }
+  }
+  __syncthreads();
+  if (warp == 0) {
+    #pragma unroll
+    for (int nt = 0; nt < kNT; ++nt) {
+      #pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        #pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          float v = 0.0f;
+          #pragma unroll
+          for (int q = 0; q < kNW; ++q) v += part[(((q * kNT + nt) * kMT + mt) * 4 + j) * 32 + lane];
+          const int m = mt * 16 + g + (j >= 2 ? 8 : 0), n = n0 + nt * 8 + 2 * t + (j & 1);
+          if (m < M && n < N) y[(size_t)m * N + n] = static_cast<T>(v);
+        }
+      }
+    }
+  }
+)";
+
+const ReusedKernel& kernel(bool mma) {
   static std::once_flag once;
-  static ReusedKernel fn;
+  static ReusedKernel fns[2];
   std::call_once(once, [] {
-    fn = ReusedKernel(mx::fast::cuda_kernel("mlxi_qgemv", {"x", "w", "scales", "biases"}, {"y"}, kSource, ""));
+    fns[0] = ReusedKernel(mx::fast::cuda_kernel("mlxi_qgemv", {"x", "w", "scales", "biases"}, {"y"}, kSource, ""));
+    fns[1] = ReusedKernel(mx::fast::cuda_kernel("mlxi_qgemv_mma", {"x", "w", "scales", "biases"}, {"y"}, kQMmaSource,
+                                                std::string(kMmaHeader) + kQMmaHeader));
   });
-  return fn;
+  return fns[mma ? 1 : 0];
 }
 
 int rows_of(const mx::array& x) {
   return x.ndim() == 0 || x.shape(-1) == 0 ? 0 : static_cast<int>(x.size() / x.shape(-1));
+}
+
+// Whether the tensor-core form takes these: 16-bit x, whole super-steps (4 lanes x 16 bytes) along each row of w.
+bool mma_takes(const mx::array& x, const mx::array& w) {
+  return (x.dtype() == mx::bfloat16 || x.dtype() == mx::float16) && w.ndim() == 2 && w.shape(1) % 16 == 0;
 }
 
 // What the kernel takes besides the rows and the device: affine values of 4 or 8 bits with biases, a group size
@@ -197,8 +347,16 @@ int qgemv_max_rows() {
       env_int("MLX_INFER_QGEMV_ROWS", 0, kMaxRows, kDefaultMaxRows, "0: MLX's quantized_matmul for every product"));
 }
 
-GemvTiling default_qgemv_tiling(int rows, int n, int k, int bits) {
+GemvTiling default_qgemv_tiling(int rows, int n, int k, int bits, mx::Dtype dtype) {
   GemvTiling t;
+  const bool mma_ok = (dtype == mx::bfloat16 || dtype == mx::float16) && static_cast<long>(k) * bits / 32 % 16 == 0;
+  if (mma_ok && (rows > kCoreRowsDefault || rows > kMaxCoreRows)) {
+    t.mma = true;
+    t.rows_per_warp = n >= 8192 ? 4 : n >= 2048 ? 2 : 1;  // n-tiles of 8 rows per block: x read once for them all
+    t.warps = 4;
+    t.unroll = 2;  // super-steps (4 chunks of each row) in flight per lane
+    return t;
+  }
   t.rows_per_warp = n >= 2048 && rows <= 4 ? 2 : 1;
   t.warps = 4;
   t.unroll = static_cast<long>(k) * bits / 128 >= 32 * 4 ? 4 : 2;  // chunks per lane per iteration
@@ -209,7 +367,8 @@ bool quantized_gemv_applies(const mx::array& x, const mx::array& w, const mx::ar
                             const std::optional<mx::array>& biases, int group_size, int bits, const std::string& mode,
                             mx::StreamOrDevice s) {
   const int rows = rows_of(x);
-  if (!cuda_backend() || mx::to_stream(s).device != mx::Device::gpu || rows < 1 || rows > qgemv_max_rows()) {
+  if (!cuda_backend() || mx::to_stream(s).device != mx::Device::gpu || rows < 1 || rows > qgemv_max_rows() ||
+      (rows > kMaxCoreRows && !mma_takes(x, w))) {
     return false;
   }
   return operand_problem(x, w, scales, biases, group_size, bits, mode).empty();
@@ -226,12 +385,27 @@ mx::array quantized_gemv(const mx::array& x, const mx::array& w, const mx::array
                                 ". Use mx.quantized_matmul for other operands.");
   }
   const int n = w.shape(0), k = w.shape(1) * 32 / bits;
-  const auto t = tiling.value_or(default_qgemv_tiling(rows, n, k, bits));
-  if (t.mma || t.rows_per_warp < 1 || t.rows_per_warp > 4 || t.warps < 1 || t.warps > 16 || t.unroll < 1 ||
-      t.unroll > 8) {
-    throw std::invalid_argument("[quantized_gemv] tiling must have rows_per_warp in [1, 4], warps in [1, 16], "
-                                "unroll in [1, 8] and no tensor-core form; got " + std::to_string(t.rows_per_warp) +
-                                ", " + std::to_string(t.warps) + ", " + std::to_string(t.unroll) + ".");
+  const auto t = tiling.value_or(default_qgemv_tiling(rows, n, k, bits, x.dtype()));
+  if (t.rows_per_warp < 1 || t.rows_per_warp > 4 || t.warps < 1 || t.warps > 16 || t.unroll < 1 || t.unroll > 8) {
+    throw std::invalid_argument("[quantized_gemv] tiling must have rows_per_warp in [1, 4], warps in [1, 16] and "
+                                "unroll in [1, 8]; got " + std::to_string(t.rows_per_warp) + ", " +
+                                std::to_string(t.warps) + ", " + std::to_string(t.unroll) + ".");
+  }
+  if (t.mma && !mma_takes(x, w)) {
+    throw std::invalid_argument("[quantized_gemv] the tensor-core form takes bfloat16/float16 x and w with K * bits "
+                                "/ 32 a multiple of 16; got x " + std::string(dtype_text(x.dtype())) + ", w " +
+                                shape_text(w.shape()) + ". Use the CUDA-core form (mma=False).");
+  }
+  if (!t.mma && rows > kMaxCoreRows) {
+    throw std::invalid_argument("[quantized_gemv] the CUDA-core form takes at most " + std::to_string(kMaxCoreRows) +
+                                " rows; got " + std::to_string(rows) + ". Use the tensor-core form (mma=True).");
+  }
+  const int mtiles = (rows + 15) / 16;
+  if (t.mma && t.warps * t.rows_per_warp * mtiles * 4 * 32 * 4 > 48 * 1024) {
+    throw std::invalid_argument("[quantized_gemv] the tensor-core form's partial sums (warps x n-tiles x m-tiles x "
+                                "2 KiB) must fit 48 KiB of shared memory; got " + std::to_string(t.warps) + " x " +
+                                std::to_string(t.rows_per_warp) + " x " + std::to_string(mtiles) +
+                                ". Use fewer warps or n-tiles.");
   }
   const auto stream = mx::to_stream(s);
   if (!cuda_backend() || stream.device != mx::Device::gpu) {
@@ -241,13 +415,23 @@ mx::array quantized_gemv(const mx::array& x, const mx::array& w, const mx::array
   auto out_shape = x.shape();
   out_shape.back() = n;
   auto x2 = mx::reshape(x, {rows, k}, stream);  // (M, K)
-  const int warps_needed = (n + t.rows_per_warp - 1) / t.rows_per_warp;
-  const int blocks = (warps_needed + t.warps - 1) / t.warps;
-  auto y = kernel()({x2, w, scales, biases}, {{rows, n}}, {x.dtype()}, {blocks * t.warps * 32, 1, 1},
-                    {t.warps * 32, 1, 1},
-                    {{"T", x.dtype()}, {"kBits", bits}, {"kG", group_size}, {"kM", rows},
-                     {"kR", t.rows_per_warp}, {"kNW", t.warps}, {"kU", t.unroll}},
-                    std::nullopt, false, stream)[0];  // (M, N)
+  mx::array y = x2;
+  if (t.mma) {
+    const int blocks = (n + 8 * t.rows_per_warp - 1) / (8 * t.rows_per_warp);  // rows_per_warp n-tiles of 8 rows
+    y = kernel(true)({x2, w, scales, biases}, {{rows, n}}, {x.dtype()}, {blocks * t.warps * 32, 1, 1},
+                     {t.warps * 32, 1, 1},
+                     {{"T", x.dtype()}, {"kBits", bits}, {"kG", group_size}, {"kMT", mtiles},
+                      {"kNT", t.rows_per_warp}, {"kNW", t.warps}, {"kU", t.unroll}},
+                     std::nullopt, false, stream)[0];  // (M, N)
+  } else {
+    const int warps_needed = (n + t.rows_per_warp - 1) / t.rows_per_warp;
+    const int blocks = (warps_needed + t.warps - 1) / t.warps;
+    y = kernel(false)({x2, w, scales, biases}, {{rows, n}}, {x.dtype()}, {blocks * t.warps * 32, 1, 1},
+                      {t.warps * 32, 1, 1},
+                      {{"T", x.dtype()}, {"kBits", bits}, {"kG", group_size}, {"kM", rows},
+                       {"kR", t.rows_per_warp}, {"kNW", t.warps}, {"kU", t.unroll}},
+                      std::nullopt, false, stream)[0];  // (M, N)
+  }
   return mx::reshape(y, out_shape, stream);
 }
 

@@ -225,17 +225,21 @@ mx::array dense_linear(
     const std::optional<mx::array>& bias = std::nullopt,
     mx::StreamOrDevice s = {});
 
-/// The most rows of x quantized_linear sends to quantized_gemv on CUDA: MLX_INFER_QGEMV_ROWS (0..8, 0: never),
+/// The most rows of x quantized_linear sends to quantized_gemv on CUDA: MLX_INFER_QGEMV_ROWS (0..64, 0: never),
 /// read at each call, else the default (4: qgemv_cuda.cpp says why); a bad value is a std::invalid_argument naming it.
 int qgemv_max_rows();
 
-/// The tiling quantized_gemv uses for x of ``rows`` rows and a ``bits``-bit w of (n, k) values when none is given
-/// (the CUDA-core form's fields of GemvTiling; ``unroll`` 1..8 chunks of 16 packed bytes per lane at once).
-GemvTiling default_qgemv_tiling(int rows, int n, int k, int bits);
+/// The tiling quantized_gemv uses for x of ``rows`` rows of ``dtype`` and a ``bits``-bit w of (n, k) values when
+/// none is given. The CUDA-core form (mma false; 1-8 rows): ``rows_per_warp`` rows of w per warp, ``unroll`` 1..8
+/// chunks of 16 packed bytes per lane at once. The tensor-core form (16-bit x, K bits / 32 a multiple of 16; 1-64
+/// rows): ``rows_per_warp`` n-tiles of 8 rows of w per block, ``warps`` splitting K, ``unroll`` super-steps (4
+/// chunks of a row) in flight per lane; the default above 4 rows.
+GemvTiling default_qgemv_tiling(int rows, int n, int k, int bits, mx::Dtype dtype);
 
 /// Whether quantized_linear takes quantized_gemv for these operands: MLX's CUDA backend, a GPU stream, 1 to
 /// qgemv_max_rows() rows of x, mode "affine" with biases, 4 or 8 bits, group size 32/64/128, x, scales and
-/// biases of one float dtype, w (N, K bits / 32) uint32 with K bits / 32 a multiple of 4.
+/// biases of one float dtype, w (N, K bits / 32) uint32 with K bits / 32 a multiple of 4 (above 8 rows: 16-bit x
+/// and a multiple of 16, the tensor-core form).
 bool quantized_gemv_applies(
     const mx::array& x,
     const mx::array& w,
@@ -246,9 +250,10 @@ bool quantized_gemv_applies(
     const std::string& mode = "affine",
     mx::StreamOrDevice s = {});
 
-/// `mx::quantized_matmul(x, w, scales, biases, transpose=true, group_size, bits)` for x (..., K) of 1 to 8 rows by
-/// our fused dequantizing CUDA GEMV kernel (cpp/matmul/qgemv_cuda.cpp): float32 accumulation, one rounding to x's
-/// dtype. CUDA streams only. Throws std::invalid_argument naming the bad operand.
+/// `mx::quantized_matmul(x, w, scales, biases, transpose=true, group_size, bits)` for x (..., K) of 1 to 64 rows by
+/// our fused dequantizing CUDA GEMV kernels (cpp/matmul/qgemv_cuda.cpp; 1-8 rows CUDA-core, 1-64 tensor-core):
+/// float32 accumulation, one rounding to x's dtype; ``tiling`` default: default_qgemv_tiling. CUDA streams only.
+/// Throws std::invalid_argument naming the bad operand.
 mx::array quantized_gemv(
     const mx::array& x,
     const mx::array& w,
