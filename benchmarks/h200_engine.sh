@@ -1163,6 +1163,10 @@ case "${1:-a}" in
     run 200 cuda-tests python -m pytest -q -p no:cacheprovider -p no:benchmark -rfE --tb=short -n 8 \
       tests/test_qgemv_cuda.py tests/test_step_graph.py tests/test_paged_step_kernel.py tests/test_mixed_steps.py
     tail -4 "$out"/cuda-tests.log
+    # the quantized tiny models' steps against their eager forward (MLX's quantized_matmul), now on the kernel
+    run 150 quant-step-tests python -m pytest -q -p no:cacheprovider -p no:benchmark -rfE --tb=short -n 8 \
+      tests/test_decode_step.py tests/test_paged_decode_step.py -k "q4 or q8 or quant"
+    tail -4 "$out"/quant-step-tests.log
     run 300 served-8b-q4 python benchmarks/served.py -p 512 -g 128 -r 1 -n 2 --no-text --streams 1,8,32 \
       --mlx-lm-step --shape llama-8b --quantize 4 --env-column MLX_INFER_QGEMV_ROWS=0 \
       --env-column MLX_INFER_QGEMV_ROWS=64 --json "$out/served-8b-q4.json"
