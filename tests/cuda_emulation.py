@@ -469,6 +469,10 @@ int main() {
 _QMMA_MOCK = r"""
 template <typename V> void mlxi_x_pairs(const V& v, MlxiFrag* p) { for (int j = 0; j < 4; ++j) p[j] = {v[j], v[j + 4]}; }
 inline MlxiFrag mlxi_pack(const float*, float lo, float hi) { return {lo, hi}; }
+inline void mlxi_dequant4(const float*, uint32_t w, float s, float b, MlxiFrag* p) {
+  auto q = [&](int i) { return float((w >> (4 * i)) & 0xFu); };
+  for (int j = 0; j < 4; ++j) p[j] = {std::fma(s, q(j), b), std::fma(s, q(j + 4), b)};
+}
 """
 
 

@@ -158,8 +158,8 @@ constexpr const char* kSource = R"(
 // 4 S + t of each row at super-step S (so the 4 lanes of a row read 64 contiguous bytes), i.e. kE values from
 // k0 = (4 S + t) kE, in sub-steps of 8 values; as the dot product is over K, any permutation of K taken alike by
 // x and w leaves it unchanged, and a sub-step's 8 values j = 0..7 become the k-pairs (j, j + 4), j = 0..3: pairs
-// 0-1 feed one mma, 2-3 the next. A value is dequantized in float32 (`scale * q + bias`, q exact as in kSource)
-// and rounded once to T for the fragment, as MLX's dequantize does. Template constants: T (16-bit), kBits, kG,
+// 0-1 feed one mma, 2-3 the next. A value is dequantized as `scale * q + bias` with q exact and one rounding to T
+// for the fragment, as MLX's dequantize does: 4-bit values by mlxi_dequant4's 16-bit bit trick, 8-bit in float32. Template constants: T (16-bit), kBits, kG,
 // kMT, kNT, kNW, kU (super-steps in flight per lane). x (M, K), w (N, K bits / 32) uint32, scales and biases
 // (N, K / kG); K bits / 32 a multiple of 16 (whole super-steps).
 constexpr const char* kQMmaHeader = R"(
@@ -178,6 +178,28 @@ __device__ __forceinline__ MlxiFrag mlxi_pack(const __nv_bfloat16*, float lo, fl
 __device__ __forceinline__ MlxiFrag mlxi_pack(const __half*, float lo, float hi) {
   __half2 h = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<MlxiFrag*>(&h);
+}
+// A 4-bit word's values as the k-pairs (j, j + 4), j = 0..3, dequantized: nibbles j and j + 4 land in the two 16-bit
+// halves, OR-ed into the bits of 128 (bfloat16) or 1024 (float16) they are exactly 128 + q / 1024 + q, one
+// subtraction gives q exactly and one fused multiply-add scale * q + bias, rounded once: the same bits as
+// mlxi_pack(fmaf(scale, q, bias), ...) in two instructions a pair instead of ~10.
+__device__ __forceinline__ uint32_t mlxi_magic(const __nv_bfloat16*) { return 0x43004300u; }
+__device__ __forceinline__ uint32_t mlxi_magic(const __half*) { return 0x64006400u; }
+__device__ __forceinline__ MlxiFrag mlxi_fma_pair(const __nv_bfloat16*, uint32_t v, uint32_t magic, float s, float b) {
+  const __nv_bfloat162 q = __hsub2(*reinterpret_cast<__nv_bfloat162*>(&v), *reinterpret_cast<__nv_bfloat162*>(&magic));
+  __nv_bfloat162 h = __hfma2(q, __float2bfloat162_rn(s), __float2bfloat162_rn(b));
+  return *reinterpret_cast<MlxiFrag*>(&h);
+}
+__device__ __forceinline__ MlxiFrag mlxi_fma_pair(const __half*, uint32_t v, uint32_t magic, float s, float b) {
+  const __half2 q = __hsub2(*reinterpret_cast<__half2*>(&v), *reinterpret_cast<__half2*>(&magic));
+  __half2 h = __hfma2(q, __float2half2_rn(s), __float2half2_rn(b));
+  return *reinterpret_cast<MlxiFrag*>(&h);
+}
+template <typename T>
+__device__ __forceinline__ void mlxi_dequant4(const T* tag, uint32_t w, float s, float b, MlxiFrag* p) {
+  const uint32_t magic = mlxi_magic(tag);
+  #pragma unroll
+  for (int j = 0; j < 4; ++j) p[j] = mlxi_fma_pair(tag, ((w >> (4 * j)) & 0x000F000Fu) | magic, magic, s, b);
 }
 )";
 
@@ -229,6 +251,10 @@ constexpr const char* kQMmaSource = R"(
         MlxiFrag wp[kNT][4];  // w's k-pairs (j, j + 4) of this sub-step, dequantized
         #pragma unroll
         for (int nt = 0; nt < kNT; ++nt) {
+          if (kBits == 4) {  // one word: the 16-bit bit trick (mlxi_dequant4)
+            mlxi_dequant4((const T*)nullptr, wc[u][nt][sub], sc[u][nt], bi[u][nt], wp[nt]);
+            continue;
+          }
           float wf[8];
           #pragma unroll
           for (int j = 0; j < 8; ++j) {
