@@ -1174,7 +1174,7 @@ case "${1:-a}" in
     ncu_bin=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
     run 100 qk "${ncu_bin:-ncu}" --csv --profile-from-start off --cache-control all --clock-control none \
       --metrics gpu__time_duration.sum,dram__bytes_read.sum --log-file "$out/qk.csv" \
-      python benchmarks/quantized_kernels.py --shape llama-8b --ms 4,8,32,64 --bits 4 --labels "$out/qk.labels"
+      python benchmarks/quantized_kernels.py --shape llama-8b --ms 1,2,4,8,32,64 --bits 4 --labels "$out/qk.labels"
     python benchmarks/quantized_kernels.py --summarize "$out/qk.csv" --labels "$out/qk.labels" \
       > "$out/qk-summary.txt" 2>&1; cat "$out/qk-summary.txt"; gzip -f "$out/qk.csv"
     ;;

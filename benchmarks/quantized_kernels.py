@@ -10,7 +10,8 @@ TB/s of the packed weights:
         python benchmarks/quantized_kernels.py --shape llama-8b --ms 1,2,8
     python benchmarks/quantized_kernels.py --summarize q.csv
 
-Engines: ``mlx`` (``mx.quantized_matmul``) and ``ours`` (``_fast.quantized_gemv``, cpp/matmul/qgemv_cuda.cpp).
+Engines: ``mlx`` (``mx.quantized_matmul``), ``ours`` (``_fast.quantized_gemv``, cpp/matmul/qgemv_cuda.cpp, its default
+form for the rows) and, at 1-4 rows, where that default is the CUDA-core form, ``ours-mma`` (the tensor-core form).
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ def run(shape: str, ms: list[int], bits_list: list[int], group_size: int) -> lis
                 x = mx.random.normal((m, inp)).astype(mx.bfloat16)
                 fns = {"mlx": lambda: mx.quantized_matmul(x, *q, transpose=True, group_size=group_size, bits=bits),
                        "ours": lambda: _fast.quantized_gemv(x, *q, group_size=group_size, bits=bits)}
+                mma = _fast.default_qgemv_tiling(max(m, 5), out, inp, bits, mx.bfloat16)  # the tensor-core form's
+                if m <= 4 and mma[3]:  # where the default is the CUDA-core form: the tensor-core form beside it
+                    fns["ours-mma"] = lambda: _fast.quantized_gemv(x, *q, group_size=group_size, bits=bits,
+                                                                   tiling=mma[:3], mma=True)
                 for engine, fn in fns.items():
                     mx.eval(q, x)
                     mx.eval(fn())  # compiles ours (NVRTC) outside the profiled range
