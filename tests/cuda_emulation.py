@@ -338,6 +338,7 @@ def run_qkv_rope(workdir: Path, qkv: np.ndarray, positions: np.ndarray, *, H: in
 
 
 GEMV_FILE = Path(__file__).resolve().parents[1] / "cpp" / "matmul" / "gemv_cuda.cpp"
+MMA_HEADER_FILE = GEMV_FILE.parent / "mma_header.h"  # kMmaStore: the tensor-core forms' last part
 
 _GEMV_MAIN = r"""
 int main() {
@@ -421,6 +422,7 @@ def run_gemv(workdir: Path, x: np.ndarray, w: np.ndarray, bias: np.ndarray | Non
     name = "kMmaSource" if mma else "kSource"
     m = re.search(r'constexpr const char\* %s = R"\((.*?)\)";' % name, text, re.S)
     assert m is not None, f"{name} not found in {GEMV_FILE}"
+    body = m.group(1) + (_raw(MMA_HEADER_FILE, "kMmaStore") if mma else "")
     M, K = x.shape
     N = w.shape[0]
     if mma:
@@ -433,7 +435,7 @@ def run_gemv(workdir: Path, x: np.ndarray, w: np.ndarray, bias: np.ndarray | Non
         tail = _MAIN.split("int main()")[0] + _GEMV_MAIN
     sizes = f"constexpr int M = {M}, N = {N}, K = {K}, RPW = {rows_per_warp}, NWB = {warps};\n"
     main_at = tail.index("int main()")
-    source = _MOCK + sizes + tail[:main_at] + _function("gemv", args, consts, m.group(1)) + tail[main_at:]
+    source = _MOCK + sizes + tail[:main_at] + _function("gemv", args, consts, body) + tail[main_at:]
     workdir.mkdir(parents=True, exist_ok=True)
     np.ascontiguousarray(x, np.float32).tofile(workdir / "x.bin")
     np.ascontiguousarray(w, np.float32).tofile(workdir / "w.bin")
@@ -484,7 +486,7 @@ def run_qgemv(workdir: Path, x: np.ndarray, wq: np.ndarray, scales: np.ndarray, 
     M = x.shape[0]
     N, KW = wq.shape
     if mma:
-        body = _raw(QGEMV_FILE, "kQMmaSource")
+        body = _raw(QGEMV_FILE, "kQMmaSource") + _raw(MMA_HEADER_FILE, "kMmaStore")
         consts = dict(T=float, kBits=bits, kG=group_size, kMT=-(-M // 16), kNT=rows_per_warp, kNW=warps, kU=unroll)
         args = ("const float* x, const Shape x_shape, const uint32_t* w, const Shape w_shape, const float* scales, "
                 "const float* biases, float* y")

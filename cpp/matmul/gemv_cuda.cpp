@@ -183,35 +183,7 @@ constexpr const char* kMmaSource = R"(
       }
     }
   }
-  // The warps' partial sums over their steps meet in shared memory; warp 0 adds them and stores.
-  __shared__ float part[kNW * kNT * kMT * 4 * 32];
-  #pragma unroll
-  for (int nt = 0; nt < kNT; ++nt) {
-    #pragma unroll
-    for (int mt = 0; mt < kMT; ++mt) {
-      #pragma unroll
-      for (int j = 0; j < 4; ++j) part[(((warp * kNT + nt) * kMT + mt) * 4 + j) * 32 + lane] = c[nt][mt][j];
-    }
-  }
-  __syncthreads();
-  if (warp == 0) {
-    #pragma unroll
-    for (int nt = 0; nt < kNT; ++nt) {
-      #pragma unroll
-      for (int mt = 0; mt < kMT; ++mt) {
-        #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          float v = 0.0f;
-          #pragma unroll
-          for (int q = 0; q < kNW; ++q) v += part[(((q * kNT + nt) * kMT + mt) * 4 + j) * 32 + lane];
-          const int m = mt * 16 + g + (j >= 2 ? 8 : 0), n = n0 + nt * 8 + 2 * t + (j & 1);
-          if (m < M && n < N) {
-            y[(size_t)m * N + n] = static_cast<T>(v + (kBias ? static_cast<float>(bias[n]) : 0.0f));
-          }
-        }
-      }
-    }
-  }
+  // kMmaStore (mma_header.h) follows: the warps' partial sums meet in shared memory, warp 0 stores y.
 )";
 
 const ReusedKernel& kernel(bool mma) {
@@ -219,7 +191,8 @@ const ReusedKernel& kernel(bool mma) {
   static ReusedKernel fns[2];
   std::call_once(once, [] {
     fns[0] = ReusedKernel(mx::fast::cuda_kernel("mlxi_gemv", {"x", "w", "bias"}, {"y"}, kSource, ""));
-    fns[1] = ReusedKernel(mx::fast::cuda_kernel("mlxi_gemv_mma", {"x", "w", "bias"}, {"y"}, kMmaSource, kMmaHeader));
+    fns[1] = ReusedKernel(mx::fast::cuda_kernel("mlxi_gemv_mma", {"x", "w", "bias"}, {"y"},
+                                                std::string(kMmaSource) + kMmaStore, kMmaHeader));
   });
   return fns[mma ? 1 : 0];
 }

@@ -1,6 +1,6 @@
 // The tensor-core fragments and mma.sync m16n8k16 (row.col, float32 accumulation) of the GEMV kernels' tensor-core
-// forms (gemv_cuda.cpp's kMmaSource, qgemv_cuda.cpp's kQMmaSource): NVRTC source text, prepended as a kernel header.
-// tests/cuda_emulation.py's _MMA_MOCK stands in for it on the CPU.
+// forms (gemv_cuda.cpp's kMmaSource, qgemv_cuda.cpp's kQMmaSource): NVRTC source text, prepended as a kernel header
+// (tests/cuda_emulation.py's _MMA_MOCK stands in for it on the CPU); and kMmaStore, their common last part.
 #pragma once
 
 namespace mlx_infer {
@@ -22,6 +22,41 @@ __device__ __forceinline__ void mlxi_mma(const __half*, float* c, const MlxiFrag
                : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
+)";
+
+// The tensor-core forms' last part (appended to their kernel text): the warps' partial sums c[kNT][kMT][4] over
+// their share of K meet in shared memory, warp 0 adds them and stores y (M, N) as T, plus bias[n] where kBias. Reads
+// the kernel's c, warp, lane, g, t, n0, M, N, y, kBias and bias (a kernel without a bias input declares kBias false
+// and a null bias).
+inline constexpr const char* kMmaStore = R"(
+  __shared__ float part[kNW * kNT * kMT * 4 * 32];
+  #pragma unroll
+  for (int nt = 0; nt < kNT; ++nt) {
+    #pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+      #pragma unroll
+      for (int j = 0; j < 4; ++j) part[(((warp * kNT + nt) * kMT + mt) * 4 + j) * 32 + lane] = c[nt][mt][j];
+    }
+  }
+  __syncthreads();
+  if (warp == 0) {
+    #pragma unroll
+    for (int nt = 0; nt < kNT; ++nt) {
+      #pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        #pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          float v = 0.0f;
+          #pragma unroll
+          for (int q = 0; q < kNW; ++q) v += part[(((q * kNT + nt) * kMT + mt) * 4 + j) * 32 + lane];
+          const int m = mt * 16 + g + (j >= 2 ? 8 : 0), n = n0 + nt * 8 + 2 * t + (j & 1);
+          if (m < M && n < N) {
+            y[(size_t)m * N + n] = static_cast<T>(v + (kBias ? static_cast<float>(bias[n]) : 0.0f));
+          }
+        }
+      }
+    }
+  }
 )";
 
 }  // namespace mlx_infer

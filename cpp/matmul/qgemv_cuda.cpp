@@ -214,6 +214,8 @@ constexpr const char* kQMmaSource = R"(
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int g = lane / 4, t = lane % 4;
   const int n0 = blockIdx.x * 8 * kNT;
+  constexpr bool kBias = false;  // for kMmaStore: no bias input
+  const T* bias = nullptr;
   const WV* wv = reinterpret_cast<const WV*>(w);
   const V8* xv = reinterpret_cast<const V8*>(x);
   int row[kNT];  // this lane's row of each n-tile (a row past N repeats the last, never stored)
@@ -286,33 +288,7 @@ constexpr const char* kQMmaSource = R"(
       }
     }
   }
-  // The warps' partial sums over their super-steps meet in shared memory; warp 0 adds them and stores.
-  __shared__ float part[kNW * kNT * kMT * 4 * 32];
-  #pragma unroll
-  for (int nt = 0; nt < kNT; ++nt) {
-    #pragma unroll
-    for (int mt = 0; mt < kMT; ++mt) {
-      #pragma unroll
-      for (int j = 0; j < 4; ++j) part[(((warp * kNT + nt) * kMT + mt) * 4 + j) * 32 + lane] = c[nt][mt][j];
-    }
-  }
-  __syncthreads();
-  if (warp == 0) {
-    #pragma unroll
-    for (int nt = 0; nt < kNT; ++nt) {
-      #pragma unroll
-      for (int mt = 0; mt < kMT; ++mt) {
-        #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          float v = 0.0f;
-          #pragma unroll
-          for (int q = 0; q < kNW; ++q) v += part[(((q * kNT + nt) * kMT + mt) * 4 + j) * 32 + lane];
-          const int m = mt * 16 + g + (j >= 2 ? 8 : 0), n = n0 + nt * 8 + 2 * t + (j & 1);
-          if (m < M && n < N) y[(size_t)m * N + n] = static_cast<T>(v);
-        }
-      }
-    }
-  }
+  // kMmaStore (mma_header.h) follows: the warps' partial sums meet in shared memory, warp 0 stores y.
 )";
 
 const ReusedKernel& kernel(bool mma) {
@@ -320,7 +296,8 @@ const ReusedKernel& kernel(bool mma) {
   static ReusedKernel fns[2];
   std::call_once(once, [] {
     fns[0] = ReusedKernel(mx::fast::cuda_kernel("mlxi_qgemv", {"x", "w", "scales", "biases"}, {"y"}, kSource, ""));
-    fns[1] = ReusedKernel(mx::fast::cuda_kernel("mlxi_qgemv_mma", {"x", "w", "scales", "biases"}, {"y"}, kQMmaSource,
+    fns[1] = ReusedKernel(mx::fast::cuda_kernel("mlxi_qgemv_mma", {"x", "w", "scales", "biases"}, {"y"},
+                                                std::string(kQMmaSource) + kMmaStore,
                                                 std::string(kMmaHeader) + kQMmaHeader));
   });
   return fns[mma ? 1 : 0];
