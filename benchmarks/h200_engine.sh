@@ -1157,11 +1157,13 @@ case "${1:-a}" in
     ;;
   s32a)
     # After session 31: the dequantizing GEMV on by default for 1-4 rows, its tensor-core form (5-64 rows, behind
-    # MLX_INFER_QGEMV_ROWS) never run. The CUDA tests (the kernels against MLX's quantized_matmul; the decode-step
-    # suites, whose quantized variants now take the kernel), then 4-bit llama-8B served at 1 / 8 / 32 streams with
+    # MLX_INFER_QGEMV_ROWS) never run. The CUDA tests (the kernels against MLX's quantized_matmul; the bf16 GEMV,
+    # whose tensor-core text now ends in mma_header.h's kMmaStore; the decode-step suites, whose quantized variants
+    # now take the kernel), then 4-bit llama-8B served at 1 / 8 / 32 streams with
     # the kernel off and on for 1-64 rows as columns, then each kernel's device time at 1-64 rows.
     run 200 cuda-tests python -m pytest -q -p no:cacheprovider -p no:benchmark -rfE --tb=short -n 8 \
-      tests/test_qgemv_cuda.py tests/test_step_graph.py tests/test_paged_step_kernel.py tests/test_mixed_steps.py
+      tests/test_qgemv_cuda.py tests/test_gemv_cuda_text.py tests/test_step_graph.py tests/test_paged_step_kernel.py \
+      tests/test_mixed_steps.py
     tail -4 "$out"/cuda-tests.log
     # the quantized tiny models' steps against their eager forward (MLX's quantized_matmul), now on the kernel
     run 150 quant-step-tests python -m pytest -q -p no:cacheprovider -p no:benchmark -rfE --tb=short -n 8 \
