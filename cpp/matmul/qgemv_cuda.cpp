@@ -2,8 +2,8 @@
 // fused dequantizing GEMV kernel for a few rows of x; MLX's quantized_matmul for everything else.
 //
 // Why (benchmarks/RESULTS.md, "Session 31"): on an H100 MLX 0.32.4's CUDA quantized products stream a 4-bit
-// weight at 0.7-0.9 TB/s of the 3.35 the GPU has (qmv_kernel, one row: 13.7 us for 4096 x 4096, 37.1 us for
-// 14336 x 4096, Nsight Compute), 8-bit at 1.3-1.8 TB/s; two rows run qmv once per row (twice the time) and eight
+// weight at 0.3-1.0 TB/s of the 3.35 the GPU has (qmv_kernel, one row: 13.7 us for 4096 x 4096, 37.1 us for
+// 14336 x 4096, Nsight Compute), 8-bit at 0.4-2.4 TB/s; two rows run qmv once per row (twice the time) and eight
 // go to qmm_sm80_kernel with 32-112 blocks on 132 SMs (58-185 us). So a 4-bit llama-8B decodes no faster than
 // bf16 (products.py: the step's 4-bit products 6.1 ms at one row against bf16's 5.3), though it reads 3.6x fewer
 // bytes. The work per weight is what bounds it: unpacking a 4-bit value and converting it to float.
@@ -41,7 +41,7 @@ namespace {
 // the kernel takes 0.52-0.92x MLX's qmv time at 4 bits (gate 21.7 against 37.1 us, the head 150 against 288) and
 // 0.68-0.88x at 8; at 2 rows, which MLX runs as two qmv passes, 0.38-0.86x (gate 29.2 against 69.2 us). At 8 rows
 // MLX switches to its tensor-core qmm_sm80 and the kernel, whose multiply-adds grow with the rows, wins on the
-// 1024-4096-row products (14-40 against 47-58 us) but loses on gate/up/down and the head (126-1,129 against
+// 1024-4096-row products and down (14-126 against 47-184 us) but loses on gate/up and the head (128-1,129 against
 // 59-266 us). So 1 to 4 rows by default (3 and 4 run as MLX's 3-4 qmv passes; not yet timed on their own).
 constexpr int kDefaultMaxRows = 4;
 constexpr int kMaxRows = 64;     // the tensor-core form's kMT m-tiles of 16 rows
