@@ -11,8 +11,8 @@
 #
 # Not yet run (session 30's plan for the next device time, in order): s30e (or its long form s30d: the paged-attention
 # merge change's CUDA tests and A/Bs), s31q (the quantized products), s30g (the activation ceiling's layers), s30f
-# (issue 23's one-rank baseline). Session 31 ran those and s31r's kernel part; not yet run: s32a (the dequantizing
-# GEMV's tests, served A/B and tensor-core form).
+# (issue 23's one-rank baseline). Session 31 ran those and s31r's kernel part; not yet run: s32a then s32b (the
+# dequantizing GEMV's CUDA tests; its served A/B and the tensor-core form's device times).
 #
 # Every command has its own timeout so a phase ends inside the call's limit and keeps what finished.
 set -uo pipefail
@@ -1169,6 +1169,9 @@ case "${1:-a}" in
     run 150 quant-step-tests python -m pytest -q -p no:cacheprovider -p no:benchmark -rfE --tb=short -n 8 \
       tests/test_decode_step.py tests/test_paged_decode_step.py -k "q4 or q8 or quant"
     tail -4 "$out"/quant-step-tests.log
+    ;;
+  s32b)
+    # s32a's second call (each call < 10 minutes): the served A/B and the kernels' device times.
     run 300 served-8b-q4 python benchmarks/served.py -p 512 -g 128 -r 1 -n 2 --no-text --streams 1,8,32 \
       --mlx-lm-step --shape llama-8b --quantize 4 --env-column MLX_INFER_QGEMV_ROWS=0 \
       --env-column MLX_INFER_QGEMV_ROWS=64 --json "$out/served-8b-q4.json"
