@@ -1148,6 +1148,11 @@ case "${1:-a}" in
     run 150 served-8b-q4 python benchmarks/served.py -p 512 -g 128 -r 1 -n 2 --no-text --streams 1 --mlx-lm-step \
       --shape llama-8b --quantize 4 --env-column MLX_INFER_QGEMV_ROWS=0 --json "$out/served-8b-q4.json"
     grep -h '^| ' "$out/served-8b-q4.log"
+    # a host-bound quantized model: does the kernel's node (a custom kernel, ~7 us of MLX's host against qmv's ~5)
+    # cost more than its device time saves at 1-4 streams?
+    run 120 served-1b-q4 python benchmarks/served.py -p 512 -g 128 -r 1 -n 2 --no-text --streams 1,4 --mlx-lm-step \
+      --shape llama-1b --quantize 4 --env-column MLX_INFER_QGEMV_ROWS=0 --json "$out/served-1b-q4.json"
+    grep -h '^| ' "$out/served-1b-q4.log"
     ncu_bin=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
     run 90 qk "${ncu_bin:-ncu}" --csv --profile-from-start off --cache-control all --clock-control none \
       --metrics gpu__time_duration.sum,dram__bytes_read.sum --log-file "$out/qk.csv" \
