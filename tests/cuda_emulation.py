@@ -340,25 +340,47 @@ def run_qkv_rope(workdir: Path, qkv: np.ndarray, positions: np.ndarray, *, H: in
 GEMV_FILE = Path(__file__).resolve().parents[1] / "cpp" / "matmul" / "gemv_cuda.cpp"
 MMA_HEADER_FILE = GEMV_FILE.parent / "mma_header.h"  # kMmaStore: the tensor-core forms' last part
 
-_GEMV_MAIN = r"""
+def _gemv_main(blocks: str, call: str) -> str:
+    """main() of a GEMV kernel's emulation: ``blocks`` blocks of 32 x NWB threads one after another, each thread
+    running ``call`` (over x.bin, w.bin, s.bin, b.bin as xb, wb, sb, bb and their shapes xs (M, K), ws (N, WK)),
+    y (M, N) float32 into o.bin."""
+    return r"""
 int main() {
-  auto xb = slurp("x.bin"), wb = slurp("w.bin"), bb = slurp("b.bin");
-  Shape ws{};
-  ws.d[0] = N, ws.d[1] = K;
+  auto xb = slurp("x.bin"), wb = slurp("w.bin"), sb = slurp("s.bin"), bb = slurp("b.bin");
+  Shape xs{}, ws{};
+  xs.d[0] = M, xs.d[1] = K;
+  ws.d[0] = N, ws.d[1] = WK;
   std::vector<float> y((size_t)M * N, -12345.0f);
-  const int warps = (N + RPW - 1) / RPW, blocks = (warps + NWB - 1) / NWB;
+  const int blocks = BLOCKS;
   gridDim = {blocks, 1, 1};
   blockDim = {32 * NWB, 1, 1};
   for (int x = 0; x < blocks; ++x) {
     blockIdx = {x, 0, 0};
-    run_block(32 * NWB, [&] { gemv((const float*)xb.data(), (const float*)wb.data(), ws, (const float*)bb.data(),
-                                   y.data()); });
+    run_block(32 * NWB, [&] { CALL; });
   }
   FILE* f = fopen("o.bin", "wb");
   fwrite(y.data(), 4, y.size(), f);
   fclose(f);
 }
-"""
+""".replace("BLOCKS", blocks).replace("CALL", call)
+
+
+CORE_BLOCKS = "(((N + RPW - 1) / RPW) + NWB - 1) / NWB"  # the CUDA-core forms: RPW rows of w a warp, NWB warps a block
+MMA_BLOCKS = "(N + 8 * RPW - 1) / (8 * RPW)"  # the tensor-core forms: RPW n-tiles of 8 rows of w a block
+
+
+def _run_gemv_source(workdir: Path, name: str, args: str, consts: dict, body: str, mocks: str, main: str,
+                     sizes: dict, files: dict[str, np.ndarray]) -> np.ndarray:
+    """Build ``body`` as kernel ``name`` with ``mocks`` and ``main``, write ``files`` (name -> array in its dtype),
+    run it, and return y (M, N)."""
+    tail = mocks + _MAIN.split("int main()")[0]
+    consts_text = "".join(f"constexpr int {k} = {v};\n" for k, v in sizes.items())
+    source = _MOCK + consts_text + tail + _function(name, args, consts, body) + main
+    workdir.mkdir(parents=True, exist_ok=True)
+    for f in ("x", "w", "s", "b"):
+        np.ascontiguousarray(files.get(f, np.zeros(1, np.float32))).tofile(workdir / f"{f}.bin")
+    build_and_run(workdir, source)
+    return np.fromfile(workdir / "o.bin", np.float32).reshape(sizes["M"], sizes["N"])
 
 
 # The tensor-core form's fragments and mma.sync m16n8k16 (row.col, float32 accumulation), per warp: every lane
@@ -392,80 +414,31 @@ inline void mlxi_mma(const float*, float* c, const MlxiFrag* a, const MlxiFrag* 
 }
 """
 
-_GEMV_MMA_MAIN = r"""
-int main() {
-  auto xb = slurp("x.bin"), wb = slurp("w.bin"), bb = slurp("b.bin");
-  Shape xs{}, ws{};
-  xs.d[0] = M, xs.d[1] = K;
-  ws.d[0] = N, ws.d[1] = K;
-  std::vector<float> y((size_t)M * N, -12345.0f);
-  const int blocks = (N + 8 * RPW - 1) / (8 * RPW);
-  gridDim = {blocks, 1, 1};
-  blockDim = {32 * NWB, 1, 1};
-  for (int x = 0; x < blocks; ++x) {
-    blockIdx = {x, 0, 0};
-    run_block(32 * NWB, [&] { gemv((const float*)xb.data(), xs, (const float*)wb.data(), ws,
-                                   (const float*)bb.data(), y.data()); });
-  }
-  FILE* f = fopen("o.bin", "wb");
-  fwrite(y.data(), 4, y.size(), f);
-  fclose(f);
-}
-"""
-
-
 def run_gemv(workdir: Path, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, *, rows_per_warp: int,
              warps: int, unroll: int, mma: bool = False) -> np.ndarray:
     """gemv_cuda.cpp's kernel on the CPU, as skinny_linear launches it: float32 ``x (M, K) @ w (N, K).T (+ bias)``;
     ``mma``: the tensor-core form (its fragments and mma.sync emulated in float32)."""
-    text = GEMV_FILE.read_text()
-    name = "kMmaSource" if mma else "kSource"
-    m = re.search(r'constexpr const char\* %s = R"\((.*?)\)";' % name, text, re.S)
-    assert m is not None, f"{name} not found in {GEMV_FILE}"
-    body = m.group(1) + (_raw(MMA_HEADER_FILE, "kMmaStore") if mma else "")
     M, K = x.shape
     N = w.shape[0]
+    sizes = dict(M=M, N=N, K=K, WK=K, RPW=rows_per_warp, NWB=warps)
+    files = {"x": x.astype(np.float32), "w": w.astype(np.float32)}
+    if bias is not None:
+        files["b"] = bias.astype(np.float32)
     if mma:
+        body = _raw(GEMV_FILE, "kMmaSource") + _raw(MMA_HEADER_FILE, "kMmaStore")
         consts = dict(T=float, kMT=-(-M // 16), kNT=rows_per_warp, kNW=warps, kU=unroll, kBias=bias is not None)
         args = "const float* x, const Shape x_shape, const float* w, const Shape w_shape, const float* bias, float* y"
-        tail = _MMA_MOCK + _MAIN.split("int main()")[0] + _GEMV_MMA_MAIN
-    else:
-        consts = dict(T=float, kM=M, kR=rows_per_warp, kNW=warps, kU=unroll, kBias=bias is not None)
-        args = "const float* x, const float* w, const Shape w_shape, const float* bias, float* y"
-        tail = _MAIN.split("int main()")[0] + _GEMV_MAIN
-    sizes = f"constexpr int M = {M}, N = {N}, K = {K}, RPW = {rows_per_warp}, NWB = {warps};\n"
-    main_at = tail.index("int main()")
-    source = _MOCK + sizes + tail[:main_at] + _function("gemv", args, consts, body) + tail[main_at:]
-    workdir.mkdir(parents=True, exist_ok=True)
-    np.ascontiguousarray(x, np.float32).tofile(workdir / "x.bin")
-    np.ascontiguousarray(w, np.float32).tofile(workdir / "w.bin")
-    (np.zeros(1, np.float32) if bias is None else bias.astype(np.float32)).tofile(workdir / "b.bin")
-    build_and_run(workdir, source)
-    return np.fromfile(workdir / "o.bin", np.float32).reshape(M, N)
+        main = _gemv_main(MMA_BLOCKS, "gemv((const float*)xb.data(), xs, (const float*)wb.data(), ws, "
+                                      "(const float*)bb.data(), y.data())")
+        return _run_gemv_source(workdir, "gemv", args, consts, body, _MMA_MOCK, main, sizes, files)
+    consts = dict(T=float, kM=M, kR=rows_per_warp, kNW=warps, kU=unroll, kBias=bias is not None)
+    args = "const float* x, const float* w, const Shape w_shape, const float* bias, float* y"
+    main = _gemv_main(CORE_BLOCKS, "gemv((const float*)xb.data(), (const float*)wb.data(), ws, "
+                                   "(const float*)bb.data(), y.data())")
+    return _run_gemv_source(workdir, "gemv", args, consts, _raw(GEMV_FILE, "kSource"), "", main, sizes, files)
 
 
 QGEMV_FILE = Path(__file__).resolve().parents[1] / "cpp" / "matmul" / "qgemv_cuda.cpp"
-
-_QGEMV_MAIN = r"""
-int main() {
-  auto xb = slurp("x.bin"), wb = slurp("w.bin"), sb = slurp("s.bin"), bb = slurp("b.bin");
-  Shape ws{};
-  ws.d[0] = N, ws.d[1] = KW;
-  std::vector<float> y((size_t)M * N, -12345.0f);
-  const int warps = (N + RPW - 1) / RPW, blocks = (warps + NWB - 1) / NWB;
-  gridDim = {blocks, 1, 1};
-  blockDim = {32 * NWB, 1, 1};
-  for (int x = 0; x < blocks; ++x) {
-    blockIdx = {x, 0, 0};
-    run_block(32 * NWB, [&] { qgemv((const float*)xb.data(), (const uint32_t*)wb.data(), ws, (const float*)sb.data(),
-                                    (const float*)bb.data(), y.data()); });
-  }
-  FILE* f = fopen("o.bin", "wb");
-  fwrite(y.data(), 4, y.size(), f);
-  fclose(f);
-}
-"""
-
 
 # The tensor-core form's helpers (qgemv_cuda.cpp's kQMmaHeader) on _MMA_MOCK's float fragments.
 _QMMA_MOCK = r"""
@@ -483,33 +456,23 @@ def run_qgemv(workdir: Path, x: np.ndarray, wq: np.ndarray, scales: np.ndarray, 
     """qgemv_cuda.cpp's kernel on the CPU, as quantized_gemv launches it: float32 ``x (M, K)`` times MLX's affine
     ``wq (N, K bits / 32)`` uint32 with float32 ``scales``, ``biases`` (N, K / group_size), transposed; ``mma``:
     the tensor-core form (fragments and mma.sync emulated in float32, so the dequantized weights are not rounded)."""
-    M = x.shape[0]
+    M, K = x.shape
     N, KW = wq.shape
+    sizes = dict(M=M, N=N, K=K, WK=KW, RPW=rows_per_warp, NWB=warps)
+    files = {"x": x.astype(np.float32), "w": wq.astype(np.uint32), "s": scales.astype(np.float32),
+             "b": biases.astype(np.float32)}
+    w_args = "const uint32_t* w, const Shape w_shape, const float* scales, const float* biases, float* y"
+    w_call = "(const uint32_t*)wb.data(), ws, (const float*)sb.data(), (const float*)bb.data(), y.data())"
     if mma:
         body = _raw(QGEMV_FILE, "kQMmaSource") + _raw(MMA_HEADER_FILE, "kMmaStore")
         consts = dict(T=float, kBits=bits, kG=group_size, kMT=-(-M // 16), kNT=rows_per_warp, kNW=warps, kU=unroll)
-        args = ("const float* x, const Shape x_shape, const uint32_t* w, const Shape w_shape, const float* scales, "
-                "const float* biases, float* y")
-        main = (_QGEMV_MAIN.replace("Shape ws{};", "Shape ws{}, xs{};\n  xs.d[0] = M;")
-                .replace("(const float*)xb.data(), (const uint32_t*)", "(const float*)xb.data(), xs, (const uint32_t*)")
-                .replace("const int warps = (N + RPW - 1) / RPW, blocks = (warps + NWB - 1) / NWB;",
-                         "const int blocks = (N + 8 * RPW - 1) / (8 * RPW);"))
-        tail = _MMA_MOCK + _QMMA_MOCK + _MAIN.split("int main()")[0] + main
-    else:
-        body = _raw(QGEMV_FILE, "kSource")
-        consts = dict(T=float, kBits=bits, kG=group_size, kM=M, kR=rows_per_warp, kNW=warps, kU=unroll)
-        args = ("const float* x, const uint32_t* w, const Shape w_shape, const float* scales, const float* biases, "
-                "float* y")
-        tail = _MAIN.split("int main()")[0] + _QGEMV_MAIN
-    sizes = f"constexpr int M = {M}, N = {N}, KW = {KW}, RPW = {rows_per_warp}, NWB = {warps};\n"
-    main_at = tail.index("int main()")
-    source = _MOCK + sizes + tail[:main_at] + _function("qgemv", args, consts, body) + tail[main_at:]
-    workdir.mkdir(parents=True, exist_ok=True)
-    for name, arr, dtype in (("x", x, np.float32), ("w", wq, np.uint32), ("s", scales, np.float32),
-                             ("b", biases, np.float32)):
-        np.ascontiguousarray(arr, dtype).tofile(workdir / f"{name}.bin")
-    build_and_run(workdir, source)
-    return np.fromfile(workdir / "o.bin", np.float32).reshape(M, N)
+        main = _gemv_main(MMA_BLOCKS, "qgemv((const float*)xb.data(), xs, " + w_call)
+        return _run_gemv_source(workdir, "qgemv", "const float* x, const Shape x_shape, " + w_args, consts, body,
+                                _MMA_MOCK + _QMMA_MOCK, main, sizes, files)
+    consts = dict(T=float, kBits=bits, kG=group_size, kM=M, kR=rows_per_warp, kNW=warps, kU=unroll)
+    main = _gemv_main(CORE_BLOCKS, "qgemv((const float*)xb.data(), " + w_call)
+    return _run_gemv_source(workdir, "qgemv", "const float* x, " + w_args, consts, _raw(QGEMV_FILE, "kSource"), "",
+                            main, sizes, files)
 
 
 FUSED_DIR = Path(__file__).resolve().parents[1] / "cpp" / "fused"
