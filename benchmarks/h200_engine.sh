@@ -1163,7 +1163,7 @@ case "${1:-a}" in
   s32a)
     # After session 31: the dequantizing GEMV on by default for 1-4 rows, its tensor-core form (5-64 rows, behind
     # MLX_INFER_QGEMV_ROWS) never run. The CUDA tests (the kernels against MLX's quantized_matmul; the bf16 GEMV,
-    # whose tensor-core text now ends in mma_header.h's kMmaStore; the decode-step suites, whose quantized variants
+    # whose tensor-core text now ends in gemv_common.h's kMmaStore; the decode-step suites, whose quantized variants
     # now take the kernel), then 4-bit llama-8B served at 1 / 8 / 32 streams with
     # the kernel off and on for 1-64 rows as columns, then each kernel's device time at 1-64 rows.
     run 200 cuda-tests python -m pytest -q -p no:cacheprovider -p no:benchmark -rfE --tb=short -n 8 \

@@ -338,7 +338,7 @@ def run_qkv_rope(workdir: Path, qkv: np.ndarray, positions: np.ndarray, *, H: in
 
 
 GEMV_FILE = Path(__file__).resolve().parents[1] / "cpp" / "matmul" / "gemv_cuda.cpp"
-MMA_HEADER_FILE = GEMV_FILE.parent / "mma_header.h"  # kMmaStore: the tensor-core forms' last part
+GEMV_COMMON_FILE = GEMV_FILE.parent / "gemv_common.h"  # kMmaStore: the tensor-core forms' last part
 
 def _gemv_main(blocks: str, call: str) -> str:
     """main() of a GEMV kernel's emulation: ``blocks`` blocks of 32 x NWB threads one after another, each thread
@@ -425,7 +425,7 @@ def run_gemv(workdir: Path, x: np.ndarray, w: np.ndarray, bias: np.ndarray | Non
     if bias is not None:
         files["b"] = bias.astype(np.float32)
     if mma:
-        body = _raw(GEMV_FILE, "kMmaSource") + _raw(MMA_HEADER_FILE, "kMmaStore")
+        body = _raw(GEMV_FILE, "kMmaSource") + _raw(GEMV_COMMON_FILE, "kMmaStore")
         consts = dict(T=float, kMT=-(-M // 16), kNT=rows_per_warp, kNW=warps, kU=unroll, kBias=bias is not None)
         args = "const float* x, const Shape x_shape, const float* w, const Shape w_shape, const float* bias, float* y"
         main = _gemv_main(MMA_BLOCKS, "gemv((const float*)xb.data(), xs, (const float*)wb.data(), ws, "
@@ -464,7 +464,7 @@ def run_qgemv(workdir: Path, x: np.ndarray, wq: np.ndarray, scales: np.ndarray, 
     w_args = "const uint32_t* w, const Shape w_shape, const float* scales, const float* biases, float* y"
     w_call = "(const uint32_t*)wb.data(), ws, (const float*)sb.data(), (const float*)bb.data(), y.data())"
     if mma:
-        body = _raw(QGEMV_FILE, "kQMmaSource") + _raw(MMA_HEADER_FILE, "kMmaStore")
+        body = _raw(QGEMV_FILE, "kQMmaSource") + _raw(GEMV_COMMON_FILE, "kMmaStore")
         consts = dict(T=float, kBits=bits, kG=group_size, kMT=-(-M // 16), kNT=rows_per_warp, kNW=warps, kU=unroll)
         main = _gemv_main(MMA_BLOCKS, "qgemv((const float*)xb.data(), xs, " + w_call)
         return _run_gemv_source(workdir, "qgemv", "const float* x, const Shape x_shape, " + w_args, consts, body,

@@ -12,7 +12,7 @@
 #include "mlx_infer/backend.h"
 #include "mlx_infer/matmul.h"
 #include "mlx_infer/text.h"
-#include "mma_header.h"
+#include "gemv_common.h"
 
 #include <mlx/fast.h>
 
@@ -183,7 +183,7 @@ constexpr const char* kMmaSource = R"(
       }
     }
   }
-  // kMmaStore (mma_header.h) follows: the warps' partial sums meet in shared memory, warp 0 stores y.
+  // kMmaStore (gemv_common.h) follows: the warps' partial sums meet in shared memory, warp 0 stores y.
 )";
 
 const ReusedKernel& kernel(bool mma) {
@@ -195,10 +195,6 @@ const ReusedKernel& kernel(bool mma) {
                                                 std::string(kMmaSource) + kMmaStore, kMmaHeader));
   });
   return fns[mma ? 1 : 0];
-}
-
-int rows_of(const mx::array& x) {
-  return x.ndim() == 0 || x.shape(-1) == 0 ? 0 : static_cast<int>(x.size() / x.shape(-1));
 }
 
 // Whether the tensor-core form takes w: 16-bit, K a multiple of 32.
@@ -257,7 +253,7 @@ GemvTiling default_gemv_tiling(int rows, int n, int k, mx::Dtype dtype) {
 
 bool skinny_linear_applies(const mx::array& x, const mx::array& w, const std::optional<mx::array>& bias,
                            mx::StreamOrDevice s) {
-  const int rows = rows_of(x);
+  const int rows = product_rows(x);
   if (!cuda_backend() || mx::to_stream(s).device != mx::Device::gpu || !gemv_takes(rows, w.nbytes())) {
     return false;
   }
@@ -271,7 +267,7 @@ bool skinny_linear_applies(const mx::array& x, const mx::array& w, const std::op
 
 mx::array skinny_linear(const mx::array& x, const mx::array& w, const std::optional<mx::array>& bias,
                         std::optional<GemvTiling> tiling, mx::StreamOrDevice s) {
-  const int rows = rows_of(x);
+  const int rows = product_rows(x);
   if (w.ndim() != 2 || x.ndim() < 1 || x.shape(-1) != w.shape(1) || rows < 1 || rows > kMaxRows ||
       x.dtype() != w.dtype() || !cuda_float_dtype(w.dtype()) || w.shape(1) % (16 / mx::size_of(w.dtype())) != 0) {
     throw std::invalid_argument(

@@ -23,7 +23,7 @@
 #include "mlx_infer/backend.h"
 #include "mlx_infer/matmul.h"
 #include "mlx_infer/text.h"
-#include "mma_header.h"
+#include "gemv_common.h"
 
 #include <mlx/fast.h>
 
@@ -288,7 +288,7 @@ constexpr const char* kQMmaSource = R"(
       }
     }
   }
-  // kMmaStore (mma_header.h) follows: the warps' partial sums meet in shared memory, warp 0 stores y.
+  // kMmaStore (gemv_common.h) follows: the warps' partial sums meet in shared memory, warp 0 stores y.
 )";
 
 const ReusedKernel& kernel(bool mma) {
@@ -303,13 +303,9 @@ const ReusedKernel& kernel(bool mma) {
   return fns[mma ? 1 : 0];
 }
 
-int rows_of(const mx::array& x) {
-  return x.ndim() == 0 || x.shape(-1) == 0 ? 0 : static_cast<int>(x.size() / x.shape(-1));
-}
-
 // Whether the tensor-core form takes these: 16-bit x, whole super-steps (4 lanes x 16 bytes) along each row of w.
-bool mma_takes(const mx::array& x, const mx::array& w) {
-  return (x.dtype() == mx::bfloat16 || x.dtype() == mx::float16) && w.ndim() == 2 && w.shape(1) % 16 == 0;
+bool mma_takes(mx::Dtype dtype, long words_per_row) {
+  return (dtype == mx::bfloat16 || dtype == mx::float16) && words_per_row % 16 == 0;
 }
 
 // What the kernel takes besides the rows and the device: affine values of 4 or 8 bits with biases, a group size
@@ -352,8 +348,7 @@ int qgemv_max_rows() {
 
 GemvTiling default_qgemv_tiling(int rows, int n, int k, int bits, mx::Dtype dtype) {
   GemvTiling t;
-  const bool mma_ok = (dtype == mx::bfloat16 || dtype == mx::float16) && static_cast<long>(k) * bits / 32 % 16 == 0;
-  if (mma_ok && (rows > kCoreRowsDefault || rows > kMaxCoreRows)) {
+  if (mma_takes(dtype, static_cast<long>(k) * bits / 32) && rows > kCoreRowsDefault) {
     t.mma = true;
     t.rows_per_warp = n >= 8192 ? 4 : n >= 2048 ? 2 : 1;  // n-tiles of 8 rows per block: x read once for them all
     t.warps = 4;
@@ -369,18 +364,18 @@ GemvTiling default_qgemv_tiling(int rows, int n, int k, int bits, mx::Dtype dtyp
 bool quantized_gemv_applies(const mx::array& x, const mx::array& w, const mx::array& scales,
                             const std::optional<mx::array>& biases, int group_size, int bits, const std::string& mode,
                             mx::StreamOrDevice s) {
-  const int rows = rows_of(x);
+  const int rows = product_rows(x);
   if (!cuda_backend() || mx::to_stream(s).device != mx::Device::gpu || rows < 1 || rows > qgemv_max_rows() ||
-      (rows > kMaxCoreRows && !mma_takes(x, w))) {
+      !operand_problem(x, w, scales, biases, group_size, bits, mode).empty()) {
     return false;
   }
-  return operand_problem(x, w, scales, biases, group_size, bits, mode).empty();
+  return rows <= kMaxCoreRows || mma_takes(x.dtype(), w.shape(1));
 }
 
 mx::array quantized_gemv(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
                          int group_size, int bits, std::optional<GemvTiling> tiling, mx::StreamOrDevice s) {
   const auto problem = operand_problem(x, w, scales, biases, group_size, bits, "affine");
-  const int rows = rows_of(x);
+  const int rows = product_rows(x);
   if (!problem.empty() || rows < 1 || rows > kMaxRows) {
     throw std::invalid_argument("[quantized_gemv] takes x (..., K) with 1 to " + std::to_string(kMaxRows) +
                                 " rows and MLX's affine-quantized w, scales, biases (transposed product): " +
@@ -394,7 +389,7 @@ mx::array quantized_gemv(const mx::array& x, const mx::array& w, const mx::array
                                 "unroll in [1, 8]; got " + std::to_string(t.rows_per_warp) + ", " +
                                 std::to_string(t.warps) + ", " + std::to_string(t.unroll) + ".");
   }
-  if (t.mma && !mma_takes(x, w)) {
+  if (t.mma && !mma_takes(x.dtype(), w.shape(1))) {
     throw std::invalid_argument("[quantized_gemv] the tensor-core form takes bfloat16/float16 x and w with K * bits "
                                 "/ 32 a multiple of 16; got x " + std::string(dtype_text(x.dtype())) + ", w " +
                                 shape_text(w.shape()) + ". Use the CUDA-core form (mma=False).");

@@ -1,9 +1,17 @@
-// The tensor-core fragments and mma.sync m16n8k16 (row.col, float32 accumulation) of the GEMV kernels' tensor-core
-// forms (gemv_cuda.cpp's kMmaSource, qgemv_cuda.cpp's kQMmaSource): NVRTC source text, prepended as a kernel header
-// (tests/cuda_emulation.py's _MMA_MOCK stands in for it on the CPU); and kMmaStore, their common last part.
+// What the GEMV kernels (gemv_cuda.cpp, qgemv_cuda.cpp) share: the rows of a product's x, and, for their tensor-core
+// forms (kMmaSource, kQMmaSource), the fragments and mma.sync m16n8k16 (row.col, float32 accumulation) as NVRTC
+// source text prepended as a kernel header (tests/cuda_emulation.py's _MMA_MOCK stands in for it on the CPU) and
+// kMmaStore, their common last part.
 #pragma once
 
+#include <mlx/array.h>
+
 namespace mlx_infer {
+
+/// Rows of a product's x (..., K): x.size / K (0 for a scalar or K = 0).
+inline int product_rows(const mlx::core::array& x) {
+  return x.ndim() == 0 || x.shape(-1) == 0 ? 0 : static_cast<int>(x.size() / x.shape(-1));
+}
 
 inline constexpr const char* kMmaHeader = R"(
 typedef uint32_t MlxiFrag;  // two 16-bit elements
