@@ -3,15 +3,33 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from mlx_infer.artifacts.default_model import default_model_gguf
 from mlx_infer.artifacts.loader import converted_gguf_dir, is_gguf
 from mlx_infer.bench import make_engine, results_document, write_markdown, write_plot
 from mlx_infer.bench.report import write_json
 from mlx_infer.bench.runner import model_facts
+
+
+@contextlib.contextmanager
+def environment(env: dict[str, str]) -> Iterator[None]:
+    """``env`` set in ``os.environ`` inside the block, the previous values (or their absence) back after it: the
+    A/B of a switch that mlx-infer reads at each trace or engine build."""
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
 
 
 def parser(description: str) -> argparse.ArgumentParser:

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import sys
 import time
@@ -44,6 +43,7 @@ from typing import Any, Callable
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import environment  # noqa: E402
 from gpu_decode import SHAPES, TINY  # noqa: E402
 
 from mlx_infer import _fast  # noqa: E402
@@ -105,17 +105,8 @@ def time_quantized(out: int, inp: int, m: int, iters: int, bits: int, group_size
             return _fast.quantized_linear(x, *q, group_size=group_size, bits=bits)
         return mx.quantized_matmul(x, *q, transpose=True, group_size=group_size, bits=bits)
 
-    if not ours:
+    with environment({"MLX_INFER_QGEMV_ROWS": "64"} if ours else {}):  # read at each call: on for ours only
         return _time(ws, m, inp, iters, fn)
-    before = os.environ.get("MLX_INFER_QGEMV_ROWS")
-    os.environ["MLX_INFER_QGEMV_ROWS"] = "64"  # read at each call: on for these products only
-    try:
-        return _time(ws, m, inp, iters, fn)
-    finally:
-        if before is None:
-            del os.environ["MLX_INFER_QGEMV_ROWS"]
-        else:
-            os.environ["MLX_INFER_QGEMV_ROWS"] = before
 
 
 def _time(ws: list[Any], m: int, inp: int, iters: int, fn: Callable[[mx.array, Any], mx.array]) -> float:

@@ -64,17 +64,17 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import os
 import json
 import statistics
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import mlx.core as mx
 
+from _common import environment  # switches set around a column's engine
 from served_http import OursHTTP, OursHTTPThread, describe  # the HTTP column (its own module: client processes)
 from served_models import model_dir, prompts_for  # the model directory and the prompts
 from served_report import markdown, percentile, plot  # the table, the TTFT percentiles, the PNG
@@ -208,18 +208,8 @@ class _EnvColumn(OursIds):
         with self._env():
             return super().run(streams, prompts, gen)
 
-    @contextlib.contextmanager
-    def _env(self) -> Iterator[None]:
-        old = {k: os.environ.get(k) for k in self.env}
-        os.environ.update(self.env)
-        try:
-            yield
-        finally:
-            for k, v in old.items():
-                if v is None:
-                    del os.environ[k]
-                else:
-                    os.environ[k] = v
+    def _env(self) -> contextlib.AbstractContextManager[None]:
+        return environment(self.env)
 
 
 def env_column(spec: str, name: str | None = None) -> type:
